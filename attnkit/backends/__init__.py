@@ -1,0 +1,78 @@
+"""The backend registry behind ``attnkit.attention``.
+
+A backend is an object with a ``name``, ``not_supported_reasons(request) -> list[str]`` (empty
+when it can serve the request exactly) and ``__call__(request) -> (out, weights | None)``.
+``"auto"`` takes the first backend in :data:`AUTO_ORDER` that can serve a request; forcing a
+backend that cannot raises ``ValueError`` with its reasons, and when none fits, every backend's.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor
+
+from ..request import Request
+
+
+class Backend(Protocol):
+    name: str
+
+    def not_supported_reasons(self, req: Request) -> list[str]: ...
+
+    def __call__(self, req: Request) -> tuple[Tensor, Tensor | None]: ...
+
+
+_REGISTRY: dict[str, Backend] = {}
+#: Preference order for ``backend="auto"``: fused kernels first, the exact reference last.
+AUTO_ORDER: list[str] = []
+
+
+def register(backend: Backend, *, auto_rank: int | None = None) -> Backend:
+    """Add ``backend`` to the registry; ``auto_rank`` places it in :data:`AUTO_ORDER`."""
+    _REGISTRY[backend.name] = backend
+    if auto_rank is not None and backend.name not in AUTO_ORDER:
+        AUTO_ORDER.insert(min(auto_rank, len(AUTO_ORDER)), backend.name)
+    return backend
+
+
+def available() -> list[str]:
+    """Names of the registered backends."""
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Backend:
+    if name not in _REGISTRY:
+        raise ValueError(f"backend must be 'auto' or one of {available()}, got {name!r}")
+    return _REGISTRY[name]
+
+
+def select(req: Request, name: str = "auto") -> Backend:
+    """The backend that will serve ``req``: the named one, or the first fit in AUTO_ORDER."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str, got {type(name).__name__}")
+    if name != "auto":
+        backend = get(name)
+        reasons = backend.not_supported_reasons(req)
+        if reasons:
+            raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(reasons))
+        return backend
+    why = {}
+    for candidate in AUTO_ORDER:
+        reasons = _REGISTRY[candidate].not_supported_reasons(req)
+        if not reasons:
+            return _REGISTRY[candidate]
+        why[candidate] = reasons
+    detail = " | ".join(f"{n}: {'; '.join(r)}" for n, r in why.items())
+    raise ValueError(f"no attention backend can serve this call ({detail})")
+
+
+def _register_builtin() -> None:
+    from .reference import ReferenceBackend
+    from .sdpa import SDPABackend
+
+    register(SDPABackend(), auto_rank=0)
+    register(ReferenceBackend(), auto_rank=99)
+
+
+_register_builtin()

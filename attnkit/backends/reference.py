@@ -1,0 +1,53 @@
+"""The reference backend: the formula written out, exact in any dtype, returns the weights.
+
+``softmax(q @ k^T * scale + bias, masked) @ v`` with every mask materialised. It is always
+registered, serves every request, and is the only backend that returns attention weights.
+Half-precision inputs are computed in float32 and rounded once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..ops import masked_softmax
+from ..request import Request
+
+
+def expand_kv(x: Tensor, heads: int) -> Tensor:
+    """Repeat each of the ``Hkv`` heads of ``x [..., Hkv, L, D]`` ``H // Hkv`` times (GQA)."""
+    groups = heads // x.shape[-3]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
+def apply_score_mod(req: Request, s: Tensor) -> Tensor:
+    """Apply ``req.score_mod`` to scores ``s [B, H, Lq, Lk]`` on the full index grid."""
+    b = torch.arange(s.shape[0], device=s.device).view(-1, 1, 1, 1)
+    h = torch.arange(s.shape[1], device=s.device).view(1, -1, 1, 1)
+    q = torch.arange(s.shape[2], device=s.device).view(1, 1, -1, 1)
+    kv = torch.arange(s.shape[3], device=s.device).view(1, 1, 1, -1)
+    return req.score_mod(s, b, h, q, kv)
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def not_supported_reasons(self, req: Request) -> list[str]:
+        return []
+
+    def __call__(self, req: Request) -> tuple[Tensor, Tensor | None]:
+        dtype = req.query.dtype
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        q = req.query.to(compute)
+        k = expand_kv(req.key, req.heads).to(compute)
+        v = expand_kv(req.value, req.heads).to(compute)
+        s = torch.matmul(q, k.transpose(-2, -1)) * req.scale  # [..., H, Lq, Lk]
+        if req.bias is not None:
+            s = s + req.bias.to(compute)
+        if req.score_mod is not None:
+            s = apply_score_mod(req, s)
+        weights = masked_softmax(s, req.dense_mask())
+        p = F.dropout(weights, req.dropout_p) if req.dropout_p > 0 else weights
+        out = torch.matmul(p, v).to(dtype)  # [..., H, Lq, Ev]
+        return out, (weights.to(dtype) if req.return_weights else None)

@@ -1,0 +1,58 @@
+"""PyTorch's fused ``scaled_dot_product_attention`` behind attnkit's conventions.
+
+What this adapter adds: bottom-right causal alignment when ``Lq != Lk`` (SDPA's ``is_causal``
+is top-left), ``mask`` and ``bias`` together, grouped-query heads, and zeros for entirely masked
+rows on every PyTorch version (such rows are unmasked for the kernel and zeroed afterwards, so
+no NaN can reach the output or the gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import masks
+from ..request import Request
+from .reference import expand_kv
+
+
+class SDPABackend:
+    name = "sdpa"
+
+    def not_supported_reasons(self, req: Request) -> list[str]:
+        reasons = []
+        if req.return_weights:
+            reasons.append("fused SDPA kernels do not return attention weights")
+        if req.window is not None or req.mask_mod is not None:
+            reasons.append("window/mask_mod would have to be materialised as a dense mask")
+        if req.score_mod is not None:
+            reasons.append("score_mod is not expressible in SDPA")
+        if req.kv_len == 0:
+            reasons.append("empty key sequence (Lk = 0)")
+        return reasons
+
+    def __call__(self, req: Request) -> tuple[Tensor, None]:
+        q, k, v = req.query, req.key, req.value
+        if req.heads != req.kv_heads:
+            k, v = expand_kv(k, req.heads), expand_kv(v, req.heads)
+        mask = req.mask
+        is_causal = req.is_causal
+        if is_causal and (mask is not None or req.bias is not None or req.q_len != req.kv_len):
+            causal = masks.causal(req.q_len, req.kv_len, device=q.device)
+            mask = causal if mask is None else mask & causal
+            is_causal = False
+        attn_mask, dead = mask, None
+        if req.bias is not None:
+            bias = req.bias.to(q.dtype)
+            attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+            dead = ~(attn_mask > float("-inf")).any(dim=-1, keepdim=True)
+            attn_mask = attn_mask.masked_fill(dead, 0.0)
+        elif mask is not None:
+            dead = ~mask.any(dim=-1, keepdim=True)
+            attn_mask = mask | dead
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=req.dropout_p,
+                                             is_causal=is_causal, scale=req.scale)
+        if dead is not None:
+            out = out.masked_fill(dead, 0.0)
+        return out, None

@@ -1,0 +1,72 @@
+"""The ``attnkit`` command. Each subcommand lives in its own module here with two functions:
+``add_parser(subparsers)`` and ``run(args) -> int``.
+
+User mistakes (bad arguments, missing files, missing optional packages) print one line on stderr
+and exit non-zero; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: Subcommand modules, in the order ``--help`` lists them.
+COMMANDS = ["demo", "viz", "complexity", "bench"]
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnkit",
+        description="Self-attention that is correct, fast and inspectable.",
+        epilog="Run 'attnkit COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"{__name__}.{name}":  # not written yet
+                continue
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        print("attnkit: interrupted", file=sys.stderr)
+        return 130
+    except (UserError, ValueError, TypeError, OSError, ImportError) as e:
+        if args.debug:
+            raise
+        print(f"attnkit {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return msg if isinstance(e, UserError | ValueError | TypeError) else f"{type(e).__name__}: {msg}"
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return f"attnkit {__version__}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""``attnkit.attention``: the single entry point for the maths."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from . import backends
+from .request import build_request
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    mask_mod=None,
+    score_mod=None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    backend: str = "auto",
+):
+    """Scaled dot-product attention, ``softmax(q k^T * scale + bias) v`` (Vaswani et al. 2017).
+
+    Shape notation: ``...`` batch dims, ``H``/``Hkv`` query/key-value heads (``H % Hkv == 0``
+    gives grouped- and multi-query attention), ``Lq``/``Lk`` lengths, ``E``/``Ev`` head sizes.
+
+    Args:
+        query: ``[..., H, Lq, E]``.
+        key: ``[..., Hkv, Lk, E]``.
+        value: ``[..., Hkv, Lk, Ev]``.
+        mask: bool, ``True`` = may attend, broadcastable to ``[..., H, Lq, Lk]``.
+        bias: float, added to the scaled scores, broadcastable to ``[..., H, Lq, Lk]``.
+        is_causal: look-ahead masking. With ``Lq != Lk`` it is aligned *bottom-right*: query
+            ``i`` sits at position ``Lk - Lq + i`` (a KV cache's layout). PyTorch's SDPA aligns
+            top-left; attnkit converts.
+        window: ``(left, right)``: query at position ``p`` sees keys ``p - left ... p + right``
+            (``None`` = unbounded on that side), aligned like ``is_causal``.
+        mask_mod: ``fn(b, h, q_idx, kv_idx) -> bool``, FlexAttention's signature (4-D inputs).
+        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` applied after scale and bias.
+        scale: defaults to ``1 / sqrt(E)``, which keeps the score variance near 1.
+        dropout_p: dropout on the attention probabilities; ``0`` in evaluation.
+        return_weights: also return the probabilities ``[..., H, Lq, Lk]`` (before dropout).
+        backend: ``"auto"`` or a name from ``attnkit.backends.available()``.
+
+    Returns:
+        ``out [..., H, Lq, Ev]``, or ``(out, weights)`` with ``return_weights=True``. A query row
+        with no key to attend gives zeros (and zero weights and gradients), never NaN.
+
+    Raises:
+        TypeError, ValueError: bad input, naming the argument, what came and what was expected;
+            a forced ``backend`` that cannot serve the call, with its reasons.
+
+    Plain PyTorch, for a reader::
+
+        s = q @ k.transpose(-2, -1) * scale + bias
+        out = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
+    """
+    req = build_request(query, key, value, mask=mask, bias=bias, is_causal=is_causal, window=window,
+                        mask_mod=mask_mod, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
+                        return_weights=return_weights)
+    out, weights = backends.select(req, backend)(req)
+    return (out, weights) if return_weights else out
+
+
+def which_backend(query: Tensor, key: Tensor, value: Tensor, *, backend: str = "auto", **kwargs) -> str:
+    """The name of the backend ``attention`` would run for these arguments (nothing is computed)."""
+    return backends.select(build_request(query, key, value, **kwargs), backend).name

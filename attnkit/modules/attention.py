@@ -1,0 +1,199 @@
+"""Multi-head attention as a module: projections, head reshapes, the core call, output projection."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..functional import attention
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head self- or cross-attention, batch-first (``[B, L, E]`` in and out).
+
+    Heads are split with reshapes, not separate tensors (``[B, L, H*D] -> [B, H, L, D]``), as in
+    BERT and the seeds. Query/key and value head sizes may differ (``head_dim`` /
+    ``v_head_dim``), keys and values may have fewer heads than queries (``num_kv_heads``: GQA,
+    MQA), and ``share_kv=True`` uses one projection for K and V. Weights get Xavier (Glorot)
+    normal initialisation and biases zeros.
+
+    Args:
+        embed_dim: query input size, and output size.
+        num_heads: query heads ``H``.
+        kdim, vdim: key and value input sizes (default ``embed_dim``) for cross-attention.
+        num_kv_heads: key/value heads ``Hkv``, a divisor of ``num_heads`` (default ``num_heads``).
+        head_dim: q/k size per head (default ``embed_dim // num_heads``).
+        v_head_dim: value size per head (default ``head_dim``).
+        bias: biases in the four projections.
+        dropout: dropout probability on the attention weights while training.
+        share_kv: one projection for keys and values (needs ``kdim == vdim``, equal head sizes).
+        backend: attention backend name, ``"auto"`` by default.
+
+    Raises:
+        ValueError: sizes that do not fit together, naming them.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        share_kv: bool = False,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}), "
+                                 "or give head_dim")
+            head_dim = embed_dim // num_heads
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        kdim = embed_dim if kdim is None else kdim
+        vdim = embed_dim if vdim is None else vdim
+        for name, val in (("head_dim", head_dim), ("v_head_dim", v_head_dim), ("kdim", kdim), ("vdim", vdim)):
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if share_kv and (kdim != vdim or head_dim != v_head_dim):
+            raise ValueError(f"share_kv needs kdim == vdim and head_dim == v_head_dim, got kdim={kdim}, "
+                             f"vdim={vdim}, head_dim={head_dim}, v_head_dim={v_head_dim}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+
+        self.embed_dim, self.kdim, self.vdim = embed_dim, kdim, vdim
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.v_head_dim = head_dim, v_head_dim
+        self.dropout, self.share_kv, self.backend = dropout, share_kv, backend
+        fk = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **fk)
+        self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=bias, **fk)
+        self.v_proj = None if share_kv else nn.Linear(vdim, num_kv_heads * v_head_dim, bias=bias, **fk)
+        self.out_proj = nn.Linear(num_heads * v_head_dim, embed_dim, bias=bias, **fk)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if lin is None:
+                continue
+            nn.init.xavier_normal_(lin.weight)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def project_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Project and split heads: ``[B, L, E] -> [B, H, L, D]`` for q, and ``Hkv`` heads for k, v."""
+        v_proj = self.k_proj if self.share_kv else self.v_proj
+        q = _split_heads(self.q_proj(query), self.num_heads)  # (B, H, Lq, D)
+        k = _split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, Lk, D)
+        v = _split_heads(v_proj(value), self.num_kv_heads)  # (B, Hkv, Lk, Dv)
+        return q, k, v
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        bias: Tensor | None = None,
+        is_causal: bool = False,
+        window=None,
+        mask_mod=None,
+        score_mod=None,
+        need_weights: bool = False,
+    ):
+        """Attend ``query`` to ``key``/``value`` (self-attention when ``key`` is omitted).
+
+        Args:
+            query: ``[B, Lq, embed_dim]``.
+            key: ``[B, Lk, kdim]``; defaults to ``query``.
+            value: ``[B, Lk, vdim]``; defaults to ``key``.
+            mask: bool, ``True`` = may attend: ``[Lq, Lk]``, ``[B, Lq, Lk]`` or ``[B, H, Lq, Lk]``.
+            key_mask: ``[B, Lk]`` bool, ``True`` = a real token (not padding).
+            bias: float added to the scores, same shapes as ``mask``.
+            is_causal, window, mask_mod, score_mod: as in :func:`attnkit.attention`.
+            need_weights: also return per-head weights ``[B, H, Lq, Lk]``.
+
+        Returns:
+            ``out [B, Lq, embed_dim]``, or ``(out, weights)``.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        for name, t, dim in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+            if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != dim:
+                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be [B, L, {dim}], got {got}")
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
+            raise ValueError(f"query, key and value must share B, and key/value share L: got query "
+                             f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+        mask = _per_head(mask, "mask")
+        bias = _per_head(bias, "bias")
+        if key_mask is not None:
+            if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or \
+                    tuple(key_mask.shape) != (key.shape[0], key.shape[1]):
+                raise ValueError(f"key_mask must be a bool [B, Lk] = {(key.shape[0], key.shape[1])} tensor, "
+                                 f"True = real token; got {_describe(key_mask)}")
+            km = key_mask[:, None, None, :]
+            mask = km if mask is None else mask & km
+        q, k, v = self.project_qkv(query, key, value)
+        res = attention(q, k, v, mask=mask, bias=bias, is_causal=is_causal, window=window,
+                        mask_mod=mask_mod, score_mod=score_mod,
+                        dropout_p=self.dropout if self.training else 0.0,
+                        return_weights=need_weights, backend=self.backend)
+        out, weights = res if need_weights else (res, None)
+        out = self.out_proj(_merge_heads(out))  # (B, Lq, embed_dim)
+        return (out, weights) if need_weights else out
+
+    # ---------------------------------------------------------------- torch.nn interop
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+        """Copy a ``torch.nn.MultiheadAttention`` (same outputs and per-head weights)."""
+        from .interop import from_torch_mha
+
+        return from_torch_mha(cls, m)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """An equivalent ``torch.nn.MultiheadAttention(batch_first=True)``, where one exists."""
+        from .interop import to_torch_mha
+
+        return to_torch_mha(self)
+
+
+def _split_heads(x: Tensor, heads: int) -> Tensor:
+    b, n, _ = x.shape
+    return x.view(b, n, heads, -1).transpose(1, 2)  # (B, L, H*D) -> (B, H, L, D)
+
+
+def _merge_heads(x: Tensor) -> Tensor:
+    b, h, n, d = x.shape
+    return x.transpose(1, 2).reshape(b, n, h * d)  # (B, H, L, D) -> (B, L, H*D)
+
+
+def _per_head(t: Tensor | None, name: str) -> Tensor | None:
+    """Module masks come as ``[Lq, Lk]``, ``[B, Lq, Lk]`` or ``[B, H, Lq, Lk]``; make them 4-D."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor) or t.dim() not in (2, 3, 4):
+        raise ValueError(f"{name} must be [Lq, Lk], [B, Lq, Lk] or [B, H, Lq, Lk], got {_describe(t)}")
+    return t.unsqueeze(1) if t.dim() == 3 else t
+
+
+def _describe(x) -> str:
+    if isinstance(x, Tensor):
+        return f"shape {tuple(x.shape)} dtype {x.dtype}"
+    return type(x).__name__

@@ -1,0 +1,204 @@
+"""The validated description of one attention call, shared by every backend.
+
+``attnkit.attention`` checks its arguments once, here, and hands backends a :class:`Request`;
+backends never re-validate user input. Shape notation (used throughout attnkit):
+
+* ``...``  batch dimensions (any number, equal for query, key and value)
+* ``H``    query heads; ``Hkv`` key/value heads (``H % Hkv == 0``: grouped-query attention)
+* ``Lq``, ``Lk``  query and key lengths; ``E`` q/k head size; ``Ev`` value head size
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import masks as _masks
+
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+Window = tuple[int | None, int | None]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One attention call, validated. See the module docstring for the shape notation."""
+
+    query: Tensor  # [..., H, Lq, E]
+    key: Tensor  # [..., Hkv, Lk, E]
+    value: Tensor  # [..., Hkv, Lk, Ev]
+    mask: Tensor | None  # bool, broadcastable to [..., H, Lq, Lk]
+    bias: Tensor | None  # float, broadcastable to [..., H, Lq, Lk]
+    is_causal: bool
+    window: Window | None
+    mask_mod: _masks.MaskMod | None
+    score_mod: ScoreMod | None
+    scale: float
+    dropout_p: float
+    return_weights: bool
+
+    @property
+    def heads(self) -> int:
+        return self.query.shape[-3]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.key.shape[-3]
+
+    @property
+    def q_len(self) -> int:
+        return self.query.shape[-2]
+
+    @property
+    def kv_len(self) -> int:
+        return self.key.shape[-2]
+
+    @property
+    def offset(self) -> int:
+        """Absolute position of query 0: ``Lk - Lq`` (bottom-right alignment)."""
+        return self.kv_len - self.q_len
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        return self.query.shape[:-3]
+
+    @property
+    def scores_shape(self) -> torch.Size:
+        return self.batch_shape + (self.heads, self.q_len, self.kv_len)
+
+    @property
+    def structured(self) -> bool:
+        """True when the call has masking or scoring beyond dense tensors and plain causal."""
+        return self.window is not None or self.mask_mod is not None or self.score_mod is not None
+
+    def structured_mask_mod(self) -> _masks.MaskMod | None:
+        """``is_causal``, ``window`` and ``mask_mod`` as one predicate (``None`` if none is set)."""
+        mods = []
+        if self.is_causal:
+            mods.append(_masks.causal_mod(self.offset))
+        if self.window is not None:
+            mods.append(_masks.window_mod(*self.window, offset=self.offset))
+        if self.mask_mod is not None:
+            mods.append(self.mask_mod)
+        if not mods:
+            return None
+        return mods[0] if len(mods) == 1 else _masks.and_masks(*mods)
+
+    def dense_mask(self) -> Tensor | None:
+        """Everything that masks, materialised: bool broadcastable to ``[..., H, Lq, Lk]``."""
+        out = self.mask
+        mod = self.structured_mask_mod()
+        if mod is not None:
+            batch = self.query.shape[0] if self.query.dim() == 4 else 1
+            grid = _masks.materialize(mod, batch, self.heads, self.q_len, self.kv_len,
+                                      device=self.query.device)
+            if self.query.dim() != 4:  # predicates without b/h use: drop the leading grid dims
+                grid = grid.reshape(grid.shape[-2:])
+            out = grid if out is None else out & grid
+        return out
+
+
+def build_request(
+    query,
+    key,
+    value,
+    *,
+    mask=None,
+    bias=None,
+    is_causal=False,
+    window=None,
+    mask_mod=None,
+    score_mod=None,
+    scale=None,
+    dropout_p=0.0,
+    return_weights=False,
+) -> Request:
+    """Check every argument of ``attnkit.attention`` and return a :class:`Request`.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype.
+        ValueError: a shape, size or value outside what is expected; the message names the
+            argument, what came and what was expected.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dim() < 3:
+            raise ValueError(f"{name} must have shape [..., heads, length, dim] (at least 3-D), "
+                             f"got shape {tuple(t.shape)}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} does not match query dtype {query.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+        if t.shape[:-3] != query.shape[:-3]:
+            raise ValueError(f"{name} batch dims {tuple(t.shape[:-3])} must equal query batch dims "
+                             f"{tuple(query.shape[:-3])}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"key head size {key.shape[-1]} must equal query head size {query.shape[-1]} "
+                         f"(query {tuple(query.shape)}, key {tuple(key.shape)})")
+    if value.shape[-3] != key.shape[-3] or value.shape[-2] != key.shape[-2]:
+        raise ValueError(f"value must have the same heads and length as key: key {tuple(key.shape)}, "
+                         f"value {tuple(value.shape)} (expected [..., {key.shape[-3]}, {key.shape[-2]}, Ev])")
+    h, hkv = query.shape[-3], key.shape[-3]
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
+
+    target = query.shape[:-3] + (h, query.shape[-2], key.shape[-2])
+    if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"mask must be a bool tensor or None, got {type(mask).__name__}")
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}; "
+                            "pass additive float terms as bias=")
+        _check_broadcast("mask", mask, target, query.device)
+    if bias is not None:
+        if not isinstance(bias, Tensor):
+            raise TypeError(f"bias must be a floating-point tensor or None, got {type(bias).__name__}")
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be a floating-point tensor, got dtype {bias.dtype}; "
+                            "pass boolean masks as mask=")
+        _check_broadcast("bias", bias, target, query.device)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if window is not None:
+        if not (isinstance(window, tuple | list) and len(window) == 2):
+            raise ValueError(f"window must be a (left, right) pair, got {window!r}")
+        for side, n in zip(("left", "right"), window, strict=True):
+            _masks._check_window_side(side, n)
+        window = (window[0], window[1])
+    for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        if fn is not None:
+            if not callable(fn):
+                raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+            if query.dim() != 4:
+                raise ValueError(f"{name} needs 4-D inputs [B, H, L, E], got query shape {tuple(query.shape)}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
+    elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if not isinstance(return_weights, bool):
+        raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
+    return Request(query, key, value, mask, bias, is_causal, window, mask_mod, score_mod,
+                   float(scale), float(dropout_p), return_weights)
+
+
+def _check_broadcast(name: str, t: Tensor, target: torch.Size, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but query is on {device}")
+    ok = t.dim() <= len(target)
+    if ok:
+        try:
+            ok = torch.broadcast_shapes(t.shape, target) == target
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(f"{name} of shape {tuple(t.shape)} is not broadcastable to "
+                         f"[..., H, Lq, Lk] = {tuple(target)}")
