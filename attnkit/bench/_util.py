@@ -1,0 +1,69 @@
+"""Shared measuring tools for the benchmark suites: timing, anchors, peak memory, tables."""
+
+from __future__ import annotations
+
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+
+def median_time(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int = 5) -> float:
+    """This machine's measured dense matmul throughput (GFLOP/s): the physical anchor."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    t = median_time(lambda: a @ b, repeat=repeat, warmup=2)
+    return 2 * n**3 / t / 1e9
+
+
+def attention_flops(q_len: int, kv_len: int, head_dim: int, heads: int, batch: int = 1,
+                    density: float = 1.0, backward: bool = False) -> float:
+    """Forward FLOPs ``4 * Lq * Lk * D * H * B * density``; backward counts 2.5x the forward."""
+    f = 4.0 * q_len * kv_len * head_dim * heads * batch * density
+    return f * 3.5 if backward else f
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def machine_line() -> str:
+    return (f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+            f"python {platform.python_version()}")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(x: object) -> str:
+        if isinstance(x, float):
+            return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+        return str(x)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_report(out_dir: Path, suite: str, title: str, body: str, command: str) -> str:
+    """Write ``out_dir/<suite>.md`` with a header naming the machine and the command; return it."""
+    text = (f"# {title}\n\nMeasured on {machine_line()}, {time.strftime('%Y-%m-%d')}.\n"
+            f"Command: `{command}`\n\n{body}\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{suite}.md").write_text(text)
+    return text

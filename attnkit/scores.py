@@ -1,0 +1,90 @@
+"""score_mod helpers: functions ``fn(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's form).
+
+They close over tensors (slopes, tables), which may be ``nn.Parameter``s: backends propagate
+gradients into what a score_mod captures. Positions: query ``i`` sits at ``i + offset``; pass
+``offset = Lk - Lq`` for bottom-right alignment (decoding with a KV cache).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .request import ScoreMod
+
+__all__ = ["alibi_slopes", "alibi", "relative_position_bias", "softcap", "compose"]
+
+
+def alibi_slopes(num_heads: int, *, device=None, dtype=torch.float32) -> Tensor:
+    """ALiBi head slopes (Press et al. 2022): ``2^(-8/n), 2^(-16/n), ...`` for ``n`` heads.
+
+    For a head count that is not a power of two, the paper takes the slopes of the nearest lower
+    power of two ``m`` and fills up with every other slope of ``2m``.
+    """
+    if not isinstance(num_heads, int) or num_heads <= 0:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+
+    def pow2(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    m = 2 ** math.floor(math.log2(num_heads))
+    slopes = pow2(m) + pow2(2 * m)[0::2][: num_heads - m]
+    return torch.tensor(slopes, device=device, dtype=dtype)
+
+
+def alibi(slopes: Tensor, *, offset: int = 0) -> ScoreMod:
+    """ALiBi: ``score - slopes[h] * |q_pos - kv_pos|``.
+
+    With a causal mask this is the paper's ``-m * (i - j)``; without one it is the symmetric
+    variant used for encoders.
+    """
+
+    def mod(score, b, h, q_idx, kv_idx):
+        dist = (q_idx + offset - kv_idx).abs()
+        return score - slopes[h] * dist
+
+    return mod
+
+
+def relative_position_bias(table: Tensor, max_distance: int, *, offset: int = 0) -> ScoreMod:
+    """A learned bias per head and clipped relative distance (Shaw et al. 2018, as a bias).
+
+    Args:
+        table: ``[H, 2 * max_distance + 1]``; column ``max_distance + d`` is the bias for a key
+            ``d`` positions after the query (``d`` clipped to ``[-max_distance, max_distance]``).
+        max_distance: the clipping distance.
+    """
+    if table.dim() != 2 or table.shape[1] != 2 * max_distance + 1:
+        raise ValueError(f"table must be [H, 2 * max_distance + 1] = [H, {2 * max_distance + 1}], "
+                         f"got {tuple(table.shape)}")
+
+    def mod(score, b, h, q_idx, kv_idx):
+        d = (kv_idx - (q_idx + offset)).clamp(-max_distance, max_distance) + max_distance
+        return score + table[h, d]
+
+    return mod
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Tanh soft-capping, ``cap * tanh(score / cap)`` (Gemma 2, Grok): bounds every logit."""
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap!r}")
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return mod
+
+
+def compose(*mods: ScoreMod) -> ScoreMod:
+    """Apply score_mods left to right."""
+
+    def mod(score, b, h, q_idx, kv_idx):
+        for m in mods:
+            score = m(score, b, h, q_idx, kv_idx)
+        return score
+
+    return mod
