@@ -1,0 +1,94 @@
+"""Mask builders against first-principles loops, their docstring pictures, and the converters."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+
+from attnkit import masks
+
+from . import oracle
+
+
+def picture(fn) -> torch.Tensor:
+    """Parse the ASCII picture in a builder's docstring ('x' = may attend, '.' = masked)."""
+    rows = [line.split()[1:] for line in inspect.getdoc(fn).splitlines()
+            if re.match(r"\s*(q\d+|b\d+)\s+[x.](\s+[x.])*\s*$", line)]
+    assert rows, f"no picture in {fn.__name__}'s docstring"
+    return torch.tensor([[c == "x" for c in r] for r in rows])
+
+
+def test_docstring_pictures_are_what_the_builders_build():
+    assert torch.equal(picture(masks.causal), masks.causal(3, 5))
+    assert torch.equal(picture(masks.sliding_window), masks.sliding_window(5, left=1, right=1))
+    assert torch.equal(picture(masks.prefix_lm), masks.prefix_lm(4, 2))
+    assert torch.equal(picture(masks.padding), masks.padding([3, 1], 4)[:, 0, 0])
+    assert torch.equal(picture(masks.document), masks.document(torch.tensor([0, 0, 1, 1, 1])))
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (4, 4), (3, 7), (7, 3), (5, 9)])
+def test_causal_and_window_match_loops(lq, lk):
+    assert torch.equal(masks.causal(lq, lk), oracle.allowed_grid(1, 1, lq, lk, is_causal=True)[0, 0])
+    for left, right in [(0, 0), (1, 0), (2, 3), (None, 1), (4, None), (100, 100)]:
+        expected = oracle.allowed_grid(1, 1, lq, lk, window=(left, right))[0, 0]
+        assert torch.equal(masks.sliding_window(lq, lk, left=left, right=right), expected), (left, right)
+
+
+def test_causal_top_left_offset_matches_pytorch_convention():
+    assert torch.equal(masks.causal(3, 5, offset=0), torch.ones(3, 5, dtype=torch.bool).tril())
+
+
+def test_window_none_zero_is_causal():
+    assert torch.equal(masks.sliding_window(6, left=None, right=0), masks.causal(6))
+
+
+def test_block_diagonal_and_document():
+    m = masks.block_diagonal([2, 3, 1])
+    assert m.shape == (6, 6)
+    expected = torch.zeros(6, 6, dtype=torch.bool)
+    expected[:2, :2] = expected[2:5, 2:5] = expected[5:, 5:] = True
+    assert torch.equal(m, expected)
+    ids = torch.tensor([[0, 0, 1], [0, 1, 1]])
+    assert masks.document(ids).shape == (2, 1, 3, 3)
+    assert torch.equal(masks.document(ids)[1, 0], masks.block_diagonal([1, 2]))
+
+
+def test_predicates_and_combinators_equal_dense_builders():
+    both = masks.and_masks(masks.causal_mod(0), masks.padding_mod(torch.tensor([4, 2])))
+    grid = masks.materialize(both, 2, 1, 5, 5)
+    assert torch.equal(grid, masks.causal(5) & masks.padding([4, 2], 5))
+    either = masks.or_masks(masks.causal_mod(0), masks.window_mod(0, 1))
+    assert torch.equal(masks.materialize(either, 1, 1, 4, 4)[0, 0],
+                       masks.causal(4) | masks.sliding_window(4, left=0, right=1))
+    pre = masks.materialize(masks.prefix_lm_mod(torch.tensor([1, 3])), 2, 1, 4, 4)
+    assert torch.equal(pre[1, 0], masks.prefix_lm(4, 3)) and torch.equal(pre[0, 0], masks.prefix_lm(4, 1))
+    doc = masks.materialize(masks.document_mod(torch.tensor([0, 1, 1])), 1, 1, 3, 3)[0, 0]
+    assert torch.equal(doc, masks.document(torch.tensor([0, 1, 1])))
+
+
+def test_converters_flip_other_libraries_conventions():
+    kpm = torch.tensor([[False, False, True], [False, True, True]])  # PyTorch: True = ignore
+    assert torch.equal(masks.from_key_padding_mask(kpm)[:, 0, 0], ~kpm)
+    additive = torch.tensor([[0.0, float("-inf"), 0.0]])
+    assert masks.from_key_padding_mask(additive)[0, 0, 0].tolist() == [True, False, True]
+    hf = torch.tensor([[1, 1, 0]])  # HF: 1 = real token
+    assert masks.from_hf_attention_mask(hf)[0, 0, 0].tolist() == [True, True, False]
+    assert masks.padding([2], 3).tolist() == masks.from_hf_attention_mask(hf).tolist()
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: masks.causal(-1), ValueError, "q_len"),
+    (lambda: masks.sliding_window(4, left=-2), ValueError, "window left"),
+    (lambda: masks.padding([3, 5], 4), ValueError, "max_len"),
+    (lambda: masks.padding([1.5]), ValueError, "lengths"),
+    (lambda: masks.from_key_padding_mask(torch.zeros(3, dtype=torch.bool)), ValueError, "key_padding_mask"),
+    (lambda: masks.from_key_padding_mask(torch.zeros(2, 3, dtype=torch.int64)), TypeError, "key_padding_mask"),
+    (lambda: masks.materialize(lambda b, h, q, kv: q - kv, 1, 1, 2, 2), TypeError, "bool"),
+    (lambda: masks.and_masks(), ValueError, "at least one"),
+])
+def test_bad_input_is_named(call, exc, words):
+    with pytest.raises(exc, match=words):
+        call()
