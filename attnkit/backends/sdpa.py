@@ -8,7 +8,6 @@ no NaN can reach the output or the gradient).
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
