@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
 from ..functional import attention
+from ..scores import compose
+
+if TYPE_CHECKING:
+    from ..cache import KVCache
 
 
 class MultiHeadAttention(nn.Module):
@@ -16,6 +22,12 @@ class MultiHeadAttention(nn.Module):
     ``v_head_dim``), keys and values may have fewer heads than queries (``num_kv_heads``: GQA,
     MQA), and ``share_kv=True`` uses one projection for K and V. Weights get Xavier (Glorot)
     normal initialisation and biases zeros.
+
+    Positions enter in one of two roles (see :mod:`attnkit.positional`): ``rotary`` transforms
+    queries and keys after projection (RoPE), ``position_bias`` adds to the scores through a
+    score_mod (ALiBi, T5 buckets, Shaw relative keys). Query ``i`` sits at absolute position
+    ``Lk - Lq + i`` and key ``j`` at ``j`` (bottom-right alignment, like ``is_causal``); with a
+    :class:`~attnkit.cache.KVCache` the new tokens sit at ``cache.seq_len ...``.
 
     Args:
         embed_dim: query input size, and output size.
@@ -28,6 +40,12 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout probability on the attention weights while training.
         share_kv: one projection for keys and values (needs ``kdim == vdim``, equal head sizes).
         backend: attention backend name, ``"auto"`` by default.
+        scale: score scale, default ``1 / sqrt(head_dim)`` (T5 uses ``1.0``).
+        rotary: a q/k transform ``rotary(x [B, H, L, D], start) -> x`` rotating positions
+            ``start ... start + L - 1``, e.g. :class:`attnkit.positional.RotaryEmbedding`.
+        position_bias: an object with ``score_mod(q, k, *, offset) -> score_mod``, e.g.
+            :class:`attnkit.positional.ALiBi`, ``T5RelativeBias``, ``RelativeKeyEmbedding``; it
+            is registered as a submodule when it is an ``nn.Module`` (learned tables train).
 
     Raises:
         ValueError: sizes that do not fit together, naming them.
@@ -47,6 +65,9 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         share_kv: bool = False,
         backend: str = "auto",
+        scale: float | None = None,
+        rotary=None,
+        position_bias=None,
         device=None,
         dtype=None,
     ) -> None:
@@ -73,11 +94,17 @@ class MultiHeadAttention(nn.Module):
                              f"vdim={vdim}, head_dim={head_dim}, v_head_dim={v_head_dim}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if rotary is not None and not callable(rotary):
+            raise TypeError(f"rotary must be callable as rotary(x, start), got {type(rotary).__name__}")
+        if position_bias is not None and not callable(getattr(position_bias, "score_mod", None)):
+            raise TypeError(f"position_bias must have a score_mod(q, k, *, offset) method, "
+                            f"got {type(position_bias).__name__}")
 
         self.embed_dim, self.kdim, self.vdim = embed_dim, kdim, vdim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.v_head_dim = head_dim, v_head_dim
-        self.dropout, self.share_kv, self.backend = dropout, share_kv, backend
+        self.dropout, self.share_kv, self.backend, self.scale = dropout, share_kv, backend, scale
+        self.rotary, self.position_bias = rotary, position_bias
         fk = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **fk)
         self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=bias, **fk)
@@ -115,8 +142,14 @@ class MultiHeadAttention(nn.Module):
         mask_mod=None,
         score_mod=None,
         need_weights: bool = False,
+        cache: KVCache | None = None,
     ):
         """Attend ``query`` to ``key``/``value`` (self-attention when ``key`` is omitted).
+
+        With ``cache`` (self-attention only) the new tokens' keys and values are appended to the
+        cache and the queries attend to everything cached; masks then cover ``Lk = cache.seq_len``
+        after the update, and ``is_causal`` aligns bottom-right so decoding one token at a time
+        gives the rows of the full forward pass.
 
         Args:
             query: ``[B, Lq, embed_dim]``.
@@ -127,31 +160,45 @@ class MultiHeadAttention(nn.Module):
             bias: float added to the scores, same shapes as ``mask``.
             is_causal, window, mask_mod, score_mod: as in :func:`attnkit.attention`.
             need_weights: also return per-head weights ``[B, H, Lq, Lk]``.
+            cache: a :class:`~attnkit.cache.KVCache` sized for ``B``, ``num_kv_heads``, ``head_dim``.
 
         Returns:
             ``out [B, Lq, embed_dim]``, or ``(out, weights)``.
         """
+        if cache is not None and (key is not None or value is not None):
+            raise ValueError("cache= is for self-attention: pass only query (the new tokens), not key/value")
         key = query if key is None else key
         value = key if value is None else value
-        for name, t, dim in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+        for name, t, dim in (("query", query, self.embed_dim), ("key", key, self.kdim),
+                             ("value", value, self.vdim)):
             if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != dim:
                 got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
                 raise ValueError(f"{name} must be [B, L, {dim}], got {got}")
         if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
             raise ValueError(f"query, key and value must share B, and key/value share L: got query "
                              f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+        start = 0 if cache is None else cache.seq_len  # absolute position of the first new key
+        kv_len = start + key.shape[1]
         mask = _per_head(mask, "mask")
         bias = _per_head(bias, "bias")
         if key_mask is not None:
             if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or \
-                    tuple(key_mask.shape) != (key.shape[0], key.shape[1]):
-                raise ValueError(f"key_mask must be a bool [B, Lk] = {(key.shape[0], key.shape[1])} tensor, "
+                    tuple(key_mask.shape) != (key.shape[0], kv_len):
+                raise ValueError(f"key_mask must be a bool [B, Lk] = {(key.shape[0], kv_len)} tensor, "
                                  f"True = real token; got {_describe(key_mask)}")
             km = key_mask[:, None, None, :]
             mask = km if mask is None else mask & km
         q, k, v = self.project_qkv(query, key, value)
+        if self.rotary is not None:
+            q = self.rotary(q, kv_len - q.shape[-2])  # bottom-right: query i at Lk - Lq + i
+            k = self.rotary(k, start)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, Hkv, Lk, D): everything cached so far
+        if self.position_bias is not None:
+            pos_mod = self.position_bias.score_mod(q, k, offset=kv_len - q.shape[-2])
+            score_mod = pos_mod if score_mod is None else compose(pos_mod, score_mod)
         res = attention(q, k, v, mask=mask, bias=bias, is_causal=is_causal, window=window,
-                        mask_mod=mask_mod, score_mod=score_mod,
+                        mask_mod=mask_mod, score_mod=score_mod, scale=self.scale,
                         dropout_p=self.dropout if self.training else 0.0,
                         return_weights=need_weights, backend=self.backend)
         out, weights = res if need_weights else (res, None)
@@ -169,6 +216,8 @@ class MultiHeadAttention(nn.Module):
 
     def to_torch(self) -> nn.MultiheadAttention:
         """An equivalent ``torch.nn.MultiheadAttention(batch_first=True)``, where one exists."""
+        if self.rotary is not None or self.position_bias is not None or self.scale is not None:
+            raise ValueError("to_torch: torch.nn.MultiheadAttention has no rotary=, position_bias= or scale=")
         from .interop import to_torch_mha
 
         return to_torch_mha(self)

@@ -1,0 +1,114 @@
+"""The static KV cache, and cached decoding through MultiHeadAttention equal to the full forward."""
+
+import pytest
+import torch
+
+from attnkit.cache import KVCache
+from attnkit.modules import MultiHeadAttention
+from attnkit.positional import ALiBi, RelativeKeyEmbedding, RotaryEmbedding, T5RelativeBias
+from tests.tolerances import close
+
+
+def test_update_writes_in_place_and_returns_prefix_views():
+    c = KVCache(2, 6, 3, 4, v_head_dim=5)
+    k_buf, v_buf = c.k.data_ptr(), c.v.data_ptr()
+    k1, v1 = torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2, 5)
+    k, v = c.update(k1, v1)
+    assert (k.shape, v.shape) == ((2, 3, 2, 4), (2, 3, 2, 5))
+    assert c.seq_len == 2 and int(c.cache_pos) == 2 and c.cache_pos.dim() == 0
+    k2, v2 = torch.randn(2, 3, 3, 4), torch.randn(2, 3, 3, 5)
+    k, v = c.update(k2, v2)
+    assert c.seq_len == 5 and int(c.cache_pos) == 5
+    assert torch.equal(k, torch.cat([k1, k2], dim=2)) and torch.equal(v, torch.cat([v1, v2], dim=2))
+    # Static: same storage, and the returned tensors are views of it (no reallocation per token).
+    assert c.k.data_ptr() == k_buf and c.v.data_ptr() == v_buf and k.data_ptr() == k_buf
+    c.reset()
+    assert c.seq_len == 0 and int(c.cache_pos) == 0
+    k, _ = c.update(k2, v2)
+    assert torch.equal(k, k2)
+
+
+def test_overflow_and_bad_shapes_raise_naming_sizes():
+    c = KVCache(1, 4, 2, 8)
+    c.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    with pytest.raises(ValueError, match=r"3 cached \+ 2 new tokens > max_len 4"):
+        c.update(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))
+    assert c.seq_len == 3  # a refused update changes nothing
+    with pytest.raises(ValueError, match=r"k must be \[B, Hkv, L, D\] = \[1, 2, L, 8\], got \(1, 3, 1, 8\)"):
+        c.update(torch.zeros(1, 3, 1, 8), torch.zeros(1, 3, 1, 8))
+    with pytest.raises(TypeError, match="dtype"):
+        c.update(torch.zeros(1, 2, 1, 8, dtype=torch.float64), torch.zeros(1, 2, 1, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="max_len must be a positive int"):
+        KVCache(1, 0, 2, 8)
+
+
+def test_cache_is_not_in_state_dict_and_moves_with_to():
+    c = KVCache(1, 4, 2, 8)
+    assert c.state_dict() == {}
+    c = c.to(torch.float64)
+    assert c.k.dtype == torch.float64 and c.cache_pos.dtype == torch.long
+
+
+def _decode_in_chunks(mha, x, chunks, cache, **kw):
+    outs, start = [], 0
+    for n in chunks:
+        outs.append(mha(x[:, start:start + n], cache=cache, **kw))
+        start += n
+    return torch.cat(outs, dim=1)
+
+
+POSITIONS = {
+    "none": lambda h, d: {},
+    "rope_half": lambda h, d: {"rotary": RotaryEmbedding(d)},
+    "rope_interleaved": lambda h, d: {"rotary": RotaryEmbedding(d, interleaved=True)},
+    "alibi": lambda h, d: {"position_bias": ALiBi(h)},
+    "t5_causal": lambda h, d: {"position_bias": T5RelativeBias(h, num_buckets=8, max_distance=16,
+                                                               bidirectional=False)},
+    "relative_key": lambda h, d: {"position_bias": RelativeKeyEmbedding(3, d)},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(POSITIONS))
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_cached_decoding_equals_full_forward(kind, num_kv_heads):
+    torch.manual_seed(0)
+    b, length, e, h = 2, 9, 32, 4
+    d = e // h
+    mha = MultiHeadAttention(e, h, num_kv_heads=num_kv_heads, **POSITIONS[kind](h, d)).double().eval()
+    if kind.startswith("t5"):
+        torch.nn.init.normal_(mha.position_bias.relative_attention_bias.weight)
+    if kind == "relative_key":
+        torch.nn.init.normal_(mha.position_bias.distance_embedding.weight)
+    x = torch.randn(b, length, e, dtype=torch.float64)
+    full = mha(x, is_causal=True)
+    cache = KVCache(b, 16, num_kv_heads, d, dtype=torch.float64)
+    # A prompt of 4, then single tokens, then a chunk of 2 (Lq != Lk, bottom-right causal).
+    inc = _decode_in_chunks(mha, x, [4, 1, 1, 2, 1], cache, is_causal=True)
+    close(inc, full)
+    assert cache.seq_len == length
+
+
+def test_cached_decoding_with_key_mask_and_padding():
+    torch.manual_seed(1)
+    b, length, e, h = 2, 6, 16, 2
+    mha = MultiHeadAttention(e, h, rotary=RotaryEmbedding(8)).double().eval()
+    x = torch.randn(b, length, e, dtype=torch.float64)
+    key_mask = torch.ones(b, length, dtype=torch.bool)
+    key_mask[1, :2] = False  # left padding in the second row
+    full = mha(x, is_causal=True, key_mask=key_mask)
+    cache = KVCache(b, length, h, 8, dtype=torch.float64)
+    outs = [mha(x[:, :3], cache=cache, is_causal=True, key_mask=key_mask[:, :3])]
+    for t in range(3, length):
+        outs.append(mha(x[:, t:t + 1], cache=cache, is_causal=True, key_mask=key_mask[:, :t + 1]))
+    close(torch.cat(outs, 1)[1, 2:], full[1, 2:])
+    close(torch.cat(outs, 1)[0], full[0])
+
+
+def test_cache_rejects_cross_attention_and_wrong_key_mask():
+    mha = MultiHeadAttention(8, 2)
+    cache = KVCache(1, 4, 2, 4)
+    x = torch.randn(1, 2, 8)
+    with pytest.raises(ValueError, match="self-attention"):
+        mha(x, x, cache=cache)
+    with pytest.raises(ValueError, match=r"key_mask must be a bool \[B, Lk\] = \(1, 2\)"):
+        mha(x, cache=cache, key_mask=torch.ones(1, 3, dtype=torch.bool))
