@@ -24,6 +24,22 @@ def median_time(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1) -
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeat: int = 7,
+                        warmup: int = 1) -> dict[str, float]:
+    """Median wall time of each function, measured round-robin so that drift on a shared
+    machine (other processes, frequency changes) hits every candidate alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def matmul_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int = 5) -> float:
     """This machine's measured dense matmul throughput (GFLOP/s): the physical anchor."""
     a = torch.randn(n, n, dtype=dtype)
