@@ -1,0 +1,321 @@
+"""Ring attention: exact attention over a sequence sharded across the ranks of a process group.
+
+Each rank holds a shard of the queries and of the keys/values (see :mod:`.shard` for the
+layouts). The key/value blocks travel once around the ring; each rank attends its queries to the
+block it holds with :func:`attnkit.ops.tiles.tile_forward` while the next block is already in
+flight, and merges the partial results through their log-sum-exp (Liu, Zaharia & Abbeel 2023,
+"Ring Attention with Blockwise Transformers"; the per-tile maths is FlashAttention's). The
+backward sends the key/value blocks around again, together with a float32 accumulator for their
+gradients, which comes home to its owner after the last step.
+
+Masks are evaluated on *global* positions with the :mod:`attnkit.masks` predicates, for each pair
+(this rank's queries, the block in hand), so ``is_causal``, ``window`` and padding mean exactly
+what they mean in :func:`attnkit.attention` on the unsharded sequence. A block with nothing
+allowed is not computed (it is still passed on).
+
+All communication of a call lives inside one ``autograd.Function``: one ``all_gather`` of the
+shard lengths, then point-to-point exchanges with the ring neighbours in the same order on every
+rank, forward and backward. Nothing depends on the order in which autograd runs other nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import masks as _masks
+from ..ops.tiles import merge_partials, tile_backward, tile_forward
+from .shard import LAYOUTS, group_info, shard_positions, shard_sizes
+
+__all__ = ["ring_attention"]
+
+_SKIP = "skip"  # sentinel: the block has no allowed (query, key) pair
+_KV_TAG, _DKV_TAG = 17, 18
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every step of the ring needs to know, fixed for one call."""
+
+    group: object
+    rank: int
+    world: int
+    next_peer: int  # global ranks of the ring neighbours
+    prev_peer: int
+    q_pos: Tensor  # [Lq_local] global positions of this rank's queries
+    kv_pos: tuple[Tensor, ...]  # [Lk_r] global positions of rank r's keys
+    kv_sizes: tuple[int, ...]
+    mask_mod: _masks.MaskMod | None  # on global positions; None = everything allowed
+    batch: int
+    scale: float
+    compute_dtype: torch.dtype
+
+    def source(self, step: int) -> int:
+        """Which rank's key/value block this rank holds at ``step``."""
+        return (self.rank - step) % self.world
+
+    def allowed(self, src: int):
+        """Mask ``[B|1, 1, 1, Lq, Lk]`` for (my queries, block ``src``); None = all; _SKIP = none."""
+        kv_pos = self.kv_pos[src]
+        if self.q_pos.numel() == 0 or kv_pos.numel() == 0:
+            return _SKIP
+        if self.mask_mod is None:
+            return None
+        b = torch.arange(self.batch, device=self.q_pos.device).view(-1, 1, 1)
+        grid = self.mask_mod(b, None, self.q_pos.view(1, -1, 1), kv_pos.view(1, 1, -1))  # [B|1, Lq, Lk]
+        if not bool(grid.any()):
+            return _SKIP
+        if bool(grid.all()):
+            return None
+        return grid[:, None, None]  # broadcast over (Hkv, group) of the grouped layout
+
+
+def _exchange(plan: _Plan, send: Tensor, recv: Tensor, tag: int) -> list:
+    """Send ``send`` to the next rank and receive ``recv`` from the previous one, asynchronously."""
+    ops = []
+    if send.numel():  # the receiver knows the size too, so both sides skip empty blocks
+        ops.append(dist.P2POp(dist.isend, send, plan.next_peer, plan.group, tag))
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, plan.prev_peer, plan.group, tag))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def _grouped(q: Tensor, kv_heads: int) -> Tensor:
+    b, h, n, d = q.shape
+    return q.reshape(b, kv_heads, h // kv_heads, n, d)  # (B, H, L, D) -> (B, Hkv, G, L, D)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:
+        bsz, heads, lq, d = q.shape
+        hkv, dv = k.shape[1], v.shape[-1]
+        cd = plan.compute_dtype
+        qc = _grouped(q.to(cd), hkv)  # (B, Hkv, G, Lq, D)
+        out = qc.new_zeros(qc.shape[:-1] + (dv,))
+        lse = qc.new_full(qc.shape[:-1], float("-inf"))
+        kv = torch.cat([k, v], -1).contiguous()  # one message per step: (B, Hkv, Lk_src, D + Dv)
+        for step in range(plan.world):
+            src = plan.source(step)
+            pending, nxt = [], None
+            if step + 1 < plan.world:
+                nxt = kv.new_empty(bsz, hkv, plan.kv_sizes[plan.source(step + 1)], d + dv)
+                pending = _exchange(plan, kv, nxt, _KV_TAG)
+            allowed = plan.allowed(src)
+            if allowed is not _SKIP:
+                kb = kv[..., :d].to(cd).unsqueeze(2)  # (B, Hkv, 1, Lk, D): shared by the G query heads
+                vb = kv[..., d:].to(cd).unsqueeze(2)
+                o, l = tile_forward(qc, kb, vb, scale=plan.scale, allowed=allowed)
+                out, lse = merge_partials(out, lse, o, l)
+            _wait(pending)
+            if nxt is not None:
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        return out.reshape(bsz, heads, lq, dv).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        bsz, _, lq, d = q.shape
+        hkv, dv = k.shape[1], v.shape[-1]
+        cd = plan.compute_dtype
+        qc = _grouped(q.to(cd), hkv)
+        dout = _grouped(grad_out.to(cd), hkv)  # (B, Hkv, G, Lq, Dv)
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(qc)
+        kv = torch.cat([k, v], -1).contiguous()
+        acc_in, acc_works = None, []  # gradient accumulator of the block in hand, arriving
+        for step in range(plan.world):
+            src = plan.source(step)
+            kv_works, nxt = [], None
+            if step + 1 < plan.world:
+                nxt = kv.new_empty(bsz, hkv, plan.kv_sizes[plan.source(step + 1)], d + dv)
+                kv_works = _exchange(plan, kv, nxt, _KV_TAG)
+            allowed = plan.allowed(src)
+            local = None
+            if allowed is not _SKIP:
+                kb = kv[..., :d].to(cd).unsqueeze(2)
+                vb = kv[..., d:].to(cd).unsqueeze(2)
+                dq_t, dk_t, dv_t, _ = tile_backward(qc, kb, vb, dout, lse, delta, scale=plan.scale,
+                                                    allowed=allowed)
+                dq += dq_t
+                local = torch.cat([dk_t.sum(2), dv_t.sum(2)], -1)  # sum over the G query heads
+            # The accumulator for this block was sent by the previous rank one step ago; it
+            # travelled while we computed.
+            _wait(acc_works)
+            if acc_in is None:
+                acc = local if local is not None else kv.new_zeros(kv.shape, dtype=cd)
+            else:
+                acc = acc_in if local is None else acc_in + local
+            _wait(kv_works)
+            if nxt is not None:
+                kv = nxt
+            if plan.world == 1:
+                acc_in = acc
+                break
+            # Pass it on; after the last step it reaches the block's owner.
+            acc_in = acc.new_empty(bsz, hkv, plan.kv_sizes[plan.source(step + 1)], d + dv)
+            acc_works = _exchange(plan, acc.contiguous(), acc_in, _DKV_TAG)
+        _wait(acc_works)
+        assert acc_in.shape[-2] == k.shape[-2]
+        dq = dq.reshape(q.shape).to(q.dtype)
+        return dq, acc_in[..., :d].to(k.dtype), acc_in[..., d:].to(v.dtype), None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group=None,
+    is_causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    lengths: Tensor | None = None,
+) -> Tensor:
+    """Exact attention over a sequence sharded across ``group``; takes and returns this rank's shard.
+
+    The result on each rank is its rows of ``attnkit.attention`` on the full, unsharded
+    sequences, and so are the gradients of ``q``, ``k`` and ``v``. Shape notation:
+    ``Lq_local``/``Lk_local`` this rank's shard lengths, ``Lq``/``Lk`` the global lengths (the sums
+    over ranks), ``H % Hkv == 0`` (grouped-query attention).
+
+    A collective: every rank of ``group`` calls it with the same arguments apart from its shards,
+    and every rank must run the backward when one does (use each rank's output in its loss).
+
+    Args:
+        q: ``[B, H, Lq_local, E]``, this rank's queries.
+        k: ``[B, Hkv, Lk_local, E]``, this rank's keys.
+        v: ``[B, Hkv, Lk_local, Ev]``, this rank's values.
+        group: the process group (default: the world).
+        is_causal: look-ahead mask over the global positions, aligned bottom-right: query ``i``
+            sits at position ``Lk - Lq + i``.
+        window: ``(left, right)``: the query at position ``p`` sees keys ``p - left ... p + right``
+            (``None`` = unbounded), aligned like ``is_causal``.
+        layout: how q and k/v were sharded: ``"contiguous"`` (any shard lengths, in rank order)
+            or ``"zigzag"`` (exactly the split :func:`attnkit.distributed.shard` makes).
+        scale: defaults to ``1 / sqrt(E)``.
+        lengths: ``[B]`` int, the number of real keys of each batch element over the global
+            sequence; keys at positions ``>= lengths[b]`` are masked.
+
+    Returns:
+        ``[B, H, Lq_local, Ev]`` in the dtype of ``q`` (computed in float32 for half inputs, in the
+        input dtype otherwise). Rows with no key to attend are zeros, with zero gradients.
+
+    Raises:
+        TypeError, ValueError: bad arguments, naming them; shard lengths that do not fit the layout.
+        RuntimeError: ``torch.distributed`` is not initialised.
+
+    Plain PyTorch on one process, for a reader (``full`` gathers the shards)::
+
+        out = attnkit.attention(full(q), full(k), full(v), is_causal=is_causal, window=window,
+                                mask=attnkit.masks.padding(lengths, Lk))  # then take my rows
+    """
+    _check_inputs(q, k, v)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if window is not None:
+        if not (isinstance(window, tuple | list) and len(window) == 2):
+            raise ValueError(f"window must be a (left, right) pair, got {window!r}")
+        window = (window[0], window[1])
+        for side, n in zip(("left", "right"), window, strict=True):
+            _masks._check_window_side(side, n)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    if lengths is not None:
+        if not isinstance(lengths, Tensor) or lengths.dim() != 1 or lengths.shape[0] != q.shape[0] or \
+                lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+            got = f"shape {tuple(lengths.shape)} dtype {lengths.dtype}" if isinstance(lengths, Tensor) \
+                else type(lengths).__name__
+            raise ValueError(f"lengths must be a [B] = [{q.shape[0]}] integer tensor, got {got}")
+        lengths = lengths.to(q.device)
+
+    plan = _make_plan(q, k, group, is_causal, window, layout, float(scale), lengths)
+    return _RingAttention.apply(q, k, v, plan)
+
+
+def _check_inputs(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [B, heads, L_local, dim], got shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{name} ({t.dtype}, {t.device}) must match q ({q.dtype}, {q.device})")
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} batch {t.shape[0]} must equal q batch {q.shape[0]}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k head size {k.shape[-1]} must equal q head size {q.shape[-1]}")
+    if v.shape[1:3] != k.shape[1:3]:
+        raise ValueError(f"v must have k's heads and length: k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
+
+
+def _make_plan(q, k, group, is_causal, window, layout, scale, lengths) -> _Plan:
+    rank, world = group_info(group)
+    # Every rank learns every shard length (one small collective), hence the global lengths.
+    mine = torch.tensor([q.shape[2], k.shape[2]], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    q_sizes = [int(t[0]) for t in everyone]
+    kv_sizes = [int(t[1]) for t in everyone]
+    q_len, kv_len = sum(q_sizes), sum(kv_sizes)
+    q_pos = _positions(q_sizes, layout, "q", q.device)[rank]
+    kv_pos = _positions(kv_sizes, layout, "k", q.device)
+    if lengths is not None and ((lengths < 0) | (lengths > kv_len)).any():
+        raise ValueError(f"lengths must be in [0, Lk = {kv_len}], got {lengths.tolist()}")
+
+    offset = kv_len - q_len  # bottom-right alignment over the global lengths
+    mods = []
+    if is_causal:
+        mods.append(_masks.causal_mod(offset))
+    if window is not None:
+        mods.append(_masks.window_mod(*window, offset=offset))
+    if lengths is not None:
+        mods.append(_masks.padding_mod(lengths))
+    mask_mod = None if not mods else mods[0] if len(mods) == 1 else _masks.and_masks(*mods)
+
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    return _Plan(
+        group=group, rank=rank, world=world,
+        next_peer=_global_rank(group, (rank + 1) % world), prev_peer=_global_rank(group, (rank - 1) % world),
+        q_pos=q_pos, kv_pos=tuple(kv_pos), kv_sizes=tuple(kv_sizes), mask_mod=mask_mod,
+        batch=q.shape[0], scale=scale, compute_dtype=torch.float32 if half else q.dtype,
+    )
+
+
+def _positions(sizes: list[int], layout: str, name: str, device) -> list[Tensor]:
+    """Global positions held by each rank, given every rank's shard length."""
+    world, total = len(sizes), sum(sizes)
+    if layout == "contiguous":
+        starts = [sum(sizes[:r]) for r in range(world)]
+        return [torch.arange(s, s + n, device=device) for s, n in zip(starts, sizes, strict=True)]
+    expected = shard_sizes(total, world, layout)
+    if sizes != expected:
+        raise ValueError(f"{name} shard lengths across ranks {sizes} are not the zigzag split of "
+                         f"{total} positions, expected {expected}; shard with attnkit.distributed.shard")
+    return [shard_positions(total, world, r, layout, device=device) for r in range(world)]
+
+
+def _global_rank(group, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)

@@ -1,0 +1,171 @@
+"""Which positions of a sequence each rank holds, and moving between full and sharded sequences.
+
+Two layouts split a sequence of length ``L`` over ``P`` ranks:
+
+* ``"contiguous"``: rank ``r`` holds the ``r``-th of ``P`` consecutive chunks.
+* ``"zigzag"``: the sequence is cut into ``2P`` chunks and rank ``r`` holds chunks ``r`` and
+  ``2P - 1 - r``, so every rank gets one early and one late chunk. Under a causal mask the work
+  of a rank (how many keys its queries see) is then nearly equal across ranks, where the
+  contiguous layout gives the last rank ``2P - 1`` times the work of the first.
+
+``L = 10, P = 2``::
+
+    positions    0 1 2 3 4 5 6 7 8 9
+    contiguous   0 0 0 0 0 1 1 1 1 1
+    zigzag       0 0 0 1 1 1 1 1 0 0      (chunks of 3, 3, 2, 2)
+
+Lengths need not divide evenly: chunk sizes follow ``numpy.array_split`` (the first ``L % n``
+chunks are one longer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+LAYOUTS = ("contiguous", "zigzag")
+
+__all__ = ["LAYOUTS", "shard", "unshard", "shard_sizes", "shard_positions", "group_info"]
+
+
+def group_info(group=None) -> tuple[int, int]:
+    """``(rank, world_size)`` of this process in ``group`` (the default group when ``None``).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("attnkit.distributed needs an initialised process group: call "
+                           "torch.distributed.init_process_group(...) first (or launch with torchrun)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_layout(layout) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _chunks(length: int, parts: int) -> list[int]:
+    base, extra = divmod(length, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def _pieces(length: int, world: int, rank: int, layout: str) -> list[tuple[int, int]]:
+    """``(start, size)`` of each piece of the sequence rank ``rank`` holds, in order."""
+    if layout == "contiguous":
+        sizes = _chunks(length, world)
+        return [(sum(sizes[:rank]), sizes[rank])]
+    sizes = _chunks(length, 2 * world)
+    first, second = rank, 2 * world - 1 - rank
+    return [(sum(sizes[:first]), sizes[first]), (sum(sizes[:second]), sizes[second])]
+
+
+def shard_sizes(length: int, world: int, layout: str) -> list[int]:
+    """How many positions each rank holds: ``[size of rank 0, ..., size of rank P-1]``."""
+    _check_layout(layout)
+    if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+        raise ValueError(f"length must be a non-negative int, got {length!r}")
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    return [sum(n for _, n in _pieces(length, world, r, layout)) for r in range(world)]
+
+
+def shard_positions(length: int, world: int, rank: int, layout: str, *, device=None) -> Tensor:
+    """The global positions (int64 ``[L_local]``) that rank ``rank`` holds, in its local order."""
+    sizes = shard_sizes(length, world, layout)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank!r}")
+    pos = [torch.arange(s, s + n, device=device) for s, n in _pieces(length, world, rank, layout)]
+    out = torch.cat(pos)
+    assert out.numel() == sizes[rank]
+    return out
+
+
+def _check_tensor_dim(x, dim) -> int:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
+                         f"{tuple(x.shape)}, got {dim!r}")
+    return dim % x.dim()
+
+
+def shard(x: Tensor, dim: int, *, layout: str = "contiguous", group=None) -> Tensor:
+    """This rank's shard of the full sequence ``x`` along ``dim`` (no communication).
+
+    Every rank passes the same full ``x``; rank ``r`` gets back the positions
+    :func:`shard_positions` names. Differentiable (it is slicing).
+
+    Args:
+        x: the full sequence, e.g. ``[B, H, L, D]`` with ``dim=2`` or ``[B, L, E]`` with ``dim=1``.
+        dim: the sequence dimension.
+        layout: ``"contiguous"`` or ``"zigzag"`` (see the module docstring).
+        group: the process group (default: the world).
+
+    Returns:
+        ``x`` narrowed to this rank's ``L_local`` positions along ``dim``.
+    """
+    dim = _check_tensor_dim(x, dim)
+    _check_layout(layout)
+    rank, world = group_info(group)
+    pieces = _pieces(x.shape[dim], world, rank, layout)
+    parts = [x.narrow(dim, s, n) for s, n in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, layout, group):
+        rank, world = group_info(group)
+        # One gather of the sizes, then one of the (padded) shards; every rank issues both.
+        n = torch.tensor([x.shape[dim]], dtype=torch.int64)
+        sizes = [torch.zeros_like(n) for _ in range(world)]
+        dist.all_gather(sizes, n, group=group)
+        sizes = [int(s) for s in sizes]
+        length = sum(sizes)
+        if sizes != shard_sizes(length, world, layout):
+            raise ValueError(f"shard lengths {sizes} across ranks are not the {layout!r} split of "
+                             f"{length} positions ({shard_sizes(length, world, layout)})")
+        width = max(sizes)
+        pad = list(x.shape)
+        pad[dim] = width - x.shape[dim]
+        padded = torch.cat([x, x.new_zeros(pad)], dim).contiguous()
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded, group=group)
+        shape = list(x.shape)
+        shape[dim] = length
+        out = x.new_empty(shape)
+        for r in range(world):
+            pos = shard_positions(length, world, r, layout, device=x.device)
+            out.index_copy_(dim, pos, gathered[r].narrow(dim, 0, sizes[r]))
+        ctx.dim, ctx.layout, ctx.group = dim, layout, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return shard(grad, ctx.dim, layout=ctx.layout, group=ctx.group), None, None, None
+
+
+def unshard(x: Tensor, dim: int, *, layout: str = "contiguous", group=None) -> Tensor:
+    """Gather every rank's shard along ``dim`` back into the full sequence, on every rank.
+
+    The inverse of :func:`shard` (a collective: every rank of ``group`` must call it). Its
+    gradient is this rank's shard of the incoming gradient, with no communication: right when
+    what follows is computed identically on every rank (gather, then the same loss everywhere).
+
+    Args:
+        x: this rank's shard, e.g. ``[B, H, L_local, D]`` with ``dim=2``.
+        dim: the sequence dimension.
+        layout: the layout the shards were made with.
+        group: the process group (default: the world).
+
+    Returns:
+        the full sequence, ``L = sum of L_local`` along ``dim``.
+
+    Raises:
+        ValueError: the shard lengths across ranks are not a split ``shard`` makes.
+    """
+    dim = _check_tensor_dim(x, dim)
+    _check_layout(layout)
+    return _Unshard.apply(x, dim, layout, group)
