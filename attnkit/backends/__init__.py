@@ -68,10 +68,12 @@ def select(req: Request, name: str = "auto") -> Backend:
 
 
 def _register_builtin() -> None:
+    from .blockwise import BlockwiseBackend
     from .reference import ReferenceBackend
     from .sdpa import SDPABackend
 
     register(SDPABackend(), auto_rank=0)
+    register(BlockwiseBackend(), auto_rank=1)
     register(ReferenceBackend(), auto_rank=99)
 
 
