@@ -191,9 +191,13 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, length: int, start: int = 0, *, dtype=torch.float32, device=None) -> tuple[Tensor, Tensor]:
         """``cos``, ``sin`` ``[length, R/2]`` for positions ``start ... start + length - 1``."""
         _check_start(start)
-        compute = torch.float64 if dtype == torch.float64 else torch.float32
-        pos = torch.arange(start, start + length, device=device, dtype=compute)
-        angle = pos[:, None] * self.inv_freq.to(device=device, dtype=compute)[None, :]  # (L, R/2)
+        if dtype == torch.float64:  # exact angles for float64 work (gradcheck, oracles)
+            two_i = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=device)
+            inv_freq = 1.0 / self.base ** (two_i / self.rotary_dim)
+        else:
+            inv_freq = self.inv_freq.to(device=device)
+        pos = torch.arange(start, start + length, device=device, dtype=inv_freq.dtype)
+        angle = pos[:, None] * inv_freq[None, :]  # (L, R/2)
         return angle.cos().to(dtype), angle.sin().to(dtype)
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
@@ -261,6 +265,10 @@ def t5_relative_position_bucket(relative_position: Tensor, *, bidirectional: boo
     else:
         dist = (-rp).clamp(min=0)  # only keys before the query are told apart
     max_exact = n // 2
+    if max_exact < 1 or max_distance <= max_exact:
+        raise ValueError(f"T5 buckets need num_buckets >= {4 if bidirectional else 2} and max_distance > "
+                         f"{max(max_exact, 1)} (the exact range), got num_buckets={num_buckets}, "
+                         f"max_distance={max_distance}, bidirectional={bidirectional}")
     # log-spaced buckets above max_exact; clamp first so log never sees 0 (those cells take `dist`).
     far = dist.clamp(min=max(max_exact, 1)).float()
     log_bucket = max_exact + (torch.log(far / max_exact) / math.log(max_distance / max_exact)
@@ -290,6 +298,8 @@ class T5RelativeBias(nn.Module):
         _check_pos_int("max_distance", max_distance)
         self.num_heads, self.num_buckets, self.max_distance = num_heads, num_buckets, max_distance
         self.bidirectional = bidirectional
+        t5_relative_position_bucket(torch.zeros(1), bidirectional=bidirectional, num_buckets=num_buckets,
+                                    max_distance=max_distance)  # validates the sizes now, not at first use
         self.relative_attention_bias = nn.Embedding(num_buckets, num_heads, device=device, dtype=dtype)
 
     def _mod(self, offset: int) -> ScoreMod:
