@@ -1,0 +1,15 @@
+"""Pictures of attention: static heat maps (matplotlib, Agg) and an offline interactive viewer.
+
+* :func:`heatmap` - one head, token labels, masked cells drawn distinctly (5 to 512 tokens).
+* :func:`head_grid` - a grid of heads of one layer.
+* :func:`head_stats` - entropy or mean distance per layer and head.
+* :func:`save` - write a figure as PNG or SVG.
+* :func:`viewer_html` / :func:`write_viewer` - the self-contained HTML viewer.
+"""
+
+from __future__ import annotations
+
+from .heatmap import head_grid, head_stats, heatmap, save
+from .viewer import viewer_html, write_viewer
+
+__all__ = ["head_grid", "head_stats", "heatmap", "save", "viewer_html", "write_viewer"]
