@@ -1,0 +1,369 @@
+"""GPT-2 (Radford et al. 2019) on attnkit's attention, with generation on a static KV cache.
+
+Each block is pre-norm: ``x = x + Attn(LN(x)); x = x + MLP(LN(x))``, with causal
+:class:`attnkit.MultiHeadAttention`; the LM head shares the token embedding. Weights come from a
+``transformers`` ``GPT2LMHeadModel`` (:meth:`GPT2.from_hf`) or a local Hugging Face GPT-2 folder
+(:meth:`GPT2.from_pretrained`, safetensors only). GPT-2's fused ``c_attn`` Conv1D (``[E, 3E]``,
+input-major) is split and transposed into the module's ``q/k/v_proj``.
+
+Shape notation: ``B`` batch, ``L`` new tokens, ``T`` tokens seen so far (cache included),
+``E`` width, ``H`` heads, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..cache import KVCache
+from ..modules import MultiHeadAttention
+from . import checkpoint as ckpt
+from .bert import ACTIVATIONS, _check_backend
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """The GPT-2 hyper-parameters (``transformers``' ``GPT2Config`` names)."""
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None
+    activation_function: str = "gelu_new"
+    layer_norm_epsilon: float = 1e-5
+    embd_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
+    resid_pdrop: float = 0.1
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    eos_token_id: int | None = 50256
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, cfg: dict, source: str = "config") -> GPT2Config:
+        """Build from a ``config.json``-style dict, rejecting what this implementation lacks.
+
+        Raises:
+            ValueError: an unknown ``model_type``, an ill-typed or unsupported key, naming
+                ``source`` and the key.
+        """
+        if cfg.get("model_type", "gpt2") != "gpt2":
+            raise ValueError(f"{source}: key 'model_type' is {cfg.get('model_type')!r}, expected 'gpt2'")
+        if cfg.get("add_cross_attention"):
+            raise ValueError(f"{source}: key 'add_cross_attention' is set; attnkit's GPT2 is decoder-only")
+        if cfg.get("tie_word_embeddings") is False:
+            raise ValueError(f"{source}: key 'tie_word_embeddings' is false; attnkit's GPT2 ties the LM head")
+        src = Path(source)
+        kw = {}
+        for f in fields(cls):
+            default = f.default
+            if f.name in ("n_inner", "eos_token_id", "pad_token_id"):
+                kind = int
+            elif isinstance(default, bool):
+                kind = bool
+            elif isinstance(default, float):
+                kind = (int, float)
+            else:
+                kind = type(default)
+            positive = f.name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner")
+            kw[f.name] = ckpt.config_value(cfg, f.name, kind, src, default, positive=positive)
+        if kw["activation_function"] not in ACTIVATIONS:
+            raise ValueError(f"{source}: key 'activation_function' is {kw['activation_function']!r}, expected "
+                             f"one of {sorted(ACTIVATIONS)}")
+        if kw["n_embd"] % kw["n_head"]:
+            raise ValueError(f"{source}: key 'n_embd' ({kw['n_embd']}) must be divisible by 'n_head' "
+                             f"({kw['n_head']})")
+        return cls(**kw)
+
+
+@dataclass
+class GPT2Output:
+    """What :meth:`GPT2.forward` returns.
+
+    Attributes:
+        logits: ``[B, L, V]``.
+        hidden_states: the final (normed) hidden states ``[B, L, E]``.
+        attentions: with ``output_attentions``: one ``[B, H, L, T]`` tensor per layer.
+    """
+
+    logits: Tensor
+    hidden_states: Tensor
+    attentions: tuple[Tensor, ...] | None = None
+
+
+class GPT2Block(nn.Module):
+    """Pre-norm decoder block: causal self-attention and a GELU MLP, each with a residual."""
+
+    def __init__(self, cfg: GPT2Config, layer_idx: int, backend: str) -> None:
+        super().__init__()
+        e = cfg.n_embd
+        scale = (e // cfg.n_head) ** -0.5 if cfg.scale_attn_weights else 1.0
+        if cfg.scale_attn_by_inverse_layer_idx:
+            scale /= layer_idx + 1
+        self.ln_1 = nn.LayerNorm(e, eps=cfg.layer_norm_epsilon)
+        self.attn = MultiHeadAttention(e, cfg.n_head, dropout=cfg.attn_pdrop, backend=backend, scale=scale)
+        self.ln_2 = nn.LayerNorm(e, eps=cfg.layer_norm_epsilon)
+        self.fc_in = nn.Linear(e, cfg.n_inner or 4 * e)
+        self.fc_out = nn.Linear(cfg.n_inner or 4 * e, e)
+        self.act = ACTIVATIONS[cfg.activation_function]
+        self.dropout = nn.Dropout(cfg.resid_pdrop)
+
+    def forward(self, x: Tensor, key_mask: Tensor | None, cache: KVCache | None,
+                need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        h = self.ln_1(x)
+        if need_weights:
+            with _weights_backend(self.attn):
+                a, w = self.attn(h, key_mask=key_mask, is_causal=True, cache=cache, need_weights=True)
+        else:
+            a, w = self.attn(h, key_mask=key_mask, is_causal=True, cache=cache), None
+        x = x + self.dropout(a)
+        return x + self.dropout(self.fc_out(self.act(self.fc_in(self.ln_2(x))))), w
+
+
+class GPT2(nn.Module):
+    """GPT-2 language model (``transformers``' ``GPT2LMHeadModel``) on attnkit attention.
+
+    Args:
+        config: the architecture.
+        backend: attention backend for every layer (``"auto"`` or a registered name).
+    """
+
+    def __init__(self, config: GPT2Config, *, backend: str = "auto") -> None:
+        super().__init__()
+        _check_backend(backend)
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.dropout = nn.Dropout(config.embd_pdrop)
+        self.blocks = nn.ModuleList(GPT2Block(config, i, backend) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, *, backend: str = "auto") -> GPT2:
+        """Copy a ``transformers`` ``GPT2LMHeadModel`` (or ``GPT2Model``); same logits in float32.
+
+        Raises:
+            TypeError: ``model`` has no GPT-2 ``config``.
+            ValueError: a config this implementation lacks, or a state dict that does not fit.
+        """
+        cfg = getattr(model, "config", None)
+        if cfg is None or not hasattr(cfg, "to_dict"):
+            raise TypeError(f"model must be a transformers GPT2LMHeadModel or GPT2Model, got "
+                            f"{type(model).__name__}")
+        name = f"<{type(model).__name__}>"
+        config = GPT2Config.from_dict(cfg.to_dict(), f"{name}.config")
+        tensors = {k: (v, Path(name)) for k, v in model.state_dict().items()}
+        gpt = cls(config, backend=backend)
+        gpt._load(tensors, [Path(name)])
+        p = next(model.parameters())
+        return gpt.to(dtype=p.dtype, device=p.device).eval()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, backend: str = "auto", dtype: torch.dtype = torch.float32,
+                        device=None) -> GPT2:
+        """Load a local Hugging Face GPT-2 folder (``config.json`` + safetensors; never pickle).
+
+        Raises:
+            FileNotFoundError: the folder, ``config.json`` or the weights are missing.
+            ValueError: another architecture, a missing key or a wrong shape, naming file and key.
+        """
+        folder = ckpt.resolve_dir(path)
+        cfg = ckpt.read_config(folder, ("gpt2",), ("GPT2",))
+        config = GPT2Config.from_dict(cfg, str(folder / "config.json"))
+        files = ckpt.weight_files(folder)
+        gpt = cls(config, backend=backend)
+        gpt._load(ckpt.load_tensors(files), files)
+        return gpt.to(dtype=dtype, device=device).eval()
+
+    def _load(self, tensors: dict, files: list[Path]) -> None:
+        tensors = ckpt.strip_prefix(tensors, "wte.weight", ("transformer.",))
+        e = self.config.n_embd
+        names = {"wte.weight": "wte.weight", "wpe.weight": "wpe.weight", "ln_f.weight": "ln_f.weight",
+                 "ln_f.bias": "ln_f.bias"}
+        parts = {"ln_1": "ln_1", "ln_2": "ln_2", "attn.q_proj": "attn.c_attn", "attn.k_proj": "attn.c_attn",
+                 "attn.v_proj": "attn.c_attn", "attn.out_proj": "attn.c_proj", "fc_in": "mlp.c_fc",
+                 "fc_out": "mlp.c_proj"}
+        for i in range(len(self.blocks)):
+            for ours, theirs in parts.items():
+                for p in ("weight", "bias"):
+                    names[f"blocks.{i}.{ours}.{p}"] = f"h.{i}.{theirs}.{p}"
+        which = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+
+        def transform(name: str, t: Tensor) -> Tensor:
+            if name.startswith("blocks.") and not name.split(".")[2].startswith("ln_"):
+                is_w = name.endswith("weight")
+                # Conv1D stores [in, out]; nn.Linear wants [out, in]. A wrong rank is left for
+                # assign's shape check to report.
+                if is_w and t.dim() == 2:
+                    t = t.t()
+                proj = name.split(".")[3]
+                if proj in which and t.shape[0] == 3 * e:
+                    t = t[which[proj] * e:(which[proj] + 1) * e]
+            return t
+
+        ckpt.assign(self, tensors, names, files, transform=transform)
+
+    # ------------------------------------------------------------------ running
+
+    def set_backend(self, backend: str) -> GPT2:
+        """Run every layer's attention on ``backend`` (weights, when asked for, use the reference)."""
+        _check_backend(backend)
+        for block in self.blocks:
+            block.attn.backend = backend
+        return self
+
+    def make_cache(self, batch_size: int, max_len: int) -> list[KVCache]:
+        """One preallocated :class:`~attnkit.cache.KVCache` per layer, for ``max_len`` tokens."""
+        if not isinstance(max_len, int) or not 0 < max_len <= self.config.n_positions:
+            raise ValueError(f"max_len must be an int in [1, n_positions={self.config.n_positions}], got "
+                             f"{max_len!r}")
+        w = self.wte.weight
+        return [KVCache(batch_size, max_len, b.attn.num_kv_heads, b.attn.head_dim, dtype=w.dtype, device=w.device)
+                for b in self.blocks]
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        cache: list[KVCache] | None = None,
+        output_attentions: bool = False,
+    ) -> GPT2Output:
+        """Next-token logits for every position.
+
+        Args:
+            input_ids: ``[B, L]`` new tokens; with ``cache`` they sit at positions
+                ``cache[0].seq_len ...``.
+            attention_mask: ``[B, T]`` 1 = real token, 0 = padding (``T`` counts cached
+                tokens too); for right padding.
+            cache: from :meth:`make_cache`; updated in place.
+            output_attentions: also return each layer's weights ``[B, H, L, T]``.
+
+        Returns:
+            :class:`GPT2Output`.
+        """
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be an integer [B, L] tensor, got {got}")
+        b, n = input_ids.shape
+        start = 0
+        if cache is not None:
+            if not isinstance(cache, (list, tuple)) or len(cache) != len(self.blocks):
+                raise ValueError(f"cache must be a list of {len(self.blocks)} KVCache (see make_cache), got "
+                                 f"{type(cache).__name__}")
+            start = cache[0].seq_len
+        if start + n > self.config.n_positions:
+            raise ValueError(f"{start} cached + {n} new tokens exceed n_positions ({self.config.n_positions})")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        key_mask = None
+        if attention_mask is not None:
+            if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, start + n):
+                got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else \
+                    type(attention_mask).__name__
+                raise ValueError(f"attention_mask must be [B, T] = {(b, start + n)} (cached + new tokens), "
+                                 f"got {got}")
+            key_mask = attention_mask != 0
+            if bool(key_mask.all()):
+                key_mask = None
+        pos = torch.arange(start, start + n, device=input_ids.device)
+        x = self.dropout(self.wte(input_ids) + self.wpe(pos))  # (B, L, E)
+        attns = []
+        for i, block in enumerate(self.blocks):
+            x, w = block(x, key_mask, None if cache is None else cache[i], output_attentions)
+            attns.append(w)
+        x = self.ln_f(x)
+        logits = x @ self.wte.weight.t()  # (B, L, V): the LM head is tied to the embedding
+        return GPT2Output(logits, x, tuple(attns) if output_attentions else None)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int = 20,
+        *,
+        use_cache: bool = True,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Extend each prompt by up to ``max_new_tokens`` tokens (greedy unless ``do_sample``).
+
+        With ``use_cache`` the prompt runs once (prefill) into a static cache sized
+        ``L + max_new_tokens`` and each step feeds one token; without it every step re-runs the
+        whole sequence. Both give the same tokens. A sequence that emits ``eos_token_id`` is
+        padded with ``pad_token_id`` (default: eos) until all are done, as ``transformers`` does.
+
+        Args:
+            input_ids: ``[B, L]`` prompts of equal length (no padding).
+            max_new_tokens: how many tokens to add at most.
+            use_cache: decode incrementally on a :class:`~attnkit.cache.KVCache`.
+            do_sample: sample from ``softmax(logits / temperature)``, restricted to the ``top_k``.
+            eos_token_id: stop token (default: the config's).
+            generator: for reproducible sampling.
+
+        Returns:
+            ``[B, L + new]`` int64, the prompts followed by the generated tokens.
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        if do_sample and (temperature <= 0 or (top_k is not None and top_k <= 0)):
+            raise ValueError(f"temperature must be > 0 and top_k positive, got {temperature!r}, {top_k!r}")
+        eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
+        pad = pad_token_id if pad_token_id is not None else (self.config.pad_token_id
+                                                             if self.config.pad_token_id is not None else eos)
+        b, n = input_ids.shape
+        if n + max_new_tokens > self.config.n_positions:
+            raise ValueError(f"prompt length {n} + max_new_tokens {max_new_tokens} exceed n_positions "
+                             f"({self.config.n_positions})")
+        out = input_ids
+        if max_new_tokens == 0:
+            return out
+        cache = self.make_cache(b, n + max_new_tokens) if use_cache else None
+        done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+        step_in = input_ids
+        for _ in range(max_new_tokens):
+            logits = self(step_in if use_cache else out, cache=cache).logits[:, -1]  # (B, V)
+            nxt = self._pick(logits, do_sample, temperature, top_k, generator)
+            if eos is not None:
+                nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+                done = done | (nxt == eos)
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            step_in = nxt[:, None]
+            if eos is not None and bool(done.all()):
+                break
+        return out
+
+    @staticmethod
+    def _pick(logits: Tensor, do_sample: bool, temperature: float, top_k: int | None, generator) -> Tensor:
+        if not do_sample:
+            return logits.argmax(dim=-1)
+        logits = logits / temperature
+        if top_k is not None:
+            kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+
+
+@contextmanager
+def _weights_backend(attn: MultiHeadAttention):
+    """Serve this call from the reference backend when a weight-less backend is forced."""
+    saved = attn.backend
+    if saved != "auto":
+        attn.backend = "reference"
+    try:
+        yield
+    finally:
+        attn.backend = saved

@@ -1,0 +1,161 @@
+"""attnkit.models.GPT2 against transformers' GPT2LMHeadModel (small random configs, no download)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import attnkit  # noqa: E402
+from attnkit.models import GPT2  # noqa: E402
+from tests.tolerances import MODEL_PARITY_FP32, close  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 101
+
+
+def _hf_gpt2(seed: int = 0, **overrides):
+    # A wide initialisation makes the random model's next token depend on its context, so greedy
+    # decoding does not collapse into one repeated token and the comparison means something.
+    kw = dict(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=3, n_head=4, initializer_range=0.5,
+              bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    kw.update(overrides)
+    cfg = transformers.GPT2Config(**kw)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    hf = _hf_gpt2()
+    return hf, GPT2.from_hf(hf)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return torch.randint(0, VOCAB - 1, (3, 9), generator=torch.Generator().manual_seed(1))
+
+
+@torch.no_grad()
+def test_logits_and_weights_match_transformers(pair, prompts):
+    hf, gpt = pair
+    r = hf(prompts, output_attentions=True)
+    o = gpt(prompts, output_attentions=True)
+    assert o.logits.shape == (3, 9, VOCAB)
+    close(o.logits, r.logits, **MODEL_PARITY_FP32)
+    assert len(o.attentions) == len(r.attentions) == 3
+    for a, b in zip(o.attentions, r.attentions, strict=True):
+        close(a, b, **MODEL_PARITY_FP32)
+
+
+@torch.no_grad()
+def test_right_padding_mask_matches_transformers(pair, prompts):
+    hf, gpt = pair
+    am = torch.ones_like(prompts)
+    am[1, 6:] = 0
+    am[2, 3:] = 0
+    r = hf(prompts, attention_mask=am).logits
+    o = gpt(prompts, attention_mask=am).logits
+    real = am.bool()
+    close(o[real], r[real], **MODEL_PARITY_FP32)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"activation_function": "relu", "n_inner": 48, "scale_attn_by_inverse_layer_idx": True},
+    {"scale_attn_weights": False, "layer_norm_epsilon": 1e-3},
+])
+@torch.no_grad()
+def test_config_variants_match_transformers(overrides, prompts):
+    hf = _hf_gpt2(seed=3, **overrides)
+    close(GPT2.from_hf(hf)(prompts).logits, hf(prompts).logits, **MODEL_PARITY_FP32)
+
+
+@torch.no_grad()
+def test_cached_prefill_and_steps_equal_full_forward(pair, prompts):
+    _, gpt = pair
+    full = gpt(prompts).logits
+    cache = gpt.make_cache(3, 9)
+    parts = [gpt(prompts[:, :4], cache=cache).logits]
+    for t in range(4, 9):
+        parts.append(gpt(prompts[:, t:t + 1], cache=cache).logits)
+    assert cache[0].seq_len == 9
+    close(torch.cat(parts, dim=1), full, **MODEL_PARITY_FP32)
+
+
+def test_greedy_generation_equals_transformers_and_uncached_loop(pair, prompts):
+    hf, gpt = pair
+    cached = gpt.generate(prompts, max_new_tokens=24, use_cache=True)
+    uncached = gpt.generate(prompts, max_new_tokens=24, use_cache=False)
+    ref = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=24, do_sample=False)
+    assert cached.shape == (3, 33)
+    assert torch.equal(cached[:, :9], prompts)
+    assert len(set(cached[:, 9:].flatten().tolist())) > 3, "degenerate model: the test would prove little"
+    assert torch.equal(cached, uncached)
+    assert torch.equal(cached, ref)
+
+
+def test_eos_stops_and_pads_like_transformers(pair, prompts):
+    hf, gpt = pair
+    free = gpt.generate(prompts, max_new_tokens=12)
+    eos = int(free[1, 9 + 4])  # a token that row 1 emits part-way through
+    ours = gpt.generate(prompts, max_new_tokens=12, eos_token_id=eos)
+    ref = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=12, do_sample=False,
+                      eos_token_id=eos, pad_token_id=eos)
+    assert torch.equal(ours, ref)
+    assert (ours[1, 9:] == eos).sum() >= 1
+
+
+def test_sampling_is_reproducible_and_in_top_k(pair, prompts):
+    _, gpt = pair
+    a = gpt.generate(prompts, max_new_tokens=8, do_sample=True, top_k=3, generator=torch.Generator().manual_seed(0))
+    b = gpt.generate(prompts, max_new_tokens=8, do_sample=True, top_k=3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a, b)
+    with torch.no_grad():
+        logits = gpt(a[:, :-1]).logits[:, 8:]  # the distributions each sampled token came from
+    top3 = logits.topk(3, dim=-1).indices
+    assert (top3 == a[:, 9:, None]).any(-1).all()
+
+
+@pytest.mark.parametrize("backend", attnkit.backends.available())
+@torch.no_grad()
+def test_every_backend_model_wide(backend, pair, prompts):
+    hf, _ = pair
+    gpt = GPT2.from_hf(hf, backend=backend)
+    close(gpt(prompts).logits, hf(prompts).logits, **MODEL_PARITY_FP32)
+    w = gpt(prompts, output_attentions=True).attentions  # weights: the reference serves this pass
+    assert w[0].shape == (3, 4, 9, 9)
+    assert torch.equal(gpt.generate(prompts, max_new_tokens=6), gpt.generate(prompts, 6, use_cache=False))
+
+
+@torch.no_grad()
+def test_from_pretrained_local_folder(pair, prompts, tmp_path):
+    hf, _ = pair
+    hf.save_pretrained(tmp_path)
+    gpt = GPT2.from_pretrained(tmp_path)
+    close(gpt(prompts).logits, hf(prompts).logits, **MODEL_PARITY_FP32)
+
+
+def test_bad_arguments(pair, prompts):
+    _, gpt = pair
+    with pytest.raises(ValueError, match="input_ids must be an integer"):
+        gpt(prompts.float())
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 101\)"):
+        gpt(prompts + VOCAB)
+    with pytest.raises(ValueError, match="exceed n_positions"):
+        gpt.generate(prompts, max_new_tokens=60)
+    with pytest.raises(ValueError, match="max_new_tokens must be"):
+        gpt.generate(prompts, max_new_tokens=-1)
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B, T\]"):
+        gpt(prompts, attention_mask=torch.ones(3, 4))
+    with pytest.raises(ValueError, match="cache must be a list of 3 KVCache"):
+        gpt(prompts, cache=gpt.make_cache(3, 9)[:1])
+    with pytest.raises(TypeError, match="transformers GPT2LMHeadModel"):
+        GPT2.from_hf(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="'add_cross_attention' is set"):
+        GPT2.from_hf(_hf_gpt2(add_cross_attention=True))
