@@ -35,13 +35,16 @@ def _worker(fn, rank, world, init_file, results, args, timeout, threads):
         torch.set_num_threads(threads)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
-        try:
-            out = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, out))
+        out = fn(rank, world, *args)
     except BaseException:  # noqa: B036 - report everything, including KeyboardInterrupt, to the parent
+        # Report before tearing the group down: the other ranks then fail on a closed
+        # connection, and the parent should hear the cause first.
         results.put((rank, False, traceback.format_exc()))
+    else:
+        results.put((rank, True, out))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_local(fn: Callable, world: int, *args, timeout: float = 120.0, threads: int = 1) -> list:
@@ -85,7 +88,7 @@ def run_local(fn: Callable, world: int, *args, timeout: float = 120.0, threads: 
                     _check_alive(procs, done, results)
                     continue
                 if not ok:
-                    raise RankError(f"rank {rank} of {world} failed:\n{payload}")
+                    raise RankError(_failures(world, [(rank, payload)], results))
                 done[rank] = payload
         finally:
             for p in procs:
@@ -103,3 +106,16 @@ def _check_alive(procs, done, results) -> None:
             time.sleep(0.2)  # its last message may still be in the pipe
             if results.empty():
                 raise RankError(f"rank {rank} exited with code {p.exitcode} without reporting a result")
+
+
+def _failures(world, failed, results, grace: float = 1.0) -> str:
+    """The first failure, then any other rank's that arrives within ``grace`` seconds."""
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
+        try:
+            rank, ok, payload = results.get(timeout=max(end - time.monotonic(), 0.01))
+        except queue.Empty:
+            break
+        if not ok:
+            failed.append((rank, payload))
+    return "\n".join(f"rank {r} of {world} failed:\n{p}" for r, p in failed)

@@ -1,0 +1,330 @@
+"""Ring attention on real gloo process groups (CPU, loopback) against single-process attention.
+
+Spawning a group costs seconds, so each test runs a whole grid of cases in one group; a worker
+collects the cases that disagree and the test fails listing them. Every comparison takes this
+rank's rows of the single-process result (``attnkit.attention`` on the full sequences) and the
+rank's shard of its gradients; ``unshard`` must give back the full tensors too.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import attnkit
+from attnkit import masks
+from attnkit.distributed import (
+    ContextParallelAttention,
+    ring_attention,
+    shard,
+    shard_positions,
+    shard_sizes,
+    sync_grads,
+    unshard,
+)
+from attnkit.distributed.local import RankError, run_local
+from tests.tolerances import close
+
+pytestmark = pytest.mark.distributed
+
+SPAWN_TIMEOUT = 60.0  # seconds for one group: spawn, rendezvous, every case
+
+
+# --------------------------------------------------------------------------------------------
+# The case grid and the per-rank worker
+# --------------------------------------------------------------------------------------------
+
+
+def _case(layout, *, lq=13, lk=13, heads=4, kv_heads=2, dv=6, is_causal=False, window=None, lengths=None,
+          dtype=torch.float64, batch=2):
+    return dict(layout=layout, lq=lq, lk=lk, heads=heads, kv_heads=kv_heads, dv=dv, is_causal=is_causal,
+                window=window, lengths=lengths, dtype=dtype, batch=batch)
+
+
+def _grid(layouts=("contiguous", "zigzag")) -> list[dict]:
+    """causal / non-causal / window / padded, odd and unequal lengths, GQA and MHA, empty shards."""
+    cases = []
+    masking = [
+        {},
+        {"is_causal": True},
+        {"window": (3, 1)},
+        {"window": (2, 0), "is_causal": True},
+        {"window": (None, 2)},
+        {"lengths": [9, 0]},  # batch 1 has no real key: zero rows, zero grads
+        {"lengths": [5, 13], "is_causal": True},
+    ]
+    shapes = [
+        {"lq": 13, "lk": 13},  # odd: shards of different lengths
+        {"lq": 5, "lk": 12},  # Lq < Lk: bottom-right, queries late in the sequence
+        {"lq": 11, "lk": 6, "kv_heads": 4},  # Lq > Lk: early causal rows see nothing
+        {"lq": 3, "lk": 3, "kv_heads": 1},  # fewer positions than zigzag chunks: empty pieces, MQA
+    ]
+    for layout, m, s in itertools.product(layouts, masking, shapes):
+        if "lengths" in m and s["lk"] != 13:
+            m = dict(m, lengths=[min(n, s["lk"]) for n in m["lengths"]])
+        cases.append(_case(layout, **s, **m))
+    return cases
+
+
+def _inputs(c, seed):
+    g = torch.Generator().manual_seed(seed)
+    b, h, hkv, d = c["batch"], c["heads"], c["kv_heads"], 8
+    q = torch.randn(b, h, c["lq"], d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, c["lk"], d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, c["lk"], c["dv"], generator=g, dtype=torch.float64)
+    dout = torch.randn(b, h, c["lq"], c["dv"], generator=g, dtype=torch.float64)
+    return [t.to(c["dtype"]) for t in (q, k, v, dout)]
+
+
+def _describe(c) -> str:
+    keys = ("layout", "lq", "lk", "heads", "kv_heads", "is_causal", "window", "lengths", "dtype")
+    return ", ".join(f"{k}={c[k]}" for k in keys if c[k] not in (None, False))
+
+
+def _compare_cases(rank, world, cases, group_ranks=None):
+    """Run every case through ring attention; return the failures, described."""
+    group = None if group_ranks is None else _subgroup(rank, group_ranks)
+    failures = []
+    for i, c in enumerate(cases):
+        q, k, v, dout = _inputs(c, seed=i)
+        lengths = None if c["lengths"] is None else torch.tensor(c["lengths"])
+        mask = None if lengths is None else masks.padding(lengths, c["lk"])
+        ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+        ref = attnkit.attention(*ref_in, mask=mask, is_causal=c["is_causal"], window=c["window"])
+        ref.backward(dout)
+
+        lay = c["layout"]
+        mine = [shard(t, 2, layout=lay, group=group).detach().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*mine, group=group, is_causal=c["is_causal"], window=c["window"], layout=lay,
+                             lengths=lengths)
+        out.backward(shard(dout, 2, layout=lay, group=group))
+        got = {"out": out, "dq": mine[0].grad, "dk": mine[1].grad, "dv": mine[2].grad}
+        want = {"out": ref, "dq": ref_in[0].grad, "dk": ref_in[1].grad, "dv": ref_in[2].grad}
+        for name in got:
+            for what, actual, expected in (
+                ("shard", got[name], shard(want[name], 2, layout=lay, group=group)),
+                ("unshard", unshard(got[name].detach(), 2, layout=lay, group=group), want[name]),
+            ):
+                try:
+                    close(actual, expected, dtype=c["dtype"])
+                except AssertionError as e:
+                    first = str(e).splitlines()[:3]
+                    failures.append(f"rank {rank} [{_describe(c)}] {name} ({what}): {' '.join(first)}")
+    return failures
+
+
+def _subgroup(rank, group_ranks):
+    """Every rank creates every subgroup (new_group is a collective); return the one with ``rank``."""
+    mine = None
+    for ranks in group_ranks:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine = g
+    return mine
+
+
+def _check(results):
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, f"{len(failures)} mismatches:\n" + "\n".join(failures[:20])
+
+
+# --------------------------------------------------------------------------------------------
+# Two ranks: the full grid, float64
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_ring_matches_single_process_float64_2_ranks():
+    cases = _grid()
+    assert len(cases) == 56
+    _check(run_local(_compare_cases, 2, cases, timeout=SPAWN_TIMEOUT))
+
+
+def _lower_precision_and_module(rank, world):
+    failures = []
+    cases = [_case(lay, is_causal=True, lengths=[11, 7], dtype=torch.float32) for lay in ("contiguous", "zigzag")]
+    cases += [_case(lay, window=(4, 0), dtype=torch.float32, lq=9, lk=17) for lay in ("contiguous", "zigzag")]
+    cases += [_case("zigzag", is_causal=True, dtype=torch.bfloat16, lq=16, lk=16)]
+    failures += _compare_cases(rank, world, cases)
+    failures += _module_case(rank, world)
+    failures += _gradcheck_singleton(rank, world)
+    return failures
+
+
+def _module_case(rank, world):
+    """ContextParallelAttention + sync_grads equal the module and its gradients on the full sequence."""
+    failures = []
+    for layout, kwargs in (("zigzag", {"is_causal": True}), ("contiguous", {"window": (3, 2)})):
+        torch.manual_seed(0)
+        mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2, dtype=torch.float64)
+        x = torch.randn(2, 11, 16, dtype=torch.float64)
+        lengths = torch.tensor([11, 6])
+        mask = masks.padding(lengths, 11)[:, 0]  # [B, 1, Lk]
+        ref = mha(x, mask=mask, **kwargs)
+        ref.square().sum().backward()
+        ref_grads = {n: p.grad.clone() for n, p in mha.named_parameters()}
+        mha.zero_grad()
+
+        cp = ContextParallelAttention(mha, layout=layout)
+        out = cp(shard(x, 1, layout=layout), lengths=lengths, **kwargs)
+        out.square().sum().backward()  # this rank's share of the same loss
+        sync_grads(cp)
+        try:
+            close(out, shard(ref, 1, layout=layout))
+            for n, p in mha.named_parameters():
+                close(p.grad, ref_grads[n])
+        except AssertionError as e:
+            failures.append(f"rank {rank} module [{layout} {kwargs}]: {str(e).splitlines()[:3]}")
+    return failures
+
+
+def _gradcheck_singleton(rank, world):
+    """gradcheck in float64 on a one-rank group (the other ranks' groups run at the same time)."""
+    group = _subgroup(rank, [[r] for r in range(world)])
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, 2, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 4, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    fn = lambda q, k, v: ring_attention(q, k, v, group=group, is_causal=True, lengths=torch.tensor([3]))  # noqa: E731
+    ok = torch.autograd.gradcheck(fn, (q, k, v), raise_exception=False)
+    return [] if ok else [f"rank {rank}: gradcheck failed on a one-rank group"]
+
+
+@pytest.mark.timeout(90)
+def test_ring_float32_bfloat16_module_and_gradcheck_2_ranks():
+    _check(run_local(_lower_precision_and_module, 2, timeout=SPAWN_TIMEOUT))
+
+
+# --------------------------------------------------------------------------------------------
+# Four ranks, and rings on subgroups
+# --------------------------------------------------------------------------------------------
+
+
+def _four_ranks(rank, world, cases, ring_cases):
+    failures = _compare_cases(rank, world, cases)
+    # Then rings {0, 2} and {1, 3}: group ranks differ from global ranks, two rings run at once.
+    return failures + _compare_cases(rank, world, ring_cases, [[0, 2], [1, 3]])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ring_matches_single_process_4_ranks_and_on_subgroups():
+    cases = [c for c in _grid() if c["lq"] != 3 or c["layout"] == "zigzag"]
+    ring_cases = [_case(lay, is_causal=True, lengths=[10, 13]) for lay in ("contiguous", "zigzag")]
+    _check(run_local(_four_ranks, 4, cases, ring_cases, timeout=100.0))
+
+
+# --------------------------------------------------------------------------------------------
+# Failures are reported, not waited on
+# --------------------------------------------------------------------------------------------
+
+
+def _rank1_fails_mid_ring(rank, world):
+    q = torch.randn(1, 2, 4 if rank == 0 else 3, 8)
+    if rank == 1:
+        ring_attention(q, q[:, :1], q[:, :1].float().to(torch.float64))  # v's dtype is wrong, on rank 1 only
+    return ring_attention(q, q, q).sum().item()  # rank 0 waits for rank 1 in the ring
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_rank_fails_the_run_with_its_error():
+    with pytest.raises(RankError, match=r"rank 1 of 2 failed:(.|\n)*v \(torch.float64, cpu\) must match q"):
+        run_local(_rank1_fails_mid_ring, 2, timeout=40.0)
+
+
+def _mismatched_zigzag(rank, world):
+    q = torch.randn(1, 1, 4 - rank, 4)  # lengths 4 and 3: not the zigzag split of 7 (3, 4)
+    return ring_attention(q, q, q, layout="zigzag").sum().item()
+
+
+@pytest.mark.timeout(60)
+def test_shards_that_are_not_the_zigzag_split_are_refused_on_every_rank():
+    with pytest.raises(RankError, match=r"not the zigzag split of 7 positions, expected \[3, 4\]"):
+        run_local(_mismatched_zigzag, 2, timeout=40.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts and argument checks (no process group needed)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("length,world", [(0, 2), (1, 2), (7, 2), (13, 4), (16, 4), (9, 3), (5, 1)])
+def test_shards_partition_the_sequence(layout, length, world):
+    pos = [shard_positions(length, world, r, layout) for r in range(world)]
+    assert [p.numel() for p in pos] == shard_sizes(length, world, layout)
+    assert torch.equal(torch.cat(pos).sort().values, torch.arange(length))
+    assert max(shard_sizes(length, world, layout)) - min(shard_sizes(length, world, layout)) <= 2
+
+
+def test_zigzag_balances_causal_work_and_contiguous_does_not():
+    length, world = 64, 4
+
+    def work(layout):  # allowed (query, key) pairs per rank under a causal mask
+        return [int((shard_positions(length, world, r, layout) + 1).sum()) for r in range(world)]
+
+    assert work("zigzag") == [520] * 4
+    assert work("contiguous") == [136, 392, 648, 904]
+
+
+def test_zigzag_layout_drawn_in_the_docstring():
+    assert shard_positions(10, 2, 0, "zigzag").tolist() == [0, 1, 2, 8, 9]
+    assert shard_positions(10, 2, 1, "zigzag").tolist() == [3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("kwargs,kind,match", [
+    ({"layout": "striped"}, ValueError, "layout must be one of"),
+    ({"window": (1,)}, ValueError, "window must be a"),
+    ({"window": (-1, 0)}, ValueError, "window left must be None or a non-negative int"),
+    ({"is_causal": 1}, TypeError, "is_causal must be a bool"),
+    ({"scale": float("nan")}, ValueError, "scale must be a finite number"),
+    ({"lengths": torch.tensor([1.0, 2.0])}, ValueError, r"lengths must be a \[B\] = \[2\] integer"),
+    ({"lengths": torch.tensor([1])}, ValueError, r"lengths must be a \[B\] = \[2\] integer"),
+])
+def test_bad_arguments_are_named(kwargs, kind, match):
+    q = torch.randn(2, 4, 3, 8)
+    with pytest.raises(kind, match=match):
+        ring_attention(q, q[:, :2], q[:, :2], **kwargs)
+
+
+@pytest.mark.parametrize("q,k,v,match", [
+    (torch.randn(4, 3, 8), torch.randn(4, 3, 8), torch.randn(4, 3, 8), r"q must be \[B, heads, L_local, dim\]"),
+    (torch.randn(1, 3, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), r"multiple of k/v heads \(2\)"),
+    (torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), "k head size 4 must equal"),
+    (torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), "v must have k's heads and length"),
+    (torch.randn(2, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), "k batch 1 must equal q batch 2"),
+])
+def test_bad_shapes_are_named(q, k, v, match):
+    with pytest.raises(ValueError, match=match):
+        ring_attention(q, k, v)
+
+
+def test_without_a_process_group_the_error_says_what_to_do():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    q = torch.randn(1, 1, 3, 4)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ring_attention(q, q, q)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        shard(q, 2, layout="zigzag")
+
+
+def test_shard_checks_dim_and_layout():
+    with pytest.raises(ValueError, match=r"dim must be an int in \[-2, 2\)"):
+        shard(torch.zeros(2, 3), 2)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        unshard(torch.zeros(2, 3), 1, layout="ring")
+
+
+def test_context_parallel_refuses_what_it_cannot_do():
+    with pytest.raises(TypeError, match="attn must be an attnkit.MultiHeadAttention"):
+        ContextParallelAttention(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ContextParallelAttention(attnkit.MultiHeadAttention(8, 2), layout="rows")
+    cp = ContextParallelAttention(attnkit.MultiHeadAttention(8, 2, dropout=0.1))
+    with pytest.raises(ValueError, match="does not implement attention dropout"):
+        cp(torch.randn(1, 3, 8))
+
