@@ -172,17 +172,17 @@ def compare_heads(d: int, heads: int, *, n: int | None = None, bias: bool = Fals
         f"  + output projection {d} x {d} = {out:,} -> {single_qkv + out:,}",
         f"{h} heads{b}: each head's Q, K, V are {d} x {hd}: 3 x {d} x {hd} = {per_head:,} per head",
         f"  {h} x {per_head:,} + output projection {d} x {d} = {h * per_head:,} + {out:,} = {multi_total:,}",
-        f"the two are equal ({multi_total:,}): {h} heads of width {hd} use the same 3 x {d} x {d} "
-        f"projection weights as one head of width {d}, only split into {h} slices",
+        f"equal: {h} heads of width {hd} slice the same 3 x {d} x {d} projection weights",
+        f"  that one head of width {d} uses; splitting adds no parameters",
     ]
     if n is not None:
         lines.append(f"what does change: {h} score matrices of {n} x {n} instead of one "
-                     f"({h * n * n:,} elements instead of {n * n:,}); FLOPs are the same")
-    if not bias:
+                     f"({h * n * n:,} elements, not {n * n:,}); the FLOPs are the same")
+    if not bias and (d, h) == (512, 8):
         seed_total = 1_032_192
-        if (d, h) == (512, 8):
-            lines.append(f"note: seed 004 prints {seed_total:,} for this sum; 8 x 98,304 + 512 x 512 = "
-                         f"786,432 + 262,144 = {multi_total:,} (its total is {multi_total - seed_total:,} "
-                         "short, an addition slip), and it compares against a single head counted without "
-                         "its output projection, which is why it concludes that heads add parameters")
+        lines += [
+            f"note: seed 004 prints {seed_total:,} for 8 x 98,304 + 512 x 512, which is {multi_total:,}:",
+            f"  its sum is {multi_total - seed_total:,} short (an addition slip); it also counts the single head",
+            "  without its output projection, hence its claim that more heads mean more parameters",
+        ]
     return lines
