@@ -61,7 +61,7 @@ def run(args) -> int:
                   f"\"{args.query}\" would be word order, not meaning, if {args.key} comes just before)")
     else:
         print(f"\"{args.query}\" or \"{args.key}\" is not in this text (set --query/--key); "
-              "the strongest link between two different words, per layer:")
+              "the strongest link between two different tokens, per layer:")
         for layer, head, q, k, weight in rm.strongest_pairs(att):
             print(f"  layer {layer} head {head:<2}  {att.tokens[q]} -> {att.tokens[k]}  {weight:.3f}")
             top_heads.append((layer, head, f"layer {layer} head {head}"))

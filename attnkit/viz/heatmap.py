@@ -40,9 +40,7 @@ def _np(x, name: str, ndim: int) -> np.ndarray:
 def _cmap() -> Colormap:
     from matplotlib import colormaps
 
-    cmap = colormaps[CMAP].copy()
-    cmap.set_bad(MASKED_COLOR)
-    return cmap
+    return colormaps[CMAP].with_extremes(bad=MASKED_COLOR)
 
 
 def _check_tokens(tokens: Sequence[str] | None, n: int, name: str) -> list[str] | None:
