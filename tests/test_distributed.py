@@ -328,3 +328,18 @@ def test_context_parallel_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="does not implement attention dropout"):
         cp(torch.randn(1, 3, 8))
 
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_example_trains_with_the_single_process_loss():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "ring_train.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           "--steps", "2", "--dtype", "float64"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stdout.count("single process") == 2 and "losses match the single-process run" in res.stdout
