@@ -173,15 +173,17 @@ def _to_tiles(x: Tensor, st: _Setup) -> Tensor:
     b, hkv, g, tq, lq = st.batch, st.kv_heads, st.groups, st.q_tile, st.req.q_len
     x = x.reshape(b, hkv, g, lq, x.shape[-1])
     x = torch.nn.functional.pad(x, (0, 0, 0, st.n_tiles * tq - lq))
-    x = x.view(b, hkv, g, st.n_tiles, tq, -1).permute(3, 0, 1, 2, 4, 5)
-    return x.reshape(st.n_tiles, b, hkv, g * tq, -1)
+    d = x.shape[-1]
+    x = x.view(b, hkv, g, st.n_tiles, tq, d).permute(3, 0, 1, 2, 4, 5)
+    return x.reshape(st.n_tiles, b, hkv, g * tq, d)
 
 
 def _from_tiles(x: Tensor, st: _Setup) -> Tensor:
     """Inverse of :func:`_to_tiles`, back to ``[..., H, Lq, D]``."""
     b, hkv, g, tq = st.batch, st.kv_heads, st.groups, st.q_tile
-    x = x.view(st.n_tiles, b, hkv, g, tq, -1).permute(1, 2, 3, 0, 4, 5)
-    x = x.reshape(b, st.heads, st.n_tiles * tq, -1)[:, :, : st.req.q_len]
+    d = x.shape[-1]
+    x = x.view(st.n_tiles, b, hkv, g, tq, d).permute(1, 2, 3, 0, 4, 5)
+    x = x.reshape(b, st.heads, st.n_tiles * tq, d)[:, :, : st.req.q_len]
     return x.reshape(*st.req.batch_shape, st.heads, st.req.q_len, x.shape[-1])
 
 
