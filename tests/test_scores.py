@@ -1,0 +1,85 @@
+"""score_mod helpers: values against their formulas, and as score_mods in every backend."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import scores
+from tests import oracle
+from tests.tolerances import close
+
+
+def grid(h, lq, lk):
+    return (torch.zeros(1, 1, 1, 1, dtype=torch.int64), torch.arange(h).view(1, -1, 1, 1),
+            torch.arange(lq).view(1, 1, -1, 1), torch.arange(lk).view(1, 1, 1, -1))
+
+
+def test_alibi_slopes_power_of_two_and_not():
+    close(scores.alibi_slopes(8, dtype=torch.float64), torch.tensor([2.0 ** -(i + 1) for i in range(8)],
+                                                                   dtype=torch.float64))
+    # 6 heads: the 4 slopes of m = 4, then every other slope of 8 (Press et al. 2022, footnote code)
+    want = [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3]
+    close(scores.alibi_slopes(6, dtype=torch.float64), torch.tensor(want, dtype=torch.float64))
+    with pytest.raises(ValueError, match="num_heads must be a positive int, got 0"):
+        scores.alibi_slopes(0)
+
+
+def test_alibi_relative_bias_softcap_values():
+    h, lq, lk, off = 3, 4, 6, 2
+    s = torch.randn(1, h, lq, lk, dtype=torch.float64)
+    slopes = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)
+    want = torch.empty_like(s)
+    for hi in range(h):
+        for i in range(lq):
+            for j in range(lk):
+                want[0, hi, i, j] = s[0, hi, i, j] - slopes[hi] * abs(i + off - j)
+    close(scores.alibi(slopes, offset=off)(s, *grid(h, lq, lk)), want)
+
+    table = torch.randn(h, 5, dtype=torch.float64)
+    for hi in range(h):
+        for i in range(lq):
+            for j in range(lk):
+                d = max(-2, min(2, j - (i + off)))
+                want[0, hi, i, j] = s[0, hi, i, j] + table[hi, d + 2]
+    close(scores.relative_position_bias(table, 2, offset=off)(s, *grid(h, lq, lk)), want)
+
+    capped = scores.softcap(2.0)(s * 100, *grid(h, lq, lk))
+    assert capped.abs().max() <= 2.0
+    close(capped, 2.0 * torch.tanh(s * 50))
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        scores.softcap(0.0)
+    with pytest.raises(ValueError, match=r"table must be \[H, 2 \* max_distance \+ 1\]"):
+        scores.relative_position_bias(table, 3)
+
+
+def test_compose_applies_left_to_right():
+    s = torch.randn(1, 2, 3, 3, dtype=torch.float64)
+    mod = scores.compose(scores.softcap(1.0), scores.alibi(torch.tensor([1.0, 2.0], dtype=torch.float64)))
+    g = grid(2, 3, 3)
+    close(mod(s, *g), scores.alibi(torch.tensor([1.0, 2.0], dtype=torch.float64))(torch.tanh(s), *g))
+
+
+@pytest.mark.parametrize("backend", ["blockwise", "reference"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_alibi_as_score_mod_equals_a_dense_bias(backend, is_causal):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, n, 8, generator=g, dtype=torch.float64) for n in (5, 9, 9))
+    slopes = scores.alibi_slopes(4, dtype=torch.float64)
+    off = 4
+    pos_q, pos_k = torch.arange(5).view(-1, 1) + off, torch.arange(9).view(1, -1)
+    bias = -slopes.view(-1, 1, 1) * (pos_q - pos_k).abs()
+    allowed = oracle.allowed_grid(1, 4, 5, 9, is_causal=is_causal)
+    out = attnkit.attention(q, k, v, score_mod=scores.alibi(slopes, offset=off), is_causal=is_causal,
+                            backend=backend)
+    close(out, oracle.attention(q, k, v, allowed=allowed, bias=bias)[0])
+
+
+def test_softcap_gradient_matches_closed_form():
+    s = torch.randn(1, 1, 3, 3, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(scores.softcap(1.5)(s, *grid(1, 3, 3)).sum(), s)
+    close(g, 1 - torch.tanh(s.detach() / 1.5) ** 2)
+    assert math.isclose(float(scores.softcap(1.5)(torch.tensor(1e6), 0, 0, 0, 0)), 1.5)
