@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from attnkit.cache import KVCache
 from attnkit.modules import MultiHeadAttention
@@ -112,3 +114,29 @@ def test_cache_rejects_cross_attention_and_wrong_key_mask():
         mha(x, x, cache=cache)
     with pytest.raises(ValueError, match=r"key_mask must be a bool \[B, Lk\] = \(1, 2\)"):
         mha(x, cache=cache, key_mask=torch.ones(1, 3, dtype=torch.bool))
+
+
+@given(
+    cuts=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+    kv_heads=st.sampled_from([1, 2]),
+    kind=st.sampled_from(sorted(POSITIONS)),
+)
+def test_any_chunking_of_cached_decoding_equals_full_forward(cuts, kv_heads, kind):
+    torch.manual_seed(sum(cuts))
+    e, h = 8, 2
+    mha = MultiHeadAttention(e, h, num_kv_heads=kv_heads, **POSITIONS[kind](h, e // h)).double().eval()
+    x = torch.randn(1, sum(cuts), e, dtype=torch.float64)
+    cache = KVCache(1, sum(cuts), kv_heads, e // h, dtype=torch.float64)
+    close(_decode_in_chunks(mha, x, cuts, cache, is_causal=True), mha(x, is_causal=True))
+
+
+def test_need_weights_with_cache_cover_all_cached_keys():
+    torch.manual_seed(2)
+    mha = MultiHeadAttention(8, 2, position_bias=ALiBi(2)).double()
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    _, full_w = mha(x, is_causal=True, need_weights=True)
+    cache = KVCache(1, 5, 2, 4, dtype=torch.float64)
+    mha(x[:, :4], cache=cache, is_causal=True)
+    _, w = mha(x[:, 4:], cache=cache, is_causal=True, need_weights=True)
+    assert w.shape == (1, 2, 1, 5)
+    close(w, full_w[:, :, 4:])

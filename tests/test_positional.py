@@ -275,3 +275,27 @@ def test_position_bias_type_is_checked():
         MultiHeadAttention(8, 2, position_bias=torch.zeros(3))
     with pytest.raises(TypeError, match="rotary must be callable"):
         MultiHeadAttention(8, 2, rotary=3)
+
+
+def test_absolute_encodings_fed_in_chunks_equal_one_pass():
+    x = torch.randn(2, 7, 6)
+    for m in (SinusoidalPositionalEncoding(6), LearnedPositionalEmbedding(10, 6)):
+        chunks = [m(x[:, :3], 0), m(x[:, 3:4], 3), m(x[:, 4:], 4)]
+        close(torch.cat(chunks, 1), m(x))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: RelativeKeyEmbedding(1, 2, dtype=torch.float64),
+    lambda: T5RelativeBias(2, num_buckets=4, max_distance=6, dtype=torch.float64),
+    lambda: ALiBi(2),
+])
+def test_attention_with_position_bias_gradcheck(make):
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(4, 2, position_bias=make()).double()
+    x = torch.randn(1, 3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: mha(t, is_causal=True), (x,))
+    for name, p in mha.position_bias.named_parameters(prefix="position_bias"):
+        table = p.detach().clone().requires_grad_()
+        assert torch.autograd.gradcheck(
+            lambda t, name=name: torch.func.functional_call(mha, {name: t}, (x.detach(),), {"is_causal": True}),
+            (table,))
