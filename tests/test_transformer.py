@@ -201,3 +201,18 @@ def test_errors_name_the_problem():
         TransformerEncoderLayer.from_torch(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="needs num_heads"):
         from_torch_attn_mask(torch.zeros(6, 3, 3, dtype=torch.bool))
+
+
+def test_layers_without_bias_other_eps_and_module_activation_match_torch():
+    torch.manual_seed(9)
+    kw = {"dropout": 0.0, "batch_first": True, "bias": False, "layer_norm_eps": 1e-6,
+          "activation": nn.GELU(approximate="tanh")}
+    enc, dec = nn.TransformerEncoderLayer(E, H, FF, **kw), nn.TransformerDecoderLayer(E, H, FF, norm_first=True, **kw)
+    _randomise_norms(enc)
+    _randomise_norms(dec)
+    ours_enc, ours_dec = TransformerEncoderLayer.from_torch(enc), TransformerDecoderLayer.from_torch(dec)
+    assert ours_enc.ff.linear1.bias is None and ours_enc.norm1.bias is None and ours_enc.norm1.eps == 1e-6
+    x, mem = torch.randn(2, 5, E), torch.randn(2, 3, E)
+    close(ours_enc(x), enc(x), **MODEL_PARITY_FP32)
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    close(ours_dec(x, mem), dec(x, mem, tgt_mask=causal), **MODEL_PARITY_FP32)
