@@ -158,7 +158,8 @@ class MultiHeadAttention(nn.Module):
             mask: bool, ``True`` = may attend: ``[Lq, Lk]``, ``[B, Lq, Lk]`` or ``[B, H, Lq, Lk]``.
             key_mask: ``[B, Lk]`` bool, ``True`` = a real token (not padding).
             bias: float added to the scores, same shapes as ``mask``.
-            is_causal, window, mask_mod, score_mod: as in :func:`attnkit.attention`.
+            is_causal, window, mask_mod, score_mod: as in :func:`attnkit.attention`; a
+                ``position_bias`` term is applied before ``score_mod``.
             need_weights: also return per-head weights ``[B, H, Lq, Lk]``.
             cache: a :class:`~attnkit.cache.KVCache` sized for ``B``, ``num_kv_heads``, ``head_dim``.
 
