@@ -16,18 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import backends as _backends
-from ..functional import attention
 from ..modules import MultiHeadAttention
 from . import checkpoint as ckpt
-
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
+from ._common import ACTIVATIONS, check_backend, weights_backend
 
 
 @dataclass(frozen=True)
@@ -141,22 +132,13 @@ class BertLayer(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool) -> tuple[Tensor, Tensor | None]:
         """``x [B, L, E]``, ``mask`` bool ``[B, 1, 1, L]`` (True = real key) -> ``(x, weights)``."""
         if need_weights:
-            a, w = self._attend_with_weights(x, mask)
+            with weights_backend(self.attn):
+                a, w = self.attn(x, mask=mask, need_weights=True)
         else:
             a, w = self.attn(x, mask=mask), None
         x = self.attn_norm(x + self.dropout(a))
         h = self.ff_out(self.act(self.ff_in(x)))
         return self.ff_norm(x + self.dropout(h)), w
-
-    def _attend_with_weights(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-        # Only the reference backend returns weights; "auto" finds it, a forced backend is bypassed
-        # for this call so that output_attentions works whatever the model-wide choice.
-        backend = "auto" if self.attn.backend == "auto" else "reference"
-        q, k, v = self.attn.project_qkv(x, x, x)  # (B, H, L, D)
-        out, w = attention(q, k, v, mask=mask, dropout_p=self.attn.dropout if self.training else 0.0,
-                           return_weights=True, backend=backend)
-        b, h, n, d = out.shape
-        return self.attn.out_proj(out.transpose(1, 2).reshape(b, n, h * d)), w  # (B, L, E)
 
 
 class Bert(nn.Module):
@@ -173,7 +155,7 @@ class Bert(nn.Module):
 
     def __init__(self, config: BertConfig, *, backend: str = "auto", with_pooler: bool = True) -> None:
         super().__init__()
-        _check_backend(backend)
+        check_backend(backend)
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList(BertLayer(config, backend) for _ in range(config.num_hidden_layers))
@@ -272,7 +254,7 @@ class Bert(nn.Module):
         With ``output_attentions=True`` the layers call the reference backend for that pass,
         since fused kernels do not return weights; otherwise the chosen backend runs.
         """
-        _check_backend(backend)
+        check_backend(backend)
         for layer in self.layers:
             layer.attn.backend = backend
         return self
@@ -365,7 +347,7 @@ class Bert(nn.Module):
                 type(attention_mask).__name__
             raise ValueError(f"attention_mask must be [B, L] = {(b, n)} with 1 = real token, 0 = padding, "
                              f"got {got}")
-        keep = attention_mask.bool() if attention_mask.dtype == torch.bool else attention_mask != 0
+        keep = attention_mask != 0
         if bool(keep.all()):
             return None
         return keep[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and queries
@@ -425,9 +407,3 @@ def pool(hidden: Tensor, attention_mask: Tensor, mode: str = "mean") -> Tensor:
         return hidden.masked_fill(m == 0, torch.finfo(hidden.dtype).min).max(1).values
     raise ValueError(f"mode must be 'mean', 'cls' or 'max', got {mode!r}")
 
-
-def _check_backend(backend: str) -> None:
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    if backend != "auto":
-        _backends.get(backend)  # raises ValueError listing the registered names

@@ -12,7 +12,6 @@ Shape notation: ``B`` batch, ``L`` new tokens, ``T`` tokens seen so far (cache i
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..modules import MultiHeadAttention
 from . import checkpoint as ckpt
-from .bert import ACTIVATIONS, _check_backend
+from ._common import ACTIVATIONS, check_backend, weights_backend
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ class GPT2Block(nn.Module):
                 need_weights: bool) -> tuple[Tensor, Tensor | None]:
         h = self.ln_1(x)
         if need_weights:
-            with _weights_backend(self.attn):
+            with weights_backend(self.attn):
                 a, w = self.attn(h, key_mask=key_mask, is_causal=True, cache=cache, need_weights=True)
         else:
             a, w = self.attn(h, key_mask=key_mask, is_causal=True, cache=cache), None
@@ -136,7 +135,7 @@ class GPT2(nn.Module):
 
     def __init__(self, config: GPT2Config, *, backend: str = "auto") -> None:
         super().__init__()
-        _check_backend(backend)
+        check_backend(backend)
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
@@ -215,7 +214,7 @@ class GPT2(nn.Module):
 
     def set_backend(self, backend: str) -> GPT2:
         """Run every layer's attention on ``backend`` (weights, when asked for, use the reference)."""
-        _check_backend(backend)
+        check_backend(backend)
         for block in self.blocks:
             block.attn.backend = backend
         return self
@@ -356,14 +355,3 @@ class GPT2(nn.Module):
             logits = logits.masked_fill(logits < kth, float("-inf"))
         return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
 
-
-@contextmanager
-def _weights_backend(attn: MultiHeadAttention):
-    """Serve this call from the reference backend when a weight-less backend is forced."""
-    saved = attn.backend
-    if saved != "auto":
-        attn.backend = "reference"
-    try:
-        yield
-    finally:
-        attn.backend = saved
