@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = ["MultiHeadAttention", "attention", "backends", "masks", "which_backend", "__version__"]
 
 _LAZY = {"positional", "scores", "models", "viz", "analysis", "distributed", "bench", "modules", "ops",
-         "cache", "transformer"}
+         "cache", "linear"}
 
 
 def __getattr__(name: str):
