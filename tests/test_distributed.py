@@ -25,6 +25,7 @@ from attnkit.distributed import (
     sync_grads,
     unshard,
 )
+from attnkit.distributed import ring as ring_module
 from attnkit.distributed.local import RankError, run_local
 from tests.tolerances import close
 
@@ -84,17 +85,25 @@ def _describe(c) -> str:
     return ", ".join(f"{k}={c[k]}" for k in keys if c[k] not in (None, False))
 
 
-def _compare_cases(rank, world, cases, group_ranks=None):
-    """Run every case through ring attention; return the failures, described."""
+def _compare_cases(rank, world, cases, group_ranks=None, tile=None):
+    """Run every case through ring attention; return the failures, described.
+
+    ``tile`` shrinks the largest score tile a rank computes at once, so that a block splits
+    into several tiles (and empty tiles inside a block are skipped) even at these small sizes.
+    """
     group = None if group_ranks is None else _subgroup(rank, group_ranks)
+    if tile is not None:
+        ring_module._TILE = tile
     failures = []
     for i, c in enumerate(cases):
         q, k, v, dout = _inputs(c, seed=i)
         lengths = None if c["lengths"] is None else torch.tensor(c["lengths"])
         mask = None if lengths is None else masks.padding(lengths, c["lk"])
-        ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+        # The reference runs in float64 on the same (rounded) inputs, so a low-precision case
+        # measures the ring's own error, which must not grow with the number of ranks.
+        ref_in = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v)]
         ref = attnkit.attention(*ref_in, mask=mask, is_causal=c["is_causal"], window=c["window"])
-        ref.backward(dout)
+        ref.backward(dout.to(torch.float64))
 
         lay = c["layout"]
         mine = [shard(t, 2, layout=lay, group=group).detach().requires_grad_() for t in (q, k, v)]
@@ -112,7 +121,8 @@ def _compare_cases(rank, world, cases, group_ranks=None):
                     close(actual, expected, dtype=c["dtype"])
                 except AssertionError as e:
                     first = str(e).splitlines()[:3]
-                    failures.append(f"rank {rank} [{_describe(c)}] {name} ({what}): {' '.join(first)}")
+                    failures.append(f"rank {rank} [{_describe(c)}, tile={ring_module._TILE}] {name} ({what}): "
+                                    f"{' '.join(first)}")
     return failures
 
 
@@ -140,7 +150,11 @@ def _check(results):
 def test_ring_matches_single_process_float64_2_ranks():
     cases = _grid()
     assert len(cases) == 56
-    _check(run_local(_compare_cases, 2, cases, timeout=SPAWN_TIMEOUT))
+    _check(run_local(_grid_twice, 2, cases, timeout=SPAWN_TIMEOUT))
+
+
+def _grid_twice(rank, world, cases):
+    return _compare_cases(rank, world, cases) + _compare_cases(rank, world, cases, tile=4)
 
 
 def _lower_precision_and_module(rank, world):
@@ -204,7 +218,7 @@ def test_ring_float32_bfloat16_module_and_gradcheck_2_ranks():
 
 
 def _four_ranks(rank, world, cases, ring_cases):
-    failures = _compare_cases(rank, world, cases)
+    failures = _compare_cases(rank, world, cases, tile=3)
     # Then rings {0, 2} and {1, 3}: group ranks differ from global ranks, two rings run at once.
     return failures + _compare_cases(rank, world, ring_cases, [[0, 2], [1, 3]])
 
@@ -213,6 +227,8 @@ def _four_ranks(rank, world, cases, ring_cases):
 @pytest.mark.timeout(120)
 def test_ring_matches_single_process_4_ranks_and_on_subgroups():
     cases = [c for c in _grid() if c["lq"] != 3 or c["layout"] == "zigzag"]
+    cases += [_case("zigzag", is_causal=True, lengths=[11, 7], dtype=torch.float32, lq=29, lk=29),
+              _case("contiguous", window=(4, 0), dtype=torch.float32, lq=9, lk=17)]
     ring_cases = [_case(lay, is_causal=True, lengths=[10, 13]) for lay in ("contiguous", "zigzag")]
     _check(run_local(_four_ranks, 4, cases, ring_cases, timeout=100.0))
 

@@ -26,15 +26,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import masks as _masks
 from ..ops.tiles import merge_partials, tile_backward, tile_forward
-from .shard import LAYOUTS, group_info, shard_positions, shard_sizes
+from .shard import LAYOUTS, collective_device, group_info, shard_positions, shard_sizes
 
 __all__ = ["ring_attention"]
 
 _SKIP = "skip"  # sentinel: the block has no allowed (query, key) pair
 _KV_TAG, _DKV_TAG = 17, 18
+_TILE = 512  # rows and columns of the largest score tile a rank materialises
 
 
 @dataclass(frozen=True)
@@ -58,20 +60,35 @@ class _Plan:
         """Which rank's key/value block this rank holds at ``step``."""
         return (self.rank - step) % self.world
 
-    def allowed(self, src: int):
-        """Mask ``[B|1, 1, 1, Lq, Lk]`` for (my queries, block ``src``); None = all; _SKIP = none."""
-        kv_pos = self.kv_pos[src]
-        if self.q_pos.numel() == 0 or kv_pos.numel() == 0:
+    def allowed(self, q_pos: Tensor, kv_pos: Tensor):
+        """Mask ``[B|1, 1, 1, Lq, Lk]`` for these positions; None = all allowed; _SKIP = none."""
+        if q_pos.numel() == 0 or kv_pos.numel() == 0:
             return _SKIP
         if self.mask_mod is None:
             return None
-        b = torch.arange(self.batch, device=self.q_pos.device).view(-1, 1, 1)
-        grid = self.mask_mod(b, None, self.q_pos.view(1, -1, 1), kv_pos.view(1, 1, -1))  # [B|1, Lq, Lk]
+        b = torch.arange(self.batch, device=q_pos.device).view(-1, 1, 1)
+        grid = self.mask_mod(b, None, q_pos.view(1, -1, 1), kv_pos.view(1, 1, -1))  # [B|1, Lq, Lk]
         if not bool(grid.any()):
             return _SKIP
         if bool(grid.all()):
             return None
         return grid[:, None, None]  # broadcast over (Hkv, group) of the grouped layout
+
+    def tiles(self, src: int):
+        """``(rows, cols, allowed)`` for each tile of (my queries, block ``src``) with work in it.
+
+        Tiles of at most ``_TILE`` x ``_TILE`` bound the working memory of a rank by the tile,
+        not by ``Lq_local x Lk_local``, and let a causal or window mask skip empty tiles inside
+        a block too.
+        """
+        kv_pos = self.kv_pos[src]
+        for r0 in range(0, self.q_pos.numel(), _TILE):
+            rows = slice(r0, r0 + _TILE)
+            for c0 in range(0, kv_pos.numel(), _TILE):
+                cols = slice(c0, c0 + _TILE)
+                allowed = self.allowed(self.q_pos[rows], kv_pos[cols])
+                if allowed is not _SKIP:
+                    yield rows, cols, allowed
 
 
 def _exchange(plan: _Plan, send: Tensor, recv: Tensor, tag: int) -> list:
@@ -110,12 +127,12 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < plan.world:
                 nxt = kv.new_empty(bsz, hkv, plan.kv_sizes[plan.source(step + 1)], d + dv)
                 pending = _exchange(plan, kv, nxt, _KV_TAG)
-            allowed = plan.allowed(src)
-            if allowed is not _SKIP:
-                kb = kv[..., :d].to(cd).unsqueeze(2)  # (B, Hkv, 1, Lk, D): shared by the G query heads
-                vb = kv[..., d:].to(cd).unsqueeze(2)
-                o, l = tile_forward(qc, kb, vb, scale=plan.scale, allowed=allowed)
-                out, lse = merge_partials(out, lse, o, l)
+            kb = kv[..., :d].to(cd).unsqueeze(2)  # (B, Hkv, 1, Lk, D): shared by the G query heads
+            vb = kv[..., d:].to(cd).unsqueeze(2)
+            for rows, cols, allowed in plan.tiles(src):
+                o, l = tile_forward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :], scale=plan.scale,
+                                    allowed=allowed)
+                out[..., rows, :], lse[..., rows] = merge_partials(out[..., rows, :], lse[..., rows], o, l)
             _wait(pending)
             if nxt is not None:
                 kv = nxt
@@ -124,6 +141,7 @@ class _RingAttention(torch.autograd.Function):
         return out.reshape(bsz, heads, lq, dv).to(q.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
@@ -142,15 +160,18 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < plan.world:
                 nxt = kv.new_empty(bsz, hkv, plan.kv_sizes[plan.source(step + 1)], d + dv)
                 kv_works = _exchange(plan, kv, nxt, _KV_TAG)
-            allowed = plan.allowed(src)
-            local = None
-            if allowed is not _SKIP:
-                kb = kv[..., :d].to(cd).unsqueeze(2)
-                vb = kv[..., d:].to(cd).unsqueeze(2)
-                dq_t, dk_t, dv_t, _ = tile_backward(qc, kb, vb, dout, lse, delta, scale=plan.scale,
-                                                    allowed=allowed)
-                dq += dq_t
-                local = torch.cat([dk_t.sum(2), dv_t.sum(2)], -1)  # sum over the G query heads
+            kb = kv[..., :d].to(cd).unsqueeze(2)
+            vb = kv[..., d:].to(cd).unsqueeze(2)
+            local = None  # this rank's share of the block's gradients (B, Hkv, Lk, D + Dv)
+            for rows, cols, allowed in plan.tiles(src):
+                dq_t, dk_t, dv_t, _ = tile_backward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :],
+                                                    dout[..., rows, :], lse[..., rows], delta[..., rows],
+                                                    scale=plan.scale, allowed=allowed)
+                dq[..., rows, :] += dq_t
+                if local is None:
+                    local = kv.new_zeros(kv.shape, dtype=cd)
+                local[..., cols, :d] += dk_t.sum(2)  # sum over the G query heads
+                local[..., cols, d:] += dv_t.sum(2)
             # The accumulator for this block was sent by the previous rank one step ago; it
             # travelled while we computed.
             _wait(acc_works)
@@ -274,7 +295,7 @@ def _check_inputs(q, k, v) -> None:
 def _make_plan(q, k, group, is_causal, window, layout, scale, lengths) -> _Plan:
     rank, world = group_info(group)
     # Every rank learns every shard length (one small collective), hence the global lengths.
-    mine = torch.tensor([q.shape[2], k.shape[2]], dtype=torch.int64)
+    mine = torch.tensor([q.shape[2], k.shape[2]], dtype=torch.int64, device=collective_device(q, group))
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     q_sizes = [int(t[0]) for t in everyone]

@@ -41,6 +41,11 @@ def group_info(group=None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def collective_device(x: Tensor, group=None) -> torch.device:
+    """Where small bookkeeping tensors for a collective live: NCCL needs them on the GPU."""
+    return x.device if x.is_cuda and dist.get_backend(group) != "gloo" else torch.device("cpu")
+
+
 def _check_layout(layout) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -119,7 +124,7 @@ class _Unshard(torch.autograd.Function):
     def forward(ctx, x, dim, layout, group):
         rank, world = group_info(group)
         # One gather of the sizes, then one of the (padded) shards; every rank issues both.
-        n = torch.tensor([x.shape[dim]], dtype=torch.int64)
+        n = torch.tensor([x.shape[dim]], dtype=torch.int64, device=collective_device(x, group))
         sizes = [torch.zeros_like(n) for _ in range(world)]
         dist.all_gather(sizes, n, group=group)
         sizes = [int(s) for s in sizes]
