@@ -15,7 +15,7 @@ convention); ``is_causal`` and ``window`` align bottom-right; ``score_mod`` sees
 are computed in float32.
 
 The index tensors handed to ``mask_mod``/``score_mod`` broadcast against a 6-D score tile
-``[J, B, Hkv, G, Tq, W]`` (``h = hkv * G + g``), so predicates written with elementwise ops and
+``[B, Hkv, J, G, Tq, W]`` (``h = hkv * G + g``), so predicates written with elementwise ops and
 tensor indexing (as FlexAttention requires too) work unchanged.
 
 Plain PyTorch, for a reader (what one tile computes)::
@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..ops.tiles import merge_partials
 from ..request import Request
 from . import _tiling
 from ._captured import captured_tensors, check_covered
@@ -108,6 +109,7 @@ class _Setup:
     n_tiles: int
     kv_padded: int
     batches: list = field(default_factory=list)
+    mask_cache: dict = field(default_factory=dict)
 
     @property
     def groups(self) -> int:
@@ -164,56 +166,61 @@ def _allowed(st: _Setup, b: Tensor, h: Tensor, q: Tensor, kv_raw: Tensor) -> Ten
 
 
 # --------------------------------------------------------------------------------------------
-# Layouts: tiles first, so that a run of tiles is a contiguous slice.
+# Layouts: heads first, then tiles, so that one tile's keys are a plain slice (no copy).
 # --------------------------------------------------------------------------------------------
 
 
-def _to_tiles(x: Tensor, st: _Setup) -> Tensor:
-    """``[..., H, Lq, D]`` -> ``[n_tiles, B, Hkv, G * Tq, D]`` (padded rows are zero)."""
-    b, hkv, g, tq, lq = st.batch, st.kv_heads, st.groups, st.q_tile, st.req.q_len
-    x = x.reshape(b, hkv, g, lq, x.shape[-1])
-    x = torch.nn.functional.pad(x, (0, 0, 0, st.n_tiles * tq - lq))
-    d = x.shape[-1]
-    x = x.view(b, hkv, g, st.n_tiles, tq, d).permute(3, 0, 1, 2, 4, 5)
-    return x.reshape(st.n_tiles, b, hkv, g * tq, d)
+def _to_tiles(x: Tensor, st: _Setup, scale: float = 1.0) -> Tensor:
+    """``[..., H, Lq, D]`` -> ``[B, Hkv, n_tiles, G * Tq, D]`` times ``scale`` (padded rows are 0)."""
+    b, hkv, g, tq, lq, d = st.batch, st.kv_heads, st.groups, st.q_tile, st.req.q_len, x.shape[-1]
+    out = x.new_zeros(b, hkv, st.n_tiles, g, tq, d)
+    src = x.reshape(b, hkv, g, lq, d)
+    full = lq // tq
+    if full:
+        out[:, :, :full].copy_(src[:, :, :, : full * tq].view(b, hkv, g, full, tq, d).transpose(2, 3))
+    if lq % tq:
+        out[:, :, full, :, : lq % tq] = src[:, :, :, full * tq:]
+    if scale != 1.0:
+        out.mul_(scale)
+    return out.view(b, hkv, st.n_tiles, g * tq, d)
 
 
 def _from_tiles(x: Tensor, st: _Setup) -> Tensor:
     """Inverse of :func:`_to_tiles`, back to ``[..., H, Lq, D]``."""
-    b, hkv, g, tq = st.batch, st.kv_heads, st.groups, st.q_tile
-    d = x.shape[-1]
-    x = x.view(st.n_tiles, b, hkv, g, tq, d).permute(1, 2, 3, 0, 4, 5)
+    b, hkv, g, tq, d = st.batch, st.kv_heads, st.groups, st.q_tile, x.shape[-1]
+    x = x.view(b, hkv, st.n_tiles, g, tq, d).transpose(2, 3)
     x = x.reshape(b, st.heads, st.n_tiles * tq, d)[:, :, : st.req.q_len]
-    return x.reshape(*st.req.batch_shape, st.heads, st.req.q_len, x.shape[-1])
+    return x.reshape(*st.req.batch_shape, st.heads, st.req.q_len, d)
 
 
 def _to_rows(x: Tensor, st: _Setup) -> Tensor:
-    """``[..., Hkv, Lk, D]`` -> ``[Lk_padded, B, Hkv, D]`` (padded keys are zero)."""
-    x = x.reshape(st.batch, st.kv_heads, st.req.kv_len, x.shape[-1]).permute(2, 0, 1, 3)
-    return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, 0, 0, st.kv_padded - st.req.kv_len))
+    """``[..., Hkv, Lk, D]`` -> ``[B, Hkv, Lk_padded, D]`` (padded keys are zero)."""
+    x = x.reshape(st.batch, st.kv_heads, st.req.kv_len, x.shape[-1])
+    return torch.nn.functional.pad(x, (0, 0, 0, st.kv_padded - st.req.kv_len)) if st.kv_padded > st.req.kv_len \
+        else x
 
 
 def _from_rows(x: Tensor, st: _Setup) -> Tensor:
-    x = x[: st.req.kv_len].permute(1, 2, 0, 3)
+    x = x[:, :, : st.req.kv_len]
     return x.reshape(*st.req.batch_shape, st.kv_heads, st.req.kv_len, x.shape[-1])
 
 
 def _take(x: Tensor, bt: _tiling.Batch) -> Tensor:
-    return x[bt.tile_range[0]:bt.tile_range[1]] if bt.tile_range else x.index_select(0, bt.tiles)
+    return x[:, :, bt.tile_range[0]:bt.tile_range[1]] if bt.tile_range else x.index_select(2, bt.tiles)
 
 
 def _put(x: Tensor, bt: _tiling.Batch, value: Tensor) -> None:
     if bt.tile_range:
-        x[bt.tile_range[0]:bt.tile_range[1]] = value
+        x[:, :, bt.tile_range[0]:bt.tile_range[1]] = value
     else:
-        x.index_copy_(0, bt.tiles, value)
+        x.index_copy_(2, bt.tiles, value)
 
 
 def _add(x: Tensor, bt: _tiling.Batch, value: Tensor) -> None:
     if bt.tile_range:
-        x[bt.tile_range[0]:bt.tile_range[1]] += value
+        x[:, :, bt.tile_range[0]:bt.tile_range[1]] += value
     else:
-        x.index_add_(0, bt.tiles, value)
+        x.index_add_(2, bt.tiles, value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,15 +230,15 @@ def _add(x: Tensor, bt: _tiling.Batch, value: Tensor) -> None:
 
 @dataclass
 class _Chunk:
-    """The gathered operands and index grids of one batch of chunks."""
+    """The operands and index grids of one batch of chunks."""
 
-    q: Tensor  # [J, B, Hkv, G*Tq, E] (pre-scaled)
-    k: Tensor  # [J, B, Hkv, W, E]
-    v: Tensor  # [J, B, Hkv, W, Ev]
-    key_index: Tensor  # [J * W] rows of the padded key layout
-    b: Tensor  # index grids broadcasting to [J, B, Hkv, G, Tq, W]
+    q: Tensor  # [B, Hkv, J, G*Tq, E] (pre-scaled)
+    k: Tensor  # [B, Hkv, J, W, E]
+    v: Tensor  # [B, Hkv, J, W, Ev]
+    key_index: Tensor  # [J * W] positions in the padded key layout
+    b: Tensor  # index grids broadcasting to [B, Hkv, J, G, Tq, W]
     h: Tensor
-    q_idx: Tensor
+    q_raw: Tensor
     kv_raw: Tensor
 
 
@@ -239,46 +246,76 @@ def _gather(st: _Setup, bt: _tiling.Batch, qt: Tensor, kr: Tensor, vr: Tensor) -
     dev = qt.device
     j, w, tq, g, hkv = len(bt.tiles), bt.width, st.q_tile, st.groups, st.kv_heads
     key_index = (bt.starts.view(-1, 1) + torch.arange(w)).flatten().to(dev)
-    k = kr.index_select(0, key_index).view(j, w, st.batch, hkv, -1).permute(0, 2, 3, 1, 4)
-    v = vr.index_select(0, key_index).view(j, w, st.batch, hkv, -1).permute(0, 2, 3, 1, 4)
-    rows = (bt.tiles.view(-1, 1) * tq + torch.arange(tq)).clamp(max=st.req.q_len - 1).to(dev)
+    if j == 1:  # a slice: no copy
+        k0 = int(bt.starts[0])
+        k, v = kr[:, :, None, k0:k0 + w], vr[:, :, None, k0:k0 + w]
+    else:
+        k = kr.index_select(2, key_index).view(st.batch, hkv, j, w, kr.shape[-1])
+        v = vr.index_select(2, key_index).view(st.batch, hkv, j, w, vr.shape[-1])
+    rows = bt.tiles.view(-1, 1) * tq + torch.arange(tq)
     return _Chunk(
         q=_take(qt, bt), k=k, v=v, key_index=key_index,
-        b=torch.arange(st.batch, device=dev).view(1, -1, 1, 1, 1, 1),
-        h=(torch.arange(hkv, device=dev).view(-1, 1) * g + torch.arange(g, device=dev)).view(1, 1, hkv, g, 1, 1),
-        q_idx=rows.view(j, 1, 1, 1, tq, 1),
-        kv_raw=key_index.view(j, 1, 1, 1, 1, w),
+        b=torch.arange(st.batch, device=dev).view(-1, 1, 1, 1, 1, 1),
+        h=(torch.arange(hkv, device=dev).view(-1, 1) * g + torch.arange(g, device=dev)).view(1, hkv, 1, g, 1, 1),
+        q_raw=rows.to(dev).view(1, 1, j, 1, tq, 1),
+        kv_raw=key_index.view(1, 1, j, 1, 1, w),
     )
 
 
+def _mask_bias(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int) -> Tensor:
+    """Additive ``0 / -inf`` for columns ``a:e`` of the batch (adding beats ``masked_fill``).
+
+    Causal and window masks depend only on ``kv - q`` and on ``kv < Lk``, so their tiles repeat
+    along the diagonal and are computed once per call.
+    """
+    req = st.req
+    key = None
+    if req.mask_mod is None and req.mask is None:
+        rel = (bt.starts - bt.tiles * st.q_tile).tolist()
+        ends = (bt.starts + e).clamp(max=req.kv_len).tolist()
+        key = (tuple(rel), tuple(x - s for x, s in zip(ends, bt.starts.tolist(), strict=True)), a, e)
+        hit = st.mask_cache.get(key)
+        if hit is not None:
+            return hit
+        q = c.q_raw
+    else:
+        q = c.q_raw.clamp(max=req.q_len - 1)
+    ok = _allowed(st, c.b, c.h, q, c.kv_raw[..., a:e])
+    bias = torch.zeros(ok.shape, dtype=c.q.dtype, device=ok.device).masked_fill_(~ok, _NEG_INF)
+    if key is not None and len(st.mask_cache) < 256:
+        st.mask_cache[key] = bias
+    return bias
+
+
 def _scores(st: _Setup, bt: _tiling.Batch, c: _Chunk, *, track_mod: bool = False):
-    """Masked, modified scores ``[J, B, Hkv, G, Tq, W]``, a fresh tensor safe to change in place.
+    """Masked, modified scores ``[B, Hkv, J, G, Tq, W]``, a fresh tensor safe to change in place.
 
     With ``track_mod`` also returns ``(x, y)``: the score_mod's input (a leaf requiring grad) and
     its output, for the backward pass.
     """
     global largest_score_tile
     req = st.req
-    s = torch.matmul(c.q, c.k.transpose(-2, -1))  # [J, B, Hkv, G*Tq, W]
+    s = torch.matmul(c.q, c.k.transpose(-2, -1))  # [B, Hkv, J, G*Tq, W]
     largest_score_tile = max(largest_score_tile, s.numel())
-    s = s.view(s.shape[0], st.batch, st.kv_heads, st.groups, st.q_tile, bt.width)
-    kv = c.kv_raw.clamp(max=req.kv_len - 1)
+    s = s.view(st.batch, st.kv_heads, s.shape[2], st.groups, st.q_tile, bt.width)
+    if req.bias is not None or req.score_mod is not None:
+        q = c.q_raw.clamp(max=req.q_len - 1)
+        kv = c.kv_raw.clamp(max=req.kv_len - 1)
     if req.bias is not None:
-        s += _dense(req.bias, req.batch_shape, c.b, c.h, c.q_idx, kv).to(s.dtype)
+        s += _dense(req.bias, req.batch_shape, c.b, c.h, q, kv).to(s.dtype)
     graph = None
     if req.score_mod is not None:
         if track_mod:
             x = s.requires_grad_()
             with torch.enable_grad():
-                y = req.score_mod(x, c.b, c.h, c.q_idx, kv)
+                y = req.score_mod(x, c.b, c.h, q, kv)
             graph = (x, y)
             s = torch.broadcast_to(y.detach().to(x.dtype), x.shape).clone()
         else:
-            y = req.score_mod(s, c.b, c.h, c.q_idx, kv).to(s.dtype)
+            y = req.score_mod(s, c.b, c.h, q, kv).to(s.dtype)
             s = y if y.shape == s.shape and y.is_contiguous() else torch.broadcast_to(y, s.shape).clone()
     for a, e in bt.partial:
-        ok = _allowed(st, c.b, c.h, c.q_idx, c.kv_raw[..., a:e])
-        s[..., a:e].masked_fill_(~ok, _NEG_INF)
+        s[..., a:e] += _mask_bias(st, bt, c, a, e)
     return s, graph
 
 
@@ -287,62 +324,79 @@ def _scores(st: _Setup, bt: _tiling.Batch, c: _Chunk, *, track_mod: bool = False
 # --------------------------------------------------------------------------------------------
 
 
+def _chunk_softmax(s: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over the last dim and its log-sum-exp; rows with nothing allowed give ``(0, -inf)``.
+
+    ``torch.softmax`` is one fused, cache-friendly pass per row, where max / subtract / exp / sum
+    would be four passes over a tile bigger than the cache. The log-sum-exp follows from the
+    largest probability: ``lse = max(s) - log(max(p))``.
+    """
+    p = torch.softmax(s, -1)
+    p_max = p.amax(-1)
+    lse = s.amax(-1) - torch.log(p_max)
+    dead = torch.isnan(p_max)
+    if dead.any():
+        p = torch.nan_to_num_(p, nan=0.0)
+        lse = lse.masked_fill(dead, _NEG_INF)
+    return p, lse
+
+
+def _visits(st: _Setup) -> Tensor:
+    """How many batches each tile takes part in."""
+    count = torch.zeros(st.n_tiles, dtype=torch.int64)
+    for bt in st.batches:
+        count[bt.tiles] += 1
+    return count
+
+
 def _forward(st: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Returns ``(out [n_tiles, B, Hkv, G*Tq, Ev], lse [n_tiles, B, Hkv, G*Tq])`` in the compute dtype."""
-    qt = _to_tiles(q * st.req.scale, st)
+    """Returns ``(out [B, Hkv, n_tiles, G*Tq, Ev], lse [B, Hkv, n_tiles, G*Tq])`` in the compute dtype."""
+    qt = _to_tiles(q, st, st.req.scale)
     kr, vr = _to_rows(k, st), _to_rows(v, st)
     rows = st.groups * st.q_tile
-    acc = qt.new_zeros(st.n_tiles, st.batch, st.kv_heads, rows, v.shape[-1])
-    run_max = qt.new_full((st.n_tiles, st.batch, st.kv_heads, rows), _NEG_INF)
-    run_sum = qt.new_zeros(st.n_tiles, st.batch, st.kv_heads, rows)
+    out = qt.new_zeros(st.batch, st.kv_heads, st.n_tiles, rows, v.shape[-1])
+    lse = qt.new_full((st.batch, st.kv_heads, st.n_tiles, rows), _NEG_INF)
     visited = torch.zeros(st.n_tiles, dtype=torch.bool)
     for bt in st.batches:
         c = _gather(st, bt, qt, kr, vr)
         s, _ = _scores(st, bt, c)
-        s = s.view(*c.q.shape[:-1], bt.width)  # [J, B, Hkv, G*Tq, W]
-        m = s.amax(-1)
-        if not visited[bt.tiles].any():
-            m_safe = torch.where(m == _NEG_INF, 0.0, m)
-            p = s.sub_(m_safe.unsqueeze(-1)).exp_()
-            _put(run_max, bt, m)
-            _put(run_sum, bt, p.sum(-1))
-            _put(acc, bt, torch.matmul(p, c.v))
-        else:
-            m_old = _take(run_max, bt)
-            m_new = torch.maximum(m_old, m)
-            m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)
-            p = s.sub_(m_safe.unsqueeze(-1)).exp_()
-            alpha = torch.exp(m_old - m_safe)
-            _put(run_max, bt, m_new)
-            _put(run_sum, bt, _take(run_sum, bt) * alpha + p.sum(-1))
-            _put(acc, bt, torch.baddbmm(
-                (_take(acc, bt) * alpha.unsqueeze(-1)).flatten(0, 2), p.flatten(0, 2), c.v.flatten(0, 2),
-            ).view_as(_take(acc, bt)))
+        p, lse_j = _chunk_softmax(s.view(*c.q.shape[:-1], bt.width))  # [B, Hkv, J, G*Tq, W]
+        out_j = torch.matmul(p, c.v)
+        if visited[bt.tiles].any():  # merge with the chunks seen before (online softmax)
+            out_j, lse_j = merge_partials(_take(out, bt), _take(lse, bt), out_j, lse_j)
+        _put(out, bt, out_j)
+        _put(lse, bt, lse_j)
         visited[bt.tiles] = True
-    live = run_sum > 0
-    out = acc / torch.where(live, run_sum, 1.0).unsqueeze(-1)
-    lse = torch.where(live, run_max + torch.log(torch.where(live, run_sum, 1.0)), _NEG_INF)
     return out, lse
 
 
 def _backward(st: _Setup, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
               captured: tuple[Tensor, ...]):
     scale = st.req.scale
-    qt = _to_tiles(q * scale, st)
+    qt = _to_tiles(q, st, scale)
     kr, vr = _to_rows(k, st), _to_rows(v, st)
     do = _to_tiles(dout, st)
-    delta = (do * out).sum(-1)  # [n_tiles, B, Hkv, G*Tq]
+    visits = _visits(st)
+    delta = (do * out).sum(-1) if bool((visits > 1).any()) else None  # [B, Hkv, n_tiles, G*Tq]
     lse = torch.where(torch.isfinite(lse), lse, 0.0)
-    dq, dk, dv = torch.zeros_like(qt), torch.zeros_like(kr), torch.zeros_like(vr)
+    dq = torch.zeros_like(qt)
+    dk = kr.new_zeros(st.batch, st.kv_heads, st.kv_padded, kr.shape[-1])
+    dv = vr.new_zeros(st.batch, st.kv_heads, st.kv_padded, vr.shape[-1])
     dcap = [torch.zeros_like(t) for t in captured]
     for bt in st.batches:
         c = _gather(st, bt, qt, kr, vr)
         s, graph = _scores(st, bt, c, track_mod=st.req.score_mod is not None)
         shape5 = (*c.q.shape[:-1], bt.width)
-        p = s.view(shape5).sub_(_take(lse, bt).unsqueeze(-1)).exp_()  # the final probabilities
         do_j = _take(do, bt)
-        dv_j = torch.matmul(p.transpose(-2, -1), do_j)  # [J, B, Hkv, W, Ev]
-        ds = torch.matmul(do_j, c.v.transpose(-2, -1)).sub_(_take(delta, bt).unsqueeze(-1)).mul_(p)
+        whole = bool((visits[bt.tiles] == 1).all())
+        if whole:  # the chunk is the tile's whole row: fused softmax and its fused backward
+            p = _chunk_softmax(s.view(shape5))[0]
+            dp = torch.matmul(do_j, c.v.transpose(-2, -1))
+            ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
+        else:  # probabilities under the full row from the saved log-sum-exp (FlashAttention-2)
+            p = s.view(shape5).sub_(_take(lse, bt).unsqueeze(-1)).exp_()
+            ds = torch.matmul(do_j, c.v.transpose(-2, -1)).sub_(_take(delta, bt).unsqueeze(-1)).mul_(p)
+        dv_j = torch.matmul(p.transpose(-2, -1), do_j)  # [B, Hkv, J, W, Ev]
         if graph is not None:
             x, y = graph
             grads = torch.autograd.grad(y, [x, *captured], ds.view(x.shape).sum_to_size(y.shape).to(y.dtype),
@@ -352,9 +406,14 @@ def _backward(st: _Setup, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
                 if g is not None:
                     acc_g += g
         _add(dq, bt, torch.matmul(ds, c.k))
-        dk_j = torch.matmul(ds.transpose(-2, -1), c.q)  # [J, B, Hkv, W, E]
-        dk.index_add_(0, c.key_index, dk_j.permute(0, 3, 1, 2, 4).flatten(0, 1))
-        dv.index_add_(0, c.key_index, dv_j.permute(0, 3, 1, 2, 4).flatten(0, 1))
+        dk_j = torch.matmul(ds.transpose(-2, -1), c.q)  # [B, Hkv, J, W, E]
+        if dk_j.shape[2] == 1:
+            k0 = int(bt.starts[0])
+            dk[:, :, k0:k0 + bt.width] += dk_j[:, :, 0]
+            dv[:, :, k0:k0 + bt.width] += dv_j[:, :, 0]
+        else:
+            dk.index_add_(2, c.key_index, dk_j.flatten(2, 3))
+            dv.index_add_(2, c.key_index, dv_j.flatten(2, 3))
     return _from_tiles(dq, st) * scale, _from_rows(dk, st), _from_rows(dv, st), dcap
 
 
