@@ -13,11 +13,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 import attnkit  # noqa: E402
 from attnkit.backends.reference import ReferenceBackend  # noqa: E402
 from attnkit.backends.sdpa import SDPABackend  # noqa: E402
-from attnkit.models import Bert, Tokenizer, bundled_model_dir  # noqa: E402
+from attnkit.models import Bert, BertConfig, Tokenizer, bundled_model_dir  # noqa: E402
 from tests.tolerances import MODEL_PARITY_FP32, close  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -234,3 +236,30 @@ def test_forward_validates_inputs(ours):
         ours(ids, token_type_ids=torch.full((1, 3), 2))
     with pytest.raises(TypeError, match="sentences must be"):
         ours.encode(5)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=24, max_position_embeddings=16)
+    torch.manual_seed(0)
+    return Bert(cfg).eval()
+
+
+@settings(max_examples=15)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3), seed=st.integers(0, 2**16))
+@torch.no_grad()
+def test_padding_tokens_never_reach_real_tokens(tiny, lengths, seed):
+    """Property: whatever sits in the padding, real tokens' states and weights do not change."""
+    g = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    ids = torch.randint(0, 40, (len(lengths), n), generator=g)
+    am = (torch.arange(n) < torch.tensor(lengths)[:, None]).long()
+    other = torch.where(am.bool(), ids, torch.randint(0, 40, ids.shape, generator=g))
+    a = tiny(ids, attention_mask=am, output_attentions=True)
+    b = tiny(other, attention_mask=am, output_attentions=True)
+    real = am.bool()
+    close(b.last_hidden_state[real], a.last_hidden_state[real], **MODEL_PARITY_FP32)
+    for wa, wb in zip(a.attentions, b.attentions, strict=True):
+        rows = real[:, None, :, None] & real[:, None, None, :]  # real query x real key
+        close(wb.masked_select(rows), wa.masked_select(rows), **MODEL_PARITY_FP32)
