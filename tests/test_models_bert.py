@@ -143,11 +143,12 @@ def test_padding_does_not_change_real_tokens(ours, tok):
 
 def test_sentence_embeddings_match_sentence_transformers(ours, model_dir):
     st = pytest.importorskip("sentence_transformers")
-    ref = st.SentenceTransformer(str(model_dir), device="cpu").encode(SENTENCES, convert_to_tensor=True)
-    emb = ours.encode(SENTENCES, batch_size=3)
-    assert emb.shape == (len(SENTENCES), 384)
+    texts = SENTENCES + [" ".join(["the river bank"] * 150)]  # 450 words: truncated to 256 tokens
+    ref = st.SentenceTransformer(str(model_dir), device="cpu").encode(texts, convert_to_tensor=True)
+    emb = ours.encode(texts, batch_size=3)
+    assert emb.shape == (len(texts), 384)
     _parity(emb, ref.cpu())
-    close(emb.norm(dim=1), torch.ones(len(SENTENCES)))
+    close(emb.norm(dim=1), torch.ones(len(texts)))
     close(ours.encode(SENTENCES[0])[0], emb[0])
 
 
