@@ -112,6 +112,23 @@ def test_greedy_generation_equals_transformers_and_uncached_loop(pair, prompts):
     assert torch.equal(cached, ref)
 
 
+def test_left_padded_batch_generation(pair, prompts):
+    """Prompts of lengths 9, 6, 3 padded on the left: transformers' tokens, and each row's tokens alone."""
+    hf, gpt = pair
+    am = torch.ones_like(prompts)
+    am[1, :3] = 0
+    am[2, :6] = 0
+    ids = prompts.masked_fill(am == 0, 7)
+    cached = gpt.generate(ids, 16, attention_mask=am)
+    uncached = gpt.generate(ids, 16, attention_mask=am, use_cache=False)
+    ref = hf.generate(ids, attention_mask=am, max_new_tokens=16, do_sample=False)
+    assert torch.equal(cached, uncached)
+    assert torch.equal(cached, ref)
+    for row, start in ((1, 3), (2, 6)):
+        alone = gpt.generate(ids[row:row + 1, start:], 16)
+        assert torch.equal(alone[0, 9 - start:], cached[row, 9:])
+
+
 def test_eos_stops_and_pads_like_transformers(pair, prompts):
     hf, gpt = pair
     free = gpt.generate(prompts, max_new_tokens=12)
@@ -165,6 +182,12 @@ def test_bad_arguments(pair, prompts):
         gpt.generate(prompts, max_new_tokens=-1)
     with pytest.raises(ValueError, match=r"attention_mask must be \[B, T\]"):
         gpt(prompts, attention_mask=torch.ones(3, 4))
+    with pytest.raises(ValueError, match=r"position_ids must lie in \[0, 64\)"):
+        gpt(prompts, position_ids=torch.arange(60, 69))
+    with pytest.raises(ValueError, match=r"position_ids must be an integer \[B, L\] = \(3, 9\)"):
+        gpt(prompts, position_ids=torch.arange(4))
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B, L\] = \(3, 9\) like input_ids"):
+        gpt.generate(prompts, 2, attention_mask=torch.ones(3, 8))
     with pytest.raises(ValueError, match="cache must be a list of 3 KVCache"):
         gpt(prompts, cache=gpt.make_cache(3, 9)[:1])
     with pytest.raises(TypeError, match="transformers GPT2LMHeadModel"):

@@ -232,6 +232,7 @@ class GPT2(nn.Module):
         self,
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
         *,
         cache: list[KVCache] | None = None,
         output_attentions: bool = False,
@@ -242,7 +243,10 @@ class GPT2(nn.Module):
             input_ids: ``[B, L]`` new tokens; with ``cache`` they sit at positions
                 ``cache[0].seq_len ...``.
             attention_mask: ``[B, T]`` 1 = real token, 0 = padding (``T`` counts cached
-                tokens too); for right padding.
+                tokens too). With left padding pass ``position_ids`` as well (what
+                :func:`positions_from_mask` gives), as ``transformers`` does.
+            position_ids: ``[B, L]`` or ``[L]`` absolute positions of the new tokens (default
+                ``cache_len ... cache_len + L - 1``).
             cache: from :meth:`make_cache`; updated in place.
             output_attentions: also return each layer's weights ``[B, H, L, T]``.
 
@@ -274,7 +278,20 @@ class GPT2(nn.Module):
             key_mask = attention_mask != 0
             if bool(key_mask.all()):
                 key_mask = None
-        pos = torch.arange(start, start + n, device=input_ids.device)
+        if position_ids is None:
+            pos = torch.arange(start, start + n, device=input_ids.device)
+        else:
+            if not isinstance(position_ids, Tensor) or position_ids.is_floating_point() or \
+                    position_ids.shape[-1] != n or position_ids.dim() > 2 or \
+                    (position_ids.dim() == 2 and position_ids.shape[0] not in (1, b)):
+                got = tuple(position_ids.shape) if isinstance(position_ids, Tensor) else \
+                    type(position_ids).__name__
+                raise ValueError(f"position_ids must be an integer [B, L] = {(b, n)} or [L] tensor, got {got}")
+            if position_ids.numel() and (int(position_ids.min()) < 0 or
+                                         int(position_ids.max()) >= self.config.n_positions):
+                raise ValueError(f"position_ids must lie in [0, {self.config.n_positions}), got values in "
+                                 f"[{int(position_ids.min())}, {int(position_ids.max())}]")
+            pos = position_ids
         x = self.dropout(self.wte(input_ids) + self.wpe(pos))  # (B, L, E)
         attns = []
         for i, block in enumerate(self.blocks):
@@ -290,6 +307,7 @@ class GPT2(nn.Module):
         input_ids: Tensor,
         max_new_tokens: int = 20,
         *,
+        attention_mask: Tensor | None = None,
         use_cache: bool = True,
         do_sample: bool = False,
         temperature: float = 1.0,
@@ -306,8 +324,10 @@ class GPT2(nn.Module):
         padded with ``pad_token_id`` (default: eos) until all are done, as ``transformers`` does.
 
         Args:
-            input_ids: ``[B, L]`` prompts of equal length (no padding).
+            input_ids: ``[B, L]`` prompts.
             max_new_tokens: how many tokens to add at most.
+            attention_mask: ``[B, L]``, 0 = padding, for prompts of different lengths padded on
+                the left; positions then count real tokens only (as in ``transformers``).
             use_cache: decode incrementally on a :class:`~attnkit.cache.KVCache`.
             do_sample: sample from ``softmax(logits / temperature)``, restricted to the ``top_k``.
             eos_token_id: stop token (default: the config's).
@@ -331,15 +351,26 @@ class GPT2(nn.Module):
         if max_new_tokens == 0:
             return out
         cache = self.make_cache(b, n + max_new_tokens) if use_cache else None
+        if attention_mask is not None and (not isinstance(attention_mask, Tensor) or
+                                           tuple(attention_mask.shape) != (b, n)):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else \
+                type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be [B, L] = {(b, n)} like input_ids, got {got}")
+        mask = attention_mask
         done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         step_in = input_ids
         for _ in range(max_new_tokens):
-            logits = self(step_in if use_cache else out, cache=cache).logits[:, -1]  # (B, V)
+            pos = None if mask is None else positions_from_mask(mask)
+            if use_cache and pos is not None:
+                pos = pos[:, -step_in.shape[1]:]
+            logits = self(step_in if use_cache else out, mask, pos, cache=cache).logits[:, -1]  # (B, V)
             nxt = self._pick(logits, do_sample, temperature, top_k, generator)
             if eos is not None:
                 nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
                 done = done | (nxt == eos)
             out = torch.cat([out, nxt[:, None]], dim=1)
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             step_in = nxt[:, None]
             if eos is not None and bool(done.all()):
                 break
@@ -355,3 +386,12 @@ class GPT2(nn.Module):
             logits = logits.masked_fill(logits < kth, float("-inf"))
         return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
 
+
+def positions_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions that count real tokens only: ``cumsum(mask) - 1``, padding at position 0.
+
+    ``[[0, 0, 1, 1, 1]] -> [[0, 0, 0, 1, 2]]``: a left-padded prompt starts at position 0, as
+    if the padding were not there (``transformers``' convention for GPT-2 generation).
+    """
+    m = (attention_mask != 0).long()
+    return (m.cumsum(-1) - 1).clamp(min=0)
