@@ -196,3 +196,16 @@ def test_gpt2_folder_errors(tmp_path):
     _edit_config(d, model_type="bert")
     with pytest.raises(ValueError, match=r"key 'model_type' is 'bert', expected one of \['gpt2'\]"):
         GPT2.from_pretrained(d)
+
+
+def test_loading_never_unpickles(monkeypatch, good):
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pickle load was attempted")
+
+    for mod, name in ((torch, "load"), (pickle, "load"), (pickle, "loads")):
+        monkeypatch.setattr(mod, name, refuse)
+    (good / "pytorch_model.bin").write_bytes(b"never read")  # present next to the safetensors file
+    assert Bert.from_pretrained(good).layers[0].attn.q_proj.weight.shape == (16, 16)
+    assert Bert.from_pretrained().encode("a sentence").shape == (1, 384)
