@@ -2,16 +2,17 @@
 
 Each rank holds a shard of the queries and of the keys/values (see :mod:`.shard` for the
 layouts). The key/value blocks travel once around the ring; each rank attends its queries to the
-block it holds with :func:`attnkit.ops.tiles.tile_forward` while the next block is already in
-flight, and merges the partial results through their log-sum-exp (Liu, Zaharia & Abbeel 2023,
+block it holds with :func:`attnkit.ops.tiles.tile_forward` (in tiles of at most 512 x 512
+scores, so a rank's working memory does not grow with its shard lengths) while the next block is
+already in flight, and merges the partial results through their log-sum-exp (Liu, Zaharia & Abbeel 2023,
 "Ring Attention with Blockwise Transformers"; the per-tile maths is FlashAttention's). The
-backward sends the key/value blocks around again, together with a float32 accumulator for their
-gradients, which comes home to its owner after the last step.
+backward sends the key/value blocks around again, together with an accumulator for their
+gradients (float32 for half inputs), which comes home to its owner after the last step.
 
 Masks are evaluated on *global* positions with the :mod:`attnkit.masks` predicates, for each pair
 (this rank's queries, the block in hand), so ``is_causal``, ``window`` and padding mean exactly
-what they mean in :func:`attnkit.attention` on the unsharded sequence. A block with nothing
-allowed is not computed (it is still passed on).
+what they mean in :func:`attnkit.attention` on the unsharded sequence. A tile with nothing
+allowed is not computed (a block with nothing allowed is still passed on).
 
 All communication of a call lives inside one ``autograd.Function``: one ``all_gather`` of the
 shard lengths, then point-to-point exchanges with the ring neighbours in the same order on every
@@ -178,7 +179,10 @@ class _RingAttention(torch.autograd.Function):
             if acc_in is None:
                 acc = local if local is not None else kv.new_zeros(kv.shape, dtype=cd)
             else:
-                acc = acc_in if local is None else acc_in + local
+                acc = acc_in  # received in full: add in place, one block-sized buffer fewer
+                if local is not None:
+                    acc += local
+            del local
             _wait(kv_works)
             if nxt is not None:
                 kv = nxt
