@@ -44,7 +44,7 @@ Q_TILE = 128
 KV_BLOCK = 128
 KV_CHUNK = 1024
 #: Most scores held at once by one batched matmul (float32: 4 bytes each).
-SCORE_BUDGET = 1 << 22
+SCORE_BUDGET = 1 << 20
 
 #: Test hook: the largest number of scores one step has held (reset it to 0 to measure a call).
 largest_score_tile = 0

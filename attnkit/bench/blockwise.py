@@ -1,0 +1,331 @@
+"""``attnkit bench blockwise``: programmable attention on CPU against SDPA, FlexAttention and the machine.
+
+Measures, in one run and interleaved (so that load from other processes hits every candidate alike):
+
+* sliding window ``|i - j| <= 256``: forward against SDPA with the dense bool mask and against
+  compiled FlexAttention with a BlockMask (its compile time reported apart); forward+backward
+  against SDPA (FlexAttention has no CPU backward);
+* ALiBi as a ``score_mod``, causal and not, forward+backward against SDPA given the dense float bias;
+* efficiency: GFLOP/s over the cells actually attended, as a fraction of measured matmul GFLOP/s;
+* peak RSS of forward+backward with a score_mod against ``n``, each ``n`` in a fresh subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import masks, scores
+from ..functional import attention
+from ._util import attention_flops, markdown_table, matmul_gflops, median_time, peak_rss_mb, write_report
+
+H, D, WINDOW = 8, 64, 256
+
+
+def _interleaved(cands: dict, rounds: int) -> dict[str, float]:
+    """Median seconds per candidate; each round runs every candidate once, in turn."""
+    times: dict[str, list[float]] = {name: [] for name in cands}
+    for fn in cands.values():  # warm-up
+        fn()
+    for _ in range(rounds):
+        for name, fn in cands.items():
+            times[name].append(median_time(fn, repeat=1, warmup=0))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _fwd_bwd(fn, q, k, v):
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        out = fn(q, k, v)
+        out.backward(torch.ones_like(out))
+    return run
+
+
+def _flex_child(n: int, rounds: int) -> None:
+    """Compiled FlexAttention with a BlockMask against blockwise, forward, interleaved; print JSON.
+
+    Runs in its own process: the compiled kernel brings its own OpenMP threads, which would stay
+    behind and disturb every later measurement of the parent.
+    """
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, n, D) for _ in range(3))
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def window(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx <= WINDOW) & (kv_idx - q_idx <= WINDOW)
+
+        t0 = time.perf_counter()
+        block_mask = create_block_mask(window, None, None, n, n, device="cpu")
+        compiled = torch.compile(flex_attention)
+        with torch.no_grad():
+            compiled(q, k, v, block_mask=block_mask)
+        seconds = time.perf_counter() - t0
+    except Exception as e:  # reported verbatim in the table
+        print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}))
+        return
+    with torch.no_grad():
+        res = _interleaved({"flex": lambda: compiled(q, k, v, block_mask=block_mask),
+                            "mine": lambda: attention(q, k, v, window=(WINDOW, WINDOW))}, rounds)
+    print(json.dumps({"compile_s": seconds, **res}))
+
+
+def _cpu_child(n: int, n_alibi: int, rounds: int) -> None:
+    """The main comparisons again, on one thread, timed by CPU time; print JSON.
+
+    Other processes sharing the cores stretch wall time most for code made of many parallel
+    regions (every region waits for its slowest thread); one thread and ``process_time`` measure
+    the work itself.
+    """
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    def cpu(fn) -> float:
+        fn()
+        ts = []
+        for _ in range(rounds):
+            t0 = time.process_time()
+            fn()
+            ts.append(time.process_time() - t0)
+        return statistics.median(ts)
+
+    q, k, v = (torch.randn(1, H, n, D, requires_grad=True) for _ in range(3))
+    dense = masks.sliding_window(n, left=WINDOW, right=WINDOW)
+    res = {}
+    with torch.no_grad():
+        res["window_fwd_sdpa"] = cpu(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense))
+        res["window_fwd_mine"] = cpu(lambda: attention(q, k, v, window=(WINDOW, WINDOW)))
+        res["causal_fwd_sdpa"] = cpu(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        res["causal_fwd_mine"] = cpu(lambda: attention(q, k, v, is_causal=True, backend="blockwise"))
+    res["window_fb_sdpa"] = cpu(_fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=dense),
+                                         q, k, v))
+    res["window_fb_mine"] = cpu(_fwd_bwd(lambda a, b, c: attention(a, b, c, window=(WINDOW, WINDOW)), q, k, v))
+    qa, ka, va = (torch.randn(1, H, n_alibi, D, requires_grad=True) for _ in range(3))
+    slopes = scores.alibi_slopes(H)
+    pos = torch.arange(n_alibi)
+    for causal in (False, True):
+        bias = -slopes.view(-1, 1, 1) * (pos.view(-1, 1) - pos.view(1, -1)).abs()
+        if causal:
+            bias = bias.masked_fill(pos.view(1, -1) > pos.view(-1, 1), float("-inf"))
+        res[f"alibi{causal}_sdpa"] = cpu(_fwd_bwd(lambda a, b, c, bias=bias: F.scaled_dot_product_attention(
+            a, b, c, attn_mask=bias), qa, ka, va))
+        res[f"alibi{causal}_mine"] = cpu(_fwd_bwd(lambda a, b, c, causal=causal: attention(
+            a, b, c, score_mod=scores.alibi(slopes), is_causal=causal), qa, ka, va))
+    a = torch.randn(2048, 2048)
+    res["matmul_gflops"] = 2 * 2048**3 / cpu(lambda: a @ a) / 1e9
+    print(json.dumps(res))
+
+
+def _child(call: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", f"from attnkit.bench.blockwise import {call.split('(')[0]}; {call}"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _window_cells(n: int) -> int:
+    i = torch.arange(n)
+    return int(((i.view(-1, 1) - i.view(1, -1)).abs() <= WINDOW).sum())
+
+
+def _peak_mb() -> float:
+    """This process's peak RSS in MiB.
+
+    Linux hands a child started by fork+exec the parent's ``ru_maxrss``, so ``peak_rss_mb`` would
+    report the benchmark's own peak; ``VmHWM`` belongs to the new address space alone.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return peak_rss_mb()
+
+
+def _rss_child(n: int) -> None:
+    """Forward+backward of causal attention with an ALiBi score_mod at length ``n``; print peak RSS."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, n, D, requires_grad=True) for _ in range(3))
+    slopes = torch.nn.Parameter(scores.alibi_slopes(H))
+    before = _peak_mb()
+    t0 = time.perf_counter()
+    out = attention(q, k, v, is_causal=True, score_mod=scores.alibi(slopes), backend="blockwise")
+    out.backward(torch.ones_like(out))
+    print(json.dumps({"n": n, "peak_mb": _peak_mb(), "inputs_mb": before, "seconds": time.perf_counter() - t0,
+                      "slopes_grad_finite": bool(torch.isfinite(slopes.grad).all())}))
+
+
+def _plot(points: list[dict], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "(matplotlib not installed: no plot)"
+    ns = [p["n"] for p in points]
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    ax.plot(ns, [p["peak_mb"] / 1024 for p in points], "o-", label="attnkit blockwise (measured)")
+    ax.plot(ns, [H * n * n * 4 / 2**30 for n in ns], "--", label="one dense fp32 score matrix")
+    ax.axhline(3.0, color="grey", lw=0.8, ls=":", label="3 GB target")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length n")
+    ax.set_ylabel("peak RSS (GiB)")
+    ax.set_title(f"fwd+bwd, causal + ALiBi score_mod, H={H}, D={D}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return f"![peak RSS against n]({path.name})"
+
+
+def run(quick: bool, out_dir: Path) -> str:
+    torch.manual_seed(0)
+    load_start = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    n = 2048 if quick else 8192
+    n_alibi = 1024 if quick else 4096
+    rounds = 2 if quick else 3
+    peak = matmul_gflops()
+    sections = []
+
+    # --- sliding window: forward --------------------------------------------------------------
+    q, k, v = (torch.randn(1, H, n, D) for _ in range(3))
+    dense = masks.sliding_window(n, left=WINDOW, right=WINDOW)
+    with torch.no_grad():
+        cands = {
+            "SDPA, dense bool mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+            "attnkit blockwise, window=(256, 256)": lambda: attention(q, k, v, window=(WINDOW, WINDOW)),
+        }
+        fwd = _interleaved(cands, rounds)
+    mine = fwd["attnkit blockwise, window=(256, 256)"]
+    cells = _window_cells(n)
+    rows = [[name, t * 1e3, t / mine] for name, t in fwd.items()]
+    flex = _child(f"_flex_child({n}, {rounds})")
+    if "error" in flex:
+        rows.append(["FlexAttention compiled, BlockMask (own process)", f"failed: {flex['error']}", "-"])
+        flex_line = ""
+    else:
+        rows.append(["FlexAttention compiled, BlockMask (own process)", flex["flex"] * 1e3, flex["flex"] / mine])
+        rows.append(["attnkit blockwise (in FlexAttention's process)", flex["mine"] * 1e3, flex["mine"] / mine])
+        flex_line = (f"\n\nFlexAttention compile (create_block_mask + first call): {flex['compile_s']:.1f} s. "
+                     f"Against FlexAttention, both measured interleaved in its process: "
+                     f"{flex['flex'] / flex['mine']:.2f}x (target >= 1.5x).")
+    sections.append(f"## Sliding window |i - j| <= {WINDOW}, n = {n}, forward\n\n"
+                    + markdown_table(["candidate", "median ms", "x attnkit time"], rows)
+                    + f"\n\nTarget: >= 8x faster than SDPA dense (measured "
+                      f"{fwd['SDPA, dense bool mask'] / mine:.2f}x)." + flex_line)
+
+    # --- sliding window: forward + backward ---------------------------------------------------
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    fb = _interleaved({
+        "SDPA, dense bool mask": _fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=dense),
+                                          qg, kg, vg),
+        "attnkit blockwise": _fwd_bwd(lambda a, b, c: attention(a, b, c, window=(WINDOW, WINDOW)), qg, kg, vg),
+    }, rounds)
+    sections.append(f"## Sliding window, n = {n}, forward + backward\n\n"
+                    + markdown_table(["candidate", "median ms", "x attnkit time"],
+                                     [[name, t * 1e3, t / fb["attnkit blockwise"]] for name, t in fb.items()])
+                    + f"\n\nTarget: >= 5x faster than SDPA dense (measured "
+                      f"{fb['SDPA, dense bool mask'] / fb['attnkit blockwise']:.2f}x). "
+                      "FlexAttention has no backward on CPU.")
+
+    # --- ALiBi as score_mod ---------------------------------------------------------------------
+    qa, ka, va = (torch.randn(1, H, n_alibi, D, requires_grad=True) for _ in range(3))
+    slopes = scores.alibi_slopes(H)
+    pos = torch.arange(n_alibi)
+    alibi_rows = []
+    for causal in (False, True):
+        bias = -slopes.view(-1, 1, 1) * (pos.view(-1, 1) - pos.view(1, -1)).abs()
+        if causal:
+            bias = bias.masked_fill(pos.view(1, -1) > pos.view(-1, 1), float("-inf"))
+        res = _interleaved({
+            "sdpa": _fwd_bwd(lambda a, b, c, bias=bias: F.scaled_dot_product_attention(a, b, c, attn_mask=bias),
+                             qa, ka, va),
+            "mine": _fwd_bwd(lambda a, b, c, causal=causal: attention(a, b, c, score_mod=scores.alibi(slopes),
+                                                                      is_causal=causal), qa, ka, va),
+        }, rounds)
+        alibi_rows.append([f"causal={causal}", res["sdpa"] * 1e3, res["mine"] * 1e3, res["mine"] / res["sdpa"]])
+    sections.append(f"## ALiBi as a score_mod, n = {n_alibi}, forward + backward\n\n"
+                    + markdown_table(["case", "SDPA + dense float bias ms", "attnkit blockwise ms",
+                                      "attnkit / SDPA (target <= 1.3)"], alibi_rows))
+
+    # --- efficiency ------------------------------------------------------------------------------
+    with torch.no_grad():
+        causal_fwd = _interleaved({
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            "mine": lambda: attention(q, k, v, is_causal=True, backend="blockwise"),
+        }, rounds)
+    qg2, kg2, vg2 = (t.clone().requires_grad_() for t in (q, k, v))
+    causal_fb = _interleaved({"mine": _fwd_bwd(lambda a, b, c: attention(a, b, c, is_causal=True,
+                                                                          backend="blockwise"), qg2, kg2, vg2)},
+                             max(1, rounds - 1))["mine"]
+    causal_cells = n * (n + 1) // 2
+    eff = []
+    for name, cells_, sec, bwd in (("window, forward", cells, mine, False),
+                                   ("window, forward+backward", cells, fb["attnkit blockwise"], True),
+                                   ("causal, forward", causal_cells, causal_fwd["mine"], False),
+                                   ("causal, forward+backward", causal_cells, causal_fb, True),
+                                   ("SDPA causal (fused kernel), forward", causal_cells, causal_fwd["sdpa"], False)):
+        gf = attention_flops(n, n, D, H, density=cells_ / (n * n), backward=bwd) / sec / 1e9
+        eff.append([name, sec * 1e3, gf, f"{100 * gf / peak:.0f}%"])
+    sections.append(f"## Efficiency at n = {n} (matmul peak measured in this run: {peak:.0f} GFLOP/s)\n\n"
+                    "GFLOP/s counted over attended cells only (4 * cells * D * H forward; backward 2.5x).\n\n"
+                    + markdown_table(["case", "median ms", "GFLOP/s", "of matmul peak (target >= 60%)"], eff))
+
+    # --- memory ------------------------------------------------------------------------------------
+    ns = [1024, 2048, 4096] if quick else [4096, 8192, 16384, 32768]
+    points = [_child(f"_rss_child({m})") for m in ns]
+    points = [p for p in points if "error" not in p]
+    plot = _plot(points, out_dir / "blockwise_memory.png") if not quick else ""
+    sections.append("## Peak RSS, forward+backward, causal + ALiBi score_mod (slopes as nn.Parameter)\n\n"
+                    "Each n in a fresh subprocess; peak RSS includes the Python/torch runtime and the inputs.\n\n"
+                    + markdown_table(["n", "peak RSS MiB", "after inputs MiB", "seconds",
+                                      "one dense fp32 score matrix MiB"],
+                                     [[p["n"], p["peak_mb"], p["inputs_mb"], p["seconds"], H * p["n"] ** 2 * 4 / 2**20]
+                                      for p in points])
+                    + (f"\n\n{plot}" if plot else ""))
+
+    # --- one thread, CPU time -------------------------------------------------------------------
+    c = _child(f"_cpu_child({n}, {n_alibi}, {rounds})")
+    if "error" in c:
+        sections.append(f"## One thread, CPU time\n\nfailed: {c['error']}")
+    else:
+        cases = [("window fwd", "window_fwd", cells, False), ("window fwd+bwd", "window_fb", cells, True),
+                 ("causal fwd", "causal_fwd", n * (n + 1) // 2, False)]
+        rows1 = []
+        for label, key, cells_, bwd in cases:
+            gf = attention_flops(n, n, D, H, density=cells_ / (n * n), backward=bwd) / c[key + "_mine"] / 1e9
+            rows1.append([f"{label}, n = {n}", c[key + "_sdpa"] * 1e3, c[key + "_mine"] * 1e3,
+                          c[key + "_sdpa"] / c[key + "_mine"], f"{100 * gf / c['matmul_gflops']:.0f}%"])
+        for causal in (False, True):
+            key = f"alibi{causal}"
+            rows1.append([f"ALiBi causal={causal} fwd+bwd, n = {n_alibi}", c[key + "_sdpa"] * 1e3,
+                          c[key + "_mine"] * 1e3, c[key + "_sdpa"] / c[key + "_mine"], "-"])
+        sections.append("## One thread, CPU time (robust to other load)\n\n"
+                        "The same comparisons in a subprocess with `torch.set_num_threads(1)`, timed by "
+                        f"`time.process_time` (single-thread matmul: {c['matmul_gflops']:.0f} GFLOP/s). SDPA uses "
+                        "the dense bool mask (window), `is_causal` (causal) or the dense float bias (ALiBi).\n\n"
+                        + markdown_table(["case", "SDPA ms", "attnkit ms", "SDPA / attnkit",
+                                          "attnkit of matmul peak"], rows1))
+
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    body = (f"B=1, H={H}, D={D}, float32 on CPU; medians of {rounds} interleaved rounds. Ratios are "
+            "against anchors measured in the same run; other processes may share the 2 cores, so "
+            f"absolute times are noisy (load average at start: {load_start}, at end: {load}).\n\n"
+            + "\n\n".join(sections))
+    cmd = "attnkit bench blockwise" + (" --quick" if quick else "")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return write_report(out_dir, "blockwise", "Blockwise attention (mask_mod / score_mod / window) on CPU", body,
+                        cmd)
