@@ -108,7 +108,7 @@ def test_corrupt_safetensors(good):
 
 @pytest.mark.parametrize("changes, pattern", [
     ({"model_type": "gpt2"}, r"config\.json: key 'model_type' is 'gpt2', expected one of \['bert'\]"),
-    ({"model_type": None}, r"key 'model_type' is None"),
+    ({"model_type": None, "architectures": None}, r"key 'model_type' is None"),
     ({"architectures": ["RobertaModel"]}, r"key 'architectures' is \['RobertaModel'\]"),
     ({"hidden_size": None}, r"config\.json: required key 'hidden_size' is missing"),
     ({"hidden_size": "16"}, r"key 'hidden_size' must be int, got '16'"),
@@ -121,6 +121,11 @@ def test_bad_config(good, changes, pattern):
     _edit_config(good, **changes)
     with pytest.raises(ValueError, match=pattern):
         Bert.from_pretrained(good)
+
+
+def test_model_type_may_be_absent_when_architectures_says_bert(good):
+    _edit_config(good, model_type=None)
+    assert len(Bert.from_pretrained(good).layers) == 1
 
 
 def test_missing_key_names_file_and_key(good):

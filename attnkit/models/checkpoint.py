@@ -68,20 +68,20 @@ def read_config(folder: Path, model_types: tuple[str, ...], arch_prefixes: tuple
 
     Raises:
         FileNotFoundError: no ``config.json``.
-        ValueError: a ``model_type`` not in ``model_types``, or ``architectures`` none of which
-            starts with one of ``arch_prefixes``.
+        ValueError: ``architectures`` none of which starts with one of ``arch_prefixes``, or a
+            ``model_type`` not in ``model_types`` (it may be absent when ``architectures`` fits).
     """
     file = folder / "config.json"
     cfg = read_json(file)
-    mtype = cfg.get("model_type")
-    if mtype not in model_types:
-        raise ValueError(f"{file}: key 'model_type' is {mtype!r}, expected one of {list(model_types)}")
     archs = cfg.get("architectures")
-    if archs is not None:
-        if not isinstance(archs, list) or not any(isinstance(a, str) and a.startswith(arch_prefixes)
-                                                  for a in archs):
-            raise ValueError(f"{file}: key 'architectures' is {archs!r}, expected a "
-                             f"{'/'.join(arch_prefixes)}* architecture")
+    if archs is not None and (not isinstance(archs, list) or
+                              not any(isinstance(a, str) and a.startswith(arch_prefixes) for a in archs)):
+        raise ValueError(f"{file}: key 'architectures' is {archs!r}, expected a "
+                         f"{'/'.join(arch_prefixes)}* architecture")
+    mtype = cfg.get("model_type")
+    # Some old configs name only the architecture; that is enough to know what the folder holds.
+    if mtype not in model_types and not (mtype is None and archs):
+        raise ValueError(f"{file}: key 'model_type' is {mtype!r}, expected one of {list(model_types)}")
     return cfg
 
 
