@@ -174,9 +174,13 @@ def test_any_local_bert_folder_with_prefix_and_segments(tmp_path):
     assert len(o.attentions) == len(r.attentions) == 2
     for a, b in zip(o.attentions, r.attentions, strict=True):
         _parity(a, b)
+    copied = Bert.from_hf(mlm)  # the same weights, straight from the transformers module
+    _parity(copied(ids, attention_mask=am, token_type_ids=tt).last_hidden_state, r.last_hidden_state)
     assert bert.tokenizer is None
     with pytest.raises(ValueError, match="needs a tokenizer"):
         bert.encode(["x"])
+    with pytest.raises(TypeError, match="transformers BertModel"):
+        Bert.from_hf(torch.nn.Linear(2, 2))
 
 
 def test_tokenizer_matches_transformers_tokenizer(tok, model_dir):

@@ -47,8 +47,12 @@ class BertConfig:
             ValueError: a wrong ``model_type``/``architectures``, a missing or ill-typed key, or a
                 setting this implementation does not have, naming the file and key.
         """
-        file = folder / "config.json"
-        cfg = ckpt.read_config(folder, ("bert",), ("Bert",))
+        return cls.from_dict(ckpt.read_config(folder, ("bert",), ("Bert",)), folder / "config.json")
+
+    @classmethod
+    def from_dict(cls, cfg: dict, file: Path | str = "config") -> BertConfig:
+        """Check a ``config.json``-style dict; errors name ``file`` and the key."""
+        file = Path(file)
         req = {k: ckpt.config_value(cfg, k, int, file, positive=True) for k in
                ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")}
         opt = {
@@ -203,6 +207,27 @@ class Bert(nn.Module):
         if (folder / "tokenizer.json").is_file() or (folder / "vocab.txt").is_file():
             model.tokenizer = Tokenizer.from_pretrained(folder, max_length=model.max_length)
         return model.to(dtype=dtype, device=device).eval()
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, *, backend: str = "auto") -> Bert:
+        """Copy a ``transformers`` ``BertModel`` (or a ``BertFor...`` model: its ``bert`` part).
+
+        Raises:
+            TypeError: ``model`` is not a transformers BERT model.
+            ValueError: a config this implementation lacks, or a state dict that does not fit.
+        """
+        cfg = getattr(model, "config", None)
+        if cfg is None or not hasattr(cfg, "to_dict") or getattr(cfg, "model_type", None) != "bert":
+            raise TypeError(f"model must be a transformers BertModel or BertFor... model, got "
+                            f"{type(model).__name__}")
+        name = Path(f"<{type(model).__name__}>")
+        config = BertConfig.from_dict(cfg.to_dict(), f"{name}.config")
+        tensors = {k: (v, name) for k, v in model.state_dict().items()}
+        prefix = ckpt.key_prefix(tensors, "embeddings.word_embeddings.weight", ("bert.",))
+        bert = cls(config, backend=backend, with_pooler=f"{prefix}pooler.dense.weight" in tensors)
+        ckpt.assign(bert, tensors, {k: prefix + v for k, v in bert._hf_names().items()}, [name])
+        p = next(model.parameters())
+        return bert.to(dtype=p.dtype, device=p.device).eval()
 
     def _hf_names(self) -> dict[str, str]:
         """Our parameter names -> Hugging Face ``BertModel`` state-dict keys."""
