@@ -42,6 +42,14 @@ def checkerboard(b, h, q_idx, kv_idx):
     return (((q_idx // 3 + kv_idx // 4 + h) % 3) != 0) & (q_idx % 5 != 2)
 
 
+_BLOCKS = torch.rand(8, 8, generator=torch.Generator().manual_seed(5)) > 0.5
+
+
+def random_blocks(b, h, q_idx, kv_idx):
+    """Whole tiles of SMALL (4 queries x 3 keys) allowed or not at random: empty and full tiles."""
+    return _BLOCKS[q_idx // 4, kv_idx // 3]
+
+
 SHAPES = {
     "odd": (1, 2, 2, 13, 13),
     "lq<lk": (2, 2, 1, 7, 19),
@@ -59,6 +67,7 @@ CASES = {
     "causal_window": {"is_causal": True, "window": (4, None)},
     "blocks": {"mask_mod": checkerboard},
     "blocks_window": {"mask_mod": checkerboard, "window": (5, 5)},
+    "random_blocks": {"mask_mod": random_blocks},
     "dense_mask": {"mask": "random"},
     "bias_causal": {"bias": "random", "is_causal": True},
     "alibi": {"score_mod": "alibi"},
@@ -129,6 +138,17 @@ def test_fully_masked_rows_give_zeros_and_zero_grads(dtype):
     assert (out[:, :, dead] == 0).all() and (q.grad[:, :, dead] == 0).all()
     assert (k.grad[:, :, 1::2] == 0).all() and (v.grad[:, :, 1::2] == 0).all()  # masked keys
     assert out[:, :, 0].abs().sum() > 0
+
+
+def test_random_block_pattern_has_empty_and_full_tiles():
+    q, k, v = qkv(1, 2, 2, 19, 17)
+    st = blockwise._setup(build_request(q, k, v, mask_mod=random_blocks), SMALL)
+    assert sum(len(b.tiles) for b in st.batches) > 0
+    kinds = _tiling.refine_kinds(_tiling.analytic_kinds(19, 17, 4, 3, offset=0, is_causal=False, window=None),
+                                 lambda qi, kv: random_blocks(None, None, qi, kv) & (kv < 17), 19, 4, 3, 7)
+    assert (kinds == _tiling.EMPTY).any() and (kinds == _tiling.FULL).any()
+    allowed = oracle.allowed_grid(1, 2, 19, 17, mask_mod=random_blocks)
+    close(run(SMALL, q, k, v, mask_mod=random_blocks), oracle.attention(q, k, v, allowed=allowed)[0])
 
 
 def test_window_zero_length_and_empty_rows():
