@@ -53,6 +53,7 @@ class _Plan:
     kv_pos: tuple[Tensor, ...]  # [Lk_r] global positions of rank r's keys
     kv_sizes: tuple[int, ...]
     mask_mod: _masks.MaskMod | None  # on global positions; None = everything allowed
+    band: tuple[int | None, int | None] | None  # (left, right) of causal/window around p = i + offset
     batch: int
     scale: float
     compute_dtype: torch.dtype
@@ -80,16 +81,33 @@ class _Plan:
 
         Tiles of at most ``_TILE`` x ``_TILE`` bound the working memory of a rank by the tile,
         not by ``Lq_local x Lk_local``, and let a causal or window mask skip empty tiles inside
-        a block too.
+        a block too. Tiles outside the causal/window band are skipped from their position
+        ranges alone, so a sliding window costs O(L * window), mask checks included.
         """
         kv_pos = self.kv_pos[src]
-        for r0 in range(0, self.q_pos.numel(), _TILE):
-            rows = slice(r0, r0 + _TILE)
-            for c0 in range(0, kv_pos.numel(), _TILE):
-                cols = slice(c0, c0 + _TILE)
+        kv_tiles = _tile_ranges(kv_pos)
+        for rows, q_lo, q_hi in _tile_ranges(self.q_pos):
+            for cols, kv_lo, kv_hi in kv_tiles:
+                if self.band is not None:
+                    left, right = self.band  # key j allowed only if p - left <= j <= p + right
+                    if right is not None and kv_lo > q_hi + right:
+                        continue
+                    if left is not None and kv_hi < q_lo - left:
+                        continue
                 allowed = self.allowed(self.q_pos[rows], kv_pos[cols])
                 if allowed is not _SKIP:
                     yield rows, cols, allowed
+
+
+def _tile_ranges(pos: Tensor):
+    """``(slice, lowest, highest position)`` for each run of ``_TILE`` entries of ``pos``."""
+    n = pos.numel()
+    if n == 0:
+        return []
+    starts = list(range(0, n, _TILE))
+    lows = [int(pos[s:s + _TILE].min()) for s in starts]
+    highs = [int(pos[s:s + _TILE].max()) for s in starts]
+    return [(slice(s, s + _TILE), lo, hi) for s, lo, hi in zip(starts, lows, highs, strict=True)]
 
 
 def _exchange(plan: _Plan, send: Tensor, recv: Tensor, tag: int) -> list:
@@ -319,12 +337,20 @@ def _make_plan(q, k, group, is_causal, window, layout, scale, lengths) -> _Plan:
     if lengths is not None:
         mods.append(_masks.padding_mod(lengths))
     mask_mod = None if not mods else mods[0] if len(mods) == 1 else _masks.and_masks(*mods)
+    band = None
+    if is_causal or window is not None:
+        left, right = window if window is not None else (None, None)
+        if is_causal:
+            right = 0 if right is None else min(right, 0)
+        # In query-position terms: key j is allowed only if q - left' <= j <= q + right', with
+        # the offset folded in (q is the raw global query index).
+        band = (None if left is None else left - offset, None if right is None else right + offset)
 
     half = q.dtype in (torch.float16, torch.bfloat16)
     return _Plan(
         group=group, rank=rank, world=world,
         next_peer=_global_rank(group, (rank + 1) % world), prev_peer=_global_rank(group, (rank - 1) % world),
-        q_pos=q_pos, kv_pos=tuple(kv_pos), kv_sizes=tuple(kv_sizes), mask_mod=mask_mod,
+        q_pos=q_pos, kv_pos=tuple(kv_pos), kv_sizes=tuple(kv_sizes), mask_mod=mask_mod, band=band,
         batch=q.shape[0], scale=scale, compute_dtype=torch.float32 if half else q.dtype,
     )
 
