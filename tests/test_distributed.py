@@ -164,6 +164,7 @@ def _lower_precision_and_module(rank, world):
     cases += [_case("zigzag", is_causal=True, dtype=torch.bfloat16, lq=16, lk=16)]
     failures += _compare_cases(rank, world, cases)
     failures += _module_case(rank, world)
+    failures += _uneven_contiguous(rank, world)
     failures += _gradcheck_singleton(rank, world)
     return failures
 
@@ -192,6 +193,32 @@ def _module_case(rank, world):
                 close(p.grad, ref_grads[n])
         except AssertionError as e:
             failures.append(f"rank {rank} module [{layout} {kwargs}]: {str(e).splitlines()[:3]}")
+    return failures
+
+
+def _uneven_contiguous(rank, world):
+    """Contiguous shards of any lengths (here q 3 | 10, k/v 8 | 5), unshard and its gradient."""
+    c = _case("contiguous", lq=13, lk=13, is_causal=True, window=(6, 0), lengths=[12, 13])
+    q, k, v, dout = _inputs(c, seed=7)
+    lengths = torch.tensor(c["lengths"])
+    ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = attnkit.attention(*ref_in, mask=masks.padding(lengths, 13), is_causal=True, window=(6, 0))
+    ref.backward(dout)
+    q_rows = slice(0, 3) if rank == 0 else slice(3, 13)
+    kv_rows = slice(0, 8) if rank == 0 else slice(8, 13)
+    mine = [q[:, :, q_rows].clone().requires_grad_(), k[:, :, kv_rows].clone().requires_grad_(),
+            v[:, :, kv_rows].clone().requires_grad_()]
+    out = ring_attention(*mine, is_causal=True, window=(6, 0), lengths=lengths)
+    full = unshard(out, 2)  # differentiable: the same loss on every rank, each rank its rows
+    (full * dout).sum().backward()
+    failures = []
+    for name, actual, expected in (("out", full, ref), ("dq", mine[0].grad, ref_in[0].grad[:, :, q_rows]),
+                                   ("dk", mine[1].grad, ref_in[1].grad[:, :, kv_rows]),
+                                   ("dv", mine[2].grad, ref_in[2].grad[:, :, kv_rows])):
+        try:
+            close(actual, expected)
+        except AssertionError as e:
+            failures.append(f"rank {rank} uneven contiguous {name}: {str(e).splitlines()[:3]}")
     return failures
 
 

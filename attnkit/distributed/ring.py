@@ -31,7 +31,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import masks as _masks
 from ..ops.tiles import merge_partials, tile_backward, tile_forward
-from .shard import LAYOUTS, collective_device, group_info, shard_positions, shard_sizes
+from .shard import LAYOUTS, collective_device, group_info, positions_from_sizes
 
 __all__ = ["ring_attention"]
 
@@ -323,8 +323,8 @@ def _make_plan(q, k, group, is_causal, window, layout, scale, lengths) -> _Plan:
     q_sizes = [int(t[0]) for t in everyone]
     kv_sizes = [int(t[1]) for t in everyone]
     q_len, kv_len = sum(q_sizes), sum(kv_sizes)
-    q_pos = _positions(q_sizes, layout, "q", q.device)[rank]
-    kv_pos = _positions(kv_sizes, layout, "k", q.device)
+    q_pos = positions_from_sizes(q_sizes, layout, "q", q.device)[rank]
+    kv_pos = positions_from_sizes(kv_sizes, layout, "k", q.device)
     if lengths is not None and ((lengths < 0) | (lengths > kv_len)).any():
         raise ValueError(f"lengths must be in [0, Lk = {kv_len}], got {lengths.tolist()}")
 
@@ -353,19 +353,6 @@ def _make_plan(q, k, group, is_causal, window, layout, scale, lengths) -> _Plan:
         q_pos=q_pos, kv_pos=tuple(kv_pos), kv_sizes=tuple(kv_sizes), mask_mod=mask_mod, band=band,
         batch=q.shape[0], scale=scale, compute_dtype=torch.float32 if half else q.dtype,
     )
-
-
-def _positions(sizes: list[int], layout: str, name: str, device) -> list[Tensor]:
-    """Global positions held by each rank, given every rank's shard length."""
-    world, total = len(sizes), sum(sizes)
-    if layout == "contiguous":
-        starts = [sum(sizes[:r]) for r in range(world)]
-        return [torch.arange(s, s + n, device=device) for s, n in zip(starts, sizes, strict=True)]
-    expected = shard_sizes(total, world, layout)
-    if sizes != expected:
-        raise ValueError(f"{name} shard lengths across ranks {sizes} are not the zigzag split of "
-                         f"{total} positions, expected {expected}; shard with attnkit.distributed.shard")
-    return [shard_positions(total, world, r, layout, device=device) for r in range(world)]
 
 
 def _global_rank(group, group_rank: int) -> int:

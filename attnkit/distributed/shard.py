@@ -26,7 +26,7 @@ from torch import Tensor
 
 LAYOUTS = ("contiguous", "zigzag")
 
-__all__ = ["LAYOUTS", "shard", "unshard", "shard_sizes", "shard_positions", "group_info"]
+__all__ = ["LAYOUTS", "shard", "unshard", "shard_sizes", "shard_positions", "positions_from_sizes", "group_info"]
 
 
 def group_info(group=None) -> tuple[int, int]:
@@ -87,6 +87,26 @@ def shard_positions(length: int, world: int, rank: int, layout: str, *, device=N
     return out
 
 
+def positions_from_sizes(sizes: list[int], layout: str, name: str, device=None) -> list[Tensor]:
+    """Global positions held by each rank, given every rank's shard length.
+
+    ``"contiguous"`` accepts any lengths (rank ``r`` follows rank ``r - 1``); ``"zigzag"`` only
+    the split :func:`shard` makes.
+
+    Raises:
+        ValueError: zigzag lengths that are not that split (``name`` says of which tensor).
+    """
+    world, total = len(sizes), sum(sizes)
+    if layout == "contiguous":
+        starts = [sum(sizes[:r]) for r in range(world)]
+        return [torch.arange(s, s + n, device=device) for s, n in zip(starts, sizes, strict=True)]
+    expected = shard_sizes(total, world, layout)
+    if sizes != expected:
+        raise ValueError(f"{name} shard lengths across ranks {sizes} are not the zigzag split of "
+                         f"{total} positions, expected {expected}; shard with attnkit.distributed.shard")
+    return [shard_positions(total, world, r, layout, device=device) for r in range(world)]
+
+
 def _check_tensor_dim(x, dim) -> int:
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -129,9 +149,7 @@ class _Unshard(torch.autograd.Function):
         dist.all_gather(sizes, n, group=group)
         sizes = [int(s) for s in sizes]
         length = sum(sizes)
-        if sizes != shard_sizes(length, world, layout):
-            raise ValueError(f"shard lengths {sizes} across ranks are not the {layout!r} split of "
-                             f"{length} positions ({shard_sizes(length, world, layout)})")
+        positions = positions_from_sizes(sizes, layout, "x", x.device)
         width = max(sizes)
         pad = list(x.shape)
         pad[dim] = width - x.shape[dim]
@@ -142,20 +160,22 @@ class _Unshard(torch.autograd.Function):
         shape[dim] = length
         out = x.new_empty(shape)
         for r in range(world):
-            pos = shard_positions(length, world, r, layout, device=x.device)
-            out.index_copy_(dim, pos, gathered[r].narrow(dim, 0, sizes[r]))
-        ctx.dim, ctx.layout, ctx.group = dim, layout, group
+            out.index_copy_(dim, positions[r], gathered[r].narrow(dim, 0, sizes[r]))
+        ctx.dim = dim
+        ctx.save_for_backward(positions[rank])
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return shard(grad, ctx.dim, layout=ctx.layout, group=ctx.group), None, None, None
+        (mine,) = ctx.saved_tensors
+        return grad.index_select(ctx.dim, mine), None, None, None
 
 
 def unshard(x: Tensor, dim: int, *, layout: str = "contiguous", group=None) -> Tensor:
     """Gather every rank's shard along ``dim`` back into the full sequence, on every rank.
 
-    The inverse of :func:`shard` (a collective: every rank of ``group`` must call it). Its
+    The inverse of :func:`shard` (a collective: every rank of ``group`` must call it); with
+    ``"contiguous"``, shards of any lengths are joined in rank order. Its
     gradient is this rank's shard of the incoming gradient, with no communication: right when
     what follows is computed identically on every rank (gather, then the same loss everywhere).
 
@@ -169,7 +189,7 @@ def unshard(x: Tensor, dim: int, *, layout: str = "contiguous", group=None) -> T
         the full sequence, ``L = sum of L_local`` along ``dim``.
 
     Raises:
-        ValueError: the shard lengths across ranks are not a split ``shard`` makes.
+        ValueError: zigzag shard lengths across ranks that are not the split ``shard`` makes.
     """
     dim = _check_tensor_dim(x, dim)
     _check_layout(layout)
