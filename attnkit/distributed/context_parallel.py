@@ -77,11 +77,7 @@ class ContextParallelAttention(nn.Module):
                              f"attn.dropout={attn.dropout} in training mode")
         key = query if key is None else key
         value = key if value is None else value
-        for name, t, dim in (("query", query, attn.embed_dim), ("key", key, attn.kdim),
-                             ("value", value, attn.vdim)):
-            if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != dim:
-                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-                raise ValueError(f"{name} must be [B, L_local, {dim}], got {got}")
+        attn.check_inputs(query, key, value, length="L_local")
         q, k, v = attn.project_qkv(query, key, value)  # (B, H, Lq_local, D), (B, Hkv, Lk_local, D)
         out = ring_attention(q, k, v, group=self.group, is_causal=is_causal, window=window,
                              layout=self.layout, scale=getattr(attn, "scale", None), lengths=lengths)

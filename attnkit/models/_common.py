@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch.nn.functional as F
+from torch import Tensor
 
 from .. import backends as _backends
 from ..modules import MultiHeadAttention
@@ -18,6 +19,20 @@ ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+
+
+def real_tokens(attention_mask, b: int, n: int, what: str = "[B, L]") -> Tensor | None:
+    """Hugging Face's 0/1 ``attention_mask`` ``[B, n]`` -> bool ``[B, n]`` (``True`` = real token).
+
+    ``None`` when every token is real, so callers keep the unmasked fast path.
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, n):
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be {what} = {(b, n)} with 1 = real token, 0 = padding, got {got}")
+    keep = attention_mask != 0
+    return None if bool(keep.all()) else keep
 
 
 def check_backend(backend: str) -> None:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..modules import MultiHeadAttention
 from . import checkpoint as ckpt
-from ._common import ACTIVATIONS, check_backend, weights_backend
+from ._common import ACTIVATIONS, check_backend, real_tokens, weights_backend
 
 
 @dataclass(frozen=True)
@@ -319,7 +319,8 @@ class Bert(nn.Module):
         """
         b, n = self._check_ids(input_ids)
         dev = input_ids.device
-        mask = self._key_mask(attention_mask, b, n)
+        keep = real_tokens(attention_mask, b, n)
+        mask = None if keep is None else keep[:, None, None, :]  # (B, 1, 1, L): over heads and queries
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         else:
@@ -361,21 +362,6 @@ class Bert(nn.Module):
             raise ValueError(f"{name} must be an integer [B, L] = {(b, n)} tensor, got {got}")
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= size):
             raise ValueError(f"{name} must lie in [0, {size}), got values in [{int(t.min())}, {int(t.max())}]")
-
-    @staticmethod
-    def _key_mask(attention_mask, b: int, n: int) -> Tensor | None:
-        """``[B, L]`` 0/1 -> bool ``[B, 1, 1, L]``; ``None`` when every token is real (fast path)."""
-        if attention_mask is None:
-            return None
-        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, n):
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else \
-                type(attention_mask).__name__
-            raise ValueError(f"attention_mask must be [B, L] = {(b, n)} with 1 = real token, 0 = padding, "
-                             f"got {got}")
-        keep = attention_mask != 0
-        if bool(keep.all()):
-            return None
-        return keep[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and queries
 
     # ------------------------------------------------------------------ sentence embeddings
 

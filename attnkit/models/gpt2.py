@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..modules import MultiHeadAttention
 from . import checkpoint as ckpt
-from ._common import ACTIVATIONS, check_backend, weights_backend
+from ._common import ACTIVATIONS, check_backend, real_tokens, weights_backend
 
 
 @dataclass(frozen=True)
@@ -268,16 +268,7 @@ class GPT2(nn.Module):
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got values in "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-        key_mask = None
-        if attention_mask is not None:
-            if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, start + n):
-                got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else \
-                    type(attention_mask).__name__
-                raise ValueError(f"attention_mask must be [B, T] = {(b, start + n)} (cached + new tokens), "
-                                 f"got {got}")
-            key_mask = attention_mask != 0
-            if bool(key_mask.all()):
-                key_mask = None
+        key_mask = real_tokens(attention_mask, b, start + n, "[B, T] (cached + new tokens)")
         if position_ids is None:
             pos = torch.arange(start, start + n, device=input_ids.device)
         else:

@@ -120,6 +120,17 @@ class MultiHeadAttention(nn.Module):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
 
+    def check_inputs(self, query: Tensor, key: Tensor, value: Tensor, *, length: str = "L") -> None:
+        """Raise ``ValueError`` unless query/key/value are ``[B, L, embed_dim/kdim/vdim]`` that fit together."""
+        for name, t, dim in (("query", query, self.embed_dim), ("key", key, self.kdim),
+                             ("value", value, self.vdim)):
+            if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != dim:
+                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be [B, {length}, {dim}], got {got}")
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
+            raise ValueError(f"query, key and value must share B, and key/value share {length}: got query "
+                             f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+
     def project_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Project and split heads: ``[B, L, E] -> [B, H, L, D]`` for q, and ``Hkv`` heads for k, v."""
         v_proj = self.k_proj if self.share_kv else self.v_proj
@@ -170,14 +181,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("cache= is for self-attention: pass only query (the new tokens), not key/value")
         key = query if key is None else key
         value = key if value is None else value
-        for name, t, dim in (("query", query, self.embed_dim), ("key", key, self.kdim),
-                             ("value", value, self.vdim)):
-            if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != dim:
-                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-                raise ValueError(f"{name} must be [B, L, {dim}], got {got}")
-        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
-            raise ValueError(f"query, key and value must share B, and key/value share L: got query "
-                             f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+        self.check_inputs(query, key, value)
         start = 0 if cache is None else cache.seq_len  # absolute position of the first new key
         kv_len = start + key.shape[1]
         mask = _per_head(mask, "mask")
