@@ -12,31 +12,35 @@ from pathlib import Path
 import torch
 
 
-def median_time(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs."""
+def median_time(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs.
+
+    ``clock`` is the wall clock by default; ``time.process_time`` measures CPU time instead.
+    """
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeat: int = 7,
-                        warmup: int = 1) -> dict[str, float]:
-    """Median wall time of each function, measured round-robin so that drift on a shared
-    machine (other processes, frequency changes) hits every candidate alike."""
+def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeat: int = 7, warmup: int = 1,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median time of each function, measured round-robin so that drift on a shared machine
+    (other processes, frequency changes) hits every candidate alike; ``clock`` as in ``median_time``."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -25,28 +24,22 @@ import torch.nn.functional as F
 
 from .. import masks, scores
 from ..functional import attention
-from ._util import attention_flops, markdown_table, matmul_gflops, median_time, peak_rss_mb, write_report
+from ._util import (
+    attention_flops,
+    interleaved_medians,
+    markdown_table,
+    matmul_gflops,
+    median_time,
+    peak_rss_mb,
+    write_report,
+)
 
 H, D, WINDOW = 8, 64, 256
 
 
-def _interleaved(cands: dict, rounds: int, clock=None) -> dict[str, float]:
-    """Median seconds per candidate; each round runs every candidate once, in turn.
-
-    ``clock`` (e.g. ``time.process_time``) replaces the wall clock of ``median_time``.
-    """
-    times: dict[str, list[float]] = {name: [] for name in cands}
-    for fn in cands.values():  # warm-up
-        fn()
-    for _ in range(rounds):
-        for name, fn in cands.items():
-            if clock is None:
-                times[name].append(median_time(fn, repeat=1, warmup=0))
-            else:
-                t0 = clock()
-                fn()
-                times[name].append(clock() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+def _interleaved(cands: dict, rounds: int, clock=time.perf_counter) -> dict[str, float]:
+    """Median seconds per candidate; each round runs every candidate once, in turn."""
+    return interleaved_medians(cands, repeat=rounds, warmup=1, clock=clock)
 
 
 def _fwd_bwd(fn, q, k, v):
@@ -103,13 +96,7 @@ def _cpu_child(n: int, n_alibi: int, rounds: int) -> None:
     torch.manual_seed(0)
 
     def cpu(fn) -> float:
-        fn()
-        ts = []
-        for _ in range(rounds):
-            t0 = time.process_time()
-            fn()
-            ts.append(time.process_time() - t0)
-        return statistics.median(ts)
+        return median_time(fn, repeat=rounds, warmup=1, clock=time.process_time)
 
     q, k, v = (torch.randn(1, H, n, D, requires_grad=True) for _ in range(3))
     dense = masks.sliding_window(n, left=WINDOW, right=WINDOW)
