@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._text import describe
+
 __all__ = ["elu_feature_map", "relu_feature_map", "random_feature_map", "linear_attention"]
 
 FeatureMap = Callable[[Tensor], Tensor]
@@ -94,7 +96,7 @@ def linear_attention(
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor) or t.dim() != 4 or not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating [B, H, L, D] tensor, got {_describe(t)}")
+            raise ValueError(f"{name} must be a floating [B, H, L, D] tensor, got {describe(t)}")
     b, h, lq, _ = query.shape
     hkv, lk = key.shape[1], key.shape[2]
     if key.shape[0] != b or value.shape[:3] != key.shape[:3] or key.shape[-1] != query.shape[-1]:
@@ -103,7 +105,7 @@ def linear_attention(
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
     if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != (b, lk)):
-        raise ValueError(f"key_mask must be a bool [B, Lk] = {(b, lk)} tensor, got {_describe(key_mask)}")
+        raise ValueError(f"key_mask must be a bool [B, Lk] = {(b, lk)} tensor, got {describe(key_mask)}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if is_causal and lq > lk:
@@ -141,6 +143,3 @@ def _causal_chunked(fq: Tensor, fk: Tensor, v: Tensor, *, offset: int, chunk: in
         z = z + k_c.sum(-2)
     return torch.cat(outs, dim=-2)
 
-
-def _describe(x) -> str:
-    return f"shape {tuple(x.shape)} dtype {x.dtype}" if isinstance(x, Tensor) else type(x).__name__

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ._text import describe
+
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 __all__ = [
@@ -310,7 +312,7 @@ def from_key_padding_mask(key_padding_mask: Tensor) -> Tensor:
     A float ``key_padding_mask`` (additive, ``-inf`` = ignore) is accepted too.
     """
     if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dim() != 2:
-        raise ValueError(f"key_padding_mask must be a [B, L] tensor, got {_describe(key_padding_mask)}")
+        raise ValueError(f"key_padding_mask must be a [B, L] tensor, got {describe(key_padding_mask)}")
     if key_padding_mask.dtype == torch.bool:
         keep = ~key_padding_mask
     elif key_padding_mask.is_floating_point():
@@ -323,7 +325,7 @@ def from_key_padding_mask(key_padding_mask: Tensor) -> Tensor:
 def from_hf_attention_mask(attention_mask: Tensor) -> Tensor:
     """Hugging Face's 0/1 ``attention_mask`` ``[B, L]`` (``1`` = real token) to ``[B, 1, 1, L]``."""
     if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must be a [B, L] tensor, got {_describe(attention_mask)}")
+        raise ValueError(f"attention_mask must be a [B, L] tensor, got {describe(attention_mask)}")
     return (attention_mask != 0)[:, None, None, :]
 
 
@@ -339,8 +341,3 @@ def _check_window_side(name: str, n) -> None:
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
         raise ValueError(f"window {name} must be None or a non-negative int, got {n!r}")
 
-
-def _describe(x) -> str:
-    if isinstance(x, Tensor):
-        return f"shape {tuple(x.shape)} dtype {x.dtype}"
-    return type(x).__name__

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from . import scores
+from ._text import describe
 from .request import ScoreMod
 
 __all__ = [
@@ -101,7 +102,7 @@ class SinusoidalPositionalEncoding(nn.Module):
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
         """``x [B, L, E]`` -> ``[B, L, E]``; ``start`` is the absolute position of ``x[:, 0]``."""
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must be [B, L, {self.dim}], got {_describe(x)}")
+            raise ValueError(f"x must be [B, L, {self.dim}], got {describe(x)}")
         pe = sinusoidal_table(x.shape[1], self.dim, start=start, base=self.base, dtype=x.dtype, device=x.device)
         return self.dropout(x + pe)
 
@@ -126,7 +127,7 @@ class LearnedPositionalEmbedding(nn.Module):
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
         """``x [B, L, E]`` -> ``[B, L, E]``; positions ``start ... start + L - 1`` must be < ``max_len``."""
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must be [B, L, {self.dim}], got {_describe(x)}")
+            raise ValueError(f"x must be [B, L, {self.dim}], got {describe(x)}")
         _check_start(start)
         if start + x.shape[1] > self.max_len:
             raise ValueError(f"positions {start}..{start + x.shape[1] - 1} exceed max_len {self.max_len}")
@@ -203,7 +204,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
         """Rotate ``x [..., L, D]`` whose row ``l`` sits at position ``start + l``."""
         if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[-1] != self.head_dim:
-            raise ValueError(f"x must be [..., L, {self.head_dim}], got {_describe(x)}")
+            raise ValueError(f"x must be [..., L, {self.head_dim}], got {describe(x)}")
         cos, sin = self.cos_sin(x.shape[-2], start, dtype=x.dtype, device=x.device)
         return apply_rotary(x, cos, sin, interleaved=self.interleaved)
 
@@ -366,8 +367,3 @@ class RelativeKeyEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"max_distance={self.max_distance}, head_dim={self.head_dim}, scale={self.scale}"
 
-
-def _describe(x) -> str:
-    if isinstance(x, Tensor):
-        return f"shape {tuple(x.shape)} dtype {x.dtype}"
-    return type(x).__name__

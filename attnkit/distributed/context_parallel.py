@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..modules.attention import MultiHeadAttention
+from ..modules.attention import MultiHeadAttention, merge_heads
 from .ring import ring_attention
 from .shard import LAYOUTS
 
@@ -81,8 +81,7 @@ class ContextParallelAttention(nn.Module):
         q, k, v = attn.project_qkv(query, key, value)  # (B, H, Lq_local, D), (B, Hkv, Lk_local, D)
         out = ring_attention(q, k, v, group=self.group, is_causal=is_causal, window=window,
                              layout=self.layout, scale=getattr(attn, "scale", None), lengths=lengths)
-        b, h, n, d = out.shape
-        return attn.out_proj(out.transpose(1, 2).reshape(b, n, h * d))  # (B, Lq_local, embed_dim)
+        return attn.out_proj(merge_heads(out))  # (B, Lq_local, embed_dim)
 
 
 def sync_grads(module: nn.Module, group=None) -> None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from .._text import describe
 from ..functional import attention
 from ..scores import compose
 
@@ -134,9 +135,9 @@ class MultiHeadAttention(nn.Module):
     def project_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Project and split heads: ``[B, L, E] -> [B, H, L, D]`` for q, and ``Hkv`` heads for k, v."""
         v_proj = self.k_proj if self.share_kv else self.v_proj
-        q = _split_heads(self.q_proj(query), self.num_heads)  # (B, H, Lq, D)
-        k = _split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, Lk, D)
-        v = _split_heads(v_proj(value), self.num_kv_heads)  # (B, Hkv, Lk, Dv)
+        q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, Lq, D)
+        k = split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, Lk, D)
+        v = split_heads(v_proj(value), self.num_kv_heads)  # (B, Hkv, Lk, Dv)
         return q, k, v
 
     def forward(
@@ -190,7 +191,7 @@ class MultiHeadAttention(nn.Module):
             if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or \
                     tuple(key_mask.shape) != (key.shape[0], kv_len):
                 raise ValueError(f"key_mask must be a bool [B, Lk] = {(key.shape[0], kv_len)} tensor, "
-                                 f"True = real token; got {_describe(key_mask)}")
+                                 f"True = real token; got {describe(key_mask)}")
             km = key_mask[:, None, None, :]
             mask = km if mask is None else mask & km
         q, k, v = self.project_qkv(query, key, value)
@@ -207,7 +208,7 @@ class MultiHeadAttention(nn.Module):
                         dropout_p=self.dropout if self.training else 0.0,
                         return_weights=need_weights, backend=self.backend)
         out, weights = res if need_weights else (res, None)
-        out = self.out_proj(_merge_heads(out))  # (B, Lq, embed_dim)
+        out = self.out_proj(merge_heads(out))  # (B, Lq, embed_dim)
         return (out, weights) if need_weights else out
 
     # ---------------------------------------------------------------- torch.nn interop
@@ -228,12 +229,14 @@ class MultiHeadAttention(nn.Module):
         return to_torch_mha(self)
 
 
-def _split_heads(x: Tensor, heads: int) -> Tensor:
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """``[B, L, H*D] -> [B, H, L, D]``."""
     b, n, _ = x.shape
     return x.view(b, n, heads, -1).transpose(1, 2)  # (B, L, H*D) -> (B, H, L, D)
 
 
-def _merge_heads(x: Tensor) -> Tensor:
+def merge_heads(x: Tensor) -> Tensor:
+    """``[B, H, L, D] -> [B, L, H*D]``."""
     b, h, n, d = x.shape
     return x.transpose(1, 2).reshape(b, n, h * d)  # (B, H, L, D) -> (B, L, H*D)
 
@@ -243,11 +246,6 @@ def _per_head(t: Tensor | None, name: str) -> Tensor | None:
     if t is None:
         return None
     if not isinstance(t, Tensor) or t.dim() not in (2, 3, 4):
-        raise ValueError(f"{name} must be [Lq, Lk], [B, Lq, Lk] or [B, H, Lq, Lk], got {_describe(t)}")
+        raise ValueError(f"{name} must be [Lq, Lk], [B, Lq, Lk] or [B, H, Lq, Lk], got {describe(t)}")
     return t.unsqueeze(1) if t.dim() == 3 else t
 
-
-def _describe(x) -> str:
-    if isinstance(x, Tensor):
-        return f"shape {tuple(x.shape)} dtype {x.dtype}"
-    return type(x).__name__
