@@ -22,7 +22,9 @@ from attnkit.request import build_request
 from tests import oracle
 from tests.tolerances import close
 
-SMALL = BlockwiseBackend(q_tile=4, kv_block=3, kv_chunk=7, score_budget=200)
+SMALL = BlockwiseBackend(q_tile=4, kv_block=3, kv_chunk=7, score_budget=200)  # fused kernel where it can
+SMALL_PLAIN = BlockwiseBackend(q_tile=4, kv_block=3, kv_chunk=7, score_budget=200, fused=False)
+BOTH = pytest.mark.parametrize("small", [SMALL, SMALL_PLAIN], ids=["fused", "plain"])
 REFERENCE = attnkit.backends.get("reference")
 
 
@@ -97,13 +99,14 @@ def materialise(case, b, h, lq, lk, dtype=torch.float64):
     return kw, {"allowed": allowed, "bias": kw.get("bias"), "score_mod": kw.get("score_mod")}
 
 
+@BOTH
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
-def test_matches_oracle_and_reference_gradients(shape, case):
+def test_matches_oracle_and_reference_gradients(shape, case, small):
     b, h, hkv, lq, lk = shape
     kw, ora = materialise(case, b, h, lq, lk)
     q, k, v = qkv(b, h, hkv, lq, lk, grad=True)
-    out = run(SMALL, q, k, v, **kw)
+    out = run(small, q, k, v, **kw)
     close(out, oracle.attention(q, k, v, **ora)[0], torch.float64)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -112,26 +115,29 @@ def test_matches_oracle_and_reference_gradients(shape, case):
         close(got, want, torch.float64)
 
 
+@BOTH
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", ["causal_window", "blocks", "alibi"])
-def test_low_precision_against_oracle(dtype, case):
+def test_low_precision_against_oracle(dtype, case, small):
     b, h, hkv, lq, lk = SHAPES["gqa"]
     kw, ora = materialise(CASES[case], b, h, lq, lk, dtype=torch.float32)
     q, k, v = qkv(b, h, hkv, lq, lk, dtype=dtype)
-    out = run(SMALL, q, k, v, **kw)
+    out = run(small, q, k, v, **kw)
     assert out.dtype == dtype
     close(out, oracle.attention(q, k, v, **ora)[0], dtype)
 
 
+@pytest.mark.parametrize("with_score_mod", [True, False], ids=["plain", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
-def test_fully_masked_rows_give_zeros_and_zero_grads(dtype):
+def test_fully_masked_rows_give_zeros_and_zero_grads(dtype, with_score_mod):
     q, k, v = qkv(1, 2, 2, 10, 9, dtype=dtype, grad=True)
     dead = [2, 7]
 
     def mod(b, h, q_idx, kv_idx):
         return (q_idx != 2) & (q_idx != 7) & (kv_idx % 2 == 0)
 
-    out = attnkit.attention(q, k, v, mask_mod=mod, score_mod=scores.softcap(3.0), backend="blockwise")
+    kw = {"score_mod": scores.softcap(3.0)} if with_score_mod else {}
+    out = attnkit.attention(q, k, v, mask_mod=mod, backend="blockwise", **kw)
     out.sum().backward()
     for t in (out, q.grad, k.grad, v.grad):
         assert torch.isfinite(t).all()
@@ -223,12 +229,12 @@ def test_gradcheck_float64():
     lq=st.integers(1, 12), lk=st.integers(1, 12), groups=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
     left=st.one_of(st.none(), st.integers(0, 14)), right=st.one_of(st.none(), st.integers(0, 14)),
     causal=st.booleans(), q_tile=st.integers(1, 6), kv_block=st.integers(1, 6), kv_chunk=st.integers(1, 13),
-    budget=st.sampled_from([1, 50, 10_000]), with_mod=st.booleans(),
+    budget=st.sampled_from([1, 50, 10_000]), with_mod=st.booleans(), fused=st.sampled_from([None, False]),
 )
 def test_property_any_tiling_matches_oracle(lq, lk, groups, left, right, causal, q_tile, kv_block, kv_chunk,
-                                            budget, with_mod):
+                                            budget, with_mod, fused):
     h, hkv = groups
-    backend = BlockwiseBackend(q_tile=q_tile, kv_block=kv_block, kv_chunk=kv_chunk, score_budget=budget)
+    backend = BlockwiseBackend(q_tile=q_tile, kv_block=kv_block, kv_chunk=kv_chunk, score_budget=budget, fused=fused)
     q, k, v = qkv(1, h, hkv, lq, lk)
     kw = {"window": (left, right), "is_causal": causal}
     if with_mod:

@@ -68,21 +68,19 @@ def analytic_kinds(q_len: int, kv_len: int, q_tile: int, kv_block: int, *, offse
     """
     n_tiles, n_blocks = -(-q_len // q_tile), -(-kv_len // kv_block)
     lo, hi = _row_bounds(q_len, kv_len, offset, is_causal, window)
-    live = lo <= hi
+    rows = torch.arange(n_tiles * q_tile).view(n_tiles, q_tile)
+    real = rows < q_len
+    live = torch.nn.functional.pad(lo <= hi, (0, n_tiles * q_tile - q_len)).view(n_tiles, q_tile)
+    first = torch.where(live, rows, q_len - 1).amin(1).clamp(max=q_len - 1)  # first live row of each tile
+    last = torch.where(live, rows, 0).amax(1)  # last live row
+    r0 = rows[:, 0]
+    r_end = torch.clamp(r0 + q_tile, max=q_len) - 1  # last real row
     ks = torch.arange(n_blocks, dtype=torch.int64) * kv_block
     ke = torch.clamp(ks + kv_block, max=kv_len) - 1  # last real key of each block
-    kinds = torch.zeros(n_tiles, n_blocks, dtype=torch.int8)
-    for t in range(n_tiles):
-        r0, r1 = t * q_tile, min((t + 1) * q_tile, q_len)
-        rows = live[r0:r1].nonzero()
-        if rows.numel() == 0:
-            continue
-        ra, rb = r0 + int(rows[0]), r0 + int(rows[-1])
-        touched = (ks <= hi[rb]) & (ke >= lo[ra])
-        every_row = bool(live[r0:r1].all())
-        full = touched & (ks >= lo[r1 - 1]) & (ke <= hi[r0]) & every_row & (ks + kv_block <= kv_len)
-        kinds[t] = torch.where(full, FULL, torch.where(touched, PARTIAL, EMPTY)).to(torch.int8)
-    return kinds
+    touched = (ks <= hi[last, None]) & (ke >= lo[first, None]) & live.any(1, keepdim=True)
+    every_row = (live | ~real).all(1, keepdim=True)
+    full = touched & (ks >= lo[r_end, None]) & (ke <= hi[r0, None]) & every_row & (ks + kv_block <= kv_len)
+    return torch.where(full, FULL, torch.where(touched, PARTIAL, EMPTY)).to(torch.int8)
 
 
 def refine_kinds(kinds: Tensor, allowed: Callable[[Tensor, Tensor], Tensor], q_len: int, q_tile: int,

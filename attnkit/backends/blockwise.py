@@ -12,6 +12,11 @@ and pushes the score gradient through ``score_mod`` with autograd, which also gi
 of the tensors a score_mod captures (an ALiBi slope or a relative-position table as
 ``nn.Parameter``, found by :mod:`._captured`).
 
+Without a ``score_mod`` nothing needs the scores as a tensor, and on CPU each batch of chunks is
+one call of PyTorch's fused flash-attention kernel instead (:mod:`._fused`): same plan, same
+merge, no score tile in memory, so a chunk can be a tile's whole row of keys. Pass
+``fused=False`` for the plain path everywhere.
+
 Semantics match the reference backend: ``mask_mod``/``score_mod`` get raw indices (FlexAttention's
 convention); ``is_causal`` and ``window`` align bottom-right; ``score_mod`` sees
 ``q . k * scale + bias``; rows with nothing to attend give zeros and zero gradients; half types
@@ -32,7 +37,7 @@ Plain PyTorch, for a reader (what one tile computes)::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -40,16 +45,31 @@ from torch.autograd.function import once_differentiable
 
 from ..ops.tiles import merge_partials
 from ..request import Request
-from . import _tiling
+from . import _fused, _tiling
 from ._captured import captured_tensors, check_covered
 
-#: Default tile sizes, chosen by single-thread CPU time on this 2-core machine (window and causal,
-#: n = 8192): 64-256 rows differ by < 10%; a score budget of 2^18-2^20 keeps tiles near the cache.
+#: Default tile sizes of the plain path, chosen by single-thread CPU time on this 2-core machine
+#: (window and causal, n = 8192): 64-256 rows differ by < 10%; a score budget of 2^18-2^20 keeps
+#: tiles near the cache.
 Q_TILE = 128
 KV_BLOCK = 128
 KV_CHUNK = 1024
 #: Most scores held at once by one batched matmul (float32: 4 bytes each).
 SCORE_BUDGET = 1 << 20
+
+#: The fused path (no score_mod) holds no scores, so a chunk is a tile's whole row. Its tiles are
+#: ``(q_tile, kv_block)`` = FUSED_BAND_TILE for a narrow band (window left + right < FUSED_BAND):
+#: small tiles compute little of the band's masked corners; FUSED_TILE otherwise: the kernel
+#: works on 64-row slices from 192 rows up (32 below). One thread, n = 8192: window 256 with 64
+#: rows 160-173 ms, 128 rows 188-207 ms; causal with 256 rows 986-1012 ms, 128: 1104-1141 ms,
+#: 512: 1022-1036 ms.
+FUSED_BAND_TILE = (64, 64)
+FUSED_TILE = (256, 128)
+FUSED_BAND = 1024
+FUSED_KV_CHUNK = 1 << 40
+#: Largest additive mask (elements) handed to one fused call; wider chunks are split (see
+#: ``_fused_segments``).
+FUSED_MASK_CACHE = 1 << 16
 
 #: Test hook: the largest number of scores one step has held (reset it to 0 to measure a call).
 largest_score_tile = 0
@@ -65,17 +85,22 @@ class BlockwiseBackend:
         kv_block: key columns per block (the unit of the empty/full/partial plan).
         kv_chunk: most keys one tile attends in one matmul.
         score_budget: most scores held by one batched matmul.
+        fused: compute chunks without a ``score_mod`` with PyTorch's fused CPU kernel
+            (:mod:`._fused`); None uses it where it is available, False never.
     """
 
     name = "blockwise"
 
     def __init__(self, *, q_tile: int | None = None, kv_block: int | None = None,
-                 kv_chunk: int | None = None, score_budget: int | None = None):
+                 kv_chunk: int | None = None, score_budget: int | None = None, fused: bool | None = None):
         for arg, val in (("q_tile", q_tile), ("kv_block", kv_block), ("kv_chunk", kv_chunk),
                          ("score_budget", score_budget)):
             if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val <= 0):
                 raise ValueError(f"{arg} must be a positive int or None, got {val!r}")
+        if fused not in (None, True, False):
+            raise TypeError(f"fused must be True, False or None, got {fused!r}")
         self.q_tile, self.kv_block, self.kv_chunk, self.score_budget = q_tile, kv_block, kv_chunk, score_budget
+        self.fused = fused
 
     def not_supported_reasons(self, req: Request) -> list[str]:
         reasons = []
@@ -85,6 +110,9 @@ class BlockwiseBackend:
             reasons.append("dropout is not implemented in the blockwise backend")
         if req.bias is not None and req.bias.requires_grad and torch.is_grad_enabled():
             reasons.append("a bias that requires grad would need a dense gradient (use score_mod)")
+        if self.fused and not _fused_serves(req):
+            reasons.append("fused=True needs no score_mod, a CPU tensor, values as wide as queries and a "
+                           "torch whose fused CPU attention kernel passes its self-check")
         return reasons
 
     def __call__(self, req: Request) -> tuple[Tensor, None]:
@@ -95,6 +123,11 @@ class BlockwiseBackend:
         st = _setup(req, self)
         out = _BlockwiseFn.apply(st, req.query, req.key, req.value, *captured)
         return out, None
+
+
+def _fused_serves(req: Request) -> bool:
+    return (req.score_mod is None and req.value.shape[-1] == req.query.shape[-1]
+            and _fused.usable(req.query.device, _compute_dtype(req.query.dtype)))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -113,7 +146,9 @@ class _Setup:
     kv_block: int
     n_tiles: int
     kv_padded: int
-    batches: list = field(default_factory=list)
+    fused: bool = False
+    batches: list = field(default_factory=list)  # the forward's plan
+    bwd_batches: list = field(default_factory=list)  # the backward's (the same, but on the fused path)
     mask_cache: dict = field(default_factory=dict)
 
     @property
@@ -122,13 +157,17 @@ class _Setup:
 
 
 def _setup(req: Request, cfg: BlockwiseBackend) -> _Setup:
-    tq = cfg.q_tile or Q_TILE
-    bk = cfg.kv_block or KV_BLOCK
-    chunk = max(cfg.kv_chunk or KV_CHUNK, bk)
+    fused = cfg.fused is not False and _fused_serves(req)
+    tq, bk, chunk = Q_TILE, KV_BLOCK, KV_CHUNK
+    if fused:
+        narrow = req.window is not None and None not in req.window and sum(req.window) < FUSED_BAND
+        (tq, bk), chunk = FUSED_BAND_TILE if narrow else FUSED_TILE, FUSED_KV_CHUNK
+    tq, bk = cfg.q_tile or tq, cfg.kv_block or bk
+    chunk = max(cfg.kv_chunk or chunk, bk)
     budget = cfg.score_budget or SCORE_BUDGET
     batch = math.prod(req.batch_shape)
     lq, lk = req.q_len, req.kv_len
-    st = _Setup(req, batch, req.heads, req.kv_heads, tq, bk, -(-lq // tq), -(-lk // bk) * bk)
+    st = _Setup(req, batch, req.heads, req.kv_heads, tq, bk, -(-lq // tq), -(-lk // bk) * bk, fused)
     if lq == 0 or lk == 0 or batch == 0:
         return st
     kinds = _tiling.analytic_kinds(lq, lk, tq, bk, offset=req.offset, is_causal=req.is_causal,
@@ -140,7 +179,17 @@ def _setup(req: Request, cfg: BlockwiseBackend) -> _Setup:
         kinds = _tiling.refine_kinds(
             kinds, lambda q, kv: _allowed(st, b, h, q.to(dev)[None, None], kv.to(dev)[None, None]),
             lq, tq, bk, chunk)
-    st.batches = _tiling.plan_batches(kinds, bk, chunk, batch * req.heads * tq, budget)
+    # What a batch holds per key, under the budget: on the plain path B*H*Tq scores. On the fused
+    # path no scores: the forward holds only a mask, one broadcast tile for causal/window (so few,
+    # large kernel calls) or per head; the backward also the kernel's fresh key and value
+    # gradients (B*Hkv*E), and fresh buffers are page-faulted in on every call.
+    if not fused:
+        st.batches = st.bwd_batches = _tiling.plan_batches(kinds, bk, chunk, batch * req.heads * tq, budget)
+        return st
+    per_head = batch * req.kv_heads * max(req.query.shape[-1], req.heads // req.kv_heads * tq)
+    structured = req.mask_mod is None and req.mask is None and req.bias is None
+    st.batches = _tiling.plan_batches(kinds, bk, chunk, tq if structured else per_head, budget)
+    st.bwd_batches = _tiling.plan_batches(kinds, bk, chunk, per_head, budget)
     return st
 
 
@@ -176,8 +225,13 @@ def _allowed(st: _Setup, b: Tensor, h: Tensor, q: Tensor, kv_raw: Tensor) -> Ten
 
 
 def _to_tiles(x: Tensor, st: _Setup, scale: float = 1.0) -> Tensor:
-    """``[..., H, Lq, D]`` -> ``[B, Hkv, n_tiles, G * Tq, D]`` times ``scale`` (padded rows are 0)."""
+    """``[..., H, Lq, D]`` -> ``[B, Hkv, n_tiles, G * Tq, D]`` times ``scale`` (padded rows are 0).
+
+    A view of ``x`` when nothing needs padding, scaling or interleaving (one head per group).
+    """
     b, hkv, g, tq, lq, d = st.batch, st.kv_heads, st.groups, st.q_tile, st.req.q_len, x.shape[-1]
+    if g == 1 and lq % tq == 0 and scale == 1.0:
+        return x.reshape(b, hkv, st.n_tiles, tq, d)
     out = x.new_zeros(b, hkv, st.n_tiles, g, tq, d)
     src = x.reshape(b, hkv, g, lq, d)
     full = lq // tq
@@ -237,7 +291,7 @@ def _add(x: Tensor, bt: _tiling.Batch, value: Tensor) -> None:
 class _Chunk:
     """The operands and index grids of one batch of chunks."""
 
-    q: Tensor  # [B, Hkv, J, G*Tq, E] (pre-scaled)
+    q: Tensor  # [B, Hkv, J, G*Tq, E] (pre-scaled, except on the fused path)
     k: Tensor  # [B, Hkv, J, W, E]
     v: Tensor  # [B, Hkv, J, W, Ev]
     key_index: Tensor  # [J * W] positions in the padded key layout
@@ -251,9 +305,9 @@ def _gather(st: _Setup, bt: _tiling.Batch, qt: Tensor, kr: Tensor, vr: Tensor) -
     dev = qt.device
     j, w, tq, g, hkv = len(bt.tiles), bt.width, st.q_tile, st.groups, st.kv_heads
     key_index = (bt.starts.view(-1, 1) + torch.arange(w)).flatten().to(dev)
-    if j == 1:  # a slice: no copy
-        k0 = int(bt.starts[0])
-        k, v = kr[:, :, None, k0:k0 + w], vr[:, :, None, k0:k0 + w]
+    step = _even_step(bt.starts)
+    if step is not None:  # chunks start at even steps (a window, a causal diagonal): a view, no copy
+        k, v = _overlapping(kr, int(bt.starts[0]), step, j, w), _overlapping(vr, int(bt.starts[0]), step, j, w)
     else:
         k = kr.index_select(2, key_index).view(st.batch, hkv, j, w, kr.shape[-1])
         v = vr.index_select(2, key_index).view(st.batch, hkv, j, w, vr.shape[-1])
@@ -265,6 +319,21 @@ def _gather(st: _Setup, bt: _tiling.Batch, qt: Tensor, kr: Tensor, vr: Tensor) -
         q_raw=rows.to(dev).view(1, 1, j, 1, tq, 1),
         kv_raw=key_index.view(1, 1, j, 1, 1, w),
     )
+
+
+def _even_step(starts: Tensor) -> int | None:
+    """The common difference of ``starts`` (0 for a single chunk), or None when there is none."""
+    if starts.numel() == 1:
+        return 0
+    steps = starts.diff()
+    return int(steps[0]) if bool((steps == steps[0]).all()) and int(steps[0]) >= 0 else None
+
+
+def _overlapping(x: Tensor, first: int, step: int, j: int, w: int) -> Tensor:
+    """Rows ``first + i * step ... + w`` of ``x [B, Hkv, L, E]`` as a ``[B, Hkv, j, w, E]`` view."""
+    b, h, _, e = x.stride()
+    return x.as_strided((x.shape[0], x.shape[1], j, w, x.shape[3]), (b, h, step * x.stride(2), x.stride(2), e),
+                        x.storage_offset() + first * x.stride(2))
 
 
 def _mask_bias(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int) -> Tensor:
@@ -290,6 +359,70 @@ def _mask_bias(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int) -> Tens
     if key is not None and len(st.mask_cache) < 256:
         st.mask_cache[key] = bias
     return bias
+
+
+def _fused_segments(st: _Setup, bt: _tiling.Batch, c: _Chunk) -> list[tuple[int, int, Tensor | None, Tensor | None]]:
+    """``(first, end, mask, dead)`` column spans of the batch, one fused-kernel call each.
+
+    A mask over the whole chunk that stays in cache is cheaper than more calls (a window's
+    tiles: one call). A larger one (a causal tile's row of thousands of keys, masked only on the
+    diagonal) would be read for every head, so full spans then go without a mask and only
+    partial spans get one. A dense ``bias`` touches every column: one span.
+    """
+    if not bt.partial and st.req.bias is None:
+        return [(0, bt.width, None, None)]
+    if st.req.bias is not None or st.groups * st.q_tile * bt.width <= FUSED_MASK_CACHE:
+        return [(0, bt.width, *_fused_mask(st, bt, c, 0, bt.width))]
+    spans, at = [], 0
+    for a, e in bt.partial:
+        if a > at:
+            spans.append((at, a, None, None))
+        spans.append((a, e, *_fused_mask(st, bt, c, a, e)))
+        at = e
+    if at < bt.width:
+        spans.append((at, bt.width, None, None))
+    return spans
+
+
+def _fused_mask(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int) -> tuple[Tensor, Tensor | None]:
+    """Bias and masks of columns ``a:e`` (whole partial spans) as one additive
+    ``[J or 1, 1 or B*Hkv, G*Tq, e - a]`` tensor for the kernel, and its dead rows."""
+    req = st.req
+    key = None
+    if req.mask_mod is None and req.mask is None and req.bias is None:
+        rel = (bt.starts - bt.tiles * st.q_tile).tolist()
+        ends = ((bt.starts + e).clamp(max=req.kv_len) - bt.starts).tolist()
+        if len(rel) > 1 and len(set(rel)) == 1 and len(set(ends)) == 1:  # one mask tile, broadcast over J
+            return _fused_mask(st, replace(bt, tiles=bt.tiles[:1], starts=bt.starts[:1], tile_range=None),
+                               replace(c, q=c.q[:, :, :1], q_raw=c.q_raw[:, :, :1], kv_raw=c.kv_raw[:, :, :1]), a, e)
+        key = ("fused", tuple(rel), tuple(ends), a, e)
+        if key in st.mask_cache:
+            return st.mask_cache[key]
+    mask = c.q.new_zeros(())
+    if req.bias is not None:
+        q, kv = c.q_raw.clamp(max=req.q_len - 1), c.kv_raw[..., a:e].clamp(max=req.kv_len - 1)
+        mask = _dense(req.bias, req.batch_shape, c.b, c.h, q, kv).to(c.q.dtype)
+    for pa, pe in bt.partial:
+        if a <= pa and pe <= e:
+            mask = mask + torch.nn.functional.pad(_mask_bias(st, bt, c, pa, pe), (pa - a, e - pe))
+    j, g, tq, w = c.q.shape[2], st.groups, st.q_tile, e - a
+    heads = 1 if mask.shape[0] == mask.shape[1] == 1 else st.batch * st.kv_heads
+    full = (1, 1) if heads == 1 else (st.batch, st.kv_heads)
+    mask = mask.expand(*full, j, g, tq, w).movedim(2, 0).reshape(j, heads, g * tq, w)
+    out = (mask, _fused.dead_rows(mask))
+    if key is not None and len(st.mask_cache) < 256:
+        st.mask_cache[key] = out
+    return out
+
+
+def _fold(x: Tensor) -> Tensor:
+    """``[B, Hkv, J, ...]`` -> ``[J, B*Hkv, ...]``, the fused kernel's batch and head dims."""
+    return x.movedim(2, 0).flatten(1, 2)
+
+
+def _unfold(x: Tensor, st: _Setup) -> Tensor:
+    """Inverse of :func:`_fold`."""
+    return x.unflatten(1, (st.batch, st.kv_heads)).movedim(0, 2)
 
 
 def _scores(st: _Setup, bt: _tiling.Batch, c: _Chunk, *, track_mod: bool = False):
@@ -356,17 +489,26 @@ def _visits(st: _Setup) -> Tensor:
 
 def _forward(st: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Returns ``(out [B, Hkv, n_tiles, G*Tq, Ev], lse [B, Hkv, n_tiles, G*Tq])`` in the compute dtype."""
-    qt = _to_tiles(q, st, st.req.scale)
+    qt = _to_tiles(q, st, 1.0 if st.fused else st.req.scale)  # the fused kernel scales by itself
     kr, vr = _to_rows(k, st), _to_rows(v, st)
     rows = st.groups * st.q_tile
-    out = qt.new_zeros(st.batch, st.kv_heads, st.n_tiles, rows, v.shape[-1])
+    once = bool((_visits(st) == 1).all())  # every tile written exactly once: no need to clear first
+    out = (qt.new_empty if once else qt.new_zeros)(st.batch, st.kv_heads, st.n_tiles, rows, v.shape[-1])
     lse = qt.new_full((st.batch, st.kv_heads, st.n_tiles, rows), _NEG_INF)
     visited = torch.zeros(st.n_tiles, dtype=torch.bool)
     for bt in st.batches:
         c = _gather(st, bt, qt, kr, vr)
-        s, _ = _scores(st, bt, c)
-        p, lse_j = _chunk_softmax(s.view(*c.q.shape[:-1], bt.width))  # [B, Hkv, J, G*Tq, W]
-        out_j = torch.matmul(p, c.v)
+        if st.fused:
+            out_j = lse_j = None
+            for a, e, mask, dead in _fused_segments(st, bt, c):
+                o, m = _fused.forward(_fold(c.q), _fold(c.k[:, :, :, a:e]), _fold(c.v[:, :, :, a:e]), mask, dead,
+                                      st.req.scale)
+                o, m = _unfold(o, st), _unfold(m, st)
+                out_j, lse_j = (o, m) if out_j is None else merge_partials(out_j, lse_j, o, m)
+        else:
+            s, _ = _scores(st, bt, c)
+            p, lse_j = _chunk_softmax(s.view(*c.q.shape[:-1], bt.width))  # [B, Hkv, J, G*Tq, W]
+            out_j = torch.matmul(p, c.v)
         if visited[bt.tiles].any():  # merge with the chunks seen before (online softmax)
             out_j, lse_j = merge_partials(_take(out, bt), _take(lse, bt), out_j, lse_j)
         _put(out, bt, out_j)
@@ -377,19 +519,27 @@ def _forward(st: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tenso
 
 def _backward(st: _Setup, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
               captured: tuple[Tensor, ...]):
-    scale = st.req.scale
+    scale = 1.0 if st.fused else st.req.scale  # the fused kernel scales by itself
     qt = _to_tiles(q, st, scale)
     kr, vr = _to_rows(k, st), _to_rows(v, st)
     do = _to_tiles(dout, st)
     visits = _visits(st)
-    delta = (do * out).sum(-1) if bool((visits > 1).any()) else None  # [B, Hkv, n_tiles, G*Tq]
+    delta = (do * out).sum(-1) if not st.fused and bool((visits > 1).any()) else None  # [B, Hkv, n_tiles, G*Tq]
     lse = torch.where(torch.isfinite(lse), lse, 0.0)
     dq = torch.zeros_like(qt)
     dk = kr.new_zeros(st.batch, st.kv_heads, st.kv_padded, kr.shape[-1])
     dv = vr.new_zeros(st.batch, st.kv_heads, st.kv_padded, vr.shape[-1])
     dcap = [torch.zeros_like(t) for t in captured]
-    for bt in st.batches:
+    for bt in st.bwd_batches:
         c = _gather(st, bt, qt, kr, vr)
+        if st.fused:
+            do_j, out_j, lse_j = _fold(_take(do, bt)), _fold(_take(out, bt)), _fold(_take(lse, bt))
+            for a, e, mask, _ in _fused_segments(st, bt, c):
+                dq_j, dk_j, dv_j = _fused.backward(do_j, _fold(c.q), _fold(c.k[:, :, :, a:e]),
+                                                   _fold(c.v[:, :, :, a:e]), out_j, lse_j, mask, st.req.scale)
+                _add(dq, bt, _unfold(dq_j, st))
+                _scatter_kv(dk, dv, bt, c, _unfold(dk_j, st), _unfold(dv_j, st), a, e)
+            continue
         s, graph = _scores(st, bt, c, track_mod=st.req.score_mod is not None)
         shape5 = (*c.q.shape[:-1], bt.width)
         do_j = _take(do, bt)
@@ -411,15 +561,22 @@ def _backward(st: _Setup, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
                 if g is not None:
                     acc_g += g
         _add(dq, bt, torch.matmul(ds, c.k))
-        dk_j = torch.matmul(ds.transpose(-2, -1), c.q)  # [B, Hkv, J, W, E]
-        if dk_j.shape[2] == 1:
-            k0 = int(bt.starts[0])
-            dk[:, :, k0:k0 + bt.width] += dk_j[:, :, 0]
-            dv[:, :, k0:k0 + bt.width] += dv_j[:, :, 0]
-        else:
-            dk.index_add_(2, c.key_index, dk_j.flatten(2, 3))
-            dv.index_add_(2, c.key_index, dv_j.flatten(2, 3))
+        _scatter_kv(dk, dv, bt, c, torch.matmul(ds.transpose(-2, -1), c.q), dv_j)
     return _from_tiles(dq, st) * scale, _from_rows(dk, st), _from_rows(dv, st), dcap
+
+
+def _scatter_kv(dk: Tensor, dv: Tensor, bt: _tiling.Batch, c: _Chunk, dk_j: Tensor, dv_j: Tensor,
+                a: int = 0, e: int | None = None) -> None:
+    """Add gradients ``[B, Hkv, J, e - a, E]`` of the batch's key columns ``a:e`` into the key rows."""
+    e = bt.width if e is None else e
+    if dk_j.shape[2] == 1:
+        k0 = int(bt.starts[0])
+        dk[:, :, k0 + a:k0 + e] += dk_j[:, :, 0]
+        dv[:, :, k0 + a:k0 + e] += dv_j[:, :, 0]
+    else:
+        index = c.key_index.view(-1, bt.width)[:, a:e].flatten()
+        dk.index_add_(2, index, dk_j.flatten(2, 3))
+        dv.index_add_(2, index, dv_j.flatten(2, 3))
 
 
 class _BlockwiseFn(torch.autograd.Function):

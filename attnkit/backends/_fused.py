@@ -1,0 +1,103 @@
+"""PyTorch's fused CPU attention kernel as the inner step of the blockwise backend.
+
+When no ``score_mod`` needs the scores as a tensor, a batch of chunks is one call of the CPU
+flash-attention kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``): it forms
+``softmax(q k^T + mask) v`` and the log-sum-exp block by block in cache, where the plain path
+makes a matmul, a mask pass, a softmax and two reductions over a tile bigger than the cache. The
+blockwise plan still decides which keys each tile sees, so empty tiles stay skipped; the kernel
+only replaces the arithmetic inside a chunk.
+
+Its backward takes a row's output and log-sum-exp and recomputes the probabilities from them.
+Handed the *merged* output and log-sum-exp of the whole row, it returns exactly this chunk's
+share of the gradients (FlashAttention-2's backward over a subset of keys), so chunks of a row
+need no extra bookkeeping.
+
+The kernel is private to PyTorch, so :func:`available` checks it once against the formula on a
+case that exercises what the backend relies on (a fully masked row, a mask broadcast over heads,
+strided key views, the backward from given statistics) and the backend falls back to the
+plain path if anything differs. A row with nothing to attend gives log-sum-exp 0 from the kernel
+(torch 2.13); callers pass ``dead`` rows and get ``(0, -inf)``, like the plain path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+_NEG_INF = float("-inf")
+_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+DTYPES = (torch.float32, torch.float64)
+
+
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fused kernel serves tensors of this device and (compute) dtype."""
+    return device.type == "cpu" and dtype in DTYPES and available()
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dead: Tensor | None,
+            scale: float) -> tuple[Tensor, Tensor]:
+    """``softmax(q k^T * scale + mask) v`` and its log-sum-exp.
+
+    ``q [N, M, L, E]``, ``k [N, M, S, E]``, ``v [N, M, S, Ev]``; ``mask`` additive ``0/-inf``
+    broadcasting to ``[N, M, L, S]``; ``dead`` (``[N|1, M|1, L]``) rows that attend nothing.
+    """
+    out, lse = _FWD(q, k, v, attn_mask=mask, scale=scale)
+    if dead is not None:
+        out = out.masked_fill(dead.unsqueeze(-1), 0.0)
+        lse = lse.masked_fill(dead, _NEG_INF)
+    return out, lse
+
+
+def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+             mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """This chunk's ``(dq, dk, dv)`` given the row's merged ``out`` and finite ``lse``."""
+    return _BWD(dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+
+
+def dead_rows(mask: Tensor | None) -> Tensor | None:
+    """Rows of an additive mask with every column ``-inf``, or None when there are none."""
+    if mask is None:
+        return None
+    dead = torch.isneginf(mask).all(-1)
+    return dead if bool(dead.any()) else None
+
+
+@functools.cache
+def available() -> bool:
+    """True when this torch has the kernel and it agrees with the formula (checked once)."""
+    if _FWD is None or _BWD is None:
+        return False
+    try:
+        return _self_check()
+    except Exception:  # noqa: BLE001 - any failure of a private op means: use the plain path
+        return False
+
+
+def _self_check() -> bool:
+    g = torch.Generator().manual_seed(0)
+    f64 = torch.float64
+    q = torch.randn(2, 3, 5, 4, generator=g, dtype=f64)
+    base = torch.randn(2, 3, 9, 4, generator=g, dtype=f64)
+    k = base.as_strided((2, 3, 6, 4), base.stride(), 4)  # a strided view, like a chunk's keys
+    v = torch.randn(2, 3, 6, 4, generator=g, dtype=f64)
+    mask = torch.zeros(2, 1, 5, 6, dtype=f64)
+    mask[0, :, 1] = _NEG_INF  # a dead row
+    mask[1, :, :, 2:] = _NEG_INF
+    dead = dead_rows(mask)
+    out, lse = forward(q, k, v, mask, dead, 1.0)
+    s = q @ k.transpose(-2, -1) + mask
+    want_lse = torch.logsumexp(s, -1)
+    p = torch.nan_to_num(torch.softmax(s, -1), nan=0.0)
+    if not (torch.allclose(out, p @ v, atol=1e-12) and torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+            and torch.allclose(lse[~dead.expand_as(lse)], want_lse[~dead.expand_as(lse)], atol=1e-12)):
+        return False
+    dout = torch.randn(out.shape, generator=g, dtype=f64)
+    dq, dk, dv = backward(dout, q, k.contiguous(), v, out, torch.where(torch.isfinite(lse), lse, 0.0), mask, 1.0)
+    dp = dout @ v.transpose(-2, -1)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    kc = k.contiguous()
+    return (torch.allclose(dq, ds @ kc, atol=1e-10) and torch.allclose(dk, ds.transpose(-2, -1) @ q, atol=1e-10)
+            and torch.allclose(dv, p.transpose(-2, -1) @ dout, atol=1e-10))
