@@ -36,7 +36,9 @@ Plain PyTorch, for a reader (what one tile computes)::
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -148,7 +150,11 @@ class _Setup:
     kv_padded: int
     fused: bool = False
     batches: list = field(default_factory=list)  # the forward's plan
-    bwd_batches: list = field(default_factory=list)  # the backward's (the same, but on the fused path)
+    plan_bwd: Callable[[], list] | None = None  # the backward's plan, when it differs (made on demand)
+
+    @functools.cached_property
+    def bwd_batches(self) -> list:
+        return self.plan_bwd() if self.plan_bwd is not None else self.batches
     mask_cache: dict = field(default_factory=dict)
 
     @property
@@ -184,12 +190,12 @@ def _setup(req: Request, cfg: BlockwiseBackend) -> _Setup:
     # large kernel calls) or per head; the backward also the kernel's fresh key and value
     # gradients (B*Hkv*E), and fresh buffers are page-faulted in on every call.
     if not fused:
-        st.batches = st.bwd_batches = _tiling.plan_batches(kinds, bk, chunk, batch * req.heads * tq, budget)
+        st.batches = _tiling.plan_batches(kinds, bk, chunk, batch * req.heads * tq, budget)
         return st
     per_head = batch * req.kv_heads * max(req.query.shape[-1], req.heads // req.kv_heads * tq)
     structured = req.mask_mod is None and req.mask is None and req.bias is None
     st.batches = _tiling.plan_batches(kinds, bk, chunk, tq if structured else per_head, budget)
-    st.bwd_batches = _tiling.plan_batches(kinds, bk, chunk, per_head, budget)
+    st.plan_bwd = lambda: _tiling.plan_batches(kinds, bk, chunk, per_head, budget)
     return st
 
 
