@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import masks, scores
+from ..backends.blockwise import BlockwiseBackend
 from ..functional import attention
+from ..request import build_request
 from ._util import (
     attention_flops,
     interleaved_medians,
@@ -35,6 +37,12 @@ from ._util import (
 )
 
 H, D, WINDOW = 8, 64, 256
+PLAIN = "attnkit blockwise, plain path (fused=False)"
+
+
+def _plain(q, k, v, **kw):
+    """The blockwise backend without PyTorch's fused kernel: what the fused path is measured against."""
+    return BlockwiseBackend(fused=False)(build_request(q, k, v, **kw))[0]
 
 
 def _interleaved(cands: dict, rounds: int, clock=time.perf_counter) -> dict[str, float]:
@@ -106,6 +114,8 @@ def _cpu_child(n: int, n_alibi: int, rounds: int) -> None:
         res["window_fwd_mine"] = cpu(lambda: attention(q, k, v, window=(WINDOW, WINDOW)))
         res["causal_fwd_sdpa"] = cpu(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         res["causal_fwd_mine"] = cpu(lambda: attention(q, k, v, is_causal=True, backend="blockwise"))
+        res["window_fwd_plain"] = cpu(lambda: _plain(q, k, v, window=(WINDOW, WINDOW)))
+        res["causal_fwd_plain"] = cpu(lambda: _plain(q, k, v, is_causal=True))
     res["window_fb_sdpa"] = cpu(_fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=dense),
                                          q, k, v))
     res["window_fb_mine"] = cpu(_fwd_bwd(lambda a, b, c: attention(a, b, c, window=(WINDOW, WINDOW)), q, k, v))
@@ -196,7 +206,7 @@ def run(quick: bool, out_dir: Path) -> str:
     load_start = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     n = 2048 if quick else 8192
     n_alibi = 1024 if quick else 4096
-    rounds = 2 if quick else 3
+    rounds = 2 if quick else 5
     peak = matmul_gflops()
     sections = []
 
@@ -207,6 +217,7 @@ def run(quick: bool, out_dir: Path) -> str:
         cands = {
             "SDPA, dense bool mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
             "attnkit blockwise, window=(256, 256)": lambda: attention(q, k, v, window=(WINDOW, WINDOW)),
+            PLAIN: lambda: _plain(q, k, v, window=(WINDOW, WINDOW)),
         }
         fwd = _interleaved(cands, rounds)
     mine = fwd["attnkit blockwise, window=(256, 256)"]
@@ -266,6 +277,7 @@ def run(quick: bool, out_dir: Path) -> str:
         causal_fwd = _interleaved({
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
             "mine": lambda: attention(q, k, v, is_causal=True, backend="blockwise"),
+            "plain": lambda: _plain(q, k, v, is_causal=True),
         }, rounds)
     qg2, kg2, vg2 = (t.clone().requires_grad_() for t in (q, k, v))
     causal_fb = _interleaved({"mine": _fwd_bwd(lambda a, b, c: attention(a, b, c, is_causal=True,
@@ -277,6 +289,8 @@ def run(quick: bool, out_dir: Path) -> str:
                                    ("window, forward+backward", cells, fb["attnkit blockwise"], True),
                                    ("causal, forward", causal_cells, causal_fwd["mine"], False),
                                    ("causal, forward+backward", causal_cells, causal_fb, True),
+                                   ("window, forward, plain path", cells, fwd[PLAIN], False),
+                                   ("causal, forward, plain path", causal_cells, causal_fwd["plain"], False),
                                    ("SDPA causal (fused kernel), forward", causal_cells, causal_fwd["sdpa"], False)):
         gf = attention_flops(n, n, D, H, density=cells_ / (n * n), backward=bwd) / sec / 1e9
         eff.append([name, sec * 1e3, gf, f"{100 * gf / peak:.0f}%"])
@@ -302,13 +316,17 @@ def run(quick: bool, out_dir: Path) -> str:
     if "error" in c:
         sections.append(f"## One thread, CPU time\n\nfailed: {c['error']}")
     else:
-        cases = [("window fwd", "window_fwd", cells, False), ("window fwd+bwd", "window_fb", cells, True),
-                 ("causal fwd", "causal_fwd", n * (n + 1) // 2, False)]
+        cases = [("window fwd", "window_fwd", "mine", cells, False),
+                 ("window fwd+bwd", "window_fb", "mine", cells, True),
+                 ("causal fwd", "causal_fwd", "mine", n * (n + 1) // 2, False),
+                 ("window fwd, plain path", "window_fwd", "plain", cells, False),
+                 ("causal fwd, plain path", "causal_fwd", "plain", n * (n + 1) // 2, False)]
         rows1 = []
-        for label, key, cells_, bwd in cases:
-            gf = attention_flops(n, n, D, H, density=cells_ / (n * n), backward=bwd) / c[key + "_mine"] / 1e9
-            rows1.append([f"{label}, n = {n}", c[key + "_sdpa"] * 1e3, c[key + "_mine"] * 1e3,
-                          c[key + "_sdpa"] / c[key + "_mine"], f"{100 * gf / c['matmul_gflops']:.0f}%"])
+        for label, key, who, cells_, bwd in cases:
+            t = c[f"{key}_{who}"]
+            gf = attention_flops(n, n, D, H, density=cells_ / (n * n), backward=bwd) / t / 1e9
+            rows1.append([f"{label}, n = {n}", c[key + "_sdpa"] * 1e3, t * 1e3,
+                          c[key + "_sdpa"] / t, f"{100 * gf / c['matmul_gflops']:.0f}%"])
         for causal in (False, True):
             key = f"alibi{causal}"
             rows1.append([f"ALiBi causal={causal} fwd+bwd, n = {n_alibi}", c[key + "_sdpa"] * 1e3,
