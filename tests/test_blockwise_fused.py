@@ -86,7 +86,9 @@ def test_default_tiles_match_the_oracle(case, heads):
     h, hkv = heads
     q, k, v = qkv(1, h, hkv, 300, 300, d=16)
     st = blockwise._setup(build_request(q, k, v, **case), BlockwiseBackend())
-    assert st.fused and st.q_tile == (64 if case.get("window") == (40, 40) else 256)
+    # A narrow band gets small tiles, plain causal masks one tile as long as the sequence (300 -> 320).
+    want = 64 if case.get("window") == (40, 40) else 320 if case == {"is_causal": True} else 256
+    assert st.fused and st.q_tile == want
     # The oracle evaluates a mask_mod cell by cell in Python; for the documents give it the grid.
     allowed = masks.document(DOCS).expand(1, h, 300, 300) if "mask_mod" in case else None
     check_against_oracle(BlockwiseBackend(), q, k, v, allowed=allowed, **case)
@@ -148,18 +150,33 @@ def test_without_the_kernel_the_plain_path_runs(monkeypatch, fresh_self_check):
 def test_a_kernel_that_gets_dead_rows_wrong_is_not_used(monkeypatch, fresh_self_check):
     real = _fused._FWD
 
-    def nan_for_dead_rows(q, k, v, attn_mask=None, scale=None):  # what an older kernel might do
-        out, lse = real(q, k, v, attn_mask=attn_mask, scale=scale)
+    def nan_for_dead_rows(q, k, v, *args, attn_mask=None, scale=None):  # what an older kernel might do
+        out, lse = real(q, k, v, *args, attn_mask=attn_mask, scale=scale)
+        if attn_mask is None:
+            return out, lse
         dead = torch.isneginf(attn_mask).all(-1).expand_as(lse)
         return out.masked_fill(dead.unsqueeze(-1), float("nan")), lse
 
     monkeypatch.setattr(_fused, "_FWD", nan_for_dead_rows)
     assert _fused.available()  # dead rows are fixed up from the mask, so NaN there is harmless
 
-    def wrong_lse(q, k, v, attn_mask=None, scale=None):
-        out, lse = real(q, k, v, attn_mask=attn_mask, scale=scale)
+    def wrong_lse(q, k, v, *args, attn_mask=None, scale=None):
+        out, lse = real(q, k, v, *args, attn_mask=attn_mask, scale=scale)
         return out, lse + 1.0
 
     monkeypatch.setattr(_fused, "_FWD", wrong_lse)
     _fused.available.cache_clear()
     assert not _fused.available()
+
+
+@pytest.mark.parametrize("lengths", [(96, 96), (90, 100), (96, 40)], ids=["square", "offset", "lq>lk"])
+def test_square_diagonal_blocks_use_the_kernels_causal_mode(monkeypatch, lengths):
+    monkeypatch.setattr(blockwise, "FUSED_MASK_CACHE", 0)  # split chunks into spans
+    backend = BlockwiseBackend(q_tile=16, kv_block=16)
+    lq, lk = lengths
+    q, k, v = qkv(2, 2, 2, lq, lk)
+    st = blockwise._setup(build_request(q, k, v, is_causal=True), backend)
+    flags = [seg[4] for bt in st.batches
+             for seg in blockwise._fused_segments(st, bt, blockwise._gather(st, bt, *_operands(st, q, k, v)))]
+    assert any(flags) == (lq == lk)  # aligned only when the bottom-right diagonal starts at a block edge
+    check_against_oracle(backend, q, k, v, is_causal=True)

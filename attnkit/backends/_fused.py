@@ -38,13 +38,13 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dead: Tensor | None,
-            scale: float) -> tuple[Tensor, Tensor]:
-    """``softmax(q k^T * scale + mask) v`` and its log-sum-exp.
+            scale: float, causal: bool = False) -> tuple[Tensor, Tensor]:
+    """``softmax(q k^T * scale + mask) v`` and its log-sum-exp (``causal``: top-left, L == S).
 
     ``q [N, M, L, E]``, ``k [N, M, S, E]``, ``v [N, M, S, Ev]``; ``mask`` additive ``0/-inf``
     broadcasting to ``[N, M, L, S]``; ``dead`` (``[N|1, M|1, L]``) rows that attend nothing.
     """
-    out, lse = _FWD(q, k, v, attn_mask=mask, scale=scale)
+    out, lse = _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     if dead is not None:
         out = out.masked_fill(dead.unsqueeze(-1), 0.0)
         lse = lse.masked_fill(dead, _NEG_INF)
@@ -52,9 +52,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dead: Tensor |
 
 
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-             mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+             mask: Tensor | None, scale: float, causal: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """This chunk's ``(dq, dk, dv)`` given the row's merged ``out`` and finite ``lse``."""
-    return _BWD(dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+    return _BWD(dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
 
 def dead_rows(mask: Tensor | None) -> Tensor | None:
@@ -99,5 +99,14 @@ def _self_check() -> bool:
     dp = dout @ v.transpose(-2, -1)
     ds = p * (dp - (dout * out).sum(-1, keepdim=True))
     kc = k.contiguous()
-    return (torch.allclose(dq, ds @ kc, atol=1e-10) and torch.allclose(dk, ds.transpose(-2, -1) @ q, atol=1e-10)
-            and torch.allclose(dv, p.transpose(-2, -1) @ dout, atol=1e-10))
+    if not (torch.allclose(dq, ds @ kc, atol=1e-10) and torch.allclose(dk, ds.transpose(-2, -1) @ q, atol=1e-10)
+            and torch.allclose(dv, p.transpose(-2, -1) @ dout, atol=1e-10)):
+        return False
+    # The kernel's own causal mask on a square block is the additive one with -inf above the diagonal.
+    square = torch.zeros(5, 5, dtype=f64).masked_fill_(torch.ones(5, 5, dtype=torch.bool).triu_(1), _NEG_INF)
+    got, got_lse = forward(q, v[:, :, :5], v[:, :, :5], None, None, 0.5, causal=True)
+    want, want_lse = forward(q, v[:, :, :5], v[:, :, :5], square, None, 0.5)
+    gq = backward(dout, q, v[:, :, :5], v[:, :, :5], want, want_lse, None, 0.5, causal=True)
+    wq = backward(dout, q, v[:, :, :5], v[:, :, :5], want, want_lse, square, 0.5)
+    return (torch.allclose(got, want, atol=1e-12) and torch.allclose(got_lse, want_lse, atol=1e-12)
+            and all(torch.allclose(a, b, atol=1e-10) for a, b in zip(gq, wq, strict=True)))

@@ -61,11 +61,13 @@ SCORE_BUDGET = 1 << 20
 
 #: The fused path (no score_mod) holds no scores, so a chunk is a tile's whole row. Its tiles are
 #: ``(q_tile, kv_block)`` = FUSED_BAND_TILE for a narrow band (window left + right < FUSED_BAND):
-#: small tiles compute little of the band's masked corners; FUSED_TILE otherwise: the kernel
-#: works on 64-row slices from 192 rows up (32 below). One thread, n = 8192: window 256 with 64
-#: rows 160-173 ms, 128 rows 188-207 ms; causal with 256 rows 986-1012 ms, 128: 1104-1141 ms,
-#: 512: 1022-1036 ms.
+#: small tiles compute little of the band's masked corners (one thread, n = 8192, window 256:
+#: 64 rows 160-173 ms, 128 rows 188-207 ms). FUSED_CAUSAL_TILE for plain causal masks: square
+#: diagonal blocks go to the kernel's own causal mode, and few large calls keep both threads busy
+#: (2 threads, n = 8192: 1024 rows 505-544 ms, 256 rows 653 ms, SDPA causal 453-490 ms).
+#: FUSED_TILE for everything else (mask_mod, dense masks): smaller tiles skip more.
 FUSED_BAND_TILE = (64, 64)
+FUSED_CAUSAL_TILE = (1024, 1024)
 FUSED_TILE = (256, 128)
 FUSED_BAND = 1024
 FUSED_KV_CHUNK = 1 << 40
@@ -164,15 +166,22 @@ class _Setup:
 
 def _setup(req: Request, cfg: BlockwiseBackend) -> _Setup:
     fused = cfg.fused is not False and _fused_serves(req)
+    lq, lk = req.q_len, req.kv_len
     tq, bk, chunk = Q_TILE, KV_BLOCK, KV_CHUNK
     if fused:
-        narrow = req.window is not None and None not in req.window and sum(req.window) < FUSED_BAND
-        (tq, bk), chunk = FUSED_BAND_TILE if narrow else FUSED_TILE, FUSED_KV_CHUNK
-    tq, bk = cfg.q_tile or tq, cfg.kv_block or bk
+        win = req.window or (None, None)
+        chunk = FUSED_KV_CHUNK
+        if None not in win and sum(win) < FUSED_BAND:
+            tq, bk = FUSED_BAND_TILE
+        elif req.is_causal and win[0] is None and req.mask_mod is None and req.mask is None and req.bias is None:
+            tq, bk = FUSED_CAUSAL_TILE
+        else:
+            tq, bk = FUSED_TILE
+    # Never wider than the sequence (rounded up to 64): padding rows would be computed too.
+    tq, bk = cfg.q_tile or min(tq, -(-lq // 64) * 64), cfg.kv_block or min(bk, -(-lk // 64) * 64)
     chunk = max(cfg.kv_chunk or chunk, bk)
     budget = cfg.score_budget or SCORE_BUDGET
     batch = math.prod(req.batch_shape)
-    lq, lk = req.q_len, req.kv_len
     st = _Setup(req, batch, req.heads, req.kv_heads, tq, bk, -(-lq // tq), -(-lk // bk) * bk, fused)
     if lq == 0 or lk == 0 or batch == 0:
         return st
@@ -367,8 +376,11 @@ def _mask_bias(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int) -> Tens
     return bias
 
 
-def _fused_segments(st: _Setup, bt: _tiling.Batch, c: _Chunk) -> list[tuple[int, int, Tensor | None, Tensor | None]]:
-    """``(first, end, mask, dead)`` column spans of the batch, one fused-kernel call each.
+_NO_MASK = (None, None, False)
+
+
+def _fused_segments(st: _Setup, bt: _tiling.Batch, c: _Chunk) -> list[tuple]:
+    """``(first, end, mask, dead, causal)`` column spans of the batch, one fused-kernel call each.
 
     A mask over the whole chunk that stays in cache is cheaper than more calls (a window's
     tiles: one call). A larger one (a causal tile's row of thousands of keys, masked only on the
@@ -376,23 +388,25 @@ def _fused_segments(st: _Setup, bt: _tiling.Batch, c: _Chunk) -> list[tuple[int,
     partial spans get one. A dense ``bias`` touches every column: one span.
     """
     if not bt.partial and st.req.bias is None:
-        return [(0, bt.width, None, None)]
+        return [(0, bt.width, *_NO_MASK)]
     if st.req.bias is not None or st.groups * st.q_tile * bt.width <= FUSED_MASK_CACHE:
         return [(0, bt.width, *_fused_mask(st, bt, c, 0, bt.width))]
     spans, at = [], 0
     for a, e in bt.partial:
         if a > at:
-            spans.append((at, a, None, None))
+            spans.append((at, a, *_NO_MASK))
         spans.append((a, e, *_fused_mask(st, bt, c, a, e)))
         at = e
     if at < bt.width:
-        spans.append((at, bt.width, None, None))
+        spans.append((at, bt.width, *_NO_MASK))
     return spans
 
 
-def _fused_mask(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int) -> tuple[Tensor, Tensor | None]:
+def _fused_mask(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int) -> tuple:
     """Bias and masks of columns ``a:e`` (whole partial spans) as one additive
-    ``[J or 1, 1 or B*Hkv, G*Tq, e - a]`` tensor for the kernel, and its dead rows."""
+    ``[J or 1, 1 or B*Hkv, G*Tq, e - a]`` tensor for the kernel, its dead rows, and whether it is
+    the kernel's own causal mask (a square diagonal block: then ``(None, None, True)``, and the
+    kernel skips the blocks above the diagonal instead of reading a mask)."""
     req = st.req
     key = None
     if req.mask_mod is None and req.mask is None and req.bias is None:
@@ -415,10 +429,18 @@ def _fused_mask(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int) -> tup
     heads = 1 if mask.shape[0] == mask.shape[1] == 1 else st.batch * st.kv_heads
     full = (1, 1) if heads == 1 else (st.batch, st.kv_heads)
     mask = mask.expand(*full, j, g, tq, w).movedim(2, 0).reshape(j, heads, g * tq, w)
-    out = (mask, _fused.dead_rows(mask))
+    out = (None, None, True) if _is_causal_square(mask) else (mask, _fused.dead_rows(mask), False)
     if key is not None and len(st.mask_cache) < 256:
         st.mask_cache[key] = out
     return out
+
+
+def _is_causal_square(mask: Tensor) -> bool:
+    rows, cols = mask.shape[-2:]
+    if rows != cols or rows < 2:
+        return False
+    above = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).triu_(1)
+    return bool((torch.isneginf(mask) == above).all()) and bool((mask[..., ~above] == 0).all())
 
 
 def _fold(x: Tensor) -> Tensor:
@@ -506,9 +528,9 @@ def _forward(st: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tenso
         c = _gather(st, bt, qt, kr, vr)
         if st.fused:
             out_j = lse_j = None
-            for a, e, mask, dead in _fused_segments(st, bt, c):
+            for a, e, mask, dead, causal in _fused_segments(st, bt, c):
                 o, m = _fused.forward(_fold(c.q), _fold(c.k[:, :, :, a:e]), _fold(c.v[:, :, :, a:e]), mask, dead,
-                                      st.req.scale)
+                                      st.req.scale, causal)
                 o, m = _unfold(o, st), _unfold(m, st)
                 out_j, lse_j = (o, m) if out_j is None else merge_partials(out_j, lse_j, o, m)
         else:
@@ -540,9 +562,9 @@ def _backward(st: _Setup, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         c = _gather(st, bt, qt, kr, vr)
         if st.fused:
             do_j, out_j, lse_j = _fold(_take(do, bt)), _fold(_take(out, bt)), _fold(_take(lse, bt))
-            for a, e, mask, _ in _fused_segments(st, bt, c):
+            for a, e, mask, _, causal in _fused_segments(st, bt, c):
                 dq_j, dk_j, dv_j = _fused.backward(do_j, _fold(c.q), _fold(c.k[:, :, :, a:e]),
-                                                   _fold(c.v[:, :, :, a:e]), out_j, lse_j, mask, st.req.scale)
+                                                   _fold(c.v[:, :, :, a:e]), out_j, lse_j, mask, st.req.scale, causal)
                 _add(dq, bt, _unfold(dq_j, st))
                 _scatter_kv(dk, dv, bt, c, _unfold(dk_j, st), _unfold(dv_j, st), a, e)
             continue
