@@ -178,7 +178,8 @@ def _setup(req: Request, cfg: BlockwiseBackend) -> _Setup:
         else:
             tq, bk = FUSED_TILE
     # Never wider than the sequence (rounded up to 64): padding rows would be computed too.
-    tq, bk = cfg.q_tile or min(tq, -(-lq // 64) * 64), cfg.kv_block or min(bk, -(-lk // 64) * 64)
+    tq = cfg.q_tile or min(tq, max(64, -(-lq // 64) * 64))
+    bk = cfg.kv_block or min(bk, max(64, -(-lk // 64) * 64))
     chunk = max(cfg.kv_chunk or chunk, bk)
     budget = cfg.score_budget or SCORE_BUDGET
     batch = math.prod(req.batch_shape)
