@@ -180,3 +180,18 @@ def test_square_diagonal_blocks_use_the_kernels_causal_mode(monkeypatch, lengths
              for seg in blockwise._fused_segments(st, bt, blockwise._gather(st, bt, *_operands(st, q, k, v)))]
     assert any(flags) == (lq == lk)  # aligned only when the bottom-right diagonal starts at a block edge
     check_against_oracle(backend, q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "last_dim_strided", "expanded_kv"])
+def test_inputs_in_any_memory_layout(layout):
+    g = torch.Generator().manual_seed(2)
+    b, h, n, d = 2, 4, 90, 16
+    if layout == "bshd":  # [B, L, H, D] storage seen as [B, H, L, D]
+        q, k, v = (torch.randn(b, n, h, d, generator=g, dtype=torch.float64).transpose(1, 2) for _ in range(3))
+    elif layout == "last_dim_strided":
+        q, k, v = (torch.randn(b, h, d, n, generator=g, dtype=torch.float64).transpose(-1, -2) for _ in range(3))
+    else:
+        q = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(b, 1, n, d, generator=g, dtype=torch.float64).expand(b, h, n, d) for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    check_against_oracle(BlockwiseBackend(), q, k, v, is_causal=True, window=(20, None))
