@@ -70,7 +70,7 @@ FUSED_BAND_TILE = (64, 64)
 FUSED_CAUSAL_TILE = (1024, 1024)
 FUSED_TILE = (256, 128)
 FUSED_BAND = 1024
-FUSED_KV_CHUNK = 1 << 40
+FUSED_KV_CHUNK = 1 << 40  # whole rows
 #: Largest additive mask (elements) handed to one fused call; wider chunks are split (see
 #: ``_fused_segments``).
 FUSED_MASK_CACHE = 1 << 16
@@ -134,6 +134,11 @@ def _fused_serves(req: Request) -> bool:
             and _fused.usable(req.query.device, _compute_dtype(req.query.dtype)))
 
 
+def _structured(req: Request) -> bool:
+    """Only causal/window masks: what may attend depends on ``kv - q`` alone, tile by tile."""
+    return req.mask_mod is None and req.mask is None and req.bias is None
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -153,15 +158,15 @@ class _Setup:
     fused: bool = False
     batches: list = field(default_factory=list)  # the forward's plan
     plan_bwd: Callable[[], list] | None = None  # the backward's plan, when it differs (made on demand)
-
-    @functools.cached_property
-    def bwd_batches(self) -> list:
-        return self.plan_bwd() if self.plan_bwd is not None else self.batches
     mask_cache: dict = field(default_factory=dict)
 
     @property
     def groups(self) -> int:
         return self.heads // self.kv_heads
+
+    @functools.cached_property
+    def bwd_batches(self) -> list:
+        return self.plan_bwd() if self.plan_bwd is not None else self.batches
 
 
 def _setup(req: Request, cfg: BlockwiseBackend) -> _Setup:
@@ -173,7 +178,7 @@ def _setup(req: Request, cfg: BlockwiseBackend) -> _Setup:
         chunk = FUSED_KV_CHUNK
         if None not in win and sum(win) < FUSED_BAND:
             tq, bk = FUSED_BAND_TILE
-        elif req.is_causal and win[0] is None and req.mask_mod is None and req.mask is None and req.bias is None:
+        elif req.is_causal and win[0] is None and _structured(req):
             tq, bk = FUSED_CAUSAL_TILE
         else:
             tq, bk = FUSED_TILE
@@ -203,8 +208,7 @@ def _setup(req: Request, cfg: BlockwiseBackend) -> _Setup:
         st.batches = _tiling.plan_batches(kinds, bk, chunk, batch * req.heads * tq, budget)
         return st
     per_head = batch * req.kv_heads * max(req.query.shape[-1], req.heads // req.kv_heads * tq)
-    structured = req.mask_mod is None and req.mask is None and req.bias is None
-    st.batches = _tiling.plan_batches(kinds, bk, chunk, tq if structured else per_head, budget)
+    st.batches = _tiling.plan_batches(kinds, bk, chunk, tq if _structured(req) else per_head, budget)
     st.plan_bwd = lambda: _tiling.plan_batches(kinds, bk, chunk, per_head, budget)
     return st
 
@@ -410,7 +414,7 @@ def _fused_mask(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int) -> tup
     kernel skips the blocks above the diagonal instead of reading a mask)."""
     req = st.req
     key = None
-    if req.mask_mod is None and req.mask is None and req.bias is None:
+    if _structured(req):
         rel = (bt.starts - bt.tiles * st.q_tile).tolist()
         ends = ((bt.starts + e).clamp(max=req.kv_len) - bt.starts).tolist()
         if len(rel) > 1 and len(set(rel)) == 1 and len(set(ends)) == 1:  # one mask tile, broadcast over J
