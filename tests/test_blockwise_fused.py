@@ -195,3 +195,12 @@ def test_inputs_in_any_memory_layout(layout):
         k, v = (torch.randn(b, 1, n, d, generator=g, dtype=torch.float64).expand(b, h, n, d) for _ in range(2))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     check_against_oracle(BlockwiseBackend(), q, k, v, is_causal=True, window=(20, None))
+
+
+def test_the_registered_backend_can_be_told_not_to_fuse(monkeypatch):
+    q, k, v = qkv(1, 2, 2, 40, 40)
+    registered = attnkit.backends.get("blockwise")
+    monkeypatch.setattr(registered, "fused", False)
+    assert not blockwise._setup(build_request(q, k, v, window=(3, 3)), registered).fused
+    ref = attnkit.attention(q, k, v, window=(3, 3), backend="reference")
+    close(attnkit.attention(q, k, v, window=(3, 3), backend="blockwise"), ref)
