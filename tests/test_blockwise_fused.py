@@ -147,7 +147,7 @@ def test_without_the_kernel_the_plain_path_runs(monkeypatch, fresh_self_check):
     check_against_oracle(BlockwiseBackend(q_tile=4, kv_block=4), q, k, v, window=(3, 3))
 
 
-def test_a_kernel_that_gets_dead_rows_wrong_is_not_used(monkeypatch, fresh_self_check):
+def test_self_check_tolerates_nan_dead_rows_but_refuses_a_wrong_lse(monkeypatch, fresh_self_check):
     real = _fused._FWD
 
     def nan_for_dead_rows(q, k, v, *args, attn_mask=None, scale=None):  # what an older kernel might do

@@ -14,9 +14,10 @@ need no extra bookkeeping.
 
 The kernel is private to PyTorch, so :func:`available` checks it once against the formula on a
 case that exercises what the backend relies on (a fully masked row, a mask broadcast over heads,
-strided key views, the backward from given statistics) and the backend falls back to the
-plain path if anything differs. A row with nothing to attend gives log-sum-exp 0 from the kernel
-(torch 2.13); callers pass ``dead`` rows and get ``(0, -inf)``, like the plain path.
+strided key views, the backward from given statistics, the causal mode on a square block) and
+the backend falls back to the plain path if anything differs. A row with nothing to attend
+gives log-sum-exp 0 from the kernel (torch 2.13); callers pass ``dead`` rows and get
+``(0, -inf)``, like the plain path.
 """
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ import torch
 from torch import Tensor
 
 _NEG_INF = float("-inf")
-_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _op(name: str):
+    try:  # some torch versions raise RuntimeError, not AttributeError, for a missing op
+        return getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_FWD = _op("_scaled_dot_product_flash_attention_for_cpu")
+_BWD = _op("_scaled_dot_product_flash_attention_for_cpu_backward")
 DTYPES = (torch.float32, torch.float64)
 
 
