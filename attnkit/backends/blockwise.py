@@ -420,7 +420,9 @@ def _fused_mask(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int) -> tup
         if len(rel) > 1 and len(set(rel)) == 1 and len(set(ends)) == 1:  # one mask tile, broadcast over J
             return _fused_mask(st, replace(bt, tiles=bt.tiles[:1], starts=bt.starts[:1], tile_range=None),
                                replace(c, q=c.q[:, :, :1], q_raw=c.q_raw[:, :, :1], kv_raw=c.kv_raw[:, :, :1]), a, e)
-        key = ("fused", tuple(rel), tuple(ends), a, e)
+        # The partial pattern is part of the key: full columns get no mask, and whether a column
+        # is full depends on the tile's real rows (the last tile's padding rows do not count).
+        key = ("fused", tuple(rel), tuple(ends), a, e, bt.partial)
         if key in st.mask_cache:
             return st.mask_cache[key]
     mask = c.q.new_zeros(())
