@@ -5,11 +5,22 @@ from __future__ import annotations
 import platform
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+
+def progress(suite: str) -> Callable[[str], None]:
+    """``say(step)`` prints ``attnkit bench SUITE: step (N s)`` on stderr: a suite runs for minutes."""
+    t0 = time.perf_counter()
+
+    def say(step: str) -> None:
+        print(f"attnkit bench {suite}: {step} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    return say
 
 
 def median_time(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1,

@@ -33,6 +33,7 @@ from ._util import (
     matmul_gflops,
     median_time,
     peak_rss_mb,
+    progress,
     write_report,
 )
 
@@ -207,6 +208,8 @@ def run(quick: bool, out_dir: Path) -> str:
     n = 2048 if quick else 8192
     n_alibi = 1024 if quick else 4096
     rounds = 2 if quick else 5
+    say = progress("blockwise")
+    say(f"matmul anchor, then sliding window n = {n}, forward ({rounds} rounds)")
     peak = matmul_gflops()
     sections = []
 
@@ -223,6 +226,7 @@ def run(quick: bool, out_dir: Path) -> str:
     mine = fwd["attnkit blockwise, window=(256, 256)"]
     cells = _window_cells(n)
     rows = [[name, t * 1e3, t / mine] for name, t in fwd.items()]
+    say("compiled FlexAttention in its own process (compiles first)")
     flex = _child(f"_flex_child({n}, {rounds})")
     if "error" in flex:
         rows.append(["FlexAttention compiled, BlockMask (own process)", f"failed: {flex['error']}", "-"])
@@ -239,6 +243,7 @@ def run(quick: bool, out_dir: Path) -> str:
                       f"{fwd['SDPA, dense bool mask'] / mine:.2f}x)." + flex_line)
 
     # --- sliding window: forward + backward ---------------------------------------------------
+    say("sliding window, forward + backward")
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     fb = _interleaved({
         "SDPA, dense bool mask": _fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=dense),
@@ -253,6 +258,7 @@ def run(quick: bool, out_dir: Path) -> str:
                       "FlexAttention has no backward on CPU.")
 
     # --- ALiBi as score_mod ---------------------------------------------------------------------
+    say(f"ALiBi as a score_mod, n = {n_alibi}")
     qa, ka, va = (torch.randn(1, H, n_alibi, D, requires_grad=True) for _ in range(3))
     slopes = scores.alibi_slopes(H)
     pos = torch.arange(n_alibi)
@@ -273,6 +279,7 @@ def run(quick: bool, out_dir: Path) -> str:
                                       "attnkit / SDPA (target <= 1.3)"], alibi_rows))
 
     # --- efficiency ------------------------------------------------------------------------------
+    say("causal, for the efficiency table")
     with torch.no_grad():
         causal_fwd = _interleaved({
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -300,7 +307,10 @@ def run(quick: bool, out_dir: Path) -> str:
 
     # --- memory ------------------------------------------------------------------------------------
     ns = [1024, 2048, 4096] if quick else [4096, 8192, 16384, 32768]
-    points = [_child(f"_rss_child({m})") for m in ns]
+    points = []
+    for m in ns:
+        say(f"peak RSS at n = {m} (fresh process)")
+        points.append(_child(f"_rss_child({m})"))
     points = [p for p in points if "error" not in p]
     plot = _plot(points, out_dir / "blockwise_memory.png") if not quick else ""
     sections.append("## Peak RSS, forward+backward, causal + ALiBi score_mod (slopes as nn.Parameter)\n\n"
@@ -312,6 +322,7 @@ def run(quick: bool, out_dir: Path) -> str:
                     + (f"\n\n{plot}" if plot else ""))
 
     # --- one thread, CPU time -------------------------------------------------------------------
+    say("one thread, CPU time (own process)")
     c = _child(f"_cpu_child({n}, {n_alibi}, {rounds})")
     if "error" in c:
         sections.append(f"## One thread, CPU time\n\nfailed: {c['error']}")
@@ -331,6 +342,7 @@ def run(quick: bool, out_dir: Path) -> str:
             key = f"alibi{causal}"
             rows1.append([f"ALiBi causal={causal} fwd+bwd, n = {n_alibi}", c[key + "_sdpa"] * 1e3,
                           c[key + "_mine"] * 1e3, c[key + "_sdpa"] / c[key + "_mine"], "-"])
+        say("compiled FlexAttention on one thread (own process)")
         flex1 = _child(f"_flex_child({n}, {rounds}, threads=1)")
         if "error" in flex1:
             rows1.append([f"FlexAttention compiled, window fwd, n = {n}", f"failed: {flex1['error']}", "-", "-", "-"])
