@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ._util import attention_flops, markdown_table, matmul_gflops, median_time, write_report
+from ._util import attention_flops, markdown_table, matmul_gflops, median_time, progress, write_report
 
 
 def _interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
@@ -113,8 +113,11 @@ def run(quick: bool, out_dir: Path) -> str:
     """Measure, print and write ``out_dir/models.md``; return the report."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    say = progress("models")
+    say("matmul anchor, then BERT (MiniLM) against transformers")
     peak_before = matmul_gflops()
     bert_rows, notes = _bert_rows(quick)
+    say("GPT-2 greedy generation against transformers' generate")
     gpt_rows, gpt_notes = _gpt2_rows(quick)
     peak_after = matmul_gflops()
     header = ["case", "anchor", "attnkit ms (median)", "anchor ms (median)", "ratio (attnkit / anchor)",
