@@ -204,3 +204,13 @@ def test_the_registered_backend_can_be_told_not_to_fuse(monkeypatch):
     assert not blockwise._setup(build_request(q, k, v, window=(3, 3)), registered).fused
     ref = attnkit.attention(q, k, v, window=(3, 3), backend="reference")
     close(attnkit.attention(q, k, v, window=(3, 3), backend="blockwise"), ref)
+
+
+def test_an_empty_key_range_never_reaches_the_kernel():
+    # The kernel divides by the key length (a SIGFPE would kill the process, not raise).
+    q = torch.randn(2, 3, 4, 8, dtype=torch.float64)
+    k = v = torch.randn(2, 3, 0, 8, dtype=torch.float64)
+    out, lse = _fused.forward(q, k, v, None, None, 0.5)
+    assert (out == 0).all() and torch.isneginf(lse).all() and out.shape == (2, 3, 4, 8)
+    grads = _fused.backward(torch.ones_like(out), q, k, v, out, torch.zeros_like(lse), None, 0.5)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and (grads[0] == 0).all()

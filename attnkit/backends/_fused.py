@@ -54,6 +54,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dead: Tensor |
     ``q [N, M, L, E]``, ``k [N, M, S, E]``, ``v [N, M, S, Ev]``; ``mask`` additive ``0/-inf``
     broadcasting to ``[N, M, L, S]``; ``dead`` (``[N|1, M|1, L]``) rows that attend nothing.
     """
+    if k.shape[-2] == 0:  # the kernel divides by the key length (SIGFPE): nothing to attend
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full(q.shape[:-1], _NEG_INF)
     out, lse = _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     if dead is not None:
         out = out.masked_fill(dead.unsqueeze(-1), 0.0)
@@ -64,6 +66,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dead: Tensor |
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              mask: Tensor | None, scale: float, causal: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """This chunk's ``(dq, dk, dv)`` given the row's merged ``out`` and finite ``lse``."""
+    if k.shape[-2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return _BWD(dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
 
