@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import masks as _masks
+from .._text import describe
 from ..ops.tiles import merge_partials, tile_backward, tile_forward
 from .shard import LAYOUTS, collective_device, group_info, positions_from_sizes
 
@@ -284,9 +285,7 @@ def ring_attention(
     if lengths is not None:
         if not isinstance(lengths, Tensor) or lengths.dim() != 1 or lengths.shape[0] != q.shape[0] or \
                 lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-            got = f"shape {tuple(lengths.shape)} dtype {lengths.dtype}" if isinstance(lengths, Tensor) \
-                else type(lengths).__name__
-            raise ValueError(f"lengths must be a [B] = [{q.shape[0]}] integer tensor, got {got}")
+            raise ValueError(f"lengths must be a [B] = [{q.shape[0]}] integer tensor, got {describe(lengths)}")
         lengths = lengths.to(q.device)
 
     plan = _make_plan(q, k, group, is_causal, window, layout, float(scale), lengths)

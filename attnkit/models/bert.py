@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._text import describe
 from ..modules import MultiHeadAttention
 from . import checkpoint as ckpt
 from ._common import ACTIVATIONS, check_backend, real_tokens, weights_backend
@@ -342,9 +343,7 @@ class Bert(nn.Module):
     def _check_ids(self, input_ids) -> tuple[int, int]:
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
                 or input_ids.dtype == torch.bool:
-            got = f"shape {tuple(input_ids.shape)} dtype {input_ids.dtype}" if isinstance(input_ids, Tensor) \
-                else type(input_ids).__name__
-            raise ValueError(f"input_ids must be an integer [B, L] tensor, got {got}")
+            raise ValueError(f"input_ids must be an integer [B, L] tensor, got {describe(input_ids)}")
         b, n = input_ids.shape
         if n > self.config.max_position_embeddings:
             raise ValueError(f"input_ids has {n} tokens, more than max_position_embeddings "
@@ -358,8 +357,7 @@ class Bert(nn.Module):
     def _check_aux(name: str, t, b: int, n: int, size: int) -> None:
         if not isinstance(t, Tensor) or t.is_floating_point() or t.shape[-1] != n or t.dim() > 2 or \
                 (t.dim() == 2 and t.shape[0] not in (1, b)):
-            got = f"shape {tuple(t.shape)} dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be an integer [B, L] = {(b, n)} tensor, got {got}")
+            raise ValueError(f"{name} must be an integer [B, L] = {(b, n)} tensor, got {describe(t)}")
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= size):
             raise ValueError(f"{name} must lie in [0, {size}), got values in [{int(t.min())}, {int(t.max())}]")
 
