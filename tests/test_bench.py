@@ -24,3 +24,13 @@ def test_timing_helpers_use_the_clock_they_are_given():
     fake = itertools.count(0.0, 1.0)
     res = interleaved_medians({"a": lambda: None, "b": lambda: None}, repeat=3, warmup=1, clock=lambda: next(fake))
     assert res == {"a": 1.0, "b": 1.0}
+
+
+def test_interleaved_rounds_can_alternate_their_order():
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in "ab"}
+    interleaved_medians(fns, repeat=3, warmup=0, alternate=True)
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    order.clear()
+    interleaved_medians(fns, repeat=2, warmup=0)
+    assert order == ["a", "b", "a", "b"]

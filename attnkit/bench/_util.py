@@ -40,15 +40,18 @@ def median_time(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1,
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeat: int = 7, warmup: int = 1,
-                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+                        clock: Callable[[], float] = time.perf_counter, alternate: bool = False) -> dict[str, float]:
     """Median time of each function, measured round-robin so that drift on a shared machine
-    (other processes, frequency changes) hits every candidate alike; ``clock`` as in ``median_time``."""
+    (other processes, frequency changes) hits every candidate alike; ``clock`` as in ``median_time``.
+    ``alternate`` reverses the order every other round (A B, B A, ...), so a slow drift does not
+    favour whichever runs first."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
+    items = list(fns.items())
+    for r in range(repeat):
+        for name, fn in (items[::-1] if alternate and r % 2 else items):
             t0 = clock()
             fn()
             times[name].append(clock() - t0)

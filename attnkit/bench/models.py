@@ -13,29 +13,17 @@ load from other processes hits both alike. The machine's matmul throughput is th
 from __future__ import annotations
 
 import os
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ._util import attention_flops, markdown_table, matmul_gflops, median_time, progress, write_report
+from ._util import attention_flops, interleaved_medians, markdown_table, matmul_gflops, progress, write_report
 
 
 def _interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Median seconds per function, timing them in turn each round after one warm-up call each.
-
-    The order flips every round (A B, B A, ...) so that a slow drift in machine load does not
-    favour whichever function runs first.
-    """
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    items = list(fns.items())
-    for r in range(rounds):
-        for name, fn in (items if r % 2 == 0 else items[::-1]):
-            times[name].append(median_time(fn, repeat=1, warmup=0))
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median seconds per function: one warm-up call each, then ``rounds`` rounds in alternating order."""
+    return interleaved_medians(fns, repeat=rounds, warmup=1, alternate=True)
 
 
 def _bert_flops(cfg, batch: int, length: int) -> float:
