@@ -109,10 +109,10 @@ def _self_check() -> bool:
             and torch.allclose(lse[~dead.expand_as(lse)], want_lse[~dead.expand_as(lse)], atol=1e-12)):
         return False
     dout = torch.randn(out.shape, generator=g, dtype=f64)
-    dq, dk, dv = backward(dout, q, k.contiguous(), v, out, torch.where(torch.isfinite(lse), lse, 0.0), mask, 1.0)
+    kc = k.contiguous()
+    dq, dk, dv = backward(dout, q, kc, v, out, torch.where(torch.isfinite(lse), lse, 0.0), mask, 1.0)
     dp = dout @ v.transpose(-2, -1)
     ds = p * (dp - (dout * out).sum(-1, keepdim=True))
-    kc = k.contiguous()
     if not (torch.allclose(dq, ds @ kc, atol=1e-10) and torch.allclose(dk, ds.transpose(-2, -1) @ q, atol=1e-10)
             and torch.allclose(dv, p.transpose(-2, -1) @ dout, atol=1e-10)):
         return False

@@ -71,7 +71,7 @@ def analytic_kinds(q_len: int, kv_len: int, q_tile: int, kv_block: int, *, offse
     rows = torch.arange(n_tiles * q_tile).view(n_tiles, q_tile)
     real = rows < q_len
     live = torch.nn.functional.pad(lo <= hi, (0, n_tiles * q_tile - q_len)).view(n_tiles, q_tile)
-    first = torch.where(live, rows, q_len - 1).amin(1).clamp(max=q_len - 1)  # first live row of each tile
+    first = torch.where(live, rows, q_len - 1).amin(1)  # first live row of each tile
     last = torch.where(live, rows, 0).amax(1)  # last live row
     r0 = rows[:, 0]
     r_end = torch.clamp(r0 + q_tile, max=q_len) - 1  # last real row
