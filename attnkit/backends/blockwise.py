@@ -14,8 +14,10 @@ of the tensors a score_mod captures (an ALiBi slope or a relative-position table
 
 Without a ``score_mod`` nothing needs the scores as a tensor, and on CPU each batch of chunks is
 one call of PyTorch's fused flash-attention kernel instead (:mod:`._fused`): same plan, same
-merge, no score tile in memory, so a chunk can be a tile's whole row of keys. Pass
-``fused=False`` for the plain path everywhere.
+merge, no score tile in memory, so a chunk can be a tile's whole row of keys. A pure window or
+causal mask (no mask_mod, mask, bias or score_mod) goes further, to a banded C++ kernel compiled on
+first use (:mod:`._band`) that computes each row block's exact key range in one call. Pass
+``fused=False`` for the plain path everywhere, ``band=False`` to keep the tile plan.
 
 Semantics match the reference backend: ``mask_mod``/``score_mod`` get raw indices (FlexAttention's
 convention); ``is_causal`` and ``window`` align bottom-right; ``score_mod`` sees
@@ -47,7 +49,7 @@ from torch.autograd.function import once_differentiable
 
 from ..ops.tiles import merge_partials
 from ..request import Request
-from . import _fused, _tiling
+from . import _band, _fused, _tiling
 from ._captured import captured_tensors, check_covered
 
 #: Default tile sizes of the plain path, chosen by single-thread CPU time on this 2-core machine
@@ -90,21 +92,27 @@ class BlockwiseBackend:
         kv_chunk: most keys one tile attends in one matmul.
         score_budget: most scores held by one batched matmul.
         fused: compute chunks without a ``score_mod`` with PyTorch's fused CPU kernel
-            (:mod:`._fused`); None uses it where it is available, False never.
+            (:mod:`._fused`); None uses it where it is available, False never (nor ``band``).
+        band: compute pure window/causal requests with the banded C++ kernel (:mod:`._band`);
+            None uses it where it serves and no tile size was given, False never.
     """
 
     name = "blockwise"
 
     def __init__(self, *, q_tile: int | None = None, kv_block: int | None = None,
-                 kv_chunk: int | None = None, score_budget: int | None = None, fused: bool | None = None):
+                 kv_chunk: int | None = None, score_budget: int | None = None, fused: bool | None = None,
+                 band: bool | None = None):
         for arg, val in (("q_tile", q_tile), ("kv_block", kv_block), ("kv_chunk", kv_chunk),
                          ("score_budget", score_budget)):
             if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val <= 0):
                 raise ValueError(f"{arg} must be a positive int or None, got {val!r}")
-        if fused not in (None, True, False):
-            raise TypeError(f"fused must be True, False or None, got {fused!r}")
+        for arg, val in (("fused", fused), ("band", band)):
+            if val not in (None, True, False):
+                raise TypeError(f"{arg} must be True, False or None, got {val!r}")
+        if band and fused is False:
+            raise ValueError("band=True contradicts fused=False (the plain path everywhere)")
         self.q_tile, self.kv_block, self.kv_chunk, self.score_budget = q_tile, kv_block, kv_chunk, score_budget
-        self.fused = fused
+        self.fused, self.band = fused, band
 
     def not_supported_reasons(self, req: Request) -> list[str]:
         reasons = []
@@ -117,9 +125,21 @@ class BlockwiseBackend:
         if self.fused and not _fused_serves(req):
             reasons.append("fused=True needs no score_mod, a CPU tensor, values as wide as queries and a "
                            "torch whose fused CPU attention kernel passes its self-check")
+        if self.band and not _band.serves(req):
+            reasons.append("band=True needs a window or causal mask and nothing else (no mask_mod, mask, bias or "
+                           "score_mod), a CPU tensor, and the banded kernel built "
+                           f"({_band.unavailable_reason() or 'it is'})")
         return reasons
 
+    def _uses_band(self, req: Request) -> bool:
+        if self.band is False or self.fused is False:
+            return False
+        tiles_given = any(x is not None for x in (self.q_tile, self.kv_block, self.kv_chunk, self.score_budget))
+        return (self.band or not tiles_given) and _band.serves(req)
+
     def __call__(self, req: Request) -> tuple[Tensor, None]:
+        if self._uses_band(req):
+            return _band.attention(req), None
         captured: list[Tensor] = []
         if req.score_mod is not None and torch.is_grad_enabled():
             captured = captured_tensors(req.score_mod)

@@ -1,0 +1,257 @@
+// Banded attention on CPU, built on first use by attnkit/backends/_band.py.
+//
+// Query i sits at position p = i + S - L and attends keys p - left ... p + right (clipped to the
+// sequence); `left`/`right` as large as the sequence mean unbounded. Forward: for each block of
+// query rows, exactly the keys some row of the block sees, in chunks merged by an online softmax;
+// only the columns a row may see are exponentiated, the rest are zero. Backward (FlashAttention-2):
+// for each block of keys, exactly the queries that see them; probabilities are recomputed from the
+// saved log-sum-exp, dK and dV belong to the block, dQ rows are shared with neighbouring blocks
+// and added under a lock per LOCK_ROWS rows.
+//
+// Matrix products go to the BLAS that torch itself links (sgemm_/dgemm_, looked up weakly so that
+// a torch without them still loads this module: has_blas() then says no and nothing here is used).
+// Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: gemm() swaps the operands.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
+            const float*, const int*, const float*, float*, const int*) __attribute__((weak));
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
+            const double*, const int*, const double*, double*, const int*) __attribute__((weak));
+}
+
+namespace {
+
+using at::Tensor;
+using Index = int64_t;
+constexpr Index LOCK_ROWS = 64;
+
+// Work item -> block: 0, n-1, 1, n-2, ... so that each thread's contiguous share of items mixes short
+// and long rows (under a causal mask late query blocks and early key blocks carry the most work).
+inline Index interleaved(Index t, Index n) { return t % 2 == 0 ? t / 2 : n - 1 - t / 2; }
+
+// Row-major C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C; ta/tb: the operand is stored transposed.
+template <typename T>
+void gemm(bool ta, bool tb, Index m, Index n, Index k, T alpha, const T* a, Index lda, const T* b, Index ldb, T beta,
+          T* c, Index ldc) {
+  const char opa = ta ? 'T' : 'N', opb = tb ? 'T' : 'N';
+  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+  const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm_(&opb, &opa, &M, &N, &K, &alpha, b, &lb, a, &la, &beta, c, &lc);
+  } else {
+    dgemm_(&opb, &opa, &M, &N, &K, &alpha, b, &lb, a, &la, &beta, c, &lc);
+  }
+}
+
+template <typename T>
+inline at::vec::Vectorized<T> vexp(at::vec::Vectorized<T> x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x.exp_u20();  // what PyTorch's own flash kernel uses for float
+  } else {
+    return x.exp();
+  }
+}
+
+// One row of scores s[0:n) whose columns [a, e) are visible: s <- exp(s * scale - m_new) there and
+// 0 elsewhere; updates the running max m and sum l; returns the factor for the row's accumulator.
+template <typename T>
+T online_softmax_row(T* s, Index n, Index a, Index e, T scale, T& m, T& l) {
+  using Vec = at::vec::Vectorized<T>;
+  std::fill(s, s + a, T(0));
+  std::fill(s + e, s + n, T(0));
+  if (a >= e) return T(1);
+  const T mx = at::vec::reduce_all<T>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, s + a, e - a);
+  const T m_new = std::max(m, mx * scale);
+  const T factor = m == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m - m_new);
+  const Vec vs(scale), vm(m_new);
+  Vec acc(T(0));
+  Index j = a;
+  for (; j + Vec::size() <= e; j += Vec::size()) {
+    Vec x = vexp<T>(Vec::loadu(s + j) * vs - vm);
+    x.store(s + j);
+    acc = acc + x;
+  }
+  T sum = at::vec::vec_reduce_all<T>([](Vec x, Vec y) { return x + y; }, acc);
+  for (; j < e; ++j) {
+    s[j] = std::exp(s[j] * scale - m_new);
+    sum += s[j];
+  }
+  l = l * factor + sum;
+  m = m_new;
+  return factor;
+}
+
+struct Shape {
+  Index B, H, L, E, Hkv, S, Ev, off;
+  Shape(const Tensor& q, const Tensor& k, const Tensor& v)
+      : B(q.size(0)), H(q.size(1)), L(q.size(2)), E(q.size(3)), Hkv(k.size(1)), S(k.size(2)), Ev(v.size(3)),
+        off(k.size(2) - q.size(2)) {}
+  Index groups() const { return H / Hkv; }
+};
+
+template <typename T>
+const T* row_ptr(const Tensor& t, Index b, Index h, Index i) {
+  return t.data_ptr<T>() + b * t.stride(0) + h * t.stride(1) + i * t.stride(2);
+}
+
+template <typename T>
+void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse, Index left,
+                  Index right, T scale, Index q_rows, Index kv_chunk) {
+  const Shape d(q, k, v);
+  const Index blocks = (d.L + q_rows - 1) / q_rows, G = d.groups();
+  const T ninf = -std::numeric_limits<T>::infinity();
+  at::parallel_for(0, d.B * d.H * blocks, 1, [&](Index begin, Index end) {
+    std::vector<T> s(q_rows * kv_chunk), acc(q_rows * d.Ev), m(q_rows), l(q_rows);
+    for (Index it = begin; it < end; ++it) {
+      const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
+      const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0), p0 = d.off + i0;
+      const Index lo = std::max<Index>(0, p0 - left), hi = std::min<Index>(d.S, p0 + rows - 1 + right + 1);
+      T* o = out.data_ptr<T>() + ((b * d.H + h) * d.L + i0) * d.Ev;
+      T* ls = lse.data_ptr<T>() + (b * d.H + h) * d.L + i0;
+      std::fill(m.begin(), m.end(), ninf);
+      std::fill(l.begin(), l.end(), T(0));
+      const T* qp = row_ptr<T>(q, b, h, i0);
+      for (Index c0 = lo; c0 < hi; c0 += kv_chunk) {
+        const Index kc = std::min(kv_chunk, hi - c0);
+        const bool first = c0 == lo;
+        gemm<T>(false, true, rows, kc, d.E, T(1), qp, q.stride(2), row_ptr<T>(k, b, h / G, c0), k.stride(2), T(0),
+                s.data(), kc);
+        for (Index r = 0; r < rows; ++r) {
+          const Index p = p0 + r;
+          const Index a = std::clamp<Index>(p - left - c0, 0, kc), e = std::clamp<Index>(p + right + 1 - c0, a, kc);
+          const T factor = online_softmax_row<T>(s.data() + r * kc, kc, a, e, scale, m[r], l[r]);
+          if (!first && factor != T(1)) {
+            for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
+          }
+        }
+        gemm<T>(false, false, rows, d.Ev, kc, T(1), s.data(), kc, row_ptr<T>(v, b, h / G, c0), v.stride(2),
+                first ? T(0) : T(1), acc.data(), d.Ev);
+      }
+      for (Index r = 0; r < rows; ++r) {
+        if (l[r] == T(0)) {  // nothing visible: zeros, like every other backend
+          std::fill(o + r * d.Ev, o + (r + 1) * d.Ev, T(0));
+          ls[r] = ninf;
+          continue;
+        }
+        const T inv = T(1) / l[r];
+        for (Index j = 0; j < d.Ev; ++j) o[r * d.Ev + j] = acc[r * d.Ev + j] * inv;
+        ls[r] = m[r] + std::log(l[r]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
+                   const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, Index left, Index right, T scale,
+                   Index kv_rows, Index q_chunk) {
+  using Vec = at::vec::Vectorized<T>;
+  const Shape d(q, k, v);
+  const Index blocks = (d.S + kv_rows - 1) / kv_rows, G = d.groups(), groups = (d.L + LOCK_ROWS - 1) / LOCK_ROWS;
+  std::vector<std::mutex> locks(d.B * d.H * groups);
+  at::parallel_for(0, d.B * d.Hkv * blocks, 1, [&](Index begin, Index end) {
+    std::vector<T> p(kv_rows * q_chunk), ds(kv_rows * q_chunk);
+    for (Index it = begin; it < end; ++it) {
+      const Index blk = interleaved(it % blocks, blocks), hk = (it / blocks) % d.Hkv, b = it / (blocks * d.Hkv);
+      const Index j0 = blk * kv_rows, rows = std::min(kv_rows, d.S - j0);
+      // key j is seen from positions j - right ... j + left
+      const Index lo = std::max<Index>(0, j0 - right - d.off);
+      const Index hi = std::min<Index>(d.L, j0 + rows - 1 + left + 1 - d.off);
+      const T* kp = row_ptr<T>(k, b, hk, j0);
+      const T* vp = row_ptr<T>(v, b, hk, j0);
+      T* dkp = dk.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.E;
+      T* dvp = dv.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.Ev;
+      for (Index g = 0; g < G; ++g) {
+        const Index h = hk * G + g;
+        const T* lsp = lse.data_ptr<T>() + (b * d.H + h) * d.L;
+        const T* dlp = delta.data_ptr<T>() + (b * d.H + h) * d.L;
+        for (Index i0 = lo; i0 < hi; i0 += q_chunk) {
+          const Index n = std::min(q_chunk, hi - i0);
+          const T* qp = row_ptr<T>(q, b, h, i0);
+          const T* dop = row_ptr<T>(dout, b, h, i0);
+          gemm<T>(false, true, rows, n, d.E, T(1), kp, k.stride(2), qp, q.stride(2), T(0), p.data(), n);
+          gemm<T>(false, true, rows, n, d.Ev, T(1), vp, v.stride(2), dop, dout.stride(2), T(0), ds.data(), n);
+          for (Index r = 0; r < rows; ++r) {
+            const Index j = j0 + r;
+            const Index a = std::clamp<Index>(j - right - d.off - i0, 0, n);
+            const Index e = std::clamp<Index>(j + left + 1 - d.off - i0, a, n);
+            T* pr = p.data() + r * n;
+            T* dr = ds.data() + r * n;
+            std::fill(pr, pr + a, T(0));
+            std::fill(pr + e, pr + n, T(0));
+            std::fill(dr, dr + a, T(0));
+            std::fill(dr + e, dr + n, T(0));
+            if (a >= e) continue;
+            const Vec vs(scale);
+            at::vec::map2([=](Vec x, Vec lse_) { return vexp<T>(x * vs - lse_); }, pr + a, pr + a, lsp + i0 + a,
+                          e - a);
+            at::vec::map3([](Vec pp, Vec dp, Vec dl) { return pp * (dp - dl); }, dr + a, pr + a, dr + a,
+                          dlp + i0 + a, e - a);
+          }
+          gemm<T>(false, false, rows, d.Ev, n, T(1), p.data(), n, dop, dout.stride(2), T(1), dvp, d.Ev);
+          gemm<T>(false, false, rows, d.E, n, scale, ds.data(), n, qp, q.stride(2), T(1), dkp, d.E);
+          const Index base = (b * d.H + h) * groups, ga = i0 / LOCK_ROWS, ge = (i0 + n - 1) / LOCK_ROWS;
+          for (Index x = ga; x <= ge; ++x) locks[base + x].lock();  // ascending: no deadlock
+          gemm<T>(true, false, n, d.E, rows, scale, ds.data(), n, kp, k.stride(2), T(1),
+                  dq.data_ptr<T>() + ((b * d.H + h) * d.L + i0) * d.E, d.E);
+          for (Index x = ga; x <= ge; ++x) locks[base + x].unlock();
+        }
+      }
+    }
+  });
+}
+
+void check(const Tensor& q, const Tensor& k, const Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "band kernel: q, k, v must be [B, H, L, E]");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "band kernel: last dims must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "band kernel: one dtype");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "band kernel: heads must be a multiple of key/value heads");
+}
+
+std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor& v, Index left, Index right,
+                                 double scale, Index q_rows, Index kv_chunk) {
+  check(q, k, v);
+  Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_forward", [&] {
+    forward_impl<scalar_t>(q, k, v, out, lse, left, right, static_cast<scalar_t>(scale), q_rows, kv_chunk);
+  });
+  return {out, lse};
+}
+
+std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& out, const Tensor& lse, Index left, Index right, double scale,
+                                  Index kv_rows, Index q_chunk) {
+  check(q, k, v);
+  TORCH_CHECK(dout.stride(3) == 1 && lse.is_contiguous(), "band kernel: dout rows and lse must be contiguous");
+  Tensor delta = (dout * out).sum(-1).contiguous();
+  Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
+  Tensor dv = at::zeros(v.sizes(), v.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
+    backward_impl<scalar_t>(dout, q, k, v, lse, delta, dq, dk, dv, left, right, static_cast<scalar_t>(scale),
+                            kv_rows, q_chunk);
+  });
+  return {dq, dk, dv};
+}
+
+bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &band_forward, "out, lse of banded attention");
+  m.def("backward", &band_backward, "dq, dk, dv of banded attention");
+  m.def("has_blas", &has_blas, "whether torch exposes the BLAS this module calls");
+}
