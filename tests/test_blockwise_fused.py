@@ -85,20 +85,21 @@ def test_forcing_the_fused_path_where_it_cannot_run_is_refused_with_the_reason()
 def test_default_tiles_match_the_oracle(case, heads):
     h, hkv = heads
     q, k, v = qkv(1, h, hkv, 300, 300, d=16)
-    st = blockwise._setup(build_request(q, k, v, **case), BlockwiseBackend())
+    tiles = BlockwiseBackend(band=False)  # pure window/causal calls would otherwise go to the banded kernel
+    st = blockwise._setup(build_request(q, k, v, **case), tiles)
     # A narrow band gets small tiles, plain causal masks one tile as long as the sequence (300 -> 320).
     want = 64 if case.get("window") == (40, 40) else 320 if case == {"is_causal": True} else 256
     assert st.fused and st.q_tile == want
     # The oracle evaluates a mask_mod cell by cell in Python; for the documents give it the grid.
     allowed = masks.document(DOCS).expand(1, h, 300, 300) if "mask_mod" in case else None
-    check_against_oracle(BlockwiseBackend(), q, k, v, allowed=allowed, **case)
+    check_against_oracle(tiles, q, k, v, allowed=allowed, **case)
 
 
 def test_float32_matches_pytorch_sdpa_with_the_dense_mask():
     q, k, v = qkv(2, 4, 4, 333, 333, d=32, dtype=torch.float32)
     mask = masks.sliding_window(333, left=50, right=7)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    close(attnkit.attention(q, k, v, window=(50, 7), backend="blockwise"), want)
+    close(BlockwiseBackend(band=False)(build_request(q, k, v, window=(50, 7)))[0], want)
 
 
 @pytest.mark.parametrize("cache", [0, 1 << 40], ids=["split_every_chunk", "never_split"])
@@ -182,8 +183,9 @@ def test_square_diagonal_blocks_use_the_kernels_causal_mode(monkeypatch, lengths
     check_against_oracle(backend, q, k, v, is_causal=True)
 
 
+@pytest.mark.parametrize("backend", [BlockwiseBackend(), BlockwiseBackend(band=False)], ids=["band", "tiles"])
 @pytest.mark.parametrize("layout", ["bshd", "last_dim_strided", "expanded_kv"])
-def test_inputs_in_any_memory_layout(layout):
+def test_inputs_in_any_memory_layout(layout, backend):
     g = torch.Generator().manual_seed(2)
     b, h, n, d = 2, 4, 90, 16
     if layout == "bshd":  # [B, L, H, D] storage seen as [B, H, L, D]
@@ -194,7 +196,7 @@ def test_inputs_in_any_memory_layout(layout):
         q = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
         k, v = (torch.randn(b, 1, n, d, generator=g, dtype=torch.float64).expand(b, h, n, d) for _ in range(2))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    check_against_oracle(BlockwiseBackend(), q, k, v, is_causal=True, window=(20, None))
+    check_against_oracle(backend, q, k, v, is_causal=True, window=(20, None))
 
 
 def test_the_registered_backend_can_be_told_not_to_fuse(monkeypatch):

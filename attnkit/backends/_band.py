@@ -11,9 +11,10 @@ log-sum-exp, each key block owning its dK/dV, dQ rows added under locks).
 
 The source is compiled once per machine, torch version and CPU capability (about 30 s, said on
 stderr) into ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``) and imported from there afterwards.
-``ATTNKIT_BUILD=0`` forbids compiling. If anything fails (no compiler, a torch without the BLAS
-symbols, a self-check against the formula that does not match), :func:`available` is False, the
-reason is in :func:`unavailable_reason`, and the blockwise backend uses its other paths.
+``ATTNKIT_BUILD=0`` forbids compiling (a cached build is still used). If anything fails (no
+compiler, a torch without the BLAS symbols, a self-check against the formula that does not
+match), :func:`available` is False, the reason is in :func:`unavailable_reason`, and the
+blockwise backend uses its other paths.
 """
 
 from __future__ import annotations
@@ -173,20 +174,25 @@ def _formula(q, k, v, dout, left, right, scale):
 @functools.cache
 def _module():
     """Import the compiled kernel from the cache, compiling it first if it is not there."""
-    if os.environ.get("ATTNKIT_BUILD", "1") == "0":
-        raise RuntimeError("ATTNKIT_BUILD=0 forbids compiling it")
-    cap = torch.backends.cpu.get_cpu_capability()
-    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(cap, [])]
-    key = "\n".join([SOURCE.read_text(), torch.__version__, cap, *cflags])
-    name = f"attnkit_band_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    cache = Path(os.environ.get("ATTNKIT_CACHE") or Path.home() / ".cache" / "attnkit")
-    built = cache / f"{name}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    name, cflags, built = _target()
     if not built.exists():
+        if os.environ.get("ATTNKIT_BUILD", "1") == "0":
+            raise RuntimeError("ATTNKIT_BUILD=0 forbids compiling it")
         return _compile(name, cflags, built)
     spec = importlib.util.spec_from_file_location(name, built)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _target() -> tuple[str, list[str], Path]:
+    """Module name, compiler flags and cache path; the name changes with source, torch and CPU."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(cap, [])]
+    key = "\n".join([SOURCE.read_text(), torch.__version__, cap, *cflags])
+    name = f"attnkit_band_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    cache = Path(os.environ.get("ATTNKIT_CACHE") or Path.home() / ".cache" / "attnkit")
+    return name, cflags, cache / f"{name}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
 
 
 def _compile(name: str, cflags: list[str], target: Path):

@@ -107,7 +107,7 @@ class BlockwiseBackend:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val <= 0):
                 raise ValueError(f"{arg} must be a positive int or None, got {val!r}")
         for arg, val in (("fused", fused), ("band", band)):
-            if val not in (None, True, False):
+            if val is not None and not isinstance(val, bool):  # 1 == True: compare types, not values
                 raise TypeError(f"{arg} must be True, False or None, got {val!r}")
         if band and fused is False:
             raise ValueError("band=True contradicts fused=False (the plain path everywhere)")
@@ -140,6 +140,9 @@ class BlockwiseBackend:
     def __call__(self, req: Request) -> tuple[Tensor, None]:
         if self._uses_band(req):
             return _band.attention(req), None
+        if self.band:  # forced but not served: say so rather than quietly take another path
+            reasons = "; ".join(self.not_supported_reasons(req))
+            raise ValueError(f"backend 'blockwise' cannot serve this call: {reasons}")
         captured: list[Tensor] = []
         if req.score_mod is not None and torch.is_grad_enabled():
             captured = captured_tensors(req.score_mod)

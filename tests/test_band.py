@@ -1,0 +1,233 @@
+"""The banded C++ kernel (``attnkit/backends/_band.cpp``) for pure window and causal requests.
+
+Against the float64 oracle (outputs) and the reference backend (gradients): windows from 0 to
+beyond the length, unbounded sides, causal, GQA, ``Lq != Lk`` both ways, rows with nothing to
+attend, values narrower than queries, extra batch dims, strided inputs, two threads adding into
+the same dQ rows; gradcheck; when it is chosen; and what happens when it cannot be built.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import masks
+from attnkit.backends import _band
+from attnkit.backends.blockwise import BlockwiseBackend
+from attnkit.request import build_request
+from tests import oracle
+from tests.test_blockwise_fused import check_against_oracle, qkv
+from tests.tolerances import close
+
+BAND = BlockwiseBackend(band=True)
+REFERENCE = attnkit.backends.get("reference")
+
+
+def test_the_kernel_builds_and_passes_its_self_check():
+    assert _band.available(), _band.unavailable_reason()
+    assert _band.unavailable_reason() is None
+
+
+@pytest.mark.parametrize("case", [
+    {"window": (0, 0)},
+    {"window": (3, 5)},
+    {"window": (40, 40)},
+    {"window": (500, 500)},  # wider than the sequence
+    {"window": (None, 7)},
+    {"window": (7, None)},
+    {"is_causal": True},
+    {"is_causal": True, "window": (9, 4)},  # causal caps the right side at 0
+    {"is_causal": True, "window": (None, None)},
+], ids=str)
+@pytest.mark.parametrize("sizes", [(1, 2, 2, 130, 130), (2, 4, 1, 70, 150), (1, 4, 2, 150, 70)],
+                         ids=["square", "gqa_short_queries", "gqa_long_queries"])
+def test_matches_the_oracle(case, sizes):
+    b, h, hkv, lq, lk = sizes
+    check_against_oracle(BAND, *qkv(b, h, hkv, lq, lk, d=16), **case)
+
+
+@given(lq=st.integers(1, 90), lk=st.integers(1, 90),
+       left=st.one_of(st.none(), st.integers(0, 100)), right=st.one_of(st.none(), st.integers(0, 100)),
+       causal=st.booleans(), heads=st.sampled_from([(1, 1), (2, 1), (3, 3), (4, 2)]),
+       dims=st.sampled_from([(8, 8), (16, 4), (5, 9)]))
+def test_property_any_window_and_shape(lq, lk, left, right, causal, heads, dims):
+    h, hkv = heads
+    e, ev = dims
+    q, k, v = qkv(2, h, hkv, lq, lk, d=e, dv=ev, seed=lq * 131 + lk)
+    check_against_oracle(BAND, q, k, v, window=(left, right), is_causal=causal)
+
+
+def test_rows_with_nothing_to_attend_are_zero_with_zero_gradients():
+    q, k, v = qkv(1, 2, 2, 40, 12)  # queries 0..27 sit before every key the window (2, 0) allows
+    out = BAND(build_request(q, k, v, window=(2, 0)))[0]
+    assert torch.equal(out[:, :, :26], torch.zeros_like(out[:, :, :26]))
+    out.sum().backward()
+    assert torch.equal(q.grad[:, :, :26], torch.zeros_like(q.grad[:, :, :26]))
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+def test_float32_matches_the_oracle_and_pytorch_sdpa():
+    q, k, v = qkv(2, 4, 4, 333, 333, d=32, dtype=torch.float32)
+    band = masks.sliding_window(333, left=50, right=7)
+    got = BAND(build_request(q, k, v, window=(50, 7)))[0]
+    close(got, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band))
+    close(got, oracle.attention(q, k, v, allowed=band)[0], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_types_are_computed_in_float32(dtype):
+    q, k, v = qkv(1, 2, 2, 50, 50, d=16, dtype=dtype)
+    out = BAND(build_request(q, k, v, window=(4, 4)))[0]
+    assert out.dtype == dtype
+    close(out, oracle.attention(q, k, v, allowed=masks.sliding_window(50, left=4, right=4))[0], dtype)
+    out.float().sum().backward()
+    assert q.grad.dtype == dtype and k.grad.dtype == dtype
+
+
+def test_strided_inputs_and_extra_batch_dims():
+    g = torch.Generator().manual_seed(3)
+    # [B, L, H, E] storage seen as [B, H, L, E] (what a fused qkv projection gives), and a 5-D batch.
+    q = torch.randn(2, 3, 37, 4, 8, generator=g, dtype=torch.float64).transpose(-2, -3).requires_grad_()
+    k = torch.randn(2, 3, 37, 4, 8, generator=g, dtype=torch.float64).transpose(-2, -3).requires_grad_()
+    v = torch.randn(2, 3, 4, 37, 16, generator=g, dtype=torch.float64)[..., ::2].requires_grad_()
+    got = BAND(build_request(q, k, v, window=(5, 2)))[0]
+    want = REFERENCE(build_request(q, k, v, window=(5, 2)))[0]
+    close(got, want)
+    dout = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout), strict=True):
+        assert a.shape == b.shape
+        close(a, b)
+
+
+def test_two_threads_adding_into_shared_query_rows_give_the_exact_gradient():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v = qkv(1, 2, 1, 700, 700, d=16)  # 11 key blocks per head, each adding into ~8 query blocks
+        check_against_oracle(BAND, q, k, v, window=(100, 100))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gradcheck():
+    q, k, v = qkv(1, 2, 1, 9, 11, d=4, dv=3)
+    assert torch.autograd.gradcheck(lambda a, b, c: BAND(build_request(a, b, c, window=(2, 1)))[0], (q, k, v))
+
+
+def test_double_backward_is_refused_not_wrong():
+    q, k, v = qkv(1, 1, 1, 6, 6, d=4)
+    out = BAND(build_request(q, k, v, window=(1, 1)))[0]
+    (gq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        gq.sum().backward()
+
+
+def test_chosen_for_pure_window_and_causal_requests_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_band, "attention", lambda req: calls.append(req) or REFERENCE(req)[0])
+    q, k, v = qkv(1, 2, 2, 20, 20)
+    backend = BlockwiseBackend()
+    backend(build_request(q, k, v, window=(2, 2)))
+    backend(build_request(q, k, v, is_causal=True))
+    assert len(calls) == 2
+    backend(build_request(q, k, v, window=(2, 2), mask_mod=masks.causal_mod()))
+    backend(build_request(q, k, v, window=(2, 2), mask=torch.ones(20, 20, dtype=torch.bool)))
+    backend(build_request(q, k, v))  # no mask at all: nothing for a band to skip
+    BlockwiseBackend(band=False)(build_request(q, k, v, window=(2, 2)))
+    BlockwiseBackend(fused=False)(build_request(q, k, v, window=(2, 2)))
+    BlockwiseBackend(q_tile=8)(build_request(q, k, v, window=(2, 2)))  # tiles asked for: the tile plan
+    assert len(calls) == 2
+    BlockwiseBackend(q_tile=8, band=True)(build_request(q, k, v, window=(2, 2)))
+    assert len(calls) == 3
+    attnkit.attention(q, k, v, window=(2, 2))  # "auto" picks blockwise, and blockwise the band
+    assert len(calls) == 4
+
+
+def test_bad_options_and_forcing_it_where_it_cannot_run():
+    with pytest.raises(TypeError, match="band must be True, False or None, got 1"):
+        BlockwiseBackend(band=1)
+    with pytest.raises(ValueError, match="band=True contradicts fused=False"):
+        BlockwiseBackend(band=True, fused=False)
+    q, k, v = qkv(1, 2, 2, 5, 5)
+    reasons = BAND.not_supported_reasons(build_request(q, k, v, window=(1, 1), mask_mod=masks.causal_mod()))
+    assert any("band=True needs a window or causal mask and nothing else" in r for r in reasons)
+    assert BAND.not_supported_reasons(build_request(q, k, v, window=(1, 1))) == []
+    with pytest.raises(ValueError, match="cannot serve this call: band=True needs"):
+        BAND(build_request(q, k, v, mask_mod=masks.causal_mod()))
+
+
+@pytest.fixture
+def fresh_check():
+    """Forget the once-per-process check (the compiled module itself stays cached)."""
+    _band._checked.cache_clear()
+    yield
+    _band._checked.cache_clear()
+
+
+def test_a_wrong_kernel_is_refused_and_the_tile_plan_takes_over(monkeypatch, fresh_check, capsys):
+    real = _band._module()
+
+    class Off:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def forward(q, k, v, *args):
+            out, lse = real.forward(q, k, v, *args)
+            return out * 1.001, lse
+
+    monkeypatch.setattr(_band, "_module", lambda: Off())
+    assert not _band.available()
+    assert "self-check against the formula failed: out differs" in _band.unavailable_reason()
+    assert "banded kernel self-check" in capsys.readouterr().err
+    q, k, v = qkv(1, 2, 2, 30, 30)
+    check_against_oracle(BlockwiseBackend(), q, k, v, window=(3, 3))
+
+
+def test_the_first_call_may_come_under_no_grad_or_inference_mode(fresh_check):
+    q, k, v = qkv(1, 2, 2, 30, 30)
+    with torch.inference_mode():
+        out = BlockwiseBackend()(build_request(q, k, v, window=(3, 3)))[0]
+    assert _band.available()
+    close(out, oracle.attention(q, k, v, allowed=masks.sliding_window(30, left=3, right=3))[0])
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+def test_without_a_build_it_falls_back_with_one_line_and_the_same_answer(tmp_path):
+    code = ("import torch, attnkit\n"
+            "from attnkit.backends import _band\n"
+            "q = torch.randn(1, 2, 50, 8, dtype=torch.float64)\n"
+            "a = attnkit.attention(q, q, q, window=(3, 3))\n"
+            "b = attnkit.attention(q, q, q, window=(3, 3), backend='reference')\n"
+            "print(_band.available(), float((a - b).abs().max()))\n"
+            "print(_band.unavailable_reason())\n")
+    res = _python(code, ATTNKIT_BUILD="0", ATTNKIT_CACHE=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    ok, err = res.stdout.split()[:2]
+    assert ok == "False" and float(err) < 1e-12
+    assert "ATTNKIT_BUILD=0 forbids compiling it" in res.stdout
+    assert res.stderr.count("\n") == 1 and "uses PyTorch's kernel instead" in res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_compiled_kernel_is_reused_from_the_cache(tmp_path):
+    # Copy this process's build into a fresh cache; a new process must import it, not compile.
+    assert _band.available()
+    built = _band._target()[2]
+    (tmp_path / built.name).write_bytes(built.read_bytes())
+    res = _python("from attnkit.backends import _band; print(_band.available())", ATTNKIT_CACHE=str(tmp_path),
+                  ATTNKIT_BUILD="0")
+    assert res.stdout.strip() == "True", res.stderr
+    assert "compiling" not in res.stderr
+
