@@ -231,3 +231,29 @@ def test_a_compiled_kernel_is_reused_from_the_cache(tmp_path):
     assert res.stdout.strip() == "True", res.stderr
     assert "compiling" not in res.stderr
 
+
+
+@pytest.mark.parametrize("lengths", [(0, 5, 5), (1, 0, 0), (1, 5, 0), (None, 5, 5)],
+                         ids=["no_batch", "no_queries", "no_keys", "3d"])
+def test_empty_and_unbatched_inputs(lengths):
+    b, lq, lk = lengths
+    lead = () if b is None else (b,)
+    q = torch.randn(*lead, 2, lq, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(*lead, 2, lk, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = BAND(build_request(q, k, v, window=(1, 1)))[0]
+    assert out.shape == q.shape
+    close(out, REFERENCE(build_request(q, k, v, window=(1, 1)))[0])
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_rows_the_blas_cannot_read_in_place_are_copied_first():
+    # A query row broadcast along the length (row stride 0) and a dout that is a broadcast 1.
+    q = torch.randn(1, 2, 1, 8, dtype=torch.float64).expand(1, 2, 20, 8).requires_grad_()
+    k, v = qkv(1, 2, 2, 20, 20)[1:]
+    got = BAND(build_request(q, k, v, window=(3, 3)))[0]
+    want = REFERENCE(build_request(q, k, v, window=(3, 3)))[0]
+    close(got, want)
+    grads = torch.autograd.grad(got.sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad(want.sum(), (q, k, v)), strict=True):
+        close(a, b)

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import importlib.machinery
 import importlib.util
+import math
 import os
 import shutil
 import sys
@@ -89,8 +90,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _as_4d(x: Tensor, dtype: torch.dtype) -> Tensor:
-    x = x.to(dtype).reshape(-1, *x.shape[-3:])
-    return x if x.stride(-1) == 1 else x.contiguous()
+    """``[B, H, L, E]`` with rows the BLAS can read: unit stride along E, rows at least E apart."""
+    x = x.to(dtype).reshape(math.prod(x.shape[:-3]), *x.shape[-3:])
+    return x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous()
 
 
 class _BandFn(torch.autograd.Function):
@@ -98,7 +100,11 @@ class _BandFn(torch.autograd.Function):
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, left: int, right: int, scale: float) -> Tensor:
         compute = _compute_dtype(query.dtype)
         q, k, v = (_as_4d(t, compute) for t in (query, key, value))
-        out, lse = _module().forward(q, k, v, left, right, scale, Q_ROWS, KV_CHUNK)
+        ctx.empty = q.numel() == 0 or k.shape[-2] == 0  # nothing to compute (and empty views: any strides)
+        if ctx.empty:
+            out, lse = q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full(q.shape[:-1], float("-inf"))
+        else:
+            out, lse = _module().forward(q, k, v, left, right, scale, Q_ROWS, KV_CHUNK)
         ctx.args = (left, right, scale)
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -108,8 +114,10 @@ class _BandFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        do = _as_4d(dout, q.dtype)
-        dq, dk, dv = _module().backward(do, q, k, v, out, lse, *ctx.args, KV_ROWS, Q_CHUNK)
+        if ctx.empty:
+            dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        else:
+            dq, dk, dv = _module().backward(_as_4d(dout, q.dtype), q, k, v, out, lse, *ctx.args, KV_ROWS, Q_CHUNK)
         qs, ks, vs = ctx.shapes
         return dq.view(qs), dk.view(ks), dv.view(vs), None, None, None
 
