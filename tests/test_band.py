@@ -53,15 +53,41 @@ def test_matches_the_oracle(case, sizes):
     check_against_oracle(BAND, *qkv(b, h, hkv, lq, lk, d=16), **case)
 
 
+DOCS = torch.tensor([0] * 13 + [1] * 30 + [3] * 2 + [4] * 25)  # 70 packed tokens, documents of 13, 30, 2, 25
+INTERVAL_MODS = {
+    "documents": masks.document_mod(DOCS),
+    "documents_causal": masks.and_masks(masks.document_mod(DOCS), masks.causal_mod()),
+    "documents_per_batch": masks.document_mod(torch.stack([DOCS, torch.arange(70) // 9])),
+    "documents_missing_in_keys": masks.document_mod(DOCS, torch.tensor([0] * 40 + [3] * 30)),  # 1, 4: no keys
+    "prefix_lm": masks.prefix_lm_mod(20),
+    "prefix_lm_per_batch": masks.prefix_lm_mod(torch.tensor([0, 33])),
+    "padding": masks.padding_mod(torch.tensor([70, 0])),  # element 1 has no keys at all
+    "padding_causal_offset": masks.and_masks(masks.padding_mod(torch.tensor([55, 70])), masks.causal_mod(-5)),
+    "window_mod": masks.window_mod(4, None, offset=3),
+}
+
+
+@pytest.mark.parametrize("name", list(INTERVAL_MODS))
+def test_interval_mask_mods_match_the_oracle(name):
+    q, k, v = qkv(2, 4, 2, 70, 70, d=16)
+    mod = INTERVAL_MODS[name]
+    assert _band.rows(build_request(q, k, v, mask_mod=mod)) is not None  # served by the kernel
+    check_against_oracle(BAND, q, k, v, mask_mod=mod)
+    check_against_oracle(BAND, q, k, v, mask_mod=mod, window=(6, 2))  # and intersected with a window
+
+
 @given(lq=st.integers(1, 90), lk=st.integers(1, 90),
        left=st.one_of(st.none(), st.integers(0, 100)), right=st.one_of(st.none(), st.integers(0, 100)),
        causal=st.booleans(), heads=st.sampled_from([(1, 1), (2, 1), (3, 3), (4, 2)]),
-       dims=st.sampled_from([(8, 8), (16, 4), (5, 9)]))
-def test_property_any_window_and_shape(lq, lk, left, right, causal, heads, dims):
+       dims=st.sampled_from([(8, 8), (16, 4), (5, 9)]), extra=st.sampled_from(["", "padding", "prefix", "documents"]),
+       cut=st.integers(0, 95))
+def test_property_any_interval_mask_and_shape(lq, lk, left, right, causal, heads, dims, extra, cut):
     h, hkv = heads
     e, ev = dims
     q, k, v = qkv(2, h, hkv, lq, lk, d=e, dv=ev, seed=lq * 131 + lk)
-    check_against_oracle(BAND, q, k, v, window=(left, right), is_causal=causal)
+    mod = {"": None, "padding": masks.padding_mod(torch.tensor([cut, lk])), "prefix": masks.prefix_lm_mod(cut),
+           "documents": masks.document_mod(torch.arange(lq) * 4 // lq, torch.arange(lk) * 4 // lk)}[extra]
+    check_against_oracle(BAND, q, k, v, window=(left, right), is_causal=causal, mask_mod=mod)
 
 
 def test_rows_with_nothing_to_attend_are_zero_with_zero_gradients():
@@ -129,25 +155,31 @@ def test_double_backward_is_refused_not_wrong():
         gq.sum().backward()
 
 
-def test_chosen_for_pure_window_and_causal_requests_only(monkeypatch):
+def test_chosen_when_every_row_sees_one_interval_of_keys(monkeypatch):
     calls = []
-    monkeypatch.setattr(_band, "attention", lambda req: calls.append(req) or REFERENCE(req)[0])
-    q, k, v = qkv(1, 2, 2, 20, 20)
+    monkeypatch.setattr(_band, "attention", lambda req, bounds: calls.append(req) or REFERENCE(req)[0])
+    q, k, v = qkv(2, 2, 2, 20, 20)
     backend = BlockwiseBackend()
-    backend(build_request(q, k, v, window=(2, 2)))
-    backend(build_request(q, k, v, is_causal=True))
-    assert len(calls) == 2
-    backend(build_request(q, k, v, window=(2, 2), mask_mod=masks.causal_mod()))
-    backend(build_request(q, k, v, window=(2, 2), mask=torch.ones(20, 20, dtype=torch.bool)))
-    backend(build_request(q, k, v))  # no mask at all: nothing for a band to skip
-    BlockwiseBackend(band=False)(build_request(q, k, v, window=(2, 2)))
-    BlockwiseBackend(fused=False)(build_request(q, k, v, window=(2, 2)))
-    BlockwiseBackend(q_tile=8)(build_request(q, k, v, window=(2, 2)))  # tiles asked for: the tile plan
-    assert len(calls) == 2
+    served = [{"window": (2, 2)}, {"is_causal": True}, {"mask_mod": masks.causal_mod()},
+              {"window": (2, 2), "mask_mod": masks.padding_mod(torch.tensor([20, 7]))},
+              {"mask_mod": masks.and_masks(masks.document_mod(torch.arange(20) // 6), masks.causal_mod())},
+              {"mask_mod": masks.prefix_lm_mod(torch.tensor([3, 9]))}]
+    for case in served:
+        backend(build_request(q, k, v, **case))
+    assert len(calls) == len(served)
+    for case in [{"window": (2, 2), "mask": torch.ones(20, 20, dtype=torch.bool)},  # dense: rows unknown
+                 {},  # nothing to skip
+                 {"mask_mod": lambda b, h, i, j: j <= i},  # a user's predicate: rows unknown
+                 {"mask_mod": masks.or_masks(masks.causal_mod(), masks.window_mod(0, 2))},
+                 {"mask_mod": masks.document_mod(torch.arange(20) % 3)},  # documents not contiguous
+                 {"mask_mod": masks.document_mod(torch.arange(19, -1, -1) // 5)}]:  # ends not sorted
+        backend(build_request(q, k, v, **case))
+    for other in (BlockwiseBackend(band=False), BlockwiseBackend(fused=False), BlockwiseBackend(q_tile=8)):
+        other(build_request(q, k, v, window=(2, 2)))  # asked for the tile plan (tile sizes) or plain tiles
+    assert len(calls) == len(served)
     BlockwiseBackend(q_tile=8, band=True)(build_request(q, k, v, window=(2, 2)))
-    assert len(calls) == 3
     attnkit.attention(q, k, v, window=(2, 2))  # "auto" picks blockwise, and blockwise the band
-    assert len(calls) == 4
+    assert len(calls) == len(served) + 2
 
 
 def test_bad_options_and_forcing_it_where_it_cannot_run():
@@ -156,11 +188,11 @@ def test_bad_options_and_forcing_it_where_it_cannot_run():
     with pytest.raises(ValueError, match="band=True contradicts fused=False"):
         BlockwiseBackend(band=True, fused=False)
     q, k, v = qkv(1, 2, 2, 5, 5)
-    reasons = BAND.not_supported_reasons(build_request(q, k, v, window=(1, 1), mask_mod=masks.causal_mod()))
-    assert any("band=True needs a window or causal mask and nothing else" in r for r in reasons)
+    reasons = BAND.not_supported_reasons(build_request(q, k, v, window=(1, 1), mask_mod=lambda b, h, i, j: i >= j))
+    assert any("band=True needs masks whose rows are intervals" in r for r in reasons)
     assert BAND.not_supported_reasons(build_request(q, k, v, window=(1, 1))) == []
     with pytest.raises(ValueError, match="cannot serve this call: band=True needs"):
-        BAND(build_request(q, k, v, mask_mod=masks.causal_mod()))
+        BAND(build_request(q, k, v, mask_mod=masks.or_masks(masks.causal_mod(), masks.window_mod(0, 1))))
 
 
 @pytest.fixture

@@ -1,12 +1,13 @@
 // Banded attention on CPU, built on first use by attnkit/backends/_band.py.
 //
-// Query i sits at position p = i + S - L and attends keys p - left ... p + right (clipped to the
-// sequence); `left`/`right` as large as the sequence mean unbounded. Forward: for each block of
-// query rows, exactly the keys some row of the block sees, in chunks merged by an online softmax;
-// only the columns a row may see are exponentiated, the rest are zero. Backward (FlashAttention-2):
-// for each block of keys, exactly the queries that see them; probabilities are recomputed from the
-// saved log-sum-exp, dK and dV belong to the block, dQ rows are shared with neighbouring blocks
-// and added under a lock per LOCK_ROWS rows.
+// Query row i of batch element b attends the keys lo[b, i] <= j < hi[b, i]: one interval per row,
+// both ends non-decreasing in i (window, causal, prefix-LM, padding, packed documents; the caller
+// checks). Forward: for each block of query rows, exactly the keys some row of the block sees, in
+// chunks merged by an online softmax; only the columns a row may see are exponentiated, the rest
+// are zero. Backward (FlashAttention-2): for each block of keys, exactly the queries that see them
+// (binary searches on lo/hi); probabilities are recomputed from the saved log-sum-exp, dK and dV
+// belong to the block, dQ rows are shared with neighbouring blocks and added under a lock per
+// LOCK_ROWS rows.
 //
 // Matrix products go to the BLAS that torch itself links (sgemm_/dgemm_, looked up weakly so that
 // a torch without them still loads this module: has_blas() then says no and nothing here is used).
@@ -94,12 +95,16 @@ T online_softmax_row(T* s, Index n, Index a, Index e, T scale, T& m, T& l) {
 }
 
 struct Shape {
-  Index B, H, L, E, Hkv, S, Ev, off;
+  Index B, H, L, E, Hkv, S, Ev;
   Shape(const Tensor& q, const Tensor& k, const Tensor& v)
-      : B(q.size(0)), H(q.size(1)), L(q.size(2)), E(q.size(3)), Hkv(k.size(1)), S(k.size(2)), Ev(v.size(3)),
-        off(k.size(2) - q.size(2)) {}
+      : B(q.size(0)), H(q.size(1)), L(q.size(2)), E(q.size(3)), Hkv(k.size(1)), S(k.size(2)), Ev(v.size(3)) {}
   Index groups() const { return H / Hkv; }
 };
+
+// Row b of an interval bound [1 or B, L].
+inline const int64_t* bound_row(const Tensor& t, Index b) {
+  return t.data_ptr<int64_t>() + (t.size(0) == 1 ? 0 : b) * t.size(1);
+}
 
 template <typename T>
 const T* row_ptr(const Tensor& t, Index b, Index h, Index i) {
@@ -107,8 +112,8 @@ const T* row_ptr(const Tensor& t, Index b, Index h, Index i) {
 }
 
 template <typename T>
-void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse, Index left,
-                  Index right, T scale, Index q_rows, Index kv_chunk) {
+void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse, const Tensor& lo_t,
+                  const Tensor& hi_t, T scale, Index q_rows, Index kv_chunk) {
   const Shape d(q, k, v);
   const Index blocks = (d.L + q_rows - 1) / q_rows, G = d.groups();
   const T ninf = -std::numeric_limits<T>::infinity();
@@ -116,8 +121,10 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     std::vector<T> s(q_rows * kv_chunk), acc(q_rows * d.Ev), m(q_rows), l(q_rows);
     for (Index it = begin; it < end; ++it) {
       const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
-      const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0), p0 = d.off + i0;
-      const Index lo = std::max<Index>(0, p0 - left), hi = std::min<Index>(d.S, p0 + rows - 1 + right + 1);
+      const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
+      const int64_t* lo_r = bound_row(lo_t, b) + i0;
+      const int64_t* hi_r = bound_row(hi_t, b) + i0;
+      const Index lo = *std::min_element(lo_r, lo_r + rows), hi = *std::max_element(hi_r, hi_r + rows);
       T* o = out.data_ptr<T>() + ((b * d.H + h) * d.L + i0) * d.Ev;
       T* ls = lse.data_ptr<T>() + (b * d.H + h) * d.L + i0;
       std::fill(m.begin(), m.end(), ninf);
@@ -129,8 +136,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
         gemm<T>(false, true, rows, kc, d.E, T(1), qp, q.stride(2), row_ptr<T>(k, b, h / G, c0), k.stride(2), T(0),
                 s.data(), kc);
         for (Index r = 0; r < rows; ++r) {
-          const Index p = p0 + r;
-          const Index a = std::clamp<Index>(p - left - c0, 0, kc), e = std::clamp<Index>(p + right + 1 - c0, a, kc);
+          const Index a = std::clamp<Index>(lo_r[r] - c0, 0, kc), e = std::clamp<Index>(hi_r[r] - c0, a, kc);
           const T factor = online_softmax_row<T>(s.data() + r * kc, kc, a, e, scale, m[r], l[r]);
           if (!first && factor != T(1)) {
             for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
@@ -155,8 +161,8 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
 
 template <typename T>
 void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
-                   const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, Index left, Index right, T scale,
-                   Index kv_rows, Index q_chunk) {
+                   const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& lo_t, const Tensor& hi_t,
+                   T scale, Index kv_rows, Index q_chunk) {
   using Vec = at::vec::Vectorized<T>;
   const Shape d(q, k, v);
   const Index blocks = (d.S + kv_rows - 1) / kv_rows, G = d.groups(), groups = (d.L + LOCK_ROWS - 1) / LOCK_ROWS;
@@ -166,9 +172,11 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     for (Index it = begin; it < end; ++it) {
       const Index blk = interleaved(it % blocks, blocks), hk = (it / blocks) % d.Hkv, b = it / (blocks * d.Hkv);
       const Index j0 = blk * kv_rows, rows = std::min(kv_rows, d.S - j0);
-      // key j is seen from positions j - right ... j + left
-      const Index lo = std::max<Index>(0, j0 - right - d.off);
-      const Index hi = std::min<Index>(d.L, j0 + rows - 1 + left + 1 - d.off);
+      // Key j is seen by the rows with hi > j and lo <= j: [first hi > j, first lo > j), both ends sorted.
+      const int64_t* lo_b = bound_row(lo_t, b);
+      const int64_t* hi_b = bound_row(hi_t, b);
+      const Index lo = std::upper_bound(hi_b, hi_b + d.L, j0) - hi_b;
+      const Index hi = std::lower_bound(lo_b, lo_b + d.L, j0 + rows) - lo_b;
       const T* kp = row_ptr<T>(k, b, hk, j0);
       const T* vp = row_ptr<T>(v, b, hk, j0);
       T* dkp = dk.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.E;
@@ -185,8 +193,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
           gemm<T>(false, true, rows, n, d.Ev, T(1), vp, v.stride(2), dop, dout.stride(2), T(0), ds.data(), n);
           for (Index r = 0; r < rows; ++r) {
             const Index j = j0 + r;
-            const Index a = std::clamp<Index>(j - right - d.off - i0, 0, n);
-            const Index e = std::clamp<Index>(j + left + 1 - d.off - i0, a, n);
+            const Index a = std::upper_bound(hi_b + i0, hi_b + i0 + n, j) - (hi_b + i0);
+            const Index e = std::max(a, Index(std::upper_bound(lo_b + i0, lo_b + i0 + n, j) - (lo_b + i0)));
             T* pr = p.data() + r * n;
             T* dr = ds.data() + r * n;
             std::fill(pr, pr + a, T(0));
@@ -220,28 +228,38 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v) {
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "band kernel: heads must be a multiple of key/value heads");
 }
 
-std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor& v, Index left, Index right,
-                                 double scale, Index q_rows, Index kv_chunk) {
+void check_bounds(const Tensor& q, const Tensor& lo, const Tensor& hi) {
+  for (const Tensor* t : {&lo, &hi}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 2 && t->is_contiguous() && t->size(1) == q.size(2) &&
+                    (t->size(0) == 1 || t->size(0) == q.size(0)),
+                "band kernel: lo/hi must be contiguous int64 [1 or B, L]");
+  }
+}
+
+std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lo,
+                                 const Tensor& hi, double scale, Index q_rows, Index kv_chunk) {
   check(q, k, v);
+  check_bounds(q, lo, hi);
   Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_forward", [&] {
-    forward_impl<scalar_t>(q, k, v, out, lse, left, right, static_cast<scalar_t>(scale), q_rows, kv_chunk);
+    forward_impl<scalar_t>(q, k, v, out, lse, lo, hi, static_cast<scalar_t>(scale), q_rows, kv_chunk);
   });
   return {out, lse};
 }
 
 std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                  const Tensor& out, const Tensor& lse, Index left, Index right, double scale,
-                                  Index kv_rows, Index q_chunk) {
+                                  const Tensor& out, const Tensor& lse, const Tensor& lo, const Tensor& hi,
+                                  double scale, Index kv_rows, Index q_chunk) {
   check(q, k, v);
+  check_bounds(q, lo, hi);
   TORCH_CHECK(dout.stride(3) == 1 && lse.is_contiguous(), "band kernel: dout rows and lse must be contiguous");
   Tensor delta = (dout * out).sum(-1).contiguous();
   Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
   Tensor dv = at::zeros(v.sizes(), v.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
-    backward_impl<scalar_t>(dout, q, k, v, lse, delta, dq, dk, dv, left, right, static_cast<scalar_t>(scale),
-                            kv_rows, q_chunk);
+    backward_impl<scalar_t>(dout, q, k, v, lse, delta, dq, dk, dv, lo, hi, static_cast<scalar_t>(scale), kv_rows,
+                            q_chunk);
   });
   return {dq, dk, dv};
 }

@@ -1,13 +1,14 @@
-"""A banded attention kernel in C++ for window and causal masks on CPU, compiled on first use.
+"""A banded attention kernel in C++ for masks whose rows are intervals, on CPU, compiled on first use.
 
-For a window (and for causal, a window unbounded on the left) the keys a query sees are one
-contiguous range, so a block of 64 query rows needs exactly the keys from its first row's left
-edge to its last row's right edge: 576 keys for a 64-row block of a 513-wide band, 89% of them
-visible. :mod:`._fused` hands PyTorch's flash kernel such tiles too, but that kernel works on 32-row
-slices below 192 rows, splits keys at 512 and goes through Python between batches; ``_band.cpp``
-does the whole call in one parallel loop, with the rows' exact key ranges, over the BLAS that
-torch links. Forward and a FlashAttention-2 backward (recomputing probabilities from the saved
-log-sum-exp, each key block owning its dK/dV, dQ rows added under locks).
+Under a window, causal, prefix-LM, padding or packed-documents mask the keys a query sees are one
+contiguous range ``[lo, hi)``, and both ends only grow down the rows. So a block of 64 query rows
+needs exactly the keys from its first row's ``lo`` to its last row's ``hi``: 576 keys for a 64-row
+block of a 513-wide band, 89% of them visible. :mod:`._fused` hands PyTorch's flash kernel such
+tiles too, but that kernel works on 32-row slices below 192 rows, splits keys at 512 and goes
+through Python between batches; ``_band.cpp`` does the whole call in one parallel loop, with the
+rows' exact key ranges, over the BLAS that torch links. Forward and a FlashAttention-2 backward
+(recomputing probabilities from the saved log-sum-exp, each key block owning its dK/dV, dQ rows
+added under locks).
 
 The source is compiled once per machine, torch version and CPU capability (about 30 s, said on
 stderr) into ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``) and imported from there afterwards.
@@ -53,11 +54,40 @@ _ISA_FLAGS = {
 _reason: str | None = None
 
 
-def serves(req: Request) -> bool:
-    """Whether the request is a pure window/causal mask this kernel computes, on a usable CPU."""
-    return (req.score_mod is None and req.mask_mod is None and req.mask is None and req.bias is None
-            and (req.window is not None or req.is_causal) and req.query.device.type == "cpu"
-            and _compute_dtype(req.query.dtype) in DTYPES and available())
+def rows(req: Request) -> tuple[Tensor, Tensor] | None:
+    """Each query row's keys as an interval ``[lo, hi)`` (int64 ``[1 or B, Lq]``) if this kernel serves ``req``.
+
+    Served: ``is_causal``, ``window`` and a ``mask_mod`` from :mod:`attnkit.masks` whose rows are
+    intervals (``attnkit_rows``: causal, window, prefix-LM, padding, packed documents and their
+    ``and_masks``), on a CPU tensor of a float type, with no dense ``mask``/``bias`` and no
+    ``score_mod``. Both ends must be non-decreasing down the rows (the backward finds a key's rows
+    by binary search); otherwise None and the tile plan serves the call.
+    """
+    if (req.score_mod is not None or req.mask is not None or req.bias is not None
+            or not (req.window is not None or req.is_causal or req.mask_mod is not None)
+            or req.query.device.type != "cpu" or _compute_dtype(req.query.dtype) not in DTYPES):
+        return None
+    lq, lk = req.q_len, req.kv_len
+    pos = torch.arange(lq).view(1, -1) + req.offset
+    lo, hi = torch.zeros_like(pos), torch.full_like(pos, lk)
+    if req.is_causal:
+        hi = torch.minimum(hi, pos + 1)
+    if req.window is not None:
+        left, right = req.window
+        lo = lo if left is None else torch.maximum(lo, pos - left)
+        hi = hi if right is None else torch.minimum(hi, pos + right + 1)
+    if req.mask_mod is not None:
+        batch = math.prod(req.batch_shape)
+        intervals = getattr(req.mask_mod, "attnkit_rows", None)
+        got = intervals(batch, lq, lk) if intervals is not None else None
+        if got is None or got[0].shape[0] not in (1, batch):
+            return None
+        lo, hi = torch.maximum(lo, got[0].cpu()), torch.minimum(hi, got[1].cpu())
+    lo = lo.clamp(0, lk)
+    hi = torch.maximum(hi.clamp(0, lk), lo)  # empty rows: lo == hi (still non-decreasing)
+    if bool((lo[:, 1:] < lo[:, :-1]).any() or (hi[:, 1:] < hi[:, :-1]).any()) or not available():
+        return None
+    return lo.contiguous(), hi.contiguous()
 
 
 def available() -> bool:
@@ -70,19 +100,12 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def attention(req: Request) -> Tensor:
-    """The request's output through the kernel (differentiable in query, key and value)."""
-    left, right = bounds(req)
-    return _BandFn.apply(req.query, req.key, req.value, left, right, req.scale)
+def attention(req: Request, bounds: tuple[Tensor, Tensor]) -> Tensor:
+    """The request's output through the kernel (differentiable in query, key and value).
 
-
-def bounds(req: Request) -> tuple[int, int]:
-    """``(left, right)`` as finite ints: unbounded sides become the whole length."""
-    whole = req.q_len + req.kv_len
-    left, right = req.window if req.window is not None else (None, None)
-    left = whole if left is None else min(left, whole)
-    right = whole if right is None else min(right, whole)
-    return left, (min(right, 0) if req.is_causal else right)
+    ``bounds``: what :func:`rows` returned for ``req``.
+    """
+    return _BandFn.apply(req.query, req.key, req.value, *bounds, req.scale)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -97,15 +120,15 @@ def _as_4d(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 class _BandFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, left: int, right: int, scale: float) -> Tensor:
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float) -> Tensor:
         compute = _compute_dtype(query.dtype)
         q, k, v = (_as_4d(t, compute) for t in (query, key, value))
         ctx.empty = q.numel() == 0 or k.shape[-2] == 0  # nothing to compute (and empty views: any strides)
         if ctx.empty:
             out, lse = q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full(q.shape[:-1], float("-inf"))
         else:
-            out, lse = _module().forward(q, k, v, left, right, scale, Q_ROWS, KV_CHUNK)
-        ctx.args = (left, right, scale)
+            out, lse = _module().forward(q, k, v, lo, hi, scale, Q_ROWS, KV_CHUNK)
+        ctx.args = (lo, hi, scale)
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.save_for_backward(q, k, v, out, lse)
         return out.view(*query.shape[:-1], value.shape[-1]).to(query.dtype)
@@ -150,28 +173,47 @@ def _first_line(e: Exception) -> str:
 
 
 def _self_check(mod) -> str | None:
-    """Outputs and gradients on cases with dead rows, GQA, Lq != Lk and odd sizes, in float64."""
+    """Outputs and gradients against the formula in float64: windows, a causal row offset, packed
+    documents, rows with nothing to attend, GQA, ``Lq != Lk``, odd sizes, bounds shared or per batch."""
     gen = torch.Generator().manual_seed(0)
-    for lq, lk, left, right in ((70, 70, 5, 3), (50, 83, 200, 0), (83, 30, 2, 0), (66, 66, 0, 0)):
+    for lq, lk, lo, hi in (_window(70, 70, 5, 3), _window(50, 83, 200, 0), _window(83, 30, 2, 0),
+                           _window(66, 66, 0, 0), _documents((0, 17, 40, 41, 66), (0, 9, 9, 50, 61))):
         q, k, v, dout = (torch.randn(*shape, generator=gen, dtype=torch.float64, device="cpu")
                          for shape in ((2, 4, lq, 12), (2, 2, lk, 12), (2, 2, lk, 5), (2, 4, lq, 5)))
-        out, lse = mod.forward(q, k, v, left, right, 0.3, 16, 32)
-        grads = mod.backward(dout, q, k, v, out, lse, left, right, 0.3, 16, 24)
-        want_out, want_grads = _formula(q, k, v, dout, left, right, 0.3)
+        out, lse = mod.forward(q, k, v, lo, hi, 0.3, 16, 32)
+        grads = mod.backward(dout, q, k, v, out, lse, lo, hi, 0.3, 16, 24)
+        want_out, want_grads = _formula(q, k, v, dout, lo, hi, 0.3)
         for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (want_out, *want_grads), strict=True):
             if not torch.allclose(got, want, rtol=1e-9, atol=1e-10):
                 err = (got - want).abs().max().item()
-                return f"{name} differs by {err:.3g} (Lq={lq}, Lk={lk}, window={left, right})"
+                return f"{name} differs by {err:.3g} (Lq={lq}, Lk={lk})"
     return None
 
 
-def _formula(q, k, v, dout, left, right, scale):
+def _window(lq: int, lk: int, left: int, right: int) -> tuple[int, int, Tensor, Tensor]:
+    pos = torch.arange(lq, device="cpu").view(1, -1) + lk - lq
+    lo = (pos - left).clamp(0, lk)
+    return lq, lk, lo, torch.maximum((pos + right + 1).clamp(0, lk), lo)
+
+
+def _documents(q_starts: tuple, kv_starts: tuple) -> tuple[int, int, Tensor, Tensor]:
+    """Per batch element: element 0 keeps the documents, element 1 their first half only."""
+    lq, lk = q_starts[-1], kv_starts[-1]
+    lo, hi = torch.zeros(2, lq, dtype=torch.long), torch.zeros(2, lq, dtype=torch.long)
+    for d in range(len(q_starts) - 1):
+        a, e = kv_starts[d], kv_starts[d + 1]
+        lo[:, q_starts[d]:q_starts[d + 1]] = a
+        hi[0, q_starts[d]:q_starts[d + 1]] = e
+        hi[1, q_starts[d]:q_starts[d + 1]] = a + (e - a) // 2
+    return lq, lk, lo, hi
+
+
+def _formula(q, k, v, dout, lo, hi, scale):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     g = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    pos = torch.arange(q.shape[2], device="cpu")[:, None] + k.shape[2] - q.shape[2]
-    d = torch.arange(k.shape[2], device="cpu")[None, :] - pos
-    allowed = (d >= -left) & (d <= right)
+    j = torch.arange(k.shape[2], device="cpu")
+    allowed = ((j >= lo[..., None]) & (j < hi[..., None]))[:, None]  # [B|1, 1, Lq, Lk]
     s = (q @ ke.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0)
     out = p @ ve

@@ -14,9 +14,10 @@ of the tensors a score_mod captures (an ALiBi slope or a relative-position table
 
 Without a ``score_mod`` nothing needs the scores as a tensor, and on CPU each batch of chunks is
 one call of PyTorch's fused flash-attention kernel instead (:mod:`._fused`): same plan, same
-merge, no score tile in memory, so a chunk can be a tile's whole row of keys. A pure window or
-causal mask (no mask_mod, mask, bias or score_mod) goes further, to a banded C++ kernel compiled on
-first use (:mod:`._band`) that computes each row block's exact key range in one call. Pass
+merge, no score tile in memory, so a chunk can be a tile's whole row of keys. Masks whose rows are
+intervals (window, causal, prefix-LM, padding, packed documents; no dense mask, bias or score_mod)
+go further, to a banded C++ kernel compiled on first use (:mod:`._band`) that computes each row
+block's exact key range in one call. Pass
 ``fused=False`` for the plain path everywhere, ``band=False`` to keep the tile plan.
 
 Semantics match the reference backend: ``mask_mod``/``score_mod`` get raw indices (FlexAttention's
@@ -93,8 +94,9 @@ class BlockwiseBackend:
         score_budget: most scores held by one batched matmul.
         fused: compute chunks without a ``score_mod`` with PyTorch's fused CPU kernel
             (:mod:`._fused`); None uses it where it is available, False never (nor ``band``).
-        band: compute pure window/causal requests with the banded C++ kernel (:mod:`._band`);
-            None uses it where it serves and no tile size was given, False never.
+        band: compute requests whose mask rows are intervals (window, causal, prefix-LM, padding,
+            packed documents) with the banded C++ kernel (:mod:`._band`); None uses it where it
+            serves and no tile size was given, False never.
     """
 
     name = "blockwise"
@@ -125,21 +127,23 @@ class BlockwiseBackend:
         if self.fused and not _fused_serves(req):
             reasons.append("fused=True needs no score_mod, a CPU tensor, values as wide as queries and a "
                            "torch whose fused CPU attention kernel passes its self-check")
-        if self.band and not _band.serves(req):
-            reasons.append("band=True needs a window or causal mask and nothing else (no mask_mod, mask, bias or "
-                           "score_mod), a CPU tensor, and the banded kernel built "
-                           f"({_band.unavailable_reason() or 'it is'})")
+        if self.band and _band.rows(req) is None:
+            reasons.append("band=True needs masks whose rows are intervals (is_causal, window, and mask_mods from "
+                           "attnkit.masks other than or_masks) and nothing else (no mask, bias or score_mod), a CPU "
+                           f"tensor, and the banded kernel built ({_band.unavailable_reason() or 'it is'})")
         return reasons
 
-    def _uses_band(self, req: Request) -> bool:
+    def _band_rows(self, req: Request):
+        """The banded kernel's row intervals when it takes this call, else None."""
         if self.band is False or self.fused is False:
-            return False
+            return None
         tiles_given = any(x is not None for x in (self.q_tile, self.kv_block, self.kv_chunk, self.score_budget))
-        return (self.band or not tiles_given) and _band.serves(req)
+        return _band.rows(req) if self.band or not tiles_given else None
 
     def __call__(self, req: Request) -> tuple[Tensor, None]:
-        if self._uses_band(req):
-            return _band.attention(req), None
+        bounds = self._band_rows(req)
+        if bounds is not None:
+            return _band.attention(req, bounds), None
         if self.band:  # forced but not served: say so rather than quietly take another path
             reasons = "; ".join(self.not_supported_reasons(req))
             raise ValueError(f"backend 'blockwise' cannot serve this call: {reasons}")
