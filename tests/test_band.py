@@ -265,15 +265,15 @@ def test_a_compiled_kernel_is_reused_from_the_cache(tmp_path):
 
 
 
-@pytest.mark.parametrize("lengths", [(0, 5, 5), (1, 0, 0), (1, 5, 0), (None, 5, 5)],
-                         ids=["no_batch", "no_queries", "no_keys", "3d"])
+@pytest.mark.parametrize("lengths", [(0, 5, 5, 8), (1, 0, 0, 8), (1, 5, 0, 8), (None, 5, 5, 8), (1, 5, 5, 0)],
+                         ids=["no_batch", "no_queries", "no_keys", "3d", "no_value_dims"])
 def test_empty_and_unbatched_inputs(lengths):
-    b, lq, lk = lengths
+    b, lq, lk, ev = lengths
     lead = () if b is None else (b,)
-    q = torch.randn(*lead, 2, lq, 8, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(*lead, 2, lk, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    q, k = (torch.randn(*lead, 2, n, 8, dtype=torch.float64, requires_grad=True) for n in (lq, lk))
+    v = torch.randn(*lead, 2, lk, ev, dtype=torch.float64, requires_grad=True)
     out = BAND(build_request(q, k, v, window=(1, 1)))[0]
-    assert out.shape == q.shape
+    assert out.shape == (*q.shape[:-1], ev)
     close(out, REFERENCE(build_request(q, k, v, window=(1, 1)))[0])
     out.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape

@@ -123,7 +123,8 @@ class _BandFn(torch.autograd.Function):
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float) -> Tensor:
         compute = _compute_dtype(query.dtype)
         q, k, v = (_as_4d(t, compute) for t in (query, key, value))
-        ctx.empty = q.numel() == 0 or k.shape[-2] == 0  # nothing to compute (and empty views: any strides)
+        # Nothing to compute (and empty views may have any strides, which the BLAS would refuse).
+        ctx.empty = q.numel() == 0 or k.numel() == 0 or v.numel() == 0
         if ctx.empty:
             out, lse = q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full(q.shape[:-1], float("-inf"))
         else:
