@@ -3,6 +3,11 @@
 They close over tensors (slopes, tables), which may be ``nn.Parameter``s: backends propagate
 gradients into what a score_mod captures. Positions: query ``i`` sits at ``i + offset``; pass
 ``offset = Lk - Lq`` for bottom-right alignment (decoding with a KV cache).
+
+Helpers that add a bias depending only on the head and ``kv_idx - q_idx`` also carry
+``attnkit_diagonal(heads, q_len, kv_len) -> [1 or H, q_len + kv_len - 1]`` (column
+``kv_idx - q_idx + q_len - 1``; differentiable in the captured tensors), or None where the
+arguments do not fit; the blockwise backend's banded kernel adds it along each row.
 """
 
 from __future__ import annotations
@@ -46,6 +51,12 @@ def alibi(slopes: Tensor, *, offset: int = 0) -> ScoreMod:
         dist = (q_idx + offset - kv_idx).abs()
         return score - slopes[h] * dist
 
+    def diagonal(heads, q_len, kv_len):  # the mod reads slopes[h]: the first `heads` slopes
+        if slopes.dim() != 1 or slopes.numel() < heads:
+            return None
+        return -slopes[:heads, None] * (offset - _diagonals(q_len, kv_len, slopes.device)).abs()
+
+    mod.attnkit_diagonal = diagonal
     return mod
 
 
@@ -65,6 +76,11 @@ def relative_position_bias(table: Tensor, max_distance: int, *, offset: int = 0)
         d = (kv_idx - (q_idx + offset)).clamp(-max_distance, max_distance) + max_distance
         return score + table[h, d]
 
+    def diagonal(heads, q_len, kv_len):
+        d = (_diagonals(q_len, kv_len, table.device) - offset).clamp(-max_distance, max_distance) + max_distance
+        return table[:heads, d[0]] if table.shape[0] >= heads else None
+
+    mod.attnkit_diagonal = diagonal
     return mod
 
 
@@ -87,4 +103,14 @@ def compose(*mods: ScoreMod) -> ScoreMod:
             score = m(score, b, h, q_idx, kv_idx)
         return score
 
+    def diagonal(heads, q_len, kv_len):  # additive parts add up
+        parts = [getattr(m, "attnkit_diagonal", lambda *_: None)(heads, q_len, kv_len) for m in mods]
+        return None if not parts or any(p is None for p in parts) else sum(parts[1:], parts[0])
+
+    mod.attnkit_diagonal = diagonal
     return mod
+
+
+def _diagonals(q_len: int, kv_len: int, device) -> Tensor:
+    """``kv_idx - q_idx`` of each diagonal of a ``[q_len, kv_len]`` grid, first column first."""
+    return torch.arange(-(q_len - 1), kv_len, device=device).view(1, -1)

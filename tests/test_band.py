@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit import masks
+from attnkit import masks, scores
 from attnkit.backends import _band
 from attnkit.backends.blockwise import BlockwiseBackend
 from attnkit.request import build_request
@@ -289,3 +289,49 @@ def test_rows_the_blas_cannot_read_in_place_are_copied_first():
     grads = torch.autograd.grad(got.sum(), (q, k, v))
     for a, b in zip(grads, torch.autograd.grad(want.sum(), (q, k, v)), strict=True):
         close(a, b)
+
+
+def check_scored(q, k, v, params, **kw):
+    """A score_mod through the kernel: output against the oracle, gradients (params too) against the reference."""
+    assert _band.rows(build_request(q, k, v, **kw)) is not None  # served by the kernel
+    allowed = oracle.allowed_grid(q.shape[0], q.shape[1], q.shape[2], k.shape[2], is_causal=kw.get("is_causal", False),
+                                  window=kw.get("window"), mask_mod=kw.get("mask_mod"))
+    out = BAND(build_request(q, k, v, **kw))[0]
+    close(out, oracle.attention(q, k, v, allowed=allowed, score_mod=kw["score_mod"])[0], q.dtype)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, *params), dout)
+    want = torch.autograd.grad(REFERENCE(build_request(q, k, v, **kw))[0], (q, k, v, *params), dout)
+    for a, b in zip(got, want, strict=True):
+        close(a, b, q.dtype)
+
+
+@pytest.mark.parametrize("case", [{}, {"is_causal": True}, {"window": (9, 4)},
+                                  {"mask_mod": masks.document_mod(torch.arange(60) // 25, torch.arange(70) // 29)}],
+                         ids=["full", "causal", "window", "documents"])
+@pytest.mark.parametrize("heads", [4, 6], ids=["one_per_head", "more_than_heads"])  # the mods read slopes[h]
+def test_alibi_and_relative_position_bias_with_gradients_into_their_parameters(case, heads):
+    q, k, v = qkv(2, 4, 2, 60, 70, d=16)
+    slopes = torch.nn.Parameter(scores.alibi_slopes(heads).double())
+    table = torch.nn.Parameter(torch.randn(heads, 2 * 6 + 1, dtype=torch.float64))
+    check_scored(q, k, v, [slopes], score_mod=scores.alibi(slopes, offset=10), **case)
+    check_scored(q, k, v, [table], score_mod=scores.relative_position_bias(table, 6, offset=10), **case)
+    both = scores.compose(scores.alibi(slopes), scores.relative_position_bias(table, 6))
+    check_scored(q, k, v, [slopes, table], score_mod=both, **case)
+
+
+def test_score_mods_that_are_not_a_diagonal_bias_take_the_tile_plan():
+    q, k, v = qkv(1, 4, 4, 20, 20)
+    for mod in (scores.softcap(5.0), scores.compose(scores.alibi(scores.alibi_slopes(4)), scores.softcap(5.0)),
+                scores.alibi(scores.alibi_slopes(3)),  # three slopes for four heads
+                lambda s, b, h, i, j: s + (i == j)):
+        assert _band.rows(build_request(q, k, v, window=(3, 3), score_mod=mod)) is None
+
+
+def test_gradcheck_with_a_learned_table():
+    q, k, v = qkv(1, 2, 1, 7, 9, d=4, dv=3)
+    table = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+
+    def fn(a, b, c, t):
+        return BAND(build_request(a, b, c, is_causal=True, score_mod=scores.relative_position_bias(t, 2)))[0]
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, table))

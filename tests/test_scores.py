@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import attnkit
 from attnkit import scores
@@ -83,3 +85,17 @@ def test_softcap_gradient_matches_closed_form():
     (g,) = torch.autograd.grad(scores.softcap(1.5)(s, *grid(1, 3, 3)).sum(), s)
     close(g, 1 - torch.tanh(s.detach() / 1.5) ** 2)
     assert math.isclose(float(scores.softcap(1.5)(torch.tensor(1e6), 0, 0, 0, 0)), 1.5)
+
+
+@given(lq=st.integers(1, 30), lk=st.integers(1, 30), offset=st.integers(-8, 8), dist=st.integers(0, 6))
+def test_diagonal_biases_agree_with_their_score_mods(lq, lk, offset, dist):
+    """``attnkit_diagonal`` (what the banded kernel adds) against the score_mod itself, cell by cell."""
+    heads = 3
+    slopes, table = scores.alibi_slopes(heads), torch.randn(heads, 2 * dist + 1)
+    mods = [scores.alibi(slopes, offset=offset), scores.relative_position_bias(table, dist, offset=offset),
+            scores.compose(scores.alibi(slopes), scores.relative_position_bias(table, dist))]
+    h, i, j = torch.arange(heads).view(-1, 1, 1), torch.arange(lq).view(1, -1, 1), torch.arange(lk).view(1, 1, -1)
+    for mod in mods:
+        want = mod(torch.zeros(heads, lq, lk), 0, h, i, j)
+        diag = mod.attnkit_diagonal(heads, lq, lk)
+        close(diag[:, j[0] - i[0] + lq - 1], want)

@@ -1,6 +1,7 @@
 // Banded attention on CPU, built on first use by attnkit/backends/_band.py.
 //
 // Query row i of batch element b attends the keys lo[b, i] <= j < hi[b, i]: one interval per row,
+// with an optional bias per head and diagonal, bias[h, j - i + L - 1] (ALiBi, relative positions),
 // both ends non-decreasing in i (window, causal, prefix-LM, padding, packed documents; the caller
 // checks). Forward: for each block of query rows, exactly the keys some row of the block sees, in
 // chunks merged by an online softmax; only the columns a row may see are exponentiated, the rest
@@ -101,6 +102,12 @@ struct Shape {
   Index groups() const { return H / Hkv; }
 };
 
+// Head h's diagonal bias [1 or H, L + S - 1] from column c on.
+template <typename T>
+inline const T* diagonal_row(const Tensor& bias, Index h, Index c) {
+  return bias.data_ptr<T>() + (bias.size(0) == 1 ? 0 : h) * bias.size(1) + c;
+}
+
 // Row b of an interval bound [1 or B, L].
 inline const int64_t* bound_row(const Tensor& t, Index b) {
   return t.data_ptr<int64_t>() + (t.size(0) == 1 ? 0 : b) * t.size(1);
@@ -113,8 +120,10 @@ const T* row_ptr(const Tensor& t, Index b, Index h, Index i) {
 
 template <typename T>
 void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse, const Tensor& lo_t,
-                  const Tensor& hi_t, T scale, Index q_rows, Index kv_chunk) {
+                  const Tensor& hi_t, const Tensor& bias, T scale, Index q_rows, Index kv_chunk) {
+  using Vec = at::vec::Vectorized<T>;
   const Shape d(q, k, v);
+  const bool biased = bias.numel() > 0;
   const Index blocks = (d.L + q_rows - 1) / q_rows, G = d.groups();
   const T ninf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, d.B * d.H * blocks, 1, [&](Index begin, Index end) {
@@ -137,7 +146,15 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
                 s.data(), kc);
         for (Index r = 0; r < rows; ++r) {
           const Index a = std::clamp<Index>(lo_r[r] - c0, 0, kc), e = std::clamp<Index>(hi_r[r] - c0, a, kc);
-          const T factor = online_softmax_row<T>(s.data() + r * kc, kc, a, e, scale, m[r], l[r]);
+          T row_scale = scale;
+          if (biased && a < e) {  // s * scale + bias[h, j - i + L - 1]: a contiguous slice along the row
+            const T* br = diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1);
+            const Vec vs(scale);
+            at::vec::map2([=](Vec x, Vec y) { return x * vs + y; }, s.data() + r * kc + a, s.data() + r * kc + a,
+                          br + a, e - a);
+            row_scale = T(1);
+          }
+          const T factor = online_softmax_row<T>(s.data() + r * kc, kc, a, e, row_scale, m[r], l[r]);
           if (!first && factor != T(1)) {
             for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
           }
@@ -162,9 +179,10 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
 template <typename T>
 void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
                    const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& lo_t, const Tensor& hi_t,
-                   T scale, Index kv_rows, Index q_chunk) {
+                   const Tensor& rbias, Tensor& drbias, T scale, Index kv_rows, Index q_chunk) {
   using Vec = at::vec::Vectorized<T>;
   const Shape d(q, k, v);
+  const bool biased = rbias.numel() > 0;  // reversed: column S - 1 - j + i, increasing along a key's queries
   const Index blocks = (d.S + kv_rows - 1) / kv_rows, G = d.groups(), groups = (d.L + LOCK_ROWS - 1) / LOCK_ROWS;
   std::vector<std::mutex> locks(d.B * d.H * groups);
   at::parallel_for(0, d.B * d.Hkv * blocks, 1, [&](Index begin, Index end) {
@@ -203,10 +221,22 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
             std::fill(dr + e, dr + n, T(0));
             if (a >= e) continue;
             const Vec vs(scale);
-            at::vec::map2([=](Vec x, Vec lse_) { return vexp<T>(x * vs - lse_); }, pr + a, pr + a, lsp + i0 + a,
-                          e - a);
+            if (biased) {
+              const T* br = diagonal_row<T>(rbias, h, d.S - 1 - j + i0);
+              at::vec::map3([=](Vec x, Vec bb, Vec lse_) { return vexp<T>(x * vs + bb - lse_); }, pr + a, pr + a,
+                            br + a, lsp + i0 + a, e - a);
+            } else {
+              at::vec::map2([=](Vec x, Vec lse_) { return vexp<T>(x * vs - lse_); }, pr + a, pr + a, lsp + i0 + a,
+                            e - a);
+            }
             at::vec::map3([](Vec pp, Vec dp, Vec dl) { return pp * (dp - dl); }, dr + a, pr + a, dr + a,
                           dlp + i0 + a, e - a);
+            if (biased) {  // dBias of a diagonal: the sum of dS along it (this thread's share)
+              const Index slot = std::min<Index>(at::get_thread_num(), drbias.size(0) - 1);  // nested: runs serially
+              T* gb = drbias.data_ptr<T>() + (slot * drbias.size(1) + (rbias.size(0) == 1 ? 0 : h)) * drbias.size(2) +
+                      d.S - 1 - j + i0;
+              at::vec::map2([](Vec x, Vec y) { return x + y; }, gb + a, gb + a, dr + a, e - a);
+            }
           }
           gemm<T>(false, false, rows, d.Ev, n, T(1), p.data(), n, dop, dout.stride(2), T(1), dvp, d.Ev);
           gemm<T>(false, false, rows, d.E, n, scale, ds.data(), n, qp, q.stride(2), T(1), dkp, d.E);
@@ -236,32 +266,43 @@ void check_bounds(const Tensor& q, const Tensor& lo, const Tensor& hi) {
   }
 }
 
+void check_bias(const Tensor& q, const Tensor& k, const Tensor& bias) {
+  if (bias.numel() == 0) return;
+  TORCH_CHECK(bias.scalar_type() == q.scalar_type() && bias.dim() == 2 && bias.is_contiguous() &&
+                  (bias.size(0) == 1 || bias.size(0) == q.size(1)) && bias.size(1) == q.size(2) + k.size(2) - 1,
+              "band kernel: bias must be contiguous [1 or H, L + S - 1] in the inputs' dtype");
+}
+
 std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lo,
-                                 const Tensor& hi, double scale, Index q_rows, Index kv_chunk) {
+                                 const Tensor& hi, const Tensor& bias, double scale, Index q_rows, Index kv_chunk) {
   check(q, k, v);
   check_bounds(q, lo, hi);
+  check_bias(q, k, bias);
   Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_forward", [&] {
-    forward_impl<scalar_t>(q, k, v, out, lse, lo, hi, static_cast<scalar_t>(scale), q_rows, kv_chunk);
+    forward_impl<scalar_t>(q, k, v, out, lse, lo, hi, bias, static_cast<scalar_t>(scale), q_rows, kv_chunk);
   });
   return {out, lse};
 }
 
 std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const Tensor& lse, const Tensor& lo, const Tensor& hi,
-                                  double scale, Index kv_rows, Index q_chunk) {
+                                  const Tensor& bias, double scale, Index kv_rows, Index q_chunk) {
   check(q, k, v);
   check_bounds(q, lo, hi);
+  check_bias(q, k, bias);
+  const Tensor rbias = bias.flip(1).contiguous();
+  Tensor drbias = at::zeros({bias.numel() > 0 ? at::get_num_threads() : 0, bias.size(0), bias.size(1)}, q.options());
   TORCH_CHECK(dout.stride(3) == 1 && lse.is_contiguous(), "band kernel: dout rows and lse must be contiguous");
   Tensor delta = (dout * out).sum(-1).contiguous();
   Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
   Tensor dv = at::zeros(v.sizes(), v.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
-    backward_impl<scalar_t>(dout, q, k, v, lse, delta, dq, dk, dv, lo, hi, static_cast<scalar_t>(scale), kv_rows,
-                            q_chunk);
+    backward_impl<scalar_t>(dout, q, k, v, lse, delta, dq, dk, dv, lo, hi, rbias, drbias, static_cast<scalar_t>(scale),
+                            kv_rows, q_chunk);
   });
-  return {dq, dk, dv};
+  return {dq, dk, dv, drbias.sum(0).flip(1)};
 }
 
 bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
@@ -270,6 +311,6 @@ bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &band_forward, "out, lse of banded attention");
-  m.def("backward", &band_backward, "dq, dk, dv of banded attention");
+  m.def("backward", &band_backward, "dq, dk, dv, dbias of banded attention");
   m.def("has_blas", &has_blas, "whether torch exposes the BLAS this module calls");
 }

@@ -59,12 +59,15 @@ def rows(req: Request) -> tuple[Tensor, Tensor] | None:
 
     Served: ``is_causal``, ``window`` and a ``mask_mod`` from :mod:`attnkit.masks` whose rows are
     intervals (``attnkit_rows``: causal, window, prefix-LM, padding, packed documents and their
-    ``and_masks``), on a CPU tensor of a float type, with no dense ``mask``/``bias`` and no
-    ``score_mod``. Both ends must be non-decreasing down the rows (the backward finds a key's rows
-    by binary search); otherwise None and the tile plan serves the call.
+    ``and_masks``), and a ``score_mod`` from :mod:`attnkit.scores` that adds a bias per head and
+    diagonal (``attnkit_diagonal``: ALiBi, relative-position tables and their ``compose``), on a
+    CPU tensor of a float type, with no dense ``mask``/``bias``. Both ends must be non-decreasing
+    down the rows (the backward finds a key's rows by binary search); otherwise None and the tile
+    plan serves the call.
     """
-    if (req.score_mod is not None or req.mask is not None or req.bias is not None
-            or not (req.window is not None or req.is_causal or req.mask_mod is not None)
+    diagonal = getattr(req.score_mod, "attnkit_diagonal", None) if req.score_mod is not None else None
+    if ((req.score_mod is not None and diagonal is None) or req.mask is not None or req.bias is not None
+            or not (req.window is not None or req.is_causal or req.mask_mod is not None or diagonal is not None)
             or req.query.device.type != "cpu" or _compute_dtype(req.query.dtype) not in DTYPES):
         return None
     lq, lk = req.q_len, req.kv_len
@@ -87,7 +90,20 @@ def rows(req: Request) -> tuple[Tensor, Tensor] | None:
     hi = torch.maximum(hi.clamp(0, lk), lo)  # empty rows: lo == hi (still non-decreasing)
     if bool((lo[:, 1:] < lo[:, :-1]).any() or (hi[:, 1:] < hi[:, :-1]).any()) or not available():
         return None
+    if diagonal is not None and _diagonal_bias(req) is None:
+        return None
     return lo.contiguous(), hi.contiguous()
+
+
+def _diagonal_bias(req: Request) -> Tensor | None:
+    """The score_mod's bias ``[1 or H, Lq + Lk - 1]`` (column ``kv_idx - q_idx + Lq - 1``), with autograd."""
+    if req.score_mod is None:
+        return None
+    bias = req.score_mod.attnkit_diagonal(req.heads, req.q_len, req.kv_len)
+    width = req.q_len + req.kv_len - 1
+    if bias is None or bias.dim() != 2 or bias.shape[0] not in (1, req.heads) or bias.shape[1] != width:
+        return None
+    return bias
 
 
 def available() -> bool:
@@ -105,7 +121,10 @@ def attention(req: Request, bounds: tuple[Tensor, Tensor]) -> Tensor:
 
     ``bounds``: what :func:`rows` returned for ``req``.
     """
-    return _BandFn.apply(req.query, req.key, req.value, *bounds, req.scale)
+    bias = _diagonal_bias(req)
+    if bias is None:
+        bias = req.query.new_empty(0, 0)
+    return _BandFn.apply(req.query, req.key, req.value, *bounds, bias, req.scale)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -120,16 +139,19 @@ def _as_4d(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 class _BandFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float) -> Tensor:
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor,
+                scale: float) -> Tensor:
         compute = _compute_dtype(query.dtype)
         q, k, v = (_as_4d(t, compute) for t in (query, key, value))
+        ctx.bias_dtype = bias.dtype
+        bias = bias.to(compute).contiguous()
         # Nothing to compute (and empty views may have any strides, which the BLAS would refuse).
         ctx.empty = q.numel() == 0 or k.numel() == 0 or v.numel() == 0
         if ctx.empty:
             out, lse = q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full(q.shape[:-1], float("-inf"))
         else:
-            out, lse = _module().forward(q, k, v, lo, hi, scale, Q_ROWS, KV_CHUNK)
-        ctx.args = (lo, hi, scale)
+            out, lse = _module().forward(q, k, v, lo, hi, bias, scale, Q_ROWS, KV_CHUNK)
+        ctx.args = (lo, hi, bias, scale)
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.save_for_backward(q, k, v, out, lse)
         return out.view(*query.shape[:-1], value.shape[-1]).to(query.dtype)
@@ -138,12 +160,14 @@ class _BandFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
+        bias = ctx.args[2]
         if ctx.empty:
-            dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+            dq, dk, dv, dbias = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), torch.zeros_like(bias)
         else:
-            dq, dk, dv = _module().backward(_as_4d(dout, q.dtype), q, k, v, out, lse, *ctx.args, KV_ROWS, Q_CHUNK)
+            dq, dk, dv, dbias = _module().backward(_as_4d(dout, q.dtype), q, k, v, out, lse, *ctx.args, KV_ROWS,
+                                                   Q_CHUNK)
         qs, ks, vs = ctx.shapes
-        return dq.view(qs), dk.view(ks), dv.view(vs), None, None, None
+        return dq.view(qs), dk.view(ks), dv.view(vs), None, None, dbias.to(ctx.bias_dtype), None
 
 
 @functools.cache
@@ -175,19 +199,24 @@ def _first_line(e: Exception) -> str:
 
 def _self_check(mod) -> str | None:
     """Outputs and gradients against the formula in float64: windows, a causal row offset, packed
-    documents, rows with nothing to attend, GQA, ``Lq != Lk``, odd sizes, bounds shared or per batch."""
+    documents, rows with nothing to attend, GQA, ``Lq != Lk``, odd sizes, bounds shared or per batch,
+    a diagonal bias per head or shared."""
     gen = torch.Generator().manual_seed(0)
-    for lq, lk, lo, hi in (_window(70, 70, 5, 3), _window(50, 83, 200, 0), _window(83, 30, 2, 0),
-                           _window(66, 66, 0, 0), _documents((0, 17, 40, 41, 66), (0, 9, 9, 50, 61))):
+    cases = (_window(70, 70, 5, 3), _window(50, 83, 200, 0), _window(83, 30, 2, 0), _window(66, 66, 0, 0),
+             _documents((0, 17, 40, 41, 66), (0, 9, 9, 50, 61)))
+    for n, (lq, lk, lo, hi) in enumerate(cases):
         q, k, v, dout = (torch.randn(*shape, generator=gen, dtype=torch.float64, device="cpu")
                          for shape in ((2, 4, lq, 12), (2, 2, lk, 12), (2, 2, lk, 5), (2, 4, lq, 5)))
-        out, lse = mod.forward(q, k, v, lo, hi, 0.3, 16, 32)
-        grads = mod.backward(dout, q, k, v, out, lse, lo, hi, 0.3, 16, 24)
-        want_out, want_grads = _formula(q, k, v, dout, lo, hi, 0.3)
-        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (want_out, *want_grads), strict=True):
+        heads = (0, 4, 1)[n % 3]  # no bias, one per head, one shared
+        bias = torch.randn(heads, lq + lk - 1 if heads else 0, generator=gen, dtype=torch.float64, device="cpu")
+        out, lse = mod.forward(q, k, v, lo, hi, bias, 0.3, 16, 32)
+        grads = mod.backward(dout, q, k, v, out, lse, lo, hi, bias, 0.3, 16, 24)
+        want_out, want_grads = _formula(q, k, v, dout, lo, hi, bias, 0.3)
+        names = ("out", "dq", "dk", "dv", "dbias")
+        for name, got, want in zip(names, (out, *grads), (want_out, *want_grads), strict=True):
             if not torch.allclose(got, want, rtol=1e-9, atol=1e-10):
                 err = (got - want).abs().max().item()
-                return f"{name} differs by {err:.3g} (Lq={lq}, Lk={lk})"
+                return f"{name} differs by {err:.3g} (Lq={lq}, Lk={lk}, bias heads={heads})"
     return None
 
 
@@ -209,17 +238,20 @@ def _documents(q_starts: tuple, kv_starts: tuple) -> tuple[int, int, Tensor, Ten
     return lq, lk, lo, hi
 
 
-def _formula(q, k, v, dout, lo, hi, scale):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+def _formula(q, k, v, dout, lo, hi, bias, scale):
+    q, k, v, bias = (t.detach().requires_grad_() for t in (q, k, v, bias))
     g = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    j = torch.arange(k.shape[2], device="cpu")
+    i, j = torch.arange(q.shape[2], device="cpu"), torch.arange(k.shape[2], device="cpu")
     allowed = ((j >= lo[..., None]) & (j < hi[..., None]))[:, None]  # [B|1, 1, Lq, Lk]
-    s = (q @ ke.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)
+    s = q @ ke.transpose(-1, -2) * scale
+    if bias.numel():
+        s = s + bias[:, j[None, :] - i[:, None] + q.shape[2] - 1]  # [H|1, Lq, Lk]
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
     out = p @ ve
     out.backward(dout)
-    return out.detach(), (q.grad, k.grad, v.grad)
+    dbias = bias.grad if bias.grad is not None else torch.zeros_like(bias)
+    return out.detach(), (q.grad, k.grad, v.grad, dbias)
 
 
 @functools.cache
