@@ -15,9 +15,10 @@ of the tensors a score_mod captures (an ALiBi slope or a relative-position table
 Without a ``score_mod`` nothing needs the scores as a tensor, and on CPU each batch of chunks is
 one call of PyTorch's fused flash-attention kernel instead (:mod:`._fused`): same plan, same
 merge, no score tile in memory, so a chunk can be a tile's whole row of keys. Masks whose rows are
-intervals (window, causal, prefix-LM, padding, packed documents; no dense mask, bias or score_mod)
-go further, to a banded C++ kernel compiled on first use (:mod:`._band`) that computes each row
-block's exact key range in one call. Pass
+intervals (window, causal, prefix-LM, padding, packed documents; no dense mask or bias), with at
+most a score_mod that adds a bias per head and diagonal (ALiBi, relative positions), go further, to
+a banded C++ kernel compiled on first use (:mod:`._band`) that computes each row block's exact key
+range in one call. Pass
 ``fused=False`` for the plain path everywhere, ``band=False`` to keep the tile plan.
 
 Semantics match the reference backend: ``mask_mod``/``score_mod`` get raw indices (FlexAttention's
@@ -95,8 +96,9 @@ class BlockwiseBackend:
         fused: compute chunks without a ``score_mod`` with PyTorch's fused CPU kernel
             (:mod:`._fused`); None uses it where it is available, False never (nor ``band``).
         band: compute requests whose mask rows are intervals (window, causal, prefix-LM, padding,
-            packed documents) with the banded C++ kernel (:mod:`._band`); None uses it where it
-            serves and no tile size was given, False never.
+            packed documents) and whose score_mod, if any, is a diagonal bias (ALiBi, relative
+            positions) with the banded C++ kernel (:mod:`._band`); None uses it where it serves and
+            no tile size was given, False never.
     """
 
     name = "blockwise"
@@ -129,8 +131,9 @@ class BlockwiseBackend:
                            "torch whose fused CPU attention kernel passes its self-check")
         if self.band and _band.rows(req) is None:
             reasons.append("band=True needs masks whose rows are intervals (is_causal, window, and mask_mods from "
-                           "attnkit.masks other than or_masks) and nothing else (no mask, bias or score_mod), a CPU "
-                           f"tensor, and the banded kernel built ({_band.unavailable_reason() or 'it is'})")
+                           "attnkit.masks other than or_masks), no dense mask or bias, no score_mod but "
+                           "attnkit.scores' ALiBi/relative-position biases, a CPU tensor, and the banded kernel built "
+                           f"({_band.unavailable_reason() or 'it is'})")
         return reasons
 
     def _band_rows(self, req: Request):
