@@ -71,7 +71,7 @@ INTERVAL_MODS = {
 def test_interval_mask_mods_match_the_oracle(name):
     q, k, v = qkv(2, 4, 2, 70, 70, d=16)
     mod = INTERVAL_MODS[name]
-    assert _band.rows(build_request(q, k, v, mask_mod=mod)) is not None  # served by the kernel
+    assert _band.plan(build_request(q, k, v, mask_mod=mod)) is not None  # served by the kernel
     check_against_oracle(BAND, q, k, v, mask_mod=mod)
     check_against_oracle(BAND, q, k, v, mask_mod=mod, window=(6, 2))  # and intersected with a window
 
@@ -157,7 +157,7 @@ def test_double_backward_is_refused_not_wrong():
 
 def test_chosen_when_every_row_sees_one_interval_of_keys(monkeypatch):
     calls = []
-    monkeypatch.setattr(_band, "attention", lambda req, bounds: calls.append(req) or REFERENCE(req)[0])
+    monkeypatch.setattr(_band, "attention", lambda req, plan: calls.append(req) or REFERENCE(req)[0])
     q, k, v = qkv(2, 2, 2, 20, 20)
     backend = BlockwiseBackend()
     served = [{"window": (2, 2)}, {"is_causal": True}, {"mask_mod": masks.causal_mod()},
@@ -249,7 +249,7 @@ def test_without_a_build_it_falls_back_with_one_line_and_the_same_answer(tmp_pat
     ok, err = res.stdout.split()[:2]
     assert ok == "False" and float(err) < 1e-12
     assert "ATTNKIT_BUILD=0 forbids compiling it" in res.stdout
-    assert res.stderr.count("\n") == 1 and "uses PyTorch's kernel instead" in res.stderr
+    assert res.stderr.count("\n") == 1 and "the blockwise backend uses its tile plan instead" in res.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -293,7 +293,7 @@ def test_rows_the_blas_cannot_read_in_place_are_copied_first():
 
 def check_scored(q, k, v, params, **kw):
     """A score_mod through the kernel: output against the oracle, gradients (params too) against the reference."""
-    assert _band.rows(build_request(q, k, v, **kw)) is not None  # served by the kernel
+    assert _band.plan(build_request(q, k, v, **kw)) is not None  # served by the kernel
     allowed = oracle.allowed_grid(q.shape[0], q.shape[1], q.shape[2], k.shape[2], is_causal=kw.get("is_causal", False),
                                   window=kw.get("window"), mask_mod=kw.get("mask_mod"))
     out = BAND(build_request(q, k, v, **kw))[0]
@@ -324,7 +324,7 @@ def test_score_mods_that_are_not_a_diagonal_bias_take_the_tile_plan():
     for mod in (scores.softcap(5.0), scores.compose(scores.alibi(scores.alibi_slopes(4)), scores.softcap(5.0)),
                 scores.alibi(scores.alibi_slopes(3)),  # three slopes for four heads
                 lambda s, b, h, i, j: s + (i == j)):
-        assert _band.rows(build_request(q, k, v, window=(3, 3), score_mod=mod)) is None
+        assert _band.plan(build_request(q, k, v, window=(3, 3), score_mod=mod)) is None
 
 
 def test_gradcheck_with_a_learned_table():

@@ -31,12 +31,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..request import Request
+from ._fused import compute_dtype
 
 SOURCE = Path(__file__).with_name("_band.cpp")
 #: Forward: query rows per block and most keys per chunk. Backward: keys per block and most
@@ -54,8 +56,18 @@ _ISA_FLAGS = {
 _reason: str | None = None
 
 
-def rows(req: Request) -> tuple[Tensor, Tensor] | None:
-    """Each query row's keys as an interval ``[lo, hi)`` (int64 ``[1 or B, Lq]``) if this kernel serves ``req``.
+class Plan(NamedTuple):
+    """What the kernel needs beyond q, k, v: each query row's keys ``[lo, hi)`` (int64
+    ``[1 or B, Lq]``) and the score_mod's diagonal bias (``[1 or H, Lq + Lk - 1]``, with autograd;
+    None without a score_mod)."""
+
+    lo: Tensor
+    hi: Tensor
+    bias: Tensor | None
+
+
+def plan(req: Request) -> Plan | None:
+    """The kernel's :class:`Plan` for ``req`` if this kernel serves it, else None.
 
     Served: ``is_causal``, ``window`` and a ``mask_mod`` from :mod:`attnkit.masks` whose rows are
     intervals (``attnkit_rows``: causal, window, prefix-LM, padding, packed documents and their
@@ -68,7 +80,7 @@ def rows(req: Request) -> tuple[Tensor, Tensor] | None:
     diagonal = getattr(req.score_mod, "attnkit_diagonal", None) if req.score_mod is not None else None
     if ((req.score_mod is not None and diagonal is None) or req.mask is not None or req.bias is not None
             or not (req.window is not None or req.is_causal or req.mask_mod is not None or diagonal is not None)
-            or req.query.device.type != "cpu" or _compute_dtype(req.query.dtype) not in DTYPES):
+            or req.query.device.type != "cpu" or compute_dtype(req.query.dtype) not in DTYPES):
         return None
     lq, lk = req.q_len, req.kv_len
     pos = torch.arange(lq).view(1, -1) + req.offset
@@ -90,15 +102,14 @@ def rows(req: Request) -> tuple[Tensor, Tensor] | None:
     hi = torch.maximum(hi.clamp(0, lk), lo)  # empty rows: lo == hi (still non-decreasing)
     if bool((lo[:, 1:] < lo[:, :-1]).any() or (hi[:, 1:] < hi[:, :-1]).any()) or not available():
         return None
-    if diagonal is not None and _diagonal_bias(req) is None:
+    bias = _diagonal_bias(req) if diagonal is not None else None
+    if diagonal is not None and bias is None:
         return None
-    return lo.contiguous(), hi.contiguous()
+    return Plan(lo.contiguous(), hi.contiguous(), bias)
 
 
 def _diagonal_bias(req: Request) -> Tensor | None:
     """The score_mod's bias ``[1 or H, Lq + Lk - 1]`` (column ``kv_idx - q_idx + Lq - 1``), with autograd."""
-    if req.score_mod is None:
-        return None
     bias = req.score_mod.attnkit_diagonal(req.heads, req.q_len, req.kv_len)
     width = req.q_len + req.kv_len - 1
     if bias is None or bias.dim() != 2 or bias.shape[0] not in (1, req.heads) or bias.shape[1] != width:
@@ -116,19 +127,13 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def attention(req: Request, bounds: tuple[Tensor, Tensor]) -> Tensor:
-    """The request's output through the kernel (differentiable in query, key and value).
+def attention(req: Request, plan: Plan) -> Tensor:
+    """The request's output through the kernel (differentiable in q, k, v and the bias's tensors).
 
-    ``bounds``: what :func:`rows` returned for ``req``.
+    ``plan``: what :func:`plan` returned for ``req``.
     """
-    bias = _diagonal_bias(req)
-    if bias is None:
-        bias = req.query.new_empty(0, 0)
-    return _BandFn.apply(req.query, req.key, req.value, *bounds, bias, req.scale)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    bias = plan.bias if plan.bias is not None else req.query.new_empty(0, 0)
+    return _BandFn.apply(req.query, req.key, req.value, plan.lo, plan.hi, bias, req.scale)
 
 
 def _as_4d(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -141,7 +146,7 @@ class _BandFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor,
                 scale: float) -> Tensor:
-        compute = _compute_dtype(query.dtype)
+        compute = compute_dtype(query.dtype)
         q, k, v = (_as_4d(t, compute) for t in (query, key, value))
         ctx.bias_dtype = bias.dtype
         bias = bias.to(compute).contiguous()
@@ -177,8 +182,8 @@ def _checked():
     try:
         mod = _module()
     except Exception as e:  # no compiler, no ninja, a torch this source does not build against
-        _reason = f"could not build {SOURCE.name}: {type(e).__name__}: {_first_line(e)}"
-        print(f"attnkit: {_reason}; window/causal attention uses PyTorch's kernel instead", file=sys.stderr)
+        _reason = f"could not build {SOURCE.name}: {type(e).__name__}: {_last_line(e)}"
+        print(f"attnkit: {_reason}; the blockwise backend uses its tile plan instead", file=sys.stderr)
         return None
     if not mod.has_blas():
         _reason = "this torch does not export the BLAS functions (sgemm_/dgemm_) the kernel calls"
@@ -192,7 +197,8 @@ def _checked():
     return mod
 
 
-def _first_line(e: Exception) -> str:
+def _last_line(e: Exception) -> str:
+    """A build error's last line: the compiler's own message comes last."""
     text = str(e).strip()
     return text.splitlines()[-1] if text else ""
 

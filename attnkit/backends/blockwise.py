@@ -18,8 +18,8 @@ merge, no score tile in memory, so a chunk can be a tile's whole row of keys. Ma
 intervals (window, causal, prefix-LM, padding, packed documents; no dense mask or bias), with at
 most a score_mod that adds a bias per head and diagonal (ALiBi, relative positions), go further, to
 a banded C++ kernel compiled on first use (:mod:`._band`) that computes each row block's exact key
-range in one call. Pass
-``fused=False`` for the plain path everywhere, ``band=False`` to keep the tile plan.
+range in one call. Pass ``fused=False`` for the plain path everywhere, ``band=False`` to keep the
+tile plan.
 
 Semantics match the reference backend: ``mask_mod``/``score_mod`` get raw indices (FlexAttention's
 convention); ``is_causal`` and ``window`` align bottom-right; ``score_mod`` sees
@@ -129,31 +129,31 @@ class BlockwiseBackend:
         if self.fused and not _fused_serves(req):
             reasons.append("fused=True needs no score_mod, a CPU tensor, values as wide as queries and a "
                            "torch whose fused CPU attention kernel passes its self-check")
-        if self.band and _band.rows(req) is None:
+        if self.band and _band.plan(req) is None:
             reasons.append("band=True needs masks whose rows are intervals (is_causal, window, and mask_mods from "
                            "attnkit.masks other than or_masks), no dense mask or bias, no score_mod but "
                            "attnkit.scores' ALiBi/relative-position biases, a CPU tensor, and the banded kernel built "
                            f"({_band.unavailable_reason() or 'it is'})")
         return reasons
 
-    def _band_rows(self, req: Request):
-        """The banded kernel's row intervals when it takes this call, else None."""
+    def _band_plan(self, req: Request) -> _band.Plan | None:
+        """What the banded kernel needs when it takes this call, else None."""
         if self.band is False or self.fused is False:
             return None
         tiles_given = any(x is not None for x in (self.q_tile, self.kv_block, self.kv_chunk, self.score_budget))
-        return _band.rows(req) if self.band or not tiles_given else None
+        return _band.plan(req) if self.band or not tiles_given else None
 
     def __call__(self, req: Request) -> tuple[Tensor, None]:
-        bounds = self._band_rows(req)
-        if bounds is not None:
-            return _band.attention(req, bounds), None
+        plan = self._band_plan(req)
+        if plan is not None:
+            return _band.attention(req, plan), None
         if self.band:  # forced but not served: say so rather than quietly take another path
             reasons = "; ".join(self.not_supported_reasons(req))
             raise ValueError(f"backend 'blockwise' cannot serve this call: {reasons}")
         captured: list[Tensor] = []
         if req.score_mod is not None and torch.is_grad_enabled():
             captured = captured_tensors(req.score_mod)
-            check_covered(req.score_mod, captured, _compute_dtype(req.query.dtype), req.query.device)
+            check_covered(req.score_mod, captured, _fused.compute_dtype(req.query.dtype), req.query.device)
         st = _setup(req, self)
         out = _BlockwiseFn.apply(st, req.query, req.key, req.value, *captured)
         return out, None
@@ -161,16 +161,12 @@ class BlockwiseBackend:
 
 def _fused_serves(req: Request) -> bool:
     return (req.score_mod is None and req.value.shape[-1] == req.query.shape[-1]
-            and _fused.usable(req.query.device, _compute_dtype(req.query.dtype)))
+            and _fused.usable(req.query.device, _fused.compute_dtype(req.query.dtype)))
 
 
 def _structured(req: Request) -> bool:
     """Only causal/window masks: what may attend depends on ``kv - q`` alone, tile by tile."""
     return req.mask_mod is None and req.mask is None and req.bias is None
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 @dataclass
@@ -648,7 +644,7 @@ class _BlockwiseFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, st: _Setup, query: Tensor, key: Tensor, value: Tensor, *captured: Tensor) -> Tensor:
         dtype = query.dtype
-        compute = _compute_dtype(dtype)
+        compute = _fused.compute_dtype(dtype)
         q, k, v = query.to(compute), key.to(compute), value.to(compute)
         out, lse = _forward(st, q, k, v)
         ctx.st = st
@@ -660,7 +656,7 @@ class _BlockwiseFn(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         query, key, value, out, lse, *captured = ctx.saved_tensors
         st: _Setup = ctx.st
-        compute = _compute_dtype(query.dtype)
+        compute = _fused.compute_dtype(query.dtype)
         dq, dk, dv, dcap = _backward(st, query.to(compute), key.to(compute), value.to(compute), out, lse,
                                      dout.to(compute), tuple(captured))
         return (None, dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
