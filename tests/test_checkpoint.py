@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -116,6 +117,14 @@ def test_corrupt_safetensors(good):
     ({"num_attention_heads": 3}, r"'hidden_size' \(16\) must be divisible by 'num_attention_heads' \(3\)"),
     ({"hidden_act": "swish2"}, r"key 'hidden_act' is 'swish2'"),
     ({"position_embedding_type": "relative_key"}, r"key 'position_embedding_type' is 'relative_key'"),
+    ({"hidden_dropout_prob": 1.5},
+     r"config\.json: key 'hidden_dropout_prob' must be a probability in \[0, 1\], got 1\.5"),
+    ({"attention_probs_dropout_prob": -0.1}, r"key 'attention_probs_dropout_prob' must be a probability"),
+    ({"layer_norm_eps": float("nan")}, r"config\.json: key 'layer_norm_eps' must be a finite number, got nan"),
+    ({"layer_norm_eps": float("inf")}, r"key 'layer_norm_eps' must be a finite number, got inf"),
+    ({"layer_norm_eps": 0}, r"key 'layer_norm_eps' must be positive, got 0"),
+    ({"layer_norm_eps": -1e-12}, r"key 'layer_norm_eps' must be positive"),
+    ({"hidden_size": 10**30}, r"config\.json: key 'hidden_size' is a 31-digit number"),
 ])
 def test_bad_config(good, changes, pattern):
     _edit_config(good, **changes)
@@ -144,7 +153,7 @@ def test_wrong_shape_names_file_key_and_shapes(good):
 
 def test_integer_tensor_refused(good):
     _edit_weights(good, lambda t: t.update({"embeddings.LayerNorm.bias": torch.zeros(16, dtype=torch.int64)}))
-    with pytest.raises(ValueError, match=r"key 'embeddings\.LayerNorm\.bias' has dtype torch\.int64"):
+    with pytest.raises(ValueError, match=r"key 'embeddings\.LayerNorm\.bias' has dtype I64"):
         Bert.from_pretrained(good)
 
 
@@ -214,3 +223,124 @@ def test_loading_never_unpickles(monkeypatch, good):
     (good / "pytorch_model.bin").write_bytes(b"never read")  # present next to the safetensors file
     assert Bert.from_pretrained(good).layers[0].attn.q_proj.weight.shape == (16, 16)
     assert Bert.from_pretrained().encode("a sentence").shape == (1, 384)
+
+
+# ---------------------------------------------------------------- hostile folders
+# A folder may come from anyone: sizes in config.json are checked against the stored shapes
+# before a model is allocated, and nothing outside the folder is read.
+
+
+@pytest.fixture
+def never_built(monkeypatch):
+    """Fail the test if a model gets constructed: the refusal must come before any allocation."""
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built before config.json was checked against the weights")
+
+    monkeypatch.setattr(Bert, "__init__", built)
+    monkeypatch.setattr(GPT2, "__init__", built)
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    # Today's code spent minutes and gigabytes building these before comparing them with the file.
+    ({"num_hidden_layers": 10**6},
+     r"model\.safetensors: missing key 'encoder\.layer\.999999\.attention\.self\.query\.weight'"),
+    ({"vocab_size": 30522, "hidden_size": 32768},
+     r"model\.safetensors: key 'embeddings\.word_embeddings\.weight' has shape \(50, 16\), expected \(30522, 32768\)"),
+    ({"intermediate_size": 10**9},
+     r"model\.safetensors: key 'encoder\.layer\.0\.intermediate\.dense\.weight' has shape \(24, 16\)"),
+    ({"max_position_embeddings": 10**8}, r"key 'embeddings\.position_embeddings\.weight' has shape \(20, 16\)"),
+    ({"hidden_size": 10**30, "num_attention_heads": 1}, r"config\.json: key 'hidden_size' is a 31-digit number"),
+])
+def test_huge_config_refused_before_building(good, never_built, changes, pattern):
+    _edit_config(good, **changes)
+    with pytest.raises(ValueError, match=pattern):
+        Bert.from_pretrained(good)
+
+
+def test_deeply_nested_config_refused(good):
+    deep = "[" * 100_000 + "]" * 100_000  # json.loads overflows Python's stack on this
+    (good / "config.json").write_text(json.dumps(CONFIG)[:-1] + ', "id2label": ' + deep + "}")
+    with pytest.raises(ValueError, match=r'config\.json: nested more than 32 levels deep under key "id2label"'):
+        Bert.from_pretrained(good)
+
+
+def test_oversized_config_refused(good):
+    _edit_config(good, notes="x" * (9 * 2**20))
+    with pytest.raises(ValueError, match=r"config\.json is 9,437,\d{3} bytes, more than the 8,388,608"):
+        Bert.from_pretrained(good)
+
+
+@pytest.mark.parametrize("pad, pattern", [
+    (5, r"tokenizer_config\.json: key 'pad_token' must be str or dict, got 5"),
+    ({"content": ["[PAD]"]}, r"tokenizer_config\.json: key 'content' must be str, got \['\[PAD\]'\]"),
+])
+def test_non_string_pad_token_refused(good, pad, pattern):
+    (good / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "river", "bank"]))
+    (good / "tokenizer_config.json").write_text(json.dumps({"pad_token": pad}))
+    with pytest.raises(ValueError, match=pattern):
+        Tokenizer.from_pretrained(good)
+    (good / "tokenizer_config.json").write_text(json.dumps({"pad_token": {"content": "[PAD]"}}))
+    assert Tokenizer.from_pretrained(good).pad_token_id == 0
+
+
+def _outside_weights(good):
+    """The folder's weights moved to a sibling folder ``outside``; returns that file."""
+    outside = good.parent / "outside"
+    outside.mkdir()
+    target = outside / "model.safetensors"
+    (good / "model.safetensors").rename(target)
+    return target
+
+
+@pytest.mark.parametrize("name", ["{outside}", "../outside/model.safetensors", "sub/../../outside/model.safetensors"])
+def test_weight_map_outside_the_folder_refused(good, name):
+    target = _outside_weights(good)
+    name = name.format(outside=target)  # the absolute path, for the first case
+    index = {"weight_map": {k: name for k in _tensors()}}
+    (good / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: key 'weight_map' maps '[^']+' to "
+                                         + re.escape(repr(name)) + ", expected the name of a file inside"):
+        Bert.from_pretrained(good)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_symlink_out_of_the_folder_refused(good, name):
+    outside = good.parent / "outside"
+    outside.mkdir()
+    (good / name).rename(outside / name)
+    (good / name).symlink_to(outside / name)
+    expected = f"{good / name} leads to {outside / name}, outside the model folder"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        Bert.from_pretrained(good)
+
+
+def test_symlink_inside_the_folder_loads(good):
+    (good / "weights").mkdir()
+    (good / "model.safetensors").rename(good / "weights" / "real.safetensors")
+    (good / "model.safetensors").symlink_to(good / "weights" / "real.safetensors")
+    assert torch.equal(Bert.from_pretrained(good).embeddings.norm.bias, _tensors()["embeddings.LayerNorm.bias"])
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=30, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    d = tmp_path_factory.mktemp("gpt")
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    ({"n_layer": 10**6}, r"model\.safetensors: missing key 'transformer\.h\.999999\.ln_1\.weight'"),
+    ({"n_positions": 10**8}, r"key 'transformer\.wpe\.weight' has shape \(16, 8\), expected \(100000000, 8\)"),
+    ({"n_inner": 10**9}, r"key 'transformer\.h\.0\.mlp\.c_fc\.weight' has shape \(8, 32\)"),
+    ({"n_embd": 10**30, "n_head": 1}, r"config\.json: key 'n_embd' is a 31-digit number"),
+    ({"attn_pdrop": 2.0}, r"config\.json: key 'attn_pdrop' must be a probability in \[0, 1\], got 2\.0"),
+    ({"layer_norm_epsilon": float("nan")}, r"key 'layer_norm_epsilon' must be a finite number"),
+])
+def test_gpt2_hostile_configs(gpt2_dir, tmp_path, never_built, changes, pattern):
+    broken = tmp_path / "gpt"
+    shutil.copytree(gpt2_dir, broken)
+    _edit_config(broken, **changes)
+    with pytest.raises(ValueError, match=pattern):
+        GPT2.from_pretrained(broken)

@@ -9,7 +9,9 @@ Shape notation: ``B`` batch, ``L`` tokens, ``E`` hidden size, ``H`` heads.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -61,10 +63,12 @@ class BertConfig:
                                                          positive=True),
             "type_vocab_size": ckpt.config_value(cfg, "type_vocab_size", int, file, 2, positive=True),
             "hidden_act": ckpt.config_value(cfg, "hidden_act", str, file, "gelu"),
-            "layer_norm_eps": float(ckpt.config_value(cfg, "layer_norm_eps", (int, float), file, 1e-12)),
-            "hidden_dropout_prob": float(ckpt.config_value(cfg, "hidden_dropout_prob", (int, float), file, 0.1)),
-            "attention_probs_dropout_prob": float(
-                ckpt.config_value(cfg, "attention_probs_dropout_prob", (int, float), file, 0.1)),
+            "layer_norm_eps": float(ckpt.config_value(cfg, "layer_norm_eps", (int, float), file, 1e-12,
+                                                      positive=True)),
+            "hidden_dropout_prob": float(ckpt.config_value(cfg, "hidden_dropout_prob", (int, float), file, 0.1,
+                                                           probability=True)),
+            "attention_probs_dropout_prob": float(ckpt.config_value(
+                cfg, "attention_probs_dropout_prob", (int, float), file, 0.1, probability=True)),
             "pad_token_id": ckpt.config_value(cfg, "pad_token_id", int, file, 0),
         }
         if opt["hidden_act"] not in ACTIVATIONS:
@@ -200,12 +204,19 @@ class Bert(nn.Module):
         folder = ckpt.resolve_dir(path)
         config = BertConfig.from_dir(folder)
         files = ckpt.weight_files(folder)
+        stored = ckpt.read_headers(files)
+        prefix = ckpt.key_prefix(stored, "embeddings.word_embeddings.weight", ("bert.",))
+        with_pooler = f"{prefix}pooler.dense.weight" in stored
+        # Every size in config.json meets a stored shape before anything is allocated; the last
+        # layer is checked first, so a config asking for more layers than stored fails at once.
+        n = config.num_hidden_layers
+        ckpt.check_stored(stored, ((ours, prefix + key, shape) for ours, key, shape in
+                                   _hf_layout(config, chain([n - 1], range(n)), with_pooler)), files)
         tensors = ckpt.load_tensors(files)
-        prefix = ckpt.key_prefix(tensors, "embeddings.word_embeddings.weight", ("bert.",))
-        model = cls(config, backend=backend, with_pooler=f"{prefix}pooler.dense.weight" in tensors)
+        model = cls(config, backend=backend, with_pooler=with_pooler)
         ckpt.assign(model, tensors, {k: prefix + v for k, v in model._hf_names().items()}, files)
         model._read_sentence_settings(folder)
-        if (folder / "tokenizer.json").is_file() or (folder / "vocab.txt").is_file():
+        if ckpt.member(folder, "tokenizer.json").is_file() or ckpt.member(folder, "vocab.txt").is_file():
             model.tokenizer = Tokenizer.from_pretrained(folder, max_length=model.max_length)
         return model.to(dtype=dtype, device=device).eval()
 
@@ -232,28 +243,12 @@ class Bert(nn.Module):
 
     def _hf_names(self) -> dict[str, str]:
         """Our parameter names -> Hugging Face ``BertModel`` state-dict keys."""
-        names = {
-            "embeddings.word_embeddings.weight": "embeddings.word_embeddings.weight",
-            "embeddings.position_embeddings.weight": "embeddings.position_embeddings.weight",
-            "embeddings.token_type_embeddings.weight": "embeddings.token_type_embeddings.weight",
-            "embeddings.norm.weight": "embeddings.LayerNorm.weight",
-            "embeddings.norm.bias": "embeddings.LayerNorm.bias",
-        }
-        parts = {"attn.q_proj": "attention.self.query", "attn.k_proj": "attention.self.key",
-                 "attn.v_proj": "attention.self.value", "attn.out_proj": "attention.output.dense",
-                 "attn_norm": "attention.output.LayerNorm", "ff_in": "intermediate.dense",
-                 "ff_out": "output.dense", "ff_norm": "output.LayerNorm"}
-        for i in range(len(self.layers)):
-            for ours, theirs in parts.items():
-                for p in ("weight", "bias"):
-                    names[f"layers.{i}.{ours}.{p}"] = f"encoder.layer.{i}.{theirs}.{p}"
-        if self.pooler is not None:
-            names |= {"pooler.weight": "pooler.dense.weight", "pooler.bias": "pooler.dense.bias"}
-        return names
+        return {ours: theirs for ours, theirs, _ in
+                _hf_layout(self.config, range(len(self.layers)), self.pooler is not None)}
 
     def _read_sentence_settings(self, folder: Path) -> None:
         """sentence-transformers' pooling mode and ``max_seq_length``, where the folder has them."""
-        pool_file = folder / "1_Pooling" / "config.json"
+        pool_file = ckpt.member(folder, "1_Pooling", "config.json")
         if pool_file.is_file():
             pool = ckpt.read_json(pool_file)
             modes = [m for m in ("mean_tokens", "cls_token", "max_tokens") if pool.get(f"pooling_mode_{m}")]
@@ -263,14 +258,13 @@ class Bert(nn.Module):
                 raise ValueError(f"{pool_file}: exactly one of pooling_mode_mean_tokens / cls_token / "
                                  f"max_tokens must be true, got {modes + others}")
             self.pooling = {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max"}[modes[0]]
-        st_file = folder / "sentence_bert_config.json"
+        st_file = ckpt.member(folder, "sentence_bert_config.json")
         if st_file.is_file():
             self.max_length = min(self.max_length, ckpt.config_value(
                 ckpt.read_json(st_file), "max_seq_length", int, st_file, self.max_length, positive=True))
-        modules_file = folder / "modules.json"
+        modules_file = ckpt.member(folder, "modules.json")
         if modules_file.is_file():
-            text = modules_file.read_text(encoding="utf-8")
-            self.normalize = "sentence_transformers.models.Normalize" in text
+            self.normalize = "sentence_transformers.models.Normalize" in ckpt.read_text(modules_file)
 
     # ------------------------------------------------------------------ backends
 
@@ -399,6 +393,32 @@ class Bert(nn.Module):
             chunks.append(pool(h, am, self.pooling))
         emb = torch.cat(chunks) if chunks else torch.empty(0, self.config.hidden_size, device=dev)
         return F.normalize(emb, p=2, dim=1) if normalize else emb
+
+
+def _hf_layout(cfg: BertConfig, layers: Iterable[int], with_pooler: bool) -> Iterator[tuple[str, str, tuple]]:
+    """``(our name, Hugging Face key, shape)`` for the embeddings, then ``layers`` in that order."""
+    e, f = cfg.hidden_size, cfg.intermediate_size
+    yield from (
+        ("embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight", (cfg.vocab_size, e)),
+        ("embeddings.position_embeddings.weight", "embeddings.position_embeddings.weight",
+         (cfg.max_position_embeddings, e)),
+        ("embeddings.token_type_embeddings.weight", "embeddings.token_type_embeddings.weight",
+         (cfg.type_vocab_size, e)),
+        ("embeddings.norm.weight", "embeddings.LayerNorm.weight", (e,)),
+        ("embeddings.norm.bias", "embeddings.LayerNorm.bias", (e,)),
+    )
+    # ours -> (theirs, weight shape); every bias is the weight's first dimension.
+    parts = {"attn.q_proj": ("attention.self.query", (e, e)), "attn.k_proj": ("attention.self.key", (e, e)),
+             "attn.v_proj": ("attention.self.value", (e, e)), "attn.out_proj": ("attention.output.dense", (e, e)),
+             "attn_norm": ("attention.output.LayerNorm", (e,)), "ff_in": ("intermediate.dense", (f, e)),
+             "ff_out": ("output.dense", (e, f)), "ff_norm": ("output.LayerNorm", (e,))}
+    for i in layers:
+        for ours, (theirs, shape) in parts.items():
+            yield f"layers.{i}.{ours}.weight", f"encoder.layer.{i}.{theirs}.weight", shape
+            yield f"layers.{i}.{ours}.bias", f"encoder.layer.{i}.{theirs}.bias", shape[:1]
+    if with_pooler:
+        yield "pooler.weight", "pooler.dense.weight", (e, e)
+        yield "pooler.bias", "pooler.dense.bias", (e,)
 
 
 def pool(hidden: Tensor, attention_mask: Tensor, mode: str = "mean") -> Tensor:

@@ -4,14 +4,22 @@ Every failure is one ``FileNotFoundError`` or ``ValueError`` that names the file
 where there is one, so that a broken download or a checkpoint of another architecture is told
 apart from a bug. Weights are read with :mod:`safetensors` only: ``pytorch_model.bin`` (pickle)
 is refused with a hint on how to convert it.
+
+A folder may come from anyone, so nothing in it is trusted to be small or well-formed: JSON
+files are read with a size and nesting limit, every file read must lie inside the folder (links
+included), and every size in ``config.json`` is checked against the shapes the safetensors
+headers store (:func:`read_headers`, :func:`check_stored`) before a model is built.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Callable, Mapping
-from pathlib import Path
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePath
 
 import torch
 from torch import Tensor, nn
@@ -50,13 +58,81 @@ def resolve_dir(path: str | Path | None) -> Path:
     return folder
 
 
-def read_json(file: Path) -> dict:
-    """A JSON object from ``file``, with errors naming the file."""
+#: Largest JSON file read (config, index, tokenizer settings); real ones are a few hundred kB at most.
+MAX_JSON_BYTES = 8 * 2**20
+#: Deepest JSON nesting read; real configs nest 3 or 4 levels, and Python's parser overflows its
+#: stack near 1,000.
+MAX_JSON_DEPTH = 32
+#: Largest integer a config may give: no tensor dimension can be larger.
+MAX_INT = 2**31 - 1
+
+# Quotes, escape pairs and brackets: all a nesting count needs to look at.
+_JSON_SPECIAL = re.compile(r'\\.|["\[\]{}]', re.S)
+
+
+def member(folder: Path, *parts: str) -> Path:
+    """``folder/parts...``, refused when it leads (through links) outside ``folder``.
+
+    Raises:
+        ValueError: the path, once links are resolved, is not inside ``folder``.
+    """
+    path = folder.joinpath(*parts)
+    if path.is_symlink() or path.exists():
+        real, root = path.resolve(), folder.resolve()
+        if not real.is_relative_to(root):
+            raise ValueError(f"{path} leads to {real}, outside the model folder {root}; "
+                             "attnkit reads only files inside the folder it is given")
+    return path
+
+
+def read_text(file: Path, limit: int = MAX_JSON_BYTES) -> str:
+    """The text of ``file``, refused beyond ``limit`` bytes, with errors naming the file."""
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found")
+    size = file.stat().st_size
+    if size > limit:
+        raise ValueError(f"{file} is {size:,} bytes, more than the {limit:,} attnkit reads for such a file")
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file} is not UTF-8 text: {e}") from None
+
+
+def _check_nesting(text: str, file: Path) -> None:
+    """Refuse JSON nested deeper than :data:`MAX_JSON_DEPTH`, naming the top-level key it is under.
+
+    Runs before :func:`json.loads`, whose recursion a deep file would exhaust.
+    """
+    depth, in_str, start, key = 0, False, 0, None
+    for m in _JSON_SPECIAL.finditer(text):
+        c = m.group()
+        if c == '"':
+            if in_str and depth == 1:
+                key = text[start:m.end()]
+            in_str, start = not in_str, m.start()
+        elif in_str or len(c) == 2:
+            continue
+        elif c in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                where = "at the top level" if key is None else f"under key {key}"
+                raise ValueError(f"{file}: nested more than {MAX_JSON_DEPTH} levels deep {where}")
+        else:
+            depth -= 1
+
+
+def read_json(file: Path) -> dict:
+    """A JSON object from ``file`` (at most :data:`MAX_JSON_BYTES`, :data:`MAX_JSON_DEPTH` deep).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: too large, too deep, not JSON, or not an object, naming the file.
+    """
+    text = read_text(file)
+    _check_nesting(text, file)
+    try:
+        data = json.loads(text)
+    except ValueError as e:  # JSONDecodeError, and integers beyond Python's digit limit
         raise ValueError(f"{file} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
@@ -71,7 +147,7 @@ def read_config(folder: Path, model_types: tuple[str, ...], arch_prefixes: tuple
         ValueError: ``architectures`` none of which starts with one of ``arch_prefixes``, or a
             ``model_type`` not in ``model_types`` (it may be absent when ``architectures`` fits).
     """
-    file = folder / "config.json"
+    file = member(folder, "config.json")
     cfg = read_json(file)
     archs = cfg.get("architectures")
     if archs is not None and (not isinstance(archs, list) or
@@ -89,8 +165,12 @@ _REQUIRED = object()
 
 
 def config_value(cfg: Mapping, key: str, kind: type | tuple[type, ...], file: Path, default=_REQUIRED, *,
-                 positive: bool = False):
-    """``cfg[key]`` checked against ``kind``; ``default`` when absent (required when not given)."""
+                 positive: bool = False, probability: bool = False):
+    """``cfg[key]`` checked against ``kind``; ``default`` when absent (required when not given).
+
+    Numbers must be finite, integers at most :data:`MAX_INT` in size; ``positive`` asks for
+    ``> 0``, ``probability`` for ``[0, 1]`` (dropout rates).
+    """
     if cfg.get(key) is None:
         if default is _REQUIRED:
             raise ValueError(f"{file}: required key {key!r} is missing")
@@ -99,8 +179,17 @@ def config_value(cfg: Mapping, key: str, kind: type | tuple[type, ...], file: Pa
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if (isinstance(val, bool) and bool not in kinds) or not isinstance(val, kinds):
         raise ValueError(f"{file}: key {key!r} must be {' or '.join(k.__name__ for k in kinds)}, got {val!r}")
+    if isinstance(val, bool) or not isinstance(val, (int, float)):
+        return val
+    if isinstance(val, int) and abs(val) > MAX_INT:
+        raise ValueError(f"{file}: key {key!r} is a {len(str(abs(val)))}-digit number, more than any size "
+                         f"or id can be (at most {MAX_INT})")
+    if not math.isfinite(val):
+        raise ValueError(f"{file}: key {key!r} must be a finite number, got {val!r}")
     if positive and val <= 0:
         raise ValueError(f"{file}: key {key!r} must be positive, got {val!r}")
+    if probability and not 0 <= val <= 1:
+        raise ValueError(f"{file}: key {key!r} must be a probability in [0, 1], got {val!r}")
     return val
 
 
@@ -110,15 +199,20 @@ def weight_files(folder: Path) -> list[Path]:
     Raises:
         FileNotFoundError: no safetensors weights (pickle ``.bin`` files are refused, with a hint).
     """
-    single = folder / "model.safetensors"
+    single = member(folder, "model.safetensors")
     if single.is_file():
         return [single]
-    index = folder / "model.safetensors.index.json"
+    index = member(folder, "model.safetensors.index.json")
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: key 'weight_map' must be a non-empty object")
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        for key, name in weight_map.items():
+            if not isinstance(name, str) or not name or PurePath(name).is_absolute() \
+                    or ".." in PurePath(name).parts:
+                raise ValueError(f"{index}: key 'weight_map' maps {key!r} to {name!r}, expected the name of "
+                                 "a file inside the model folder")
+        files = [member(folder, name) for name in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.is_file():
                 raise FileNotFoundError(f"{f} not found (listed in {index})")
@@ -128,6 +222,70 @@ def weight_files(folder: Path) -> list[Path]:
         hint = (" (pytorch_model.bin is a pickle, which attnkit never loads; convert it once with "
                 "transformers: Model.from_pretrained(dir).save_pretrained(dir, safe_serialization=True))")
     raise FileNotFoundError(f"{single} not found{hint}")
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor as its safetensors header describes it, known before any weight is read."""
+
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: "F32", "BF16", "I64", ...
+    file: Path
+
+
+def read_headers(files: list[Path]) -> dict[str, Stored]:
+    """Name -> :class:`Stored` for every tensor of ``files``, from their headers only.
+
+    Raises:
+        ValueError: a file that is not safetensors, naming it.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    out: dict[str, Stored] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    sl = st.get_slice(k)
+                    out[k] = Stored(tuple(sl.get_shape()), sl.get_dtype(), f)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ValueError(f"{f} is not a readable safetensors file: {e}") from None
+    return out
+
+
+def _missing(files: list[Path], key: str, name: str) -> ValueError:
+    where = str(files[0]) if len(files) == 1 else f"{files[0].parent} ({', '.join(f.name for f in files)})"
+    return ValueError(f"{where}: missing key {key!r} (needed for {name})")
+
+
+def _check_one(key: str, shape: tuple[int, ...], dtype: str, is_float: bool, file: Path,
+               expected: tuple[int, ...]) -> None:
+    if tuple(shape) != tuple(expected):
+        raise ValueError(f"{file}: key {key!r} has shape {tuple(shape)}, expected {tuple(expected)} from config.json")
+    if not is_float:
+        raise ValueError(f"{file}: key {key!r} has dtype {dtype}, expected a floating-point tensor")
+
+
+def check_stored(stored: Mapping[str, Stored], expected: Iterable[tuple[str, str, tuple[int, ...]]],
+                 files: list[Path]) -> None:
+    """Check the headers against what ``config.json`` asks for, before a model is built.
+
+    Args:
+        stored: from :func:`read_headers`.
+        expected: ``(our_name, checkpoint_key, stored_shape)`` in the order to check; a generator
+            lets the caller list its most telling keys (the last layer) first, so that a config
+            asking for a million layers fails on the first of them rather than after listing all.
+        files: the weight files, named when a key is missing.
+
+    Raises:
+        ValueError: a missing key, a shape other than the config's, or a non-float tensor, naming
+            the file and the key.
+    """
+    for name, key, shape in expected:
+        if key not in stored:
+            raise _missing(files, key, name)
+        s = stored[key]
+        _check_one(key, s.shape, s.dtype, s.dtype.startswith(("F", "BF")), s.file, shape)
 
 
 def load_tensors(files: list[Path]) -> dict[str, tuple[Tensor, Path]]:
@@ -169,20 +327,15 @@ def assign(
     """
     own = dict(model.named_parameters())
     own.update(dict(model.named_buffers()))
-    where = files[0] if len(files) == 1 else f"{files[0].parent} ({', '.join(f.name for f in files)})"
     with torch.no_grad():
         for name, key in mapping.items():
             if key not in tensors:
-                raise ValueError(f"{where}: missing key {key!r} (needed for {name})")
+                raise _missing(files, key, name)
             t, f = tensors[key]
             if transform is not None:
                 t = transform(name, t)
             target = own[name]
-            if tuple(t.shape) != tuple(target.shape):
-                raise ValueError(f"{f}: key {key!r} has shape {tuple(t.shape)}, expected {tuple(target.shape)} "
-                                 "from config.json")
-            if not t.is_floating_point():
-                raise ValueError(f"{f}: key {key!r} has dtype {t.dtype}, expected a floating-point tensor")
+            _check_one(key, t.shape, str(t.dtype), t.is_floating_point(), f, target.shape)
             target.copy_(t.to(target.dtype))
 
 

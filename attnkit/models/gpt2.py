@@ -12,7 +12,9 @@ Shape notation: ``B`` batch, ``L`` new tokens, ``T`` tokens seen so far (cache i
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -70,8 +72,10 @@ class GPT2Config:
                 kind = (int, float)
             else:
                 kind = type(default)
-            positive = f.name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner")
-            kw[f.name] = ckpt.config_value(cfg, f.name, kind, src, default, positive=positive)
+            positive = f.name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
+                                  "layer_norm_epsilon")
+            kw[f.name] = ckpt.config_value(cfg, f.name, kind, src, default, positive=positive,
+                                           probability=f.name.endswith("_pdrop"))
         if kw["activation_function"] not in ACTIVATIONS:
             raise ValueError(f"{source}: key 'activation_function' is {kw['activation_function']!r}, expected "
                              f"one of {sorted(ACTIVATIONS)}")
@@ -178,6 +182,13 @@ class GPT2(nn.Module):
         cfg = ckpt.read_config(folder, ("gpt2",), ("GPT2",))
         config = GPT2Config.from_dict(cfg, str(folder / "config.json"))
         files = ckpt.weight_files(folder)
+        stored = ckpt.read_headers(files)
+        prefix = ckpt.key_prefix(stored, "wte.weight", ("transformer.",))
+        # Every size in config.json meets a stored shape before anything is allocated; the last
+        # layer is checked first, so a config asking for more layers than stored fails at once.
+        n = config.n_layer
+        ckpt.check_stored(stored, ((ours, prefix + key, shape) for ours, key, shape in
+                                   _hf_layout(config, chain([n - 1], range(n)))), files)
         gpt = cls(config, backend=backend)
         gpt._load(ckpt.load_tensors(files), files)
         return gpt.to(dtype=dtype, device=device).eval()
@@ -185,15 +196,7 @@ class GPT2(nn.Module):
     def _load(self, tensors: dict, files: list[Path]) -> None:
         prefix = ckpt.key_prefix(tensors, "wte.weight", ("transformer.",))
         e = self.config.n_embd
-        names = {"wte.weight": "wte.weight", "wpe.weight": "wpe.weight", "ln_f.weight": "ln_f.weight",
-                 "ln_f.bias": "ln_f.bias"}
-        parts = {"ln_1": "ln_1", "ln_2": "ln_2", "attn.q_proj": "attn.c_attn", "attn.k_proj": "attn.c_attn",
-                 "attn.v_proj": "attn.c_attn", "attn.out_proj": "attn.c_proj", "fc_in": "mlp.c_fc",
-                 "fc_out": "mlp.c_proj"}
-        for i in range(len(self.blocks)):
-            for ours, theirs in parts.items():
-                for p in ("weight", "bias"):
-                    names[f"blocks.{i}.{ours}.{p}"] = f"h.{i}.{theirs}.{p}"
+        names = {ours: theirs for ours, theirs, _ in _hf_layout(self.config, range(len(self.blocks)))}
         which = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 
         def transform(name: str, t: Tensor) -> Tensor:
@@ -376,6 +379,25 @@ class GPT2(nn.Module):
             kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+
+
+def _hf_layout(cfg: GPT2Config, layers: Iterable[int]) -> Iterator[tuple[str, str, tuple]]:
+    """``(our name, Hugging Face key, stored shape)``: embeddings, final norm, then ``layers`` in that order.
+
+    Stored shapes are Conv1D's ``[in, out]``, and ``q/k/v_proj`` all read the fused ``c_attn``.
+    """
+    e, inner = cfg.n_embd, cfg.n_inner or 4 * cfg.n_embd
+    yield from (("wte.weight", "wte.weight", (cfg.vocab_size, e)), ("wpe.weight", "wpe.weight", (cfg.n_positions, e)),
+                ("ln_f.weight", "ln_f.weight", (e,)), ("ln_f.bias", "ln_f.bias", (e,)))
+    # ours -> (theirs, stored weight shape); every bias is the weight's output (last) dimension.
+    parts = {"ln_1": ("ln_1", (e,)), "ln_2": ("ln_2", (e,)), "attn.q_proj": ("attn.c_attn", (e, 3 * e)),
+             "attn.k_proj": ("attn.c_attn", (e, 3 * e)), "attn.v_proj": ("attn.c_attn", (e, 3 * e)),
+             "attn.out_proj": ("attn.c_proj", (e, e)), "fc_in": ("mlp.c_fc", (e, inner)),
+             "fc_out": ("mlp.c_proj", (inner, e))}
+    for i in layers:
+        for ours, (theirs, shape) in parts.items():
+            yield f"blocks.{i}.{ours}.weight", f"h.{i}.{theirs}.weight", shape
+            yield f"blocks.{i}.{ours}.bias", f"h.{i}.{theirs}.bias", shape[-1:]
 
 
 def positions_from_mask(attention_mask: Tensor) -> Tensor:

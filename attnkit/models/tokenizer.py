@@ -84,9 +84,9 @@ class Tokenizer:
         from tokenizers.implementations import BertWordPieceTokenizer
 
         folder = ckpt.resolve_dir(path)
-        tok_cfg_file = folder / "tokenizer_config.json"
+        tok_cfg_file = ckpt.member(folder, "tokenizer_config.json")
         tok_cfg = ckpt.read_json(tok_cfg_file) if tok_cfg_file.is_file() else {}
-        tj, vocab = folder / "tokenizer.json", folder / "vocab.txt"
+        tj, vocab = ckpt.member(folder, "tokenizer.json"), ckpt.member(folder, "vocab.txt")
         if tj.is_file():
             try:
                 backend = HFTokenizer.from_file(str(tj))
@@ -102,8 +102,10 @@ class Tokenizer:
             raise FileNotFoundError(f"{tj} not found (nor {vocab.name}): the folder has no tokenizer")
         if max_length is None:
             max_length = _default_max_length(folder, tok_cfg)
-        pad = tok_cfg.get("pad_token", "[PAD]")
-        pad = pad.get("content", "[PAD]") if isinstance(pad, dict) else pad
+        # transformers writes the pad token as a string or as an AddedToken {"content": ...}.
+        pad = ckpt.config_value(tok_cfg, "pad_token", (str, dict), tok_cfg_file, "[PAD]")
+        if isinstance(pad, dict):
+            pad = ckpt.config_value(pad, "content", str, tok_cfg_file, "[PAD]")
         return cls(backend, pad_token=pad, max_length=max_length)
 
     # ------------------------------------------------------------------ text -> ids
@@ -185,7 +187,7 @@ class Tokenizer:
 
 
 def _default_max_length(folder: Path, tok_cfg: dict) -> int:
-    st = folder / "sentence_bert_config.json"
+    st = ckpt.member(folder, "sentence_bert_config.json")
     if st.is_file():
         val = ckpt.read_json(st).get("max_seq_length")
         if isinstance(val, int) and val > 0:
