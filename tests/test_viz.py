@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -142,3 +143,56 @@ def test_viewer_keeps_top_k_per_query_for_long_inputs(tmp_path):
 def test_viewer_rejects_bad_input(att, tokens, match):
     with pytest.raises(ValueError, match=match):
         viz.viewer_html(att, tokens)
+
+
+@pytest.mark.parametrize("title", ["__ATTNKIT_DATA__", "__ATTNKIT_TITLE__ and __ATTNKIT_DATA__"])
+def test_viewer_title_holding_a_placeholder_name_keeps_the_page(title):
+    # The title was substituted first, so its copy of the data placeholder received the data and
+    # the real data block kept the bare placeholder: the page's JSON failed and it stayed blank.
+    page = viz.viewer_html([maps(1, 2, 3, 3)], ["a", "b", "c"], title=title, text=title)
+    data = _data(page)
+    assert data["title"] == data["text"] == title and data["tokens"] == ["a", "b", "c"]
+    assert f"<title>{title}</title>" in page
+
+
+def test_viewer_lone_surrogates_become_replacement_characters(tmp_path):
+    path = tmp_path / "v.html"
+    tokens = ["ok", "\ud800", "\ud83d\ude00"]  # a lone half, and a pair that spells one emoji
+    viz.write_viewer(path, [maps(1, 2, 3, 3)], tokens, title="t\udfff", text="x\ud800y")
+    data = _data(path.read_bytes().decode("utf-8"))  # strict UTF-8: the file is valid
+    assert data["tokens"] == ["ok", "\ufffd", "\U0001f600"]
+    assert (data["title"], data["text"]) == ("t\ufffd", "x\ufffdy")
+
+
+def test_write_viewer_failure_keeps_the_previous_page(tmp_path, monkeypatch):
+    import os
+
+    path = tmp_path / "v.html"
+    viz.write_viewer(path, [maps(1, 2, 3, 3)], ["a", "b", "c"], title="first")
+    before = path.read_bytes()
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    # A disk that fills up while the page is written: the old page stays whole, no leftovers.
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        viz.write_viewer(path, [maps(1, 2, 3, 3, seed=1)], ["a", "b", "c"], title="second")
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.html"]
+
+
+@pytest.mark.parametrize("bad, what", [(float("nan"), "nan"), (float("inf"), "inf")])
+def test_viewer_refuses_non_finite_weights_naming_layer_and_head(bad, what):
+    att = [maps(1, 2, 4, 4, seed=s) for s in range(3)]
+    att[2][0, 1, 3, 0] = bad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # before, NaN warned in the 8-bit cast and was drawn as 0, inf as 1
+        with pytest.raises(ValueError, match=rf"attentions\[2\] \(layer 2\) has 1 non-finite weights, first at "
+                                             rf"head 1, query 3, key 0 \({what}\)"):
+            viz.viewer_html(att, ["a", "b", "c", "d"])
+
+
+def test_viewer_title_must_be_text():
+    with pytest.raises(TypeError, match="title must be a str, got int"):
+        viz.viewer_html([maps(1, 2, 3, 3)], ["a", "b", "c"], title=3)

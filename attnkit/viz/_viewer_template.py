@@ -1,8 +1,9 @@
 # ruff: noqa: E501 - the page is HTML/CSS/JS in a string; its lines are not Python lines.
 """The viewer page: HTML, CSS and JavaScript in one string, with no external resource of any kind.
 
-``viewer.py`` fills two placeholders: the escaped page title, and the JSON data block (with ``<``,
-``>`` and ``&`` written as ``\\u003c``-style escapes so no token can close the script element).
+``viewer.py`` fills two placeholders, in one pass over this template (a title or token holding a
+placeholder's name is never taken for one): the escaped page title, and the JSON data block (with
+``<``, ``>`` and ``&`` written as ``\\u003c``-style escapes so no token can close the script element).
 The script only ever puts token strings into the page through ``textContent`` or canvas
 ``fillText``, never through ``innerHTML``.
 """

@@ -21,15 +21,29 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .._io import atomic_write
 from ._viewer_template import TEMPLATE
 
 _JSON_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+# The template's two slots, filled in one pass over the template alone: a title or token that
+# contains a slot's name is never itself taken for a slot.
+_SLOT = re.compile(r"__ATTNKIT_(TITLE|DATA)__")
+
+
+def _clean(s: str) -> str:
+    """``s`` as text UTF-8 can hold: surrogate pairs joined, lone surrogates as U+FFFD.
+
+    Token strings from byte-level or JavaScript-born vocabularies can hold halves of a pair,
+    which no UTF-8 file can store.
+    """
+    return s.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def _stack(attentions, batch_index: int) -> np.ndarray:
@@ -52,6 +66,13 @@ def _stack(attentions, batch_index: int) -> np.ndarray:
                              f"got shape {tuple(a.shape)}")
         if out and a.shape != out[0].shape:
             raise ValueError(f"attentions[{i}] has shape {a.shape}, expected {out[0].shape} like layer 0")
+        bad = np.argwhere(~np.isfinite(a))
+        if len(bad):
+            h, q, k = bad[0]
+            # Weights are shown as levels of [0, 1]; NaN has no level, and drawing it as 0 would hide
+            # the bug that produced it.
+            raise ValueError(f"attentions[{i}] (layer {i}) has {len(bad)} non-finite weights, first at head {h}, "
+                             f"query {q}, key {k} ({a[h, q, k]}); the viewer needs finite weights")
         out.append(a)
     return np.stack(out)
 
@@ -79,18 +100,26 @@ def viewer_html(attentions, tokens: Sequence[str], *, title: str = "attnkit atte
         A self-contained HTML document.
 
     Raises:
-        ValueError: shapes disagree, more than 65,535 tokens, or ``top_k < 1``.
+        ValueError: shapes disagree, a weight is NaN or infinite (naming layer, head and cell),
+            more than 65,535 tokens, or ``top_k < 1``.
+        TypeError: ``title`` or ``text`` is not a string.
     """
+    if not isinstance(title, str):
+        raise TypeError(f"title must be a str, got {type(title).__name__}")
+    if text is not None and not isinstance(text, str):
+        raise TypeError(f"text must be a str or None, got {type(text).__name__}")
+    title = _clean(title)
+    text = None if text is None else _clean(text)
     a = _stack(attentions, batch_index)
     n_layers, n_heads, n, _ = a.shape
-    tokens = [str(t) for t in tokens]
+    tokens = [_clean(str(t)) for t in tokens]
     if len(tokens) != n:
         raise ValueError(f"tokens has {len(tokens)} entries but the maps are {n} x {n}")
     if n > 65535:
         raise ValueError(f"the viewer takes at most 65,535 tokens, got {n}")
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
-    q = np.clip(np.rint(a * 255.0), 0, 255).astype(np.uint8)
+    q = np.rint(np.clip(a, 0.0, 1.0) * 255.0).astype(np.uint8)  # clipped first: 1e38 * 255 overflows
     data: dict[str, object] = {"title": title, "text": text, "tokens": tokens, "layers": n_layers,
                                "heads": n_heads, "top_k": 0}
     if a.size <= max_dense_cells:
@@ -109,12 +138,16 @@ def viewer_html(attentions, tokens: Sequence[str], *, title: str = "attnkit atte
     payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     for ch, esc in _JSON_ESCAPES.items():
         payload = payload.replace(ch, esc)
-    return TEMPLATE.replace("__ATTNKIT_TITLE__", html.escape(title)).replace("__ATTNKIT_DATA__", payload, 1)
+    slots = {"TITLE": html.escape(title), "DATA": payload}
+    return _SLOT.sub(lambda m: slots[m.group(1)], TEMPLATE)
 
 
 def write_viewer(path: str | Path, attentions, tokens: Sequence[str], **kwargs) -> Path:
-    """Write :func:`viewer_html` to ``path`` (parent folders created) and return the path."""
+    """Write :func:`viewer_html` to ``path`` (parent folders created) and return the path.
+
+    The page appears whole or not at all: a failure leaves the previous file untouched.
+    """
     path = Path(path)
+    page = viewer_html(attentions, tokens, **kwargs).encode("utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(viewer_html(attentions, tokens, **kwargs), encoding="utf-8")
-    return path
+    return atomic_write(path, lambda f: f.write(page))
