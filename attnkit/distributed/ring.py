@@ -14,14 +14,19 @@ Masks are evaluated on *global* positions with the :mod:`attnkit.masks` predicat
 what they mean in :func:`attnkit.attention` on the unsharded sequence. A tile with nothing
 allowed is not computed (a block with nothing allowed is still passed on).
 
-All communication of a call lives inside one ``autograd.Function``: one ``all_gather`` of the
-shard lengths, then point-to-point exchanges with the ring neighbours in the same order on every
-rank, forward and backward. Nothing depends on the order in which autograd runs other nodes.
+Every rank must be called alike (apart from its shards): one small ``all_gather`` per call of
+each rank's shard lengths and arguments (:mod:`.agree`) checks that, so a rank called differently
+makes every rank raise the same ``ValueError`` rather than compute wrong rows or die in the ring.
+The rest of the communication lives inside one ``autograd.Function``: point-to-point exchanges
+with the ring neighbours in the same order on every rank, forward and backward. Nothing depends
+on the order in which autograd runs other nodes.
 """
 
 from __future__ import annotations
 
 import math
+import struct
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +37,8 @@ from torch.autograd.function import once_differentiable
 from .. import masks as _masks
 from .._text import describe
 from ..ops.tiles import merge_partials, tile_backward, tile_forward
-from .shard import LAYOUTS, collective_device, group_info, positions_from_sizes
+from .agree import Field, agree, name_code, name_of, refuse
+from .shard import LAYOUTS, group_info, positions_from_sizes
 
 __all__ = ["ring_attention"]
 
@@ -236,8 +242,9 @@ def ring_attention(
     ``Lq_local``/``Lk_local`` this rank's shard lengths, ``Lq``/``Lk`` the global lengths (the sums
     over ranks), ``H % Hkv == 0`` (grouped-query attention).
 
-    A collective: every rank of ``group`` calls it with the same arguments apart from its shards,
-    and every rank must run the backward when one does (use each rank's output in its loss).
+    A collective: every rank of ``group`` calls it with the same arguments apart from its shards
+    (checked: otherwise every rank raises), and every rank must run the backward when one does (use
+    each rank's output in its loss).
 
     Args:
         q: ``[B, H, Lq_local, E]``, this rank's queries.
@@ -260,6 +267,10 @@ def ring_attention(
 
     Raises:
         TypeError, ValueError: bad arguments, naming them; shard lengths that do not fit the layout.
+            Every rank raises when one does: a rank whose arguments differ from rank 0's (dtype,
+            batch, heads, head sizes, layout, ``is_causal``, ``window``, ``scale``, ``lengths``,
+            whether autograd records the call) makes all raise a ``ValueError`` naming that rank
+            and argument, and a rank that refuses its own arguments makes the others raise too.
         RuntimeError: ``torch.distributed`` is not initialised.
 
     Plain PyTorch on one process, for a reader (``full`` gathers the shards)::
@@ -267,6 +278,19 @@ def ring_attention(
         out = attnkit.attention(full(q), full(k), full(v), is_causal=is_causal, window=window,
                                 mask=attnkit.masks.padding(lengths, Lk))  # then take my rows
     """
+    try:
+        window, scale, lengths = _check_args(q, k, v, is_causal, window, layout, scale, lengths)
+    except (TypeError, ValueError):
+        # Take part in the call's one collective, marked as refused, so that the other ranks raise
+        # too instead of waiting for this one in the ring.
+        refuse(_CALL, group, q)
+        raise
+    plan = _make_plan(q, k, v, group, is_causal, window, layout, scale, lengths)
+    return _RingAttention.apply(q, k, v, plan)
+
+
+def _check_args(q, k, v, is_causal, window, layout, scale, lengths):
+    """This rank's own checks: ``(window as a pair or None, scale as a float, lengths on q's device)``."""
     _check_inputs(q, k, v)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -287,9 +311,7 @@ def ring_attention(
                 lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
             raise ValueError(f"lengths must be a [B] = [{q.shape[0]}] integer tensor, got {describe(lengths)}")
         lengths = lengths.to(q.device)
-
-    plan = _make_plan(q, k, group, is_causal, window, layout, float(scale), lengths)
-    return _RingAttention.apply(q, k, v, plan)
+    return window, float(scale), lengths
 
 
 def _check_inputs(q, k, v) -> None:
@@ -313,14 +335,65 @@ def _check_inputs(q, k, v) -> None:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
 
 
-def _make_plan(q, k, group, is_causal, window, layout, scale, lengths) -> _Plan:
+def _show_window(code: tuple[int, ...]):
+    return None if not code[0] else tuple(None if n < 0 else n for n in code[1:])
+
+
+def _scale_bits(scale: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", scale))[0]  # exact: equal bits, equal scale
+
+
+def _show_lengths(code: tuple[int, ...]) -> str:
+    return "None" if not code[0] else f"a tensor with crc32 {code[1]:#010x}"
+
+
+# What a rank's call looks like to the others: one int64 row per rank, gathered once per call. Every
+# field but the shard lengths must agree; a rank that differs would compute wrong rows or abort in
+# the ring. Checked in this order, so the first field named is the first that differs.
+_CALL = (
+    Field("q_len", same=False),
+    Field("kv_len", same=False),
+    Field("dtype", 3, show=lambda c: f"torch.{name_of(c)}"),
+    Field("batch"),
+    Field("heads"),
+    Field("kv_heads"),
+    Field("head_dim"),
+    Field("value_dim"),
+    Field("layout", show=lambda c: repr(LAYOUTS[c[0]])),
+    Field("is_causal", show=lambda c: bool(c[0])),
+    Field("window", 3, show=_show_window),  # (given, left, right), -1 = unbounded
+    Field("scale", show=lambda c: struct.unpack("<d", struct.pack("<q", c[0]))[0]),
+    Field("lengths", 2, show=_show_lengths),  # (given, crc32 of the values)
+    Field("requires_grad", show=lambda c: bool(c[0])),  # one rank's backward would wait for the others'
+)
+
+
+def _call(q, k, v, is_causal, window, layout, scale, lengths) -> dict[str, tuple[int, ...]]:
+    """This rank's row of :data:`_CALL`."""
+    if lengths is None:
+        lengths_code = (0, 0)
+    else:
+        values = lengths.tolist()
+        lengths_code = (1, zlib.crc32(struct.pack(f"<{len(values)}q", *values)))
+    return {
+        "q_len": (q.shape[2],), "kv_len": (k.shape[2],),
+        "dtype": name_code(str(q.dtype).removeprefix("torch."), 3),
+        "batch": (q.shape[0],), "heads": (q.shape[1],), "kv_heads": (k.shape[1],),
+        "head_dim": (q.shape[3],), "value_dim": (v.shape[3],),
+        "layout": (LAYOUTS.index(layout),), "is_causal": (int(is_causal),),
+        "window": (0, -1, -1) if window is None else (1, *(-1 if n is None else n for n in window)),
+        "scale": (_scale_bits(scale),), "lengths": lengths_code,
+        "requires_grad": (int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),),
+    }
+
+
+def _make_plan(q, k, v, group, is_causal, window, layout, scale, lengths) -> _Plan:
     rank, world = group_info(group)
-    # Every rank learns every shard length (one small collective), hence the global lengths.
-    mine = torch.tensor([q.shape[2], k.shape[2]], dtype=torch.int64, device=collective_device(q, group))
-    everyone = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
-    q_sizes = [int(t[0]) for t in everyone]
-    kv_sizes = [int(t[1]) for t in everyone]
+    # One small collective: every rank checks that all ranks were called alike, and learns every
+    # shard length, hence the global lengths.
+    calls = agree("ring_attention", _CALL, _call(q, k, v, is_causal, window, layout, scale, lengths), group, q)
+    q_sizes = [c["q_len"][0] for c in calls]
+    kv_sizes = [c["kv_len"][0] for c in calls]
     q_len, kv_len = sum(q_sizes), sum(kv_sizes)
     q_pos = positions_from_sizes(q_sizes, layout, "q", q.device)[rank]
     kv_pos = positions_from_sizes(kv_sizes, layout, "k", q.device)

@@ -41,9 +41,17 @@ def group_info(group=None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def collective_device(x: Tensor, group=None) -> torch.device:
-    """Where small bookkeeping tensors for a collective live: NCCL needs them on the GPU."""
-    return x.device if x.is_cuda and dist.get_backend(group) != "gloo" else torch.device("cpu")
+def collective_device(x, group=None) -> torch.device:
+    """Where small bookkeeping tensors for a collective live: NCCL needs them on the GPU.
+
+    ``x`` is the caller's tensor, or whatever a caller whose arguments were refused got instead.
+    """
+    backend = dist.get_backend(group)
+    if backend == "gloo":
+        return torch.device("cpu")
+    if isinstance(x, Tensor) and x.is_cuda:
+        return x.device
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def _check_layout(layout) -> None:
