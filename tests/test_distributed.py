@@ -9,6 +9,7 @@ rank's shard of its gradients; ``unshard`` must give back the full tensors too.
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -287,6 +288,69 @@ def _mismatched_zigzag(rank, world):
 def test_shards_that_are_not_the_zigzag_split_are_refused_on_every_rank():
     with pytest.raises(RankError, match=r"not the zigzag split of 7 positions, expected \[3, 4\]"):
         run_local(_mismatched_zigzag, 2, timeout=40.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks called differently: every rank raises, naming the rank and the argument
+# --------------------------------------------------------------------------------------------
+
+# (what differs, rank 0's call, rank 1's call, what rank 0 and rank 1 must raise). Without the check
+# the first four computed wrong rows silently (with head sizes swapped every message still has the
+# size its receiver expects), and a different dtype, heads or batch died inside gloo.
+_REFUSED = re.escape("ring_attention: rank 1 refused its arguments")
+_MISMATCHES = [
+    ("head sizes swapped", {}, {"d": 6, "dv": 8}, "rank 1 has head_dim=6 but rank 0 has head_dim=8"),
+    ("is_causal", {"is_causal": True}, {"is_causal": False},
+     "rank 1 has is_causal=False but rank 0 has is_causal=True"),
+    ("scale", {}, {"scale": 0.5}, "rank 1 has scale=0.5 but rank 0 has scale=0.35355339059327373"),
+    ("window", {"window": (3, 1)}, {"window": (3, None)}, "rank 1 has window=(3, None) but rank 0 has window=(3, 1)"),
+    ("dtype", {}, {"dtype": torch.float32}, "rank 1 has dtype=torch.float32 but rank 0 has dtype=torch.float64"),
+    ("heads", {}, {"heads": 2}, "rank 1 has heads=2 but rank 0 has heads=4"),
+    ("batch", {}, {"batch": 1}, "rank 1 has batch=1 but rank 0 has batch=2"),
+    ("kv_heads", {}, {"kv_heads": 1}, "rank 1 has kv_heads=1 but rank 0 has kv_heads=2"),
+    ("lengths", {"lengths": [9, 4]}, {"lengths": [9, 3]}, "rank 1 has lengths=a tensor with crc32"),
+    ("requires_grad", {"grad": True}, {}, "rank 1 has requires_grad=False but rank 0 has requires_grad=True"),
+    # A rank that refuses its own arguments raises its own error; the other is not left waiting.
+    ("refused", {}, {"window": (-1, 0)}, (_REFUSED, "window left must be None or a non-negative int")),
+]
+
+
+def _mismatched_calls(rank, world, cases):
+    """Each case's call on this rank: the message it raised, or what it returned."""
+    got = []
+    for _, *calls, _ in cases:
+        c = dict({"batch": 2, "heads": 4, "kv_heads": 2, "d": 8, "dv": 6, "dtype": torch.float64}, **calls[rank])
+        g = torch.Generator().manual_seed(rank)
+        q = torch.randn(c["batch"], c["heads"], 5, c["d"], generator=g, dtype=c["dtype"])
+        k = torch.randn(c["batch"], c["kv_heads"], 5, c["d"], generator=g, dtype=c["dtype"])
+        v = torch.randn(c["batch"], c["kv_heads"], 5, c["dv"], generator=g, dtype=c["dtype"])
+        q.requires_grad_(c.get("grad", False))
+        lengths = None if "lengths" not in c else torch.tensor(c["lengths"])
+        try:
+            out = ring_attention(q, k, v, is_causal=c.get("is_causal", False), window=c.get("window"),
+                                 scale=c.get("scale"), lengths=lengths)
+        except (TypeError, ValueError) as e:
+            got.append(str(e))
+        else:
+            got.append(f"no error: returned {tuple(out.shape)}")
+    # The group is still in step after all that: a call made alike on both ranks gives the right rows.
+    q, k, v, _ = _inputs(_case("contiguous", lq=10, lk=10), seed=3)
+    ref = attnkit.attention(q, k, v, is_causal=True, window=(3, 1), backend="reference")
+    out = ring_attention(*(shard(t, 2) for t in (q, k, v)), is_causal=True, window=(3, 1))
+    close(out, shard(ref, 2))
+    return got
+
+
+@pytest.mark.timeout(60)
+def test_ranks_called_differently_all_raise_naming_the_rank_and_argument():
+    results = run_local(_mismatched_calls, 2, _MISMATCHES, timeout=40.0)
+    wrong = []
+    for i, (what, _, _, want) in enumerate(_MISMATCHES):
+        for rank in range(2):
+            pattern = want[rank] if isinstance(want, tuple) else "ring_attention: " + re.escape(want)
+            if not re.search(pattern, results[rank][i]):
+                wrong.append(f"{what}: rank {rank} said {results[rank][i]!r}, expected /{pattern}/")
+    assert not wrong, "\n".join(wrong)
 
 
 # --------------------------------------------------------------------------------------------
