@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -312,6 +313,23 @@ def test_symlink_out_of_the_folder_refused(good, name):
     expected = f"{good / name} leads to {outside / name}, outside the model folder"
     with pytest.raises(ValueError, match=re.escape(expected)):
         Bert.from_pretrained(good)
+
+
+def test_hub_cache_snapshot_links_to_its_blobs_load(tmp_path, good):
+    # snapshot_download's layout: snapshots/<rev>/<file> -> ../../blobs/<hash>, inside models--org--name.
+    repo = tmp_path / "models--org--bert"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for i, name in enumerate(("config.json", "model.safetensors")):
+        (good / name).rename(repo / "blobs" / f"blob{i}")
+        (snap / name).symlink_to(Path("..", "..", "blobs", f"blob{i}"))
+    assert torch.equal(Bert.from_pretrained(snap).embeddings.norm.bias, _tensors()["embeddings.LayerNorm.bias"])
+    (snap / "model.safetensors").unlink()
+    (snap / "model.safetensors").symlink_to(good.parent / "elsewhere.safetensors")
+    save_file(_tensors(), str(good.parent / "elsewhere.safetensors"))
+    with pytest.raises(ValueError, match="outside the model folder"):
+        Bert.from_pretrained(snap)
 
 
 def test_symlink_inside_the_folder_loads(good):

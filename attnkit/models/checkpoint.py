@@ -73,12 +73,18 @@ _JSON_SPECIAL = re.compile(r'\\.|["\[\]{}]', re.S)
 def member(folder: Path, *parts: str) -> Path:
     """``folder/parts...``, refused when it leads (through links) outside ``folder``.
 
+    A Hugging Face hub cache snapshot (``models--org--name/snapshots/<rev>``, what
+    ``snapshot_download`` returns) links its files to ``models--org--name/blobs``; there the
+    ``models--...`` folder is the bound.
+
     Raises:
         ValueError: the path, once links are resolved, is not inside ``folder``.
     """
     path = folder.joinpath(*parts)
     if path.is_symlink() or path.exists():
         real, root = path.resolve(), folder.resolve()
+        if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+            root = root.parent.parent
         if not real.is_relative_to(root):
             raise ValueError(f"{path} leads to {real}, outside the model folder {root}; "
                              "attnkit reads only files inside the folder it is given")
