@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from . import backends
-from .request import build_request
+from .request import Request, build_request, check_dense_fits
 
 
 def attention(
@@ -63,8 +64,31 @@ def attention(
     req = build_request(query, key, value, mask=mask, bias=bias, is_causal=is_causal, window=window,
                         mask_mod=mask_mod, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
                         return_weights=return_weights)
-    out, weights = backends.select(req, backend)(req)
+    chosen = backends.select(req, backend)
+    _check_dense_footprint(req, chosen.name)
+    out, weights = chosen(req)
     return (out, weights) if return_weights else out
+
+
+def _check_dense_footprint(req: Request, backend: str) -> None:
+    """Refuse a call whose backend would materialise ``[..., H, Lq, Lk]`` tensors that cannot fit.
+
+    What each dense path builds: the reference backend the scores, their exponentials and the
+    weights in its compute dtype (float32 for half inputs); the SDPA adapter a combined mask
+    (bool, or the query's dtype with a bias) and its dead-row-safe copy, when it has to merge a
+    mask, a bias and a bottom-right causal mask into one. The blockwise backend forms tiles only.
+    """
+    if backend == "reference":
+        half = req.query.dtype in (torch.float16, torch.bfloat16)
+        check_dense_fits("the reference backend (scores, exponentials, weights)", req.scores_shape,
+                         torch.float32 if half else req.query.dtype, 3)
+    elif backend == "sdpa":
+        shapes = [t.shape for t in (req.mask, req.bias) if t is not None]
+        if req.is_causal and (shapes or req.q_len != req.kv_len):
+            shapes.append((req.q_len, req.kv_len))
+        if shapes:
+            check_dense_fits("the SDPA backend's combined attn_mask", torch.broadcast_shapes(*shapes),
+                             torch.bool if req.bias is None else req.query.dtype, 2)
 
 
 def which_backend(query: Tensor, key: Tensor, value: Tensor, *, backend: str = "auto", **kwargs) -> str:

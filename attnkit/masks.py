@@ -227,10 +227,29 @@ def materialize(
     q = torch.arange(q_len, device=device).view(1, 1, -1, 1)
     kv = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
     out = mask_mod(b, h, q, kv)
-    if not isinstance(out, Tensor) or out.dtype != torch.bool:
-        got = type(out).__name__ if not isinstance(out, Tensor) else f"a {out.dtype} tensor"
-        raise TypeError(f"mask_mod must return a bool tensor, got {got}")
+    check_mask_mod_output(mask_mod, out, (batch, heads, q_len, kv_len))
     return out
+
+
+def mod_name(kind: str, fn) -> str:
+    """``"mask_mod 'doc'"``: the argument and the function's name, for error messages."""
+    return f"{kind} {getattr(fn, '__qualname__', type(fn).__name__)!r}"
+
+
+def check_mask_mod_output(mask_mod: MaskMod, out, grid: tuple[int, ...]) -> None:
+    """Raise unless ``out``, what ``mask_mod`` returned on index tensors of ``grid``, is a bool tensor
+    broadcastable to ``grid``."""
+    if not isinstance(out, Tensor) or out.dtype != torch.bool:
+        got = f"a {out.dtype} tensor" if isinstance(out, Tensor) else type(out).__name__
+        raise TypeError(f"{mod_name('mask_mod', mask_mod)} returned {got}; expected a bool tensor, True = may "
+                        "attend (e.g. kv_idx <= q_idx, not a 0/1 or float tensor)")
+    try:
+        ok = out.dim() <= len(grid) and torch.broadcast_shapes(out.shape, grid) == torch.Size(grid)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{mod_name('mask_mod', mask_mod)} returned shape {tuple(out.shape)} for indices "
+                         f"broadcasting to {tuple(grid)}; expected a shape broadcastable to it")
 
 
 def _grid(q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor]:

@@ -11,6 +11,7 @@ backends never re-validate user input. Shape notation (used throughout attnkit):
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,10 @@ from . import masks as _masks
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 Window = tuple[int | None, int | None]
+
+#: Environment variable: the most bytes of ``[..., H, Lq, Lk]`` tensors one call may materialise
+#: (default: the memory the system reports available at the time of the call).
+MAX_DENSE_BYTES_ENV = "ATTNKIT_MAX_DENSE_BYTES"
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,9 @@ def build_request(
             raise TypeError(f"bias must be a floating-point tensor, got dtype {bias.dtype}; "
                             "pass boolean masks as mask=")
         _check_broadcast("bias", bias, target, query.device)
+    if query.dim() >= 4:
+        for name, t in (("mask", mask), ("bias", bias)):
+            _check_not_per_batch_3d(name, t, query.dim(), h)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if window is not None:
@@ -178,6 +186,8 @@ def build_request(
                 raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
             if query.dim() != 4:
                 raise ValueError(f"{name} needs 4-D inputs [B, H, L, E], got query shape {tuple(query.shape)}")
+    if mask_mod is not None or score_mod is not None:
+        _probe_mods(mask_mod, score_mod, target, query)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
@@ -202,3 +212,106 @@ def _check_broadcast(name: str, t: Tensor, target: torch.Size, device: torch.dev
     if not ok:
         raise ValueError(f"{name} of shape {tuple(t.shape)} is not broadcastable to "
                          f"[..., H, Lq, Lk] = {tuple(target)}")
+
+
+def _check_not_per_batch_3d(name: str, t: Tensor | None, ndim: int, heads: int) -> None:
+    """Refuse a 3-D mask/bias ``[X, Lq, Lk]`` with ``X > 1`` against 4-D (or more) scores.
+
+    Broadcasting aligns trailing dims, so ``X`` lands on the head axis: a per-batch ``[B, Lq, Lk]``
+    mask (the usual intent) silently masks head ``b`` with sequence ``b``'s mask when ``B == H``.
+    """
+    if t is None or t.dim() != 3 or t.shape[0] == 1:
+        return
+    raise ValueError(f"{name} of shape {tuple(t.shape)} against {ndim}-D queries is ambiguous: its first dim would "
+                     f"align with the {heads} heads, not the batch; pass {name}[:, None] ([B, 1, Lq, Lk]) for one "
+                     f"{name} per batch element, or {name}[None] ([1, H, Lq, Lk]) for one per head")
+
+
+def _probe_mods(mask_mod, score_mod, target: torch.Size, query: Tensor) -> None:
+    """Call each mod once on a few in-range indices and check what it returns.
+
+    A wrong return would otherwise surface deep in a backend as an unrelated error (a float
+    ``&``, ``None.to``), or not at all (a scalar score broadcast over the tile: uniform
+    attention). The indices broadcast like the backends' (``b [n,1,1,1]``, ``h [1,n,1,1]``,
+    ``q_idx [1,1,n,1]``, ``kv_idx [1,1,1,n]``) and stay in range, so mods that index captured
+    tensors with them (document ids, per-batch lengths) work. Under ``no_grad``: the probe is
+    not part of the computation and must not touch the autograd graph of captured parameters.
+    """
+    if 0 in target:
+        return  # no index is in range; nothing will call the mods either
+    dev = query.device
+    b = torch.arange(min(target[0], 2), device=dev).view(-1, 1, 1, 1)
+    h = torch.arange(min(target[1], 2), device=dev).view(1, -1, 1, 1)
+    q = torch.tensor(sorted({0, target[2] - 1}), device=dev).view(1, 1, -1, 1)
+    kv = torch.tensor(sorted({0, target[3] - 1}), device=dev).view(1, 1, 1, -1)
+    grid = (b.shape[0], h.shape[1], q.shape[2], kv.shape[3])
+    with torch.no_grad():
+        if mask_mod is not None:
+            _masks.check_mask_mod_output(mask_mod, mask_mod(b, h, q, kv), grid)
+        if score_mod is not None:
+            compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+            out = score_mod(torch.zeros(grid, dtype=compute, device=dev), b, h, q, kv)
+            fn = _masks.mod_name("score_mod", score_mod)
+            if not isinstance(out, Tensor) or not out.is_floating_point():
+                got = f"a {out.dtype} tensor" if isinstance(out, Tensor) else type(out).__name__
+                raise TypeError(f"{fn} returned {got}; expected a floating-point tensor of the score's shape "
+                                "(e.g. score + bias[h])")
+            if out.shape != grid:
+                raise ValueError(f"{fn} returned shape {tuple(out.shape)} for scores of shape {grid}; expected "
+                                 "the score's shape (a reduction such as score.sum() would make attention uniform)")
+
+
+def max_dense_bytes() -> float:
+    """The most bytes of dense ``[..., H, Lq, Lk]`` tensors one call may materialise.
+
+    ``ATTNKIT_MAX_DENSE_BYTES`` when set, else the memory the system reports available now
+    (``MemAvailable`` on Linux, total physical memory elsewhere).
+    """
+    env = os.environ.get(MAX_DENSE_BYTES_ENV)
+    if env is not None:
+        try:
+            limit = int(env)
+        except ValueError:
+            limit = -1
+        if limit < 0:
+            raise ValueError(f"{MAX_DENSE_BYTES_ENV} must be a non-negative whole number of bytes, got {env!r}")
+        return limit
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows): nothing to compare with
+        return math.inf
+
+
+def check_dense_fits(what: str, shape, dtype: torch.dtype, copies: int) -> None:
+    """Refuse, before allocating, ``copies`` dense tensors of ``shape`` and ``dtype`` beyond :func:`max_dense_bytes`.
+
+    The dense paths call this with what they will materialise, so that a call that cannot fit
+    fails at once with the way out rather than in the allocator (or in the kernel's OOM killer).
+    """
+    nbytes = math.prod(shape) * dtype.itemsize * copies
+    if nbytes == 0:
+        return
+    limit = max_dense_bytes()
+    if nbytes > limit:
+        source = (f"set by {MAX_DENSE_BYTES_ENV}" if MAX_DENSE_BYTES_ENV in os.environ
+                  else f"the memory available now; {MAX_DENSE_BYTES_ENV} overrides it")
+        raise ValueError(f"{what} would materialise {copies} x {tuple(shape)} {dtype} = {_human_bytes(nbytes)}, "
+                         f"more than the limit of {_human_bytes(limit)} ({source}). backend='blockwise' computes tile "
+                         "by tile without forming [..., H, Lq, Lk] (it returns no weights: pass return_weights=False); "
+                         "a window= also restricts the work to nearby keys")
+
+
+def _human_bytes(n: int) -> str:
+    """``"3072 bytes (3.0 KiB)"``: exact, and readable at a glance."""
+    units = ("KiB", "MiB", "GiB", "TiB", "PiB")
+    i, x = -1, float(n)
+    while x >= 1024 and i < len(units) - 1:
+        x, i = x / 1024, i + 1
+    return f"{n} bytes" if i < 0 else f"{n} bytes ({x:.1f} {units[i]})"
