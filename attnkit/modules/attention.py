@@ -131,6 +131,14 @@ class MultiHeadAttention(nn.Module):
         if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
             raise ValueError(f"query, key and value must share B, and key/value share {length}: got query "
                              f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+        v_proj = self.k_proj if self.share_kv else self.v_proj
+        for name, t, proj in (("query", query, self.q_proj), ("key", key, self.k_proj), ("value", value, v_proj)):
+            # Under autocast the projections cast their inputs themselves; elsewhere a mismatch
+            # would only surface as torch's "mat1 and mat2 must have the same dtype".
+            if t.dtype != proj.weight.dtype and not torch.is_autocast_enabled(t.device.type):
+                raise TypeError(f"{name} dtype {t.dtype} does not match the module's parameter dtype "
+                                f"{proj.weight.dtype}: pass {name}.to({proj.weight.dtype}), or convert the module "
+                                f"with .to({t.dtype})")
 
     def project_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Project and split heads: ``[B, L, E] -> [B, H, L, D]`` for q, and ``Hkv`` heads for k, v."""
@@ -231,8 +239,8 @@ class MultiHeadAttention(nn.Module):
 
 def split_heads(x: Tensor, heads: int) -> Tensor:
     """``[B, L, H*D] -> [B, H, L, D]``."""
-    b, n, _ = x.shape
-    return x.view(b, n, heads, -1).transpose(1, 2)  # (B, L, H*D) -> (B, H, L, D)
+    b, n, e = x.shape
+    return x.view(b, n, heads, e // heads).transpose(1, 2)  # (B, L, H*D) -> (B, H, L, D); not -1: B or L may be 0
 
 
 def merge_heads(x: Tensor) -> Tensor:
