@@ -231,6 +231,13 @@ def materialize(
     return out
 
 
+def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether ``shape`` broadcasts to exactly ``target`` (plain Python: torch.broadcast_shapes costs
+    tens of microseconds, paid on every call)."""
+    extra = len(target) - len(shape)
+    return extra >= 0 and all(a in (1, t) for a, t in zip(shape, target[extra:], strict=True))
+
+
 def mod_name(kind: str, fn) -> str:
     """``"mask_mod 'doc'"``: the argument and the function's name, for error messages."""
     return f"{kind} {getattr(fn, '__qualname__', type(fn).__name__)!r}"
@@ -243,11 +250,7 @@ def check_mask_mod_output(mask_mod: MaskMod, out, grid: tuple[int, ...]) -> None
         got = f"a {out.dtype} tensor" if isinstance(out, Tensor) else type(out).__name__
         raise TypeError(f"{mod_name('mask_mod', mask_mod)} returned {got}; expected a bool tensor, True = may "
                         "attend (e.g. kv_idx <= q_idx, not a 0/1 or float tensor)")
-    try:
-        ok = out.dim() <= len(grid) and torch.broadcast_shapes(out.shape, grid) == torch.Size(grid)
-    except RuntimeError:
-        ok = False
-    if not ok:
+    if not broadcasts_to(out.shape, grid):
         raise ValueError(f"{mod_name('mask_mod', mask_mod)} returned shape {tuple(out.shape)} for indices "
                          f"broadcasting to {tuple(grid)}; expected a shape broadcastable to it")
 

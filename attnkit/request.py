@@ -203,13 +203,7 @@ def build_request(
 def _check_broadcast(name: str, t: Tensor, target: torch.Size, device: torch.device) -> None:
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but query is on {device}")
-    ok = t.dim() <= len(target)
-    if ok:
-        try:
-            ok = torch.broadcast_shapes(t.shape, target) == target
-        except RuntimeError:
-            ok = False
-    if not ok:
+    if not _masks.broadcasts_to(t.shape, target):
         raise ValueError(f"{name} of shape {tuple(t.shape)} is not broadcastable to "
                          f"[..., H, Lq, Lk] = {tuple(target)}")
 
@@ -240,10 +234,8 @@ def _probe_mods(mask_mod, score_mod, target: torch.Size, query: Tensor) -> None:
     if 0 in target:
         return  # no index is in range; nothing will call the mods either
     dev = query.device
-    b = torch.arange(min(target[0], 2), device=dev).view(-1, 1, 1, 1)
-    h = torch.arange(min(target[1], 2), device=dev).view(1, -1, 1, 1)
-    q = torch.tensor(sorted({0, target[2] - 1}), device=dev).view(1, 1, -1, 1)
-    kv = torch.tensor(sorted({0, target[3] - 1}), device=dev).view(1, 1, 1, -1)
+    b, h, q, kv = (torch.arange(0, n, max(n - 1, 1), device=dev).view([-1 if d == i else 1 for d in range(4)])
+                   for i, n in enumerate(target))  # first and last of each axis
     grid = (b.shape[0], h.shape[1], q.shape[2], kv.shape[3])
     with torch.no_grad():
         if mask_mod is not None:
@@ -296,8 +288,8 @@ def check_dense_fits(what: str, shape, dtype: torch.dtype, copies: int) -> None:
     fails at once with the way out rather than in the allocator (or in the kernel's OOM killer).
     """
     nbytes = math.prod(shape) * dtype.itemsize * copies
-    if nbytes == 0:
-        return
+    if nbytes == 0 or (MAX_DENSE_BYTES_ENV not in os.environ and nbytes <= _free_memory()):
+        return  # fits in free memory: skip reading /proc/meminfo (tens of microseconds) on every call
     limit = max_dense_bytes()
     if nbytes > limit:
         source = (f"set by {MAX_DENSE_BYTES_ENV}" if MAX_DENSE_BYTES_ENV in os.environ
@@ -306,6 +298,14 @@ def check_dense_fits(what: str, shape, dtype: torch.dtype, copies: int) -> None:
                          f"more than the limit of {_human_bytes(limit)} ({source}). backend='blockwise' computes tile "
                          "by tile without forming [..., H, Lq, Lk] (it returns no weights: pass return_weights=False); "
                          "a window= also restricts the work to nearby keys")
+
+
+def _free_memory() -> int:
+    """Unused physical memory, a cheap lower bound of what is available (0 where unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def _human_bytes(n: int) -> str:
