@@ -3,14 +3,11 @@
 Against the float64 oracle (outputs) and the reference backend (gradients): windows from 0 to
 beyond the length, unbounded sides, causal, GQA, ``Lq != Lk`` both ways, rows with nothing to
 attend, values narrower than queries, extra batch dims, strided inputs, two threads adding into
-the same dQ rows; gradcheck; when it is chosen; and what happens when it cannot be built.
+the same dQ rows; gradcheck; when it is chosen; and a build that fails its self-check (building
+and caching it: ``test_build_cache.py``).
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -229,40 +226,6 @@ def test_the_first_call_may_come_under_no_grad_or_inference_mode(fresh_check):
         out = BlockwiseBackend()(build_request(q, k, v, window=(3, 3)))[0]
     assert _band.available()
     close(out, oracle.attention(q, k, v, allowed=masks.sliding_window(30, left=3, right=3))[0])
-
-
-def _python(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **env})
-
-
-def test_without_a_build_it_falls_back_with_one_line_and_the_same_answer(tmp_path):
-    code = ("import torch, attnkit\n"
-            "from attnkit.backends import _band\n"
-            "q = torch.randn(1, 2, 50, 8, dtype=torch.float64)\n"
-            "a = attnkit.attention(q, q, q, window=(3, 3))\n"
-            "b = attnkit.attention(q, q, q, window=(3, 3), backend='reference')\n"
-            "print(_band.available(), float((a - b).abs().max()))\n"
-            "print(_band.unavailable_reason())\n")
-    res = _python(code, ATTNKIT_BUILD="0", ATTNKIT_CACHE=str(tmp_path))
-    assert res.returncode == 0, res.stderr
-    ok, err = res.stdout.split()[:2]
-    assert ok == "False" and float(err) < 1e-12
-    assert "ATTNKIT_BUILD=0 forbids compiling it" in res.stdout
-    assert res.stderr.count("\n") == 1 and "the blockwise backend uses its tile plan instead" in res.stderr
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_a_compiled_kernel_is_reused_from_the_cache(tmp_path):
-    # Copy this process's build into a fresh cache; a new process must import it, not compile.
-    assert _band.available()
-    built = _band._target()[2]
-    (tmp_path / built.name).write_bytes(built.read_bytes())
-    res = _python("from attnkit.backends import _band; print(_band.available())", ATTNKIT_CACHE=str(tmp_path),
-                  ATTNKIT_BUILD="0")
-    assert res.stdout.strip() == "True", res.stderr
-    assert "compiling" not in res.stderr
-
 
 
 @pytest.mark.parametrize("lengths", [(0, 5, 5, 8), (1, 0, 0, 8), (1, 5, 0, 8), (None, 5, 5, 8), (1, 5, 5, 0)],

@@ -10,26 +10,22 @@ rows' exact key ranges, over the BLAS that torch links. Forward and a FlashAtten
 (recomputing probabilities from the saved log-sum-exp, each key block owning its dK/dV, dQ rows
 added under locks).
 
-The source is compiled once per machine, torch version and CPU capability (about 30 s, said on
-stderr) into ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``) and imported from there afterwards.
-``ATTNKIT_BUILD=0`` forbids compiling (a cached build is still used). If anything fails (no
-compiler, a torch without the BLAS symbols, a self-check against the formula that does not
-match), :func:`available` is False, the reason is in :func:`unavailable_reason`, and the
-blockwise backend uses its other paths.
+The source is compiled once per source, torch version and CPU capability (about a minute, said on
+stderr; one process builds while others wait) into ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``,
+which must be private to the user) and loaded from there afterwards once its recorded SHA-256
+matches; :mod:`._build` does the caching and says how. ``ATTNKIT_BUILD=0`` forbids compiling (a
+cached build is still used); a failed build is not retried for an hour unless ``ATTNKIT_BUILD=1``.
+If anything fails (no compiler, a cache folder others may write to, a torch without the BLAS
+symbols, a self-check against the formula that does not match), :func:`available` is False, the
+reason is in :func:`unavailable_reason`, and the blockwise backend uses its other paths.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.machinery
-import importlib.util
 import math
-import os
-import shutil
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,6 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..request import Request
+from . import _build
 from ._fused import compute_dtype
 
 SOURCE = Path(__file__).with_name("_band.cpp")
@@ -181,8 +178,8 @@ def _checked():
     global _reason
     try:
         mod = _module()
-    except Exception as e:  # no compiler, no ninja, a torch this source does not build against
-        _reason = f"could not build {SOURCE.name}: {type(e).__name__}: {_last_line(e)}"
+    except Exception as e:  # _build.BuildError: no compiler, a refused cache folder, ... in one line
+        _reason = f"could not build {SOURCE.name}: {e}"
         print(f"attnkit: {_reason}; the blockwise backend uses its tile plan instead", file=sys.stderr)
         return None
     if not mod.has_blas():
@@ -195,12 +192,6 @@ def _checked():
         print(f"attnkit: banded kernel {_reason}; not used", file=sys.stderr)
         return None
     return mod
-
-
-def _last_line(e: Exception) -> str:
-    """A build error's last line: the compiler's own message comes last."""
-    text = str(e).strip()
-    return text.splitlines()[-1] if text else ""
 
 
 def _self_check(mod) -> str | None:
@@ -262,16 +253,9 @@ def _formula(q, k, v, dout, lo, hi, bias, scale):
 
 @functools.cache
 def _module():
-    """Import the compiled kernel from the cache, compiling it first if it is not there."""
-    name, cflags, built = _target()
-    if not built.exists():
-        if os.environ.get("ATTNKIT_BUILD", "1") == "0":
-            raise RuntimeError("ATTNKIT_BUILD=0 forbids compiling it")
-        return _compile(name, cflags, built)
-    spec = importlib.util.spec_from_file_location(name, built)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The compiled kernel, from the cache or built now (:func:`._build.load`; raises its BuildError)."""
+    name, cflags, _ = _target()
+    return _build.load(name, SOURCE, cflags, ["-fopenmp"], "the banded attention kernel")
 
 
 def _target() -> tuple[str, list[str], Path]:
@@ -280,25 +264,4 @@ def _target() -> tuple[str, list[str], Path]:
     cflags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(cap, [])]
     key = "\n".join([SOURCE.read_text(), torch.__version__, cap, *cflags])
     name = f"attnkit_band_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    cache = Path(os.environ.get("ATTNKIT_CACHE") or Path.home() / ".cache" / "attnkit")
-    return name, cflags, cache / f"{name}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
-
-
-def _compile(name: str, cflags: list[str], target: Path):
-    """Build in a private folder (no shared lock files to go stale), copy the result into the cache."""
-    from torch.utils import cpp_extension
-
-    print(f"attnkit: compiling the banded attention kernel for this machine (once; about 30 s) -> {target}",
-          file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="attnkit-build-") as tmp:
-        mod = cpp_extension.load(name, [str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                           build_directory=tmp, verbose=False)
-        made = next(Path(tmp).glob(f"{name}*.so"))
-        staged = target.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(made, staged)
-        os.replace(staged, target)  # atomic: a concurrent process sees no file or a whole one
-    print(f"attnkit: compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    return mod
-
+    return name, cflags, _build.entry(name)

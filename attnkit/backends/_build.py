@@ -1,0 +1,250 @@
+"""Compile a C++ extension once per cache key, keep it in a private cache, and load it back safely.
+
+:func:`load` turns a source file, its compiler flags and a module name (which the caller derives
+from everything that changes the binary: source, torch version, flags) into the imported module,
+or raises :class:`BuildError` with a one-line reason. The cache (``$ATTNKIT_CACHE``, default
+``~/.cache/attnkit``) may sit in a shared place, so it is treated as hostile until checked:
+
+- the folder is created 0700 and refused if another user owns it or group/others may write to it;
+- a build is compiled in a private ``mkdtemp`` folder inside the cache and put in place by
+  :func:`attnkit._io.atomic_write` (an ``O_EXCL`` file under an unguessable name, then
+  ``os.replace``, which replaces a symlink rather than following it), beside a ``<name>.sha256``
+  sidecar written the same way;
+- a cached build is read with ``O_NOFOLLOW`` (a symlink is refused), hashed, and only those
+  verified bytes are loaded: they are copied into a fresh 0600 file in a private ``mkdtemp``
+  folder, so nothing can swap the file between the hash and ``dlopen``. (Loading the cache entry
+  in place would lean on the folder check alone; the copy costs a few hundred kB of writes.)
+  A missing or wrong checksum, a truncated file or an import error means "rebuild", never a crash;
+- one process builds while the others wait on ``flock`` of ``<name>.lock`` (at most
+  :data:`LOCK_WAIT_S`), then take its result;
+- a failed build leaves ``<name>.failed`` (time and reason), and for :data:`RETRY_AFTER_S` later
+  processes give that reason instead of failing again; a new source, torch or flags is a new name.
+
+``ATTNKIT_BUILD=0`` forbids compiling (a verified cached build is still used); ``ATTNKIT_BUILD=1``
+retries a build that failed recently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import stat
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from .._io import atomic_write
+
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+#: How long a failed build is not retried (unless ``ATTNKIT_BUILD=1``).
+RETRY_AFTER_S = 3600
+#: How long a process waits for another one's build before giving up (builds take 40-80 s on 2 cores).
+LOCK_WAIT_S = 600
+
+
+class BuildError(RuntimeError):
+    """Why the module could not be loaded or built, in one line."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ATTNKIT_CACHE") or Path.home() / ".cache" / "attnkit")
+
+
+def entry(name: str) -> Path:
+    """Where the build of module ``name`` is cached."""
+    return cache_dir() / f"{name}{SUFFIX}"
+
+
+def load(name: str, source: Path, cflags: list[str], ldflags: list[str], what: str):
+    """The extension module ``name`` built from ``source``: from the cache if a verified build is
+    there, else compiled now (one process at a time) and cached.
+
+    Args:
+        name: module name; must change whenever the binary would (source, torch, flags).
+        source: the C++ file.
+        cflags, ldflags: extra compiler and linker flags.
+        what: the module in words, for the progress lines on stderr.
+
+    Raises:
+        BuildError: with a one-line reason (folder refused, ``ATTNKIT_BUILD=0``, a recent failed
+            build, the compiler's error, ...).
+    """
+    policy = os.environ.get("ATTNKIT_BUILD", "")
+    folder = cache_dir()
+    if policy == "0" and not folder.exists():
+        raise BuildError("ATTNKIT_BUILD=0 forbids compiling it")
+    try:
+        _private_folder(folder)
+        mod, why = _load_cached(name)
+        if mod is not None:
+            return mod
+        if policy == "0":
+            raise BuildError(f"ATTNKIT_BUILD=0 forbids compiling it ({why})")
+        _not_failed_recently(name, policy)
+        with _lock(folder / f"{name}.lock", what):
+            mod, why = _load_cached(name)  # built by the process we waited for
+            if mod is not None:
+                return mod
+            _not_failed_recently(name, policy)
+            return _build(name, source, cflags, ldflags, what)
+    except BuildError:
+        raise
+    except Exception as e:  # whatever else goes wrong, the caller falls back instead of crashing
+        raise BuildError(f"{type(e).__name__}: {_cause(e)}") from e
+
+
+def _private_folder(folder: Path) -> None:
+    """Create ``folder`` 0700, and refuse it unless it is this user's and nobody else may write in it."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(folder)
+    except OSError as e:
+        raise BuildError(f"cannot use cache folder {folder}: {e.strerror}") from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise BuildError(f"cache folder {folder} is not a folder")
+    if st.st_uid != os.geteuid():
+        raise BuildError(f"cache folder {folder} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}); "
+                         "set ATTNKIT_CACHE to a folder of yours")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise BuildError(f"cache folder {folder} may be written by group or others (mode {st.st_mode & 0o777:o}); "
+                         "chmod 700 it or set ATTNKIT_CACHE to a private folder")
+
+
+def _read(path: Path) -> bytes:
+    """A regular file's bytes, refusing a symlink (``O_NOFOLLOW``: ELOOP) or anything but a file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return f.read()
+
+
+def _load_cached(name: str):
+    """(module, None) from a verified cache entry, else (None, why not)."""
+    path = entry(name)
+    try:
+        data = _read(path)
+    except FileNotFoundError:
+        return None, "not built yet"
+    except OSError as e:
+        return None, f"cached build unreadable: {e.strerror or e}"
+    try:
+        recorded = _read(path.with_name(f"{name}.sha256")).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        recorded = None
+    if hashlib.sha256(data).hexdigest() != recorded:
+        return None, "cached build does not match its recorded SHA-256"
+    try:
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".load-") as tmp:
+            copy = Path(tmp) / path.name
+            fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return _import(name, copy), None
+    except Exception as e:  # a verified build that does not import (e.g. a library it needs is gone)
+        return None, f"cached build does not import: {_cause(e)}"
+
+
+def _import(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextlib.contextmanager
+def _lock(path: Path, what: str):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"attnkit: waiting for another process's build of {what} (up to {LOCK_WAIT_S // 60} min)",
+                  file=sys.stderr, flush=True)
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                time.sleep(0.2)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise BuildError(f"gave up after {LOCK_WAIT_S} s waiting for another process's build "
+                                         f"(lock {path})") from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays (unlinking it would let two holders in)
+
+
+def _not_failed_recently(name: str, policy: str) -> None:
+    """Raise the remembered reason if building ``name`` failed less than RETRY_AFTER_S ago."""
+    if policy == "1":
+        return
+    try:
+        stamp, _, reason = _read(cache_dir() / f"{name}.failed").decode().strip().partition(" ")
+        age = time.time() - float(stamp)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if 0 <= age < RETRY_AFTER_S:
+        raise BuildError(f"{reason} (remembered from a build {age / 60:.0f} min ago; not retried for "
+                         f"{RETRY_AFTER_S // 60} min, ATTNKIT_BUILD=1 retries now)")
+
+
+def _build(name: str, source: Path, cflags: list[str], ldflags: list[str], what: str):
+    """Compile in a private folder inside the cache, record the SHA-256, install both; remember a failure."""
+    path = entry(name)
+    print(f"attnkit: compiling {what} for this machine (once; about a minute) -> {path}", file=sys.stderr,
+          flush=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
+        try:
+            mod, made = _compile(name, source, cflags, ldflags, Path(tmp))
+        except Exception as e:
+            reason = _cause(e)
+            note = f"{time.time():.0f} {reason}\n".encode()
+            atomic_write(path.with_name(f"{name}.failed"), lambda f: f.write(note))
+            raise BuildError(reason) from e
+        data = made.read_bytes()
+    atomic_write(path, lambda f: f.write(data))
+    digest = f"{hashlib.sha256(data).hexdigest()}\n".encode()
+    atomic_write(path.with_name(f"{name}.sha256"), lambda f: f.write(digest))
+    path.with_name(f"{name}.failed").unlink(missing_ok=True)
+    print(f"attnkit: compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return mod
+
+
+def _compile(name: str, source: Path, cflags: list[str], ldflags: list[str], folder: Path):
+    """(imported module, path of the built library), built in ``folder`` by torch's cpp_extension."""
+    from torch.utils import cpp_extension
+
+    # torch logs a multi-line banner for an unexpected compiler; the one line that matters is the error
+    cpp_logger = logging.getLogger(cpp_extension.__name__)
+    level = cpp_logger.level
+    cpp_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mod = cpp_extension.load(name, [str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
+                                     build_directory=str(folder), verbose=False)
+    finally:
+        cpp_logger.setLevel(level)
+    return mod, next(folder.glob(f"{name}*.so"))
+
+
+def _cause(e: BaseException) -> str:
+    """The line of an error that says what went wrong: the compiler's first ``error:``, a shell's
+    ``not found``, else the last line that is not ninja's summary."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for marker in ("error:", "not found", "No such file"):
+        hit = next((line for line in lines if marker in line), None)
+        if hit is not None:
+            return hit[:300]
+    lines = [line for line in lines if not line.startswith("ninja: build stopped")]
+    return lines[-1][:300] if lines else type(e).__name__
