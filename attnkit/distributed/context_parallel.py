@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..modules.attention import MultiHeadAttention, merge_heads
-from .ring import ring_attention
+from .ring import refuse_ring_call, ring_attention
 from .shard import LAYOUTS
 
 __all__ = ["ContextParallelAttention", "sync_grads"]
@@ -70,14 +70,22 @@ class ContextParallelAttention(nn.Module):
 
         Returns:
             ``[B, Lq_local, embed_dim]``.
+
+        Raises:
+            TypeError, ValueError: inputs the module refuses, or dropout while training. Every rank
+                raises when one does, as in :func:`ring_attention`.
         """
         attn = self.attn
-        if attn.training and attn.dropout > 0:
-            raise ValueError(f"ContextParallelAttention does not implement attention dropout; got "
-                             f"attn.dropout={attn.dropout} in training mode")
         key = query if key is None else key
         value = key if value is None else value
-        attn.check_inputs(query, key, value, length="L_local")
+        try:
+            if attn.training and attn.dropout > 0:
+                raise ValueError(f"ContextParallelAttention does not implement attention dropout; got "
+                                 f"attn.dropout={attn.dropout} in training mode")
+            attn.check_inputs(query, key, value, length="L_local")
+        except (TypeError, ValueError):
+            refuse_ring_call(self.group, query)  # the other ranks raise too, rather than wait in the ring
+            raise
         q, k, v = attn.project_qkv(query, key, value)  # (B, H, Lq_local, D), (B, Hkv, Lk_local, D)
         out = ring_attention(q, k, v, group=self.group, is_causal=is_causal, window=window,
                              layout=self.layout, scale=getattr(attn, "scale", None), lengths=lengths)

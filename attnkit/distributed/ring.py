@@ -283,7 +283,7 @@ def ring_attention(
     except (TypeError, ValueError):
         # Take part in the call's one collective, marked as refused, so that the other ranks raise
         # too instead of waiting for this one in the ring.
-        refuse(_CALL, group, q)
+        refuse_ring_call(group, q)
         raise
     plan = _make_plan(q, k, v, group, is_causal, window, layout, scale, lengths)
     return _RingAttention.apply(q, k, v, plan)
@@ -385,6 +385,15 @@ def _call(q, k, v, is_causal, window, layout, scale, lengths) -> dict[str, tuple
         "scale": (_scale_bits(scale),), "lengths": lengths_code,
         "requires_grad": (int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),),
     }
+
+
+def refuse_ring_call(group, like) -> None:
+    """This rank's part of a :func:`ring_attention` call it will not make, its own arguments refused.
+
+    For a caller that checks its arguments before calling (``like``: its input tensor): the other
+    ranks then raise, naming this rank, instead of waiting for it. The caller raises its own error.
+    """
+    refuse(_CALL, group, like)
 
 
 def _make_plan(q, k, v, group, is_causal, window, layout, scale, lengths) -> _Plan:
