@@ -333,6 +333,14 @@ def _mismatched_calls(rank, world, cases):
             got.append(str(e))
         else:
             got.append(f"no error: returned {tuple(out.shape)}")
+    # The module checks its inputs before it reaches ring attention; a rank refused there stops the others too.
+    cp = ContextParallelAttention(attnkit.MultiHeadAttention(16, 4, dtype=torch.float64))
+    try:
+        cp(torch.randn(1, 3, 16 if rank == 0 else 12, dtype=torch.float64))
+    except (TypeError, ValueError) as e:
+        got.append(str(e))
+    else:
+        got.append("no error")
     # The group is still in step after all that: a call made alike on both ranks gives the right rows.
     q, k, v, _ = _inputs(_case("contiguous", lq=10, lk=10), seed=3)
     ref = attnkit.attention(q, k, v, is_causal=True, window=(3, 1), backend="reference")
@@ -343,6 +351,7 @@ def _mismatched_calls(rank, world, cases):
 
 @pytest.mark.timeout(60)
 def test_ranks_called_differently_all_raise_naming_the_rank_and_argument():
+    """Every case on every rank, then ContextParallelAttention with rank 1's input refused by the module."""
     results = run_local(_mismatched_calls, 2, _MISMATCHES, timeout=40.0)
     wrong = []
     for i, (what, _, _, want) in enumerate(_MISMATCHES):
@@ -350,6 +359,9 @@ def test_ranks_called_differently_all_raise_naming_the_rank_and_argument():
             pattern = want[rank] if isinstance(want, tuple) else "ring_attention: " + re.escape(want)
             if not re.search(pattern, results[rank][i]):
                 wrong.append(f"{what}: rank {rank} said {results[rank][i]!r}, expected /{pattern}/")
+    for rank, pattern in enumerate((_REFUSED, re.escape("query must be [B, L_local, 16], got"))):
+        if not re.search(pattern, results[rank][-1]):
+            wrong.append(f"ContextParallelAttention: rank {rank} said {results[rank][-1]!r}, expected /{pattern}/")
     assert not wrong, "\n".join(wrong)
 
 
