@@ -6,9 +6,17 @@
 // checks). Forward: for each block of query rows, exactly the keys some row of the block sees, in
 // chunks merged by an online softmax; only the columns a row may see are exponentiated, the rest
 // are zero. Backward (FlashAttention-2): for each block of keys, exactly the queries that see them
-// (binary searches on lo/hi); probabilities are recomputed from the saved log-sum-exp, dK and dV
-// belong to the block, dQ rows are shared with neighbouring blocks and added under a lock per
-// LOCK_ROWS rows.
+// (binary searches on lo/hi); probabilities are recomputed from the saved row maximum and log-sum,
+// dK and dV belong to the block, dQ rows are shared with neighbouring blocks and added under a lock
+// per LOCK_ROWS rows, in whatever order the threads arrive. Deterministic mode instead leaves dQ to a
+// second pass over query blocks (like the forward), each block owning its rows: bitwise repeatable
+// and independent of the thread count, for one more recomputation of the probabilities.
+//
+// Large scores: a score is scaled (and biased) once, stored, and every later step works on that
+// stored value: exp(t - m) with m the maximum of the same stored t. Computing s * scale - m in one
+// expression lets the compiler fuse it into an FMA whose unrounded product differs from the rounded
+// one m came from, by up to half an ulp of the score (256 at 7e9): exp of that is 0 or inf. The
+// backward subtracts m and log(l) separately for the same reason (m + log(l) rounds to m there).
 //
 // Matrix products go to the BLAS that torch itself links (sgemm_/dgemm_, looked up weakly so that
 // a torch without them still loads this module: has_blas() then says no and nothing here is used).
@@ -57,6 +65,14 @@ void gemm(bool ta, bool tb, Index m, Index n, Index k, T alpha, const T* a, Inde
   }
 }
 
+// A buffer the BLAS sees at the same (64-byte) alignment on every call: MKL picks its code path,
+// and so the rounding of a product, by the alignment of its operands.
+template <typename T>
+T* scratch(Tensor& owner, Index n) {
+  owner = at::empty({std::max<Index>(n, 1)}, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+  return owner.data_ptr<T>();
+}
+
 template <typename T>
 inline at::vec::Vectorized<T> vexp(at::vec::Vectorized<T> x) {
   if constexpr (std::is_same_v<T, float>) {
@@ -66,28 +82,42 @@ inline at::vec::Vectorized<T> vexp(at::vec::Vectorized<T> x) {
   }
 }
 
-// One row of scores s[0:n) whose columns [a, e) are visible: s <- exp(s * scale - m_new) there and
-// 0 elsewhere; updates the running max m and sum l; returns the factor for the row's accumulator.
+// Raw scores s[0:n) -> s * scale (+ bias[j], one fused multiply-add): the one place a score is
+// rounded, shared by the forward and both backward passes so that they see the same numbers.
 template <typename T>
-T online_softmax_row(T* s, Index n, Index a, Index e, T scale, T& m, T& l) {
+void score_row(T* s, Index n, T scale, const T* bias) {
+  using Vec = at::vec::Vectorized<T>;
+  const Vec vs(scale);
+  if (bias != nullptr) {
+    at::vec::map2([=](Vec x, Vec y) { return at::vec::fmadd(x, vs, y); }, s, s, bias, n);
+  } else {
+    at::vec::map([=](Vec x) { return x * vs; }, s, s, n);
+  }
+}
+
+// One row of scaled scores s[0:n) whose columns [a, e) are visible: s <- exp(s - m_new) there and 0
+// elsewhere; updates the running max m and sum l; returns the factor for the row's accumulator. A
+// NaN score makes m (and so the row's output) NaN: exp_u20 clamps NaN to a finite value.
+template <typename T>
+T online_softmax_row(T* s, Index n, Index a, Index e, T& m, T& l) {
   using Vec = at::vec::Vectorized<T>;
   std::fill(s, s + a, T(0));
   std::fill(s + e, s + n, T(0));
   if (a >= e) return T(1);
   const T mx = at::vec::reduce_all<T>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, s + a, e - a);
-  const T m_new = std::max(m, mx * scale);
+  const T m_new = std::isnan(mx) ? mx : std::max(m, mx);
   const T factor = m == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m - m_new);
-  const Vec vs(scale), vm(m_new);
+  const Vec vm(m_new);
   Vec acc(T(0));
   Index j = a;
   for (; j + Vec::size() <= e; j += Vec::size()) {
-    Vec x = vexp<T>(Vec::loadu(s + j) * vs - vm);
+    Vec x = vexp<T>(Vec::loadu(s + j) - vm);
     x.store(s + j);
     acc = acc + x;
   }
   T sum = at::vec::vec_reduce_all<T>([](Vec x, Vec y) { return x + y; }, acc);
   for (; j < e; ++j) {
-    s[j] = std::exp(s[j] * scale - m_new);
+    s[j] = std::exp(s[j] - m_new);
     sum += s[j];
   }
   l = l * factor + sum;
@@ -119,15 +149,17 @@ const T* row_ptr(const Tensor& t, Index b, Index h, Index i) {
 }
 
 template <typename T>
-void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse, const Tensor& lo_t,
+void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& stats, const Tensor& lo_t,
                   const Tensor& hi_t, const Tensor& bias, T scale, Index q_rows, Index kv_chunk) {
-  using Vec = at::vec::Vectorized<T>;
   const Shape d(q, k, v);
   const bool biased = bias.numel() > 0;
   const Index blocks = (d.L + q_rows - 1) / q_rows, G = d.groups();
   const T ninf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, d.B * d.H * blocks, 1, [&](Index begin, Index end) {
-    std::vector<T> s(q_rows * kv_chunk), acc(q_rows * d.Ev), m(q_rows), l(q_rows);
+    Tensor s_buf, acc_buf;
+    T* const s = scratch<T>(s_buf, q_rows * kv_chunk);
+    T* const acc = scratch<T>(acc_buf, q_rows * d.Ev);
+    std::vector<T> m(q_rows), l(q_rows);
     for (Index it = begin; it < end; ++it) {
       const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
       const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
@@ -135,7 +167,8 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       const int64_t* hi_r = bound_row(hi_t, b) + i0;
       const Index lo = *std::min_element(lo_r, lo_r + rows), hi = *std::max_element(hi_r, hi_r + rows);
       T* o = out.data_ptr<T>() + ((b * d.H + h) * d.L + i0) * d.Ev;
-      T* ls = lse.data_ptr<T>() + (b * d.H + h) * d.L + i0;
+      T* ms = stats.data_ptr<T>() + (b * d.H + h) * d.L + i0;  // the row maximum, then log of the row sum
+      T* ls = ms + d.B * d.H * d.L;
       std::fill(m.begin(), m.end(), ninf);
       std::fill(l.begin(), l.end(), T(0));
       const T* qp = row_ptr<T>(q, b, h, i0);
@@ -143,50 +176,69 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
         const Index kc = std::min(kv_chunk, hi - c0);
         const bool first = c0 == lo;
         gemm<T>(false, true, rows, kc, d.E, T(1), qp, q.stride(2), row_ptr<T>(k, b, h / G, c0), k.stride(2), T(0),
-                s.data(), kc);
+                s, kc);
         for (Index r = 0; r < rows; ++r) {
           const Index a = std::clamp<Index>(lo_r[r] - c0, 0, kc), e = std::clamp<Index>(hi_r[r] - c0, a, kc);
-          T row_scale = scale;
-          if (biased && a < e) {  // s * scale + bias[h, j - i + L - 1]: a contiguous slice along the row
-            const T* br = diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1);
-            const Vec vs(scale);
-            at::vec::map2([=](Vec x, Vec y) { return x * vs + y; }, s.data() + r * kc + a, s.data() + r * kc + a,
-                          br + a, e - a);
-            row_scale = T(1);
-          }
-          const T factor = online_softmax_row<T>(s.data() + r * kc, kc, a, e, row_scale, m[r], l[r]);
+          // bias[h, j - i + L - 1]: a contiguous slice along the row
+          const T* br = biased ? diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1) + a : nullptr;
+          score_row<T>(s + r * kc + a, e - a, scale, br);
+          const T factor = online_softmax_row<T>(s + r * kc, kc, a, e, m[r], l[r]);
           if (!first && factor != T(1)) {
             for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
           }
         }
-        gemm<T>(false, false, rows, d.Ev, kc, T(1), s.data(), kc, row_ptr<T>(v, b, h / G, c0), v.stride(2),
-                first ? T(0) : T(1), acc.data(), d.Ev);
+        gemm<T>(false, false, rows, d.Ev, kc, T(1), s, kc, row_ptr<T>(v, b, h / G, c0), v.stride(2),
+                first ? T(0) : T(1), acc, d.Ev);
       }
       for (Index r = 0; r < rows; ++r) {
         if (l[r] == T(0)) {  // nothing visible: zeros, like every other backend
           std::fill(o + r * d.Ev, o + (r + 1) * d.Ev, T(0));
-          ls[r] = ninf;
+          ms[r] = ls[r] = ninf;
           continue;
         }
         const T inv = T(1) / l[r];
         for (Index j = 0; j < d.Ev; ++j) o[r * d.Ev + j] = acc[r * d.Ev + j] * inv;
-        ls[r] = m[r] + std::log(l[r]);
+        ms[r] = m[r];
+        ls[r] = std::log(l[r]);
       }
     }
   });
 }
 
+// Probabilities and dS of one row of scores in place, over its visible columns [a, e): raw scores
+// s -> p = exp((t - m) - log l) with t = score_row(s), and dp -> p * (dp - delta). m, ll, delta are
+// per column (the key-block pass runs along a key's queries) or, with stride 0, one row's scalars.
 template <typename T>
-void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
+void probabilities(T* p, T* dp, Index a, Index e, T scale, const T* bias, const T* m, const T* ll, const T* dl,
+                   bool per_column) {
+  using Vec = at::vec::Vectorized<T>;
+  score_row<T>(p + a, e - a, scale, bias);
+  if (per_column) {
+    at::vec::map3([](Vec x, Vec mm, Vec l) { return vexp<T>((x - mm) - l); }, p + a, p + a, m + a, ll + a, e - a);
+    at::vec::map3([](Vec pp, Vec d, Vec dd) { return pp * (d - dd); }, dp + a, p + a, dp + a, dl + a, e - a);
+  } else {
+    const Vec mm(*m), l(*ll), dd(*dl);
+    at::vec::map([=](Vec x) { return vexp<T>((x - mm) - l); }, p + a, p + a, e - a);
+    at::vec::map2([=](Vec pp, Vec d) { return pp * (d - dd); }, dp + a, p + a, dp + a, e - a);
+  }
+}
+
+template <typename T>
+void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
                    const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& lo_t, const Tensor& hi_t,
-                   const Tensor& rbias, Tensor& drbias, T scale, Index kv_rows, Index q_chunk) {
+                   const Tensor& bias, const Tensor& rbias, Tensor& drbias, T scale, Index kv_rows, Index q_chunk,
+                   bool deterministic) {
   using Vec = at::vec::Vectorized<T>;
   const Shape d(q, k, v);
   const bool biased = rbias.numel() > 0;  // reversed: column S - 1 - j + i, increasing along a key's queries
   const Index blocks = (d.S + kv_rows - 1) / kv_rows, G = d.groups(), groups = (d.L + LOCK_ROWS - 1) / LOCK_ROWS;
-  std::vector<std::mutex> locks(d.B * d.H * groups);
+  const T* m_all = stats.data_ptr<T>();
+  const T* ll_all = m_all + d.B * d.H * d.L;
+  std::vector<std::mutex> locks(deterministic ? 0 : d.B * d.H * groups);
   at::parallel_for(0, d.B * d.Hkv * blocks, 1, [&](Index begin, Index end) {
-    std::vector<T> p(kv_rows * q_chunk), ds(kv_rows * q_chunk);
+    Tensor p_buf, ds_buf;
+    T* const p = scratch<T>(p_buf, kv_rows * q_chunk);
+    T* const ds = scratch<T>(ds_buf, kv_rows * q_chunk);
     for (Index it = begin; it < end; ++it) {
       const Index blk = interleaved(it % blocks, blocks), hk = (it / blocks) % d.Hkv, b = it / (blocks * d.Hkv);
       const Index j0 = blk * kv_rows, rows = std::min(kv_rows, d.S - j0);
@@ -201,36 +253,28 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       T* dvp = dv.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.Ev;
       for (Index g = 0; g < G; ++g) {
         const Index h = hk * G + g;
-        const T* lsp = lse.data_ptr<T>() + (b * d.H + h) * d.L;
+        const T* mp = m_all + (b * d.H + h) * d.L;
+        const T* llp = ll_all + (b * d.H + h) * d.L;
         const T* dlp = delta.data_ptr<T>() + (b * d.H + h) * d.L;
         for (Index i0 = lo; i0 < hi; i0 += q_chunk) {
           const Index n = std::min(q_chunk, hi - i0);
           const T* qp = row_ptr<T>(q, b, h, i0);
           const T* dop = row_ptr<T>(dout, b, h, i0);
-          gemm<T>(false, true, rows, n, d.E, T(1), kp, k.stride(2), qp, q.stride(2), T(0), p.data(), n);
-          gemm<T>(false, true, rows, n, d.Ev, T(1), vp, v.stride(2), dop, dout.stride(2), T(0), ds.data(), n);
+          gemm<T>(false, true, rows, n, d.E, T(1), kp, k.stride(2), qp, q.stride(2), T(0), p, n);
+          gemm<T>(false, true, rows, n, d.Ev, T(1), vp, v.stride(2), dop, dout.stride(2), T(0), ds, n);
           for (Index r = 0; r < rows; ++r) {
             const Index j = j0 + r;
             const Index a = std::upper_bound(hi_b + i0, hi_b + i0 + n, j) - (hi_b + i0);
             const Index e = std::max(a, Index(std::upper_bound(lo_b + i0, lo_b + i0 + n, j) - (lo_b + i0)));
-            T* pr = p.data() + r * n;
-            T* dr = ds.data() + r * n;
+            T* pr = p + r * n;
+            T* dr = ds + r * n;
             std::fill(pr, pr + a, T(0));
             std::fill(pr + e, pr + n, T(0));
             std::fill(dr, dr + a, T(0));
             std::fill(dr + e, dr + n, T(0));
             if (a >= e) continue;
-            const Vec vs(scale);
-            if (biased) {
-              const T* br = diagonal_row<T>(rbias, h, d.S - 1 - j + i0);
-              at::vec::map3([=](Vec x, Vec bb, Vec lse_) { return vexp<T>(x * vs + bb - lse_); }, pr + a, pr + a,
-                            br + a, lsp + i0 + a, e - a);
-            } else {
-              at::vec::map2([=](Vec x, Vec lse_) { return vexp<T>(x * vs - lse_); }, pr + a, pr + a, lsp + i0 + a,
-                            e - a);
-            }
-            at::vec::map3([](Vec pp, Vec dp, Vec dl) { return pp * (dp - dl); }, dr + a, pr + a, dr + a,
-                          dlp + i0 + a, e - a);
+            const T* br = biased ? diagonal_row<T>(rbias, h, d.S - 1 - j + i0) + a : nullptr;
+            probabilities<T>(pr, dr, a, e, scale, br, mp + i0, llp + i0, dlp + i0, true);
             if (biased) {  // dBias of a diagonal: the sum of dS along it (this thread's share)
               const Index slot = std::min<Index>(at::get_thread_num(), drbias.size(0) - 1);  // nested: runs serially
               T* gb = drbias.data_ptr<T>() + (slot * drbias.size(1) + (rbias.size(0) == 1 ? 0 : h)) * drbias.size(2) +
@@ -238,14 +282,53 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
               at::vec::map2([](Vec x, Vec y) { return x + y; }, gb + a, gb + a, dr + a, e - a);
             }
           }
-          gemm<T>(false, false, rows, d.Ev, n, T(1), p.data(), n, dop, dout.stride(2), T(1), dvp, d.Ev);
-          gemm<T>(false, false, rows, d.E, n, scale, ds.data(), n, qp, q.stride(2), T(1), dkp, d.E);
+          gemm<T>(false, false, rows, d.Ev, n, T(1), p, n, dop, dout.stride(2), T(1), dvp, d.Ev);
+          gemm<T>(false, false, rows, d.E, n, scale, ds, n, qp, q.stride(2), T(1), dkp, d.E);
+          if (deterministic) continue;  // dQ comes from the row-owned pass below
           const Index base = (b * d.H + h) * groups, ga = i0 / LOCK_ROWS, ge = (i0 + n - 1) / LOCK_ROWS;
           for (Index x = ga; x <= ge; ++x) locks[base + x].lock();  // ascending: no deadlock
-          gemm<T>(true, false, n, d.E, rows, scale, ds.data(), n, kp, k.stride(2), T(1),
+          gemm<T>(true, false, n, d.E, rows, scale, ds, n, kp, k.stride(2), T(1),
                   dq.data_ptr<T>() + ((b * d.H + h) * d.L + i0) * d.E, d.E);
           for (Index x = ga; x <= ge; ++x) locks[base + x].unlock();
         }
+      }
+    }
+  });
+  if (!deterministic) return;
+  // dQ by query blocks, as the forward walks them: each block sums its keys' shares in one fixed order.
+  const Index q_blocks = (d.L + kv_rows - 1) / kv_rows;
+  at::parallel_for(0, d.B * d.H * q_blocks, 1, [&](Index begin, Index end) {
+    Tensor p_buf, ds_buf;
+    T* const p = scratch<T>(p_buf, kv_rows * q_chunk);
+    T* const ds = scratch<T>(ds_buf, kv_rows * q_chunk);
+    for (Index it = begin; it < end; ++it) {
+      const Index blk = interleaved(it % q_blocks, q_blocks), h = (it / q_blocks) % d.H, b = it / (q_blocks * d.H);
+      const Index i0 = blk * kv_rows, rows = std::min(kv_rows, d.L - i0);
+      const int64_t* lo_r = bound_row(lo_t, b) + i0;
+      const int64_t* hi_r = bound_row(hi_t, b) + i0;
+      const Index lo = *std::min_element(lo_r, lo_r + rows), hi = *std::max_element(hi_r, hi_r + rows);
+      const Index row0 = (b * d.H + h) * d.L + i0;
+      const T* qp = row_ptr<T>(q, b, h, i0);
+      const T* dop = row_ptr<T>(dout, b, h, i0);
+      T* dqp = dq.data_ptr<T>() + row0 * d.E;
+      for (Index c0 = lo; c0 < hi; c0 += q_chunk) {
+        const Index kc = std::min(q_chunk, hi - c0);
+        const T* kp = row_ptr<T>(k, b, h / G, c0);
+        gemm<T>(false, true, rows, kc, d.E, T(1), qp, q.stride(2), kp, k.stride(2), T(0), p, kc);
+        gemm<T>(false, true, rows, kc, d.Ev, T(1), dop, dout.stride(2), row_ptr<T>(v, b, h / G, c0), v.stride(2),
+                T(0), ds, kc);
+        for (Index r = 0; r < rows; ++r) {
+          const Index a = std::clamp<Index>(lo_r[r] - c0, 0, kc), e = std::clamp<Index>(hi_r[r] - c0, a, kc);
+          T* pr = p + r * kc;
+          T* dr = ds + r * kc;
+          std::fill(dr, dr + a, T(0));
+          std::fill(dr + e, dr + kc, T(0));
+          if (a >= e) continue;
+          const T* br = biased ? diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1) + a : nullptr;
+          probabilities<T>(pr, dr, a, e, scale, br, m_all + row0 + r, ll_all + row0 + r,
+                           delta.data_ptr<T>() + row0 + r, false);
+        }
+        gemm<T>(false, false, rows, d.E, kc, scale, ds, kc, kp, k.stride(2), T(1), dqp, d.E);
       }
     }
   });
@@ -279,28 +362,29 @@ std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor&
   check_bounds(q, lo, hi);
   check_bias(q, k, bias);
   Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
-  Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  Tensor stats = at::empty({2, q.size(0), q.size(1), q.size(2)}, q.options());  // row maximum, log of row sum
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_forward", [&] {
-    forward_impl<scalar_t>(q, k, v, out, lse, lo, hi, bias, static_cast<scalar_t>(scale), q_rows, kv_chunk);
+    forward_impl<scalar_t>(q, k, v, out, stats, lo, hi, bias, static_cast<scalar_t>(scale), q_rows, kv_chunk);
   });
-  return {out, lse};
+  return {out, stats};
 }
 
 std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                  const Tensor& out, const Tensor& lse, const Tensor& lo, const Tensor& hi,
-                                  const Tensor& bias, double scale, Index kv_rows, Index q_chunk) {
+                                  const Tensor& out, const Tensor& stats, const Tensor& lo, const Tensor& hi,
+                                  const Tensor& bias, double scale, Index kv_rows, Index q_chunk, bool deterministic) {
   check(q, k, v);
   check_bounds(q, lo, hi);
   check_bias(q, k, bias);
   const Tensor rbias = bias.flip(1).contiguous();
   Tensor drbias = at::zeros({bias.numel() > 0 ? at::get_num_threads() : 0, bias.size(0), bias.size(1)}, q.options());
-  TORCH_CHECK(dout.stride(3) == 1 && lse.is_contiguous(), "band kernel: dout rows and lse must be contiguous");
+  TORCH_CHECK(dout.stride(3) == 1 && stats.is_contiguous() && stats.dim() == 4 && stats.size(0) == 2,
+              "band kernel: dout rows must be contiguous and stats the forward's [2, B, H, L]");
   Tensor delta = (dout * out).sum(-1).contiguous();
   Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
   Tensor dv = at::zeros(v.sizes(), v.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
-    backward_impl<scalar_t>(dout, q, k, v, lse, delta, dq, dk, dv, lo, hi, rbias, drbias, static_cast<scalar_t>(scale),
-                            kv_rows, q_chunk);
+    backward_impl<scalar_t>(dout, q, k, v, stats, delta, dq, dk, dv, lo, hi, bias, rbias, drbias,
+                            static_cast<scalar_t>(scale), kv_rows, q_chunk, deterministic);
   });
   return {dq, dk, dv, drbias.sum(0).flip(1)};
 }
@@ -310,7 +394,7 @@ bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &band_forward, "out, lse of banded attention");
+  m.def("forward", &band_forward, "out and [2, B, H, L] row maxima and log row sums of banded attention");
   m.def("backward", &band_backward, "dq, dk, dv, dbias of banded attention");
   m.def("has_blas", &has_blas, "whether torch exposes the BLAS this module calls");
 }

@@ -150,24 +150,24 @@ class _BandFn(torch.autograd.Function):
         # Nothing to compute (and empty views may have any strides, which the BLAS would refuse).
         ctx.empty = q.numel() == 0 or k.numel() == 0 or v.numel() == 0
         if ctx.empty:
-            out, lse = q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full(q.shape[:-1], float("-inf"))
+            out, stats = q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full((2, *q.shape[:-1]), float("-inf"))
         else:
-            out, lse = _module().forward(q, k, v, lo, hi, bias, scale, Q_ROWS, KV_CHUNK)
+            out, stats = _module().forward(q, k, v, lo, hi, bias, scale, Q_ROWS, KV_CHUNK)
         ctx.args = (lo, hi, bias, scale)
         ctx.shapes = (query.shape, key.shape, value.shape)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, stats)
         return out.view(*query.shape[:-1], value.shape[-1]).to(query.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, stats = ctx.saved_tensors
         bias = ctx.args[2]
         if ctx.empty:
             dq, dk, dv, dbias = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), torch.zeros_like(bias)
         else:
-            dq, dk, dv, dbias = _module().backward(_as_4d(dout, q.dtype), q, k, v, out, lse, *ctx.args, KV_ROWS,
-                                                   Q_CHUNK)
+            dq, dk, dv, dbias = _module().backward(_as_4d(dout, q.dtype), q, k, v, out, stats, *ctx.args, KV_ROWS,
+                                                   Q_CHUNK, torch.are_deterministic_algorithms_enabled())
         qs, ks, vs = ctx.shapes
         return dq.view(qs), dk.view(ks), dv.view(vs), None, None, dbias.to(ctx.bias_dtype), None
 
@@ -206,14 +206,16 @@ def _self_check(mod) -> str | None:
                          for shape in ((2, 4, lq, 12), (2, 2, lk, 12), (2, 2, lk, 5), (2, 4, lq, 5)))
         heads = (0, 4, 1)[n % 3]  # no bias, one per head, one shared
         bias = torch.randn(heads, lq + lk - 1 if heads else 0, generator=gen, dtype=torch.float64, device="cpu")
-        out, lse = mod.forward(q, k, v, lo, hi, bias, 0.3, 16, 32)
-        grads = mod.backward(dout, q, k, v, out, lse, lo, hi, bias, 0.3, 16, 24)
+        out, stats = mod.forward(q, k, v, lo, hi, bias, 0.3, 16, 32)
+        deterministic = n % 2 == 0  # dQ from the key blocks under locks, or from its own pass over query blocks
+        grads = mod.backward(dout, q, k, v, out, stats, lo, hi, bias, 0.3, 16, 24, deterministic)
         want_out, want_grads = _formula(q, k, v, dout, lo, hi, bias, 0.3)
         names = ("out", "dq", "dk", "dv", "dbias")
         for name, got, want in zip(names, (out, *grads), (want_out, *want_grads), strict=True):
             if not torch.allclose(got, want, rtol=1e-9, atol=1e-10):
                 err = (got - want).abs().max().item()
-                return f"{name} differs by {err:.3g} (Lq={lq}, Lk={lk}, bias heads={heads})"
+                return (f"{name} differs by {err:.3g} (Lq={lq}, Lk={lk}, bias heads={heads}, "
+                        f"deterministic={deterministic})")
     return None
 
 
