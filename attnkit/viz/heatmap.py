@@ -3,7 +3,9 @@
 Figures are built with ``matplotlib.figure.Figure`` and the Agg canvas directly, never through
 ``pyplot``: nothing global changes, no GUI backend is touched, and it works on a headless server.
 Masked cells (mask ``False``) are drawn in a separate colour, hatched when cells are large enough
-to see the hatching, so "masked" never looks like "weight 0".
+to see the hatching, so "masked" never looks like "weight 0". Beyond :data:`MAX_CELLS` tokens a side
+the weights are max-pooled, as the viewer's matrix view is: at 512 tokens a cell would be a fraction
+of a pixel and a strong, narrow pattern (a diagonal, one key column) would vanish when drawn.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ from matplotlib.colors import Colormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from .._io import atomic_write
 from ..analysis.heads import entropy, mean_distance
 
 CMAP = "Blues"
 MASKED_COLOR = "#f2b880"  # outside the blue colormap, so masked cells never read as low weight
 #: Up to this many tokens every token is labelled; beyond it every k-th is.
 ALL_LABELS_UP_TO = 64
+#: Most cells drawn along an axis; longer axes are max-pooled to this (the title says so).
+MAX_CELLS = 128
 
 
 def _np(x, name: str, ndim: int) -> np.ndarray:
@@ -52,15 +57,42 @@ def _check_tokens(tokens: Sequence[str] | None, n: int, name: str) -> list[str] 
     return tokens
 
 
-def _ticks(ax, n: int, tokens: list[str] | None, axis: str, fontsize: float) -> None:
+def _pool(w: np.ndarray, mask: np.ndarray | None, max_cells: int = MAX_CELLS):
+    """Max-pool ``[Lq, Lk]`` weights to at most ``max_cells`` a side.
+
+    Returns:
+        ``(weights, mask, (sq, sk))``: a pooled cell holds the largest weight of its ``sq x sk``
+        block and may attend when any cell of the block may; ``(1, 1)`` when nothing was pooled.
+    """
+    lq, lk = w.shape
+    sq, sk = max(1, math.ceil(lq / max_cells)), max(1, math.ceil(lk / max_cells))
+    if sq == sk == 1:
+        return w, mask, (1, 1)
+    nq, nk = math.ceil(lq / sq), math.ceil(lk / sk)
+
+    def blocks(a: np.ndarray, fill) -> np.ndarray:
+        a = np.pad(a, ((0, nq * sq - lq), (0, nk * sk - lk)), constant_values=fill)
+        return a.reshape(nq, sq, nk, sk)
+
+    pooled = blocks(w, -np.inf).max(axis=(1, 3))
+    return pooled, None if mask is None else blocks(mask, False).any(axis=(1, 3)), (sq, sk)
+
+
+def _pooled_note(stride: tuple[int, int]) -> str:
+    return f"max-pooled: each cell is the largest weight of {stride[0]} x {stride[1]} tokens"
+
+
+def _ticks(ax, n: int, tokens: list[str] | None, axis: str, fontsize: float, stride: int = 1) -> None:
+    """Label ``n`` cells, each ``stride`` tokens wide, by the first token they cover."""
     step = 1 if n <= ALL_LABELS_UP_TO else math.ceil(n / 32)
     idx = list(range(0, n, step))
+    pos = [i * stride for i in idx]
     if tokens is None:
-        labels = [str(i) for i in idx]
-    elif step == 1:
-        labels = [tokens[i] for i in idx]
+        labels = [str(p) for p in pos]
+    elif step == 1 and stride == 1:
+        labels = [tokens[p] for p in pos]
     else:
-        labels = [f"{i}:{tokens[i]}" for i in idx]
+        labels = [f"{p}:{tokens[p]}" for p in pos]
     if axis == "x":
         ax.set_xticks(idx, labels, rotation=90, fontsize=fontsize)
     else:
@@ -93,6 +125,7 @@ def heatmap(weights, q_tokens: Sequence[str] | None = None, k_tokens: Sequence[s
     Returns:
         A matplotlib ``Figure`` (save it with :func:`save`). Every token is labelled up to 64
         tokens; beyond that every k-th token is, as ``position:token``, to stay readable to 512.
+        Beyond :data:`MAX_CELLS` tokens a side the map is max-pooled, and the title says so.
 
     Raises:
         ValueError: shapes of ``weights``, tokens and ``mask`` disagree.
@@ -106,14 +139,17 @@ def heatmap(weights, q_tokens: Sequence[str] | None = None, k_tokens: Sequence[s
     m = None if mask is None else _np(mask, "mask", 2).astype(bool)
     if m is not None and m.shape != w.shape:
         raise ValueError(f"mask has shape {m.shape}, expected {w.shape} like weights")
-    side = min(12.0, 3.0 + 0.18 * max(lq, lk))
+    vmax = vmax or max(float(w.max()) if w.size else 0.0, 1e-6)
+    w, m, stride = _pool(w, m)
+    cq, ck = w.shape
+    side = min(12.0, 3.0 + 0.18 * max(cq, ck))
     fig = Figure(figsize=(side + 1.2, side), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    fontsize = max(5.0, min(10.0, 360.0 / max(lq, lk, 1)))
-    im = _draw(ax, w, m, vmax or max(float(w.max()) if w.size else 0.0, 1e-6), hatch=max(lq, lk) <= 64)
-    _ticks(ax, lk, k_tokens, "x", fontsize)
-    _ticks(ax, lq, q_tokens, "y", fontsize)
+    fontsize = max(5.0, min(10.0, 360.0 / max(cq, ck, 1)))
+    im = _draw(ax, w, m, vmax, hatch=max(cq, ck) <= 64)
+    _ticks(ax, ck, k_tokens, "x", fontsize, stride[1])
+    _ticks(ax, cq, q_tokens, "y", fontsize, stride[0])
     ax.xaxis.tick_top()
     ax.set_xlabel("key (attended to)")
     ax.set_ylabel("query (attending)")
@@ -121,9 +157,16 @@ def heatmap(weights, q_tokens: Sequence[str] | None = None, k_tokens: Sequence[s
     if m is not None and (~m).any():
         ax.legend(handles=[Patch(facecolor=MASKED_COLOR, hatch="///", edgecolor="#b0703a", label="masked")],
                   loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
-    if title:
-        fig.suptitle(title)
+    _title(fig, title, stride)
     return fig
+
+
+def _title(fig: Figure, title: str | None, stride: tuple[int, int]) -> None:
+    lines = [title] if title else []
+    if stride != (1, 1):
+        lines.append(_pooled_note(stride))
+    if lines:
+        fig.suptitle("\n".join(lines))
 
 
 def head_grid(attn, tokens: Sequence[str] | None = None, *, heads: Sequence[int] | None = None,
@@ -141,7 +184,9 @@ def head_grid(attn, tokens: Sequence[str] | None = None, *, heads: Sequence[int]
         labels: one title per drawn panel (default ``"head h"``).
 
     Returns:
-        A matplotlib ``Figure`` sharing one colour scale, 0 to the largest weight shown.
+        A matplotlib ``Figure`` sharing one colour scale, 0 to the largest weight shown, queries
+        down and keys across every panel; beyond :data:`MAX_CELLS` tokens each panel is max-pooled,
+        and the title says so.
     """
     a = _np(attn, "attn", 3)
     n_heads, lq, lk = a.shape
@@ -162,12 +207,13 @@ def head_grid(attn, tokens: Sequence[str] | None = None, *, heads: Sequence[int]
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False)
     vmax = max(float(a[heads].max()), 1e-6)
-    im = None
+    im, stride = None, (1, 1)
     for k, ax in enumerate(axes.flat):
         if k >= len(heads):
             ax.axis("off")
             continue
-        im = _draw(ax, a[heads[k]], m, vmax, hatch=lk <= 16)
+        w, mk, stride = _pool(a[heads[k]], m)
+        im = _draw(ax, w, mk, vmax, hatch=lk <= 16)
         ax.set_title(labels[k] if labels else f"head {heads[k]}", fontsize=9)
         r, c = divmod(k, ncols)
         if tokens and lk <= 24 and c == 0:
@@ -179,8 +225,9 @@ def head_grid(attn, tokens: Sequence[str] | None = None, *, heads: Sequence[int]
         else:
             ax.set_xticks([])
     fig.colorbar(im, ax=axes, shrink=0.6, label="attention weight")
-    if title:
-        fig.suptitle(title)
+    fig.supxlabel("key (attended to)", fontsize=9)
+    fig.supylabel("query (attending)", fontsize=9)
+    _title(fig, title, stride)
     return fig
 
 
@@ -224,10 +271,13 @@ def head_stats(attentions, stat: str = "entropy", *, title: str | None = None) -
 
 
 def save(fig: Figure, path: str | Path) -> Path:
-    """Write ``fig`` as PNG or SVG (by suffix) and return the path; parent folders are created."""
+    """Write ``fig`` as PNG or SVG (by suffix) and return the path; parent folders are created.
+
+    The file appears whole or not at all (:func:`attnkit._io.atomic_write`).
+    """
     path = Path(path)
-    if path.suffix.lower() not in (".png", ".svg"):
+    fmt = path.suffix.lower().lstrip(".")
+    if fmt not in ("png", "svg"):
         raise ValueError(f"path must end in .png or .svg, got {str(path)!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=fig.dpi)
-    return path
+    return atomic_write(path, lambda f: fig.savefig(f, format=fmt, dpi=fig.dpi))
