@@ -155,7 +155,7 @@ def attention_cost(n: int, d: int, heads: int = 1, *, layers: int = 1, batch: in
 
 
 def compare_heads(d: int, heads: int, *, n: int | None = None, bias: bool = False) -> list[str]:
-    """Single-head versus multi-head attention of width ``d``, as seed 004 compares them.
+    """Single-head versus multi-head attention of width ``d``, as multi-head tutorials compare them.
 
     Returns:
         Readable lines: per-head and total parameter counts, why they are equal, and (with ``n``)
@@ -181,8 +181,9 @@ def compare_heads(d: int, heads: int, *, n: int | None = None, bias: bool = Fals
     if not bias and (d, h) == (512, 8):
         seed_total = 1_032_192
         lines += [
-            f"note: seed 004 prints {seed_total:,} for 8 x 98,304 + 512 x 512, which is {multi_total:,}:",
-            f"  its sum is {multi_total - seed_total:,} short (an addition slip); it also counts the single head",
+            f"note: a widely copied multi-head parameter count says {seed_total:,} for 8 x 98,304 + 512 x 512,",
+            f"  which is {multi_total:,}: that sum is {multi_total - seed_total:,} short (an addition slip); it also "
+            "counts the single head",
             "  without its output projection, hence its claim that more heads mean more parameters",
         ]
     return lines

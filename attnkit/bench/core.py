@@ -24,6 +24,20 @@ def naive(q, k, v):
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
+HEADER = ["n", "pass", "attnkit ms", "SDPA ms", "naive ms", "attnkit / SDPA", "naive / attnkit",
+          "attnkit % of matmul peak"]
+
+
+#: Column widths of the progress lines: the name, and room for "fwd+bwd" and "1234.56" under short names.
+WIDTHS = [max(len(h), 7) for h in HEADER]
+
+
+def _progress(cells) -> str:
+    """One measured row (or the header), each cell right-aligned in its column."""
+    return "  " + "  ".join((f"{c:.2f}" if isinstance(c, float) else str(c)).rjust(w)
+                            for w, c in zip(WIDTHS, cells, strict=True))
+
+
 def _case(fn, q, k, v, backward: bool):
     if not backward:
         def run():
@@ -43,6 +57,7 @@ def run(quick: bool, out_dir: Path) -> str:
     heads, dim = 8, 64
     peak = matmul_gflops(1024 if quick else 2048)
     print(f"matmul anchor: {peak:.1f} GFLOP/s (float32)")
+    print(_progress(HEADER))
     rows = []
     for n in sizes:
         for backward in (False, True):
@@ -58,13 +73,11 @@ def run(quick: bool, out_dir: Path) -> str:
             row = [n, "fwd+bwd" if backward else "fwd", t["attnkit"] * 1e3, t["sdpa"] * 1e3, t["naive"] * 1e3,
                    f"{t['attnkit'] / t['sdpa']:.3f}", f"{t['naive'] / t['attnkit']:.2f}",
                    f"{flops / t['attnkit'] / 1e9 / peak:.0%}"]
-            print("  ", row)
+            print(_progress(row))
             rows.append(row)
-    header = ["n", "pass", "attnkit ms", "SDPA ms", "naive ms", "attnkit / SDPA", "naive / attnkit",
-              "attnkit % of matmul peak"]
     body = (f"B=1, H={heads}, D={dim}, float32, no mask; medians of {repeat} interleaved runs. "
-            f"Matmul anchor measured in the same run: {peak:.1f} GFLOP/s.\n\n" + markdown_table(header, rows) +
+            f"Matmul anchor measured in the same run: {peak:.1f} GFLOP/s.\n\n" + markdown_table(HEADER, rows) +
             "\n\n`attnkit / SDPA` is the dispatch overhead (validation, backend selection); target <= 1.03 "
-            "at n >= 1024. `naive` is the seeds' matmul-softmax-matmul formula.")
+            "at n >= 1024. `naive` is the textbook matmul-softmax-matmul formula, as tutorials write it.")
     return write_report(out_dir, "core", "attnkit.attention vs PyTorch SDPA vs the naive formula", body,
                         "attnkit bench core" + (" --quick" if quick else ""))

@@ -3,6 +3,9 @@
 
 User mistakes (bad arguments, missing files, missing optional packages) print one line on stderr
 and exit non-zero; ``--debug`` shows the traceback instead.
+
+Building the parser imports no torch: a mistyped argument is answered before the 1-2 s that
+importing torch costs, so each command imports its heavy parts inside ``run``.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable, Iterable
 
 #: Subcommand modules, in the order ``--help`` lists them.
 COMMANDS = ["demo", "viz", "complexity", "bench"]
@@ -24,6 +28,31 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def index(text: str) -> int:
+    """argparse type for a layer or head number: an integer from 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 (layers and heads count from 0), got {value}")
+    return value
+
+
+class LazyChoices:
+    """argparse ``choices`` computed by ``values()`` only when a value is checked or help is shown,
+    so that listing them does not import their module (and torch with it) while the parser is built."""
+
+    def __init__(self, values: Callable[[], Iterable[str]]) -> None:
+        self._values = values
+
+    def __contains__(self, value) -> bool:
+        return value in self._values()
+
+    def __iter__(self):
+        return iter(self._values())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand's parser, so the hint names 'attnkit COMMAND --help'
+        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 0
@@ -62,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"attnkit {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    if command is None:
+        return parser
+    return parser._subparsers._group_actions[0].choices[command]
 
 
 def _one_line(e: BaseException) -> str:

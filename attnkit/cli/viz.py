@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import index
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -13,9 +15,9 @@ def add_parser(sub) -> None:
                     "of the chosen layers/heads, the entropy per head and the attention rollout.")
     p.add_argument("text", help="the text to read (quote it)")
     p.add_argument("--model", type=Path, default=None, help="a local BERT model folder (default: bundled MiniLM)")
-    p.add_argument("--layer", type=int, action="append", default=None,
+    p.add_argument("--layer", type=index, action="append", default=None,
                    help="layer to draw, from 0 (repeatable; default: every layer)")
-    p.add_argument("--head", type=int, default=None,
+    p.add_argument("--head", type=index, default=None,
                    help="draw only this head of each chosen layer (default: a grid of all heads)")
     p.add_argument("--out", type=Path, default=Path("attnkit-viz"), help="output folder (default: ./attnkit-viz/)")
     p.add_argument("--format", choices=("png", "svg"), default="png", help="heat map format (default: png)")
@@ -25,7 +27,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..demos import real_model as rm
 
-    att = rm.run(args.text, args.model)
+    att = rm.run(args.text, args.model,
+                 before_run=lambda config: rm.check_outputs(config, args.out, layers=args.layer, head=args.head))
+    rm.warn_unknown(att, "viz")
     n_layers, n_heads, n = att.shape
     print(f"{n} tokens, {n_layers} layers x {n_heads} heads" +
           (f" (the last {att.truncated} tokens were cut to fit the model)" if att.truncated else ""))

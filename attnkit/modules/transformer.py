@@ -13,7 +13,7 @@ outputs agree. What differs is attnkit's conventions:
   per layer, so generation appends one token at a time (causal masks align bottom-right);
 * positional encodings plug into the self-attention (``rotary=``, ``position_bias=``).
 
-Post-norm (``norm_first=False``, the paper, BERT, seed 004) is ``x = LayerNorm(x + Dropout(Sublayer(x)))``;
+Post-norm (``norm_first=False``, the paper, BERT, most tutorials) is ``x = LayerNorm(x + Dropout(Sublayer(x)))``;
 pre-norm (GPT-2 and most modern models) is ``x = x + Dropout(Sublayer(LayerNorm(x)))``.
 """
 
