@@ -253,6 +253,7 @@ def _probe_mods(mask_mod, score_mod, target: torch.Size, query: Tensor) -> None:
                                  "the score's shape (a reduction such as score.sum() would make attention uniform)")
 
 
+@torch.compiler.assume_constant_result  # read once while tracing, not a graph break at every call
 def max_dense_bytes() -> float:
     """The most bytes of dense ``[..., H, Lq, Lk]`` tensors one call may materialise.
 
@@ -300,6 +301,7 @@ def check_dense_fits(what: str, shape, dtype: torch.dtype, copies: int) -> None:
                          "a window= also restricts the work to nearby keys")
 
 
+@torch.compiler.assume_constant_result
 def _free_memory() -> int:
     """Unused physical memory, a cheap lower bound of what is available (0 where unknown)."""
     try:
