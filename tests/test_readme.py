@@ -56,6 +56,13 @@ def test_python_block_runs_as_written(line, code, tmp_path):
     assert proc.returncode == 0, f"README.md line {line}:\n{code}\n{proc.stderr[-3000:]}"
 
 
+@pytest.mark.parametrize("line, code", [(line, code) for line, code, _ in fenced("bash")],
+                         ids=[f"README.md:{line}" for line, _, _ in fenced("bash")])
+def test_bash_block_parses(line, code):
+    proc = subprocess.run(["bash", "-n", "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, f"README.md line {line}: {proc.stderr}"
+
+
 def _commands() -> list[str]:
     """Every ``attnkit ...`` command line in the README: in bash blocks and in inline code."""
     lines = [ln for _, code, _ in fenced("bash") for ln in code.splitlines()]
