@@ -10,12 +10,12 @@ import attnkit
 from attnkit import masks
 
 from . import oracle
-from .tolerances import PARITY_FP32, close
+from .tolerances import PARITY, close
 
 
-def torch_pair(seed=0, **kw):
+def torch_pair(seed=0, dtype=torch.float64, **kw):
     torch.manual_seed(seed)
-    theirs = nn.MultiheadAttention(batch_first=True, **kw).eval()
+    theirs = nn.MultiheadAttention(batch_first=True, dtype=dtype, **kw).eval()
     with torch.no_grad():  # torch zeroes its biases at init: randomise them so they are tested
         for p in theirs.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -23,24 +23,27 @@ def torch_pair(seed=0, **kw):
 
 
 def parity(a, b):
-    torch.testing.assert_close(a, b, **PARITY_FP32)
+    """float64: the float64 row, on any CPU; float32: the row measured for two operation orders."""
+    close(a, b, **PARITY[a.dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("config", [
     {"embed_dim": 32, "num_heads": 8},
     {"embed_dim": 24, "num_heads": 3, "bias": False},
     {"embed_dim": 16, "num_heads": 4, "kdim": 10, "vdim": 6},
 ])
-def test_same_outputs_and_weights_as_torch(config):
-    theirs, ours = torch_pair(**config)
-    x = torch.randn(3, 5, config["embed_dim"])
-    kv_k = torch.randn(3, 7, config.get("kdim", config["embed_dim"]))
-    kv_v = torch.randn(3, 7, config.get("vdim", config["embed_dim"]))
+def test_same_outputs_and_weights_as_torch(config, dtype):
+    theirs, ours = torch_pair(dtype=dtype, **config)
+    x = torch.randn(3, 5, config["embed_dim"], dtype=dtype)
+    kv_k = torch.randn(3, 7, config.get("kdim", config["embed_dim"]), dtype=dtype)
+    kv_v = torch.randn(3, 7, config.get("vdim", config["embed_dim"]), dtype=dtype)
     kpm = torch.zeros(3, 7, dtype=torch.bool)
     kpm[1, 4:] = True
     kpm[2, 1:] = True
     a, aw = theirs(x, kv_k, kv_v, key_padding_mask=kpm, average_attn_weights=False)
     b, bw = ours(x, kv_k, kv_v, key_mask=~kpm, need_weights=True)
+    assert b.dtype == dtype
     parity(b, a)
     parity(bw, aw)
     # PyTorch's bool attn_mask: True = NOT allowed; ours: True = may attend
@@ -56,7 +59,7 @@ def test_same_outputs_and_weights_as_torch(config):
 
 def test_every_key_padded_gives_zeros_where_torch_gives_nan():
     theirs, ours = torch_pair(embed_dim=16, num_heads=4)
-    x = torch.randn(2, 4, 16)
+    x = torch.randn(2, 4, 16, dtype=torch.float64)
     kpm = torch.zeros(2, 4, dtype=torch.bool)
     kpm[1] = True  # sequence 1 is all padding
     a, _ = theirs(x, x, x, key_padding_mask=kpm)
@@ -70,12 +73,13 @@ def test_every_key_padded_gives_zeros_where_torch_gives_nan():
 
 
 def test_to_torch_round_trip():
-    ours = attnkit.MultiHeadAttention(12, 3, kdim=5, vdim=7).eval()
+    ours = attnkit.MultiHeadAttention(12, 3, kdim=5, vdim=7, dtype=torch.float64).eval()
     theirs = ours.to_torch().eval()
-    q, k, v = torch.randn(2, 4, 12), torch.randn(2, 6, 5), torch.randn(2, 6, 7)
+    assert theirs.out_proj.weight.dtype == torch.float64
+    q, k, v = (torch.randn(2, n, e, dtype=torch.float64) for n, e in ((4, 12), (6, 5), (6, 7)))
     parity(ours(q, k, v), theirs(q, k, v)[0])
-    shared = attnkit.MultiHeadAttention(8, 2, share_kv=True).eval()
-    x = torch.randn(1, 3, 8)
+    shared = attnkit.MultiHeadAttention(8, 2, share_kv=True, dtype=torch.float64).eval()
+    x = torch.randn(1, 3, 8, dtype=torch.float64)
     parity(shared(x), shared.to_torch().eval()(x, x, x)[0])
     with pytest.raises(ValueError, match="grouped-query"):
         attnkit.MultiHeadAttention(8, 4, num_kv_heads=2).to_torch()

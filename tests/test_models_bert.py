@@ -6,6 +6,7 @@ to tmp folders. Nothing is downloaded (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE are
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,7 +21,7 @@ import attnkit  # noqa: E402
 from attnkit.backends.reference import ReferenceBackend  # noqa: E402
 from attnkit.backends.sdpa import SDPABackend  # noqa: E402
 from attnkit.models import Bert, BertConfig, Tokenizer, bundled_model_dir  # noqa: E402
-from tests.tolerances import MODEL_PARITY_FP32, close  # noqa: E402
+from tests.tolerances import MODEL_PARITY, close  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,9 +43,16 @@ def ours(model_dir):
     return Bert.from_pretrained()
 
 
+@functools.cache
+def _minilm_pair(dtype: torch.dtype):
+    """(ours, transformers') MiniLM in ``dtype``; float64 parity holds on any CPU, float32 is measured."""
+    theirs = transformers.BertModel.from_pretrained(str(bundled_model_dir()), attn_implementation="eager")
+    return Bert.from_pretrained(dtype=dtype), theirs.to(dtype).eval()
+
+
 @pytest.fixture(scope="module")
-def theirs(model_dir):
-    return transformers.BertModel.from_pretrained(str(model_dir), attn_implementation="eager").eval()
+def pair64():
+    return _minilm_pair(torch.float64)
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +68,16 @@ def batch(tok):
 
 
 def _parity(a, b):
-    close(a, b, **MODEL_PARITY_FP32)
+    close(a, b, **MODEL_PARITY[a.dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @torch.no_grad()
-def test_minilm_matches_transformers_eager_on_padded_batch(ours, theirs, batch):
+def test_minilm_matches_transformers_eager_on_padded_batch(dtype, batch):
+    ours, theirs = _minilm_pair(dtype)
     o = ours(**batch, output_attentions=True, output_hidden_states=True)
     r = theirs(**batch, output_attentions=True, output_hidden_states=True)
+    assert o.last_hidden_state.dtype == dtype
     _parity(o.last_hidden_state, r.last_hidden_state)
     _parity(o.pooler_output, r.pooler_output)
     assert len(o.hidden_states) == len(r.hidden_states) == 7
@@ -89,7 +100,8 @@ def test_attention_weights_ignore_padding_and_sum_to_one(ours, batch):
 
 
 @torch.no_grad()
-def test_fast_path_without_weights_and_reference_with_them(ours, theirs, batch, monkeypatch):
+def test_fast_path_without_weights_and_reference_with_them(pair64, batch, monkeypatch):
+    ours, theirs = pair64
     calls = {"sdpa": 0, "reference": 0}
     real_sdpa, real_ref = SDPABackend.__call__, ReferenceBackend.__call__
 
@@ -110,8 +122,9 @@ def test_fast_path_without_weights_and_reference_with_them(ours, theirs, batch, 
 
 @pytest.mark.parametrize("backend", attnkit.backends.available())
 @torch.no_grad()
-def test_every_backend_model_wide(backend, model_dir, theirs, batch):
-    bert = Bert.from_pretrained(model_dir, backend=backend)
+def test_every_backend_model_wide(backend, model_dir, pair64, batch):
+    _, theirs = pair64
+    bert = Bert.from_pretrained(model_dir, backend=backend, dtype=torch.float64)
     assert bert.backend == backend
     r = theirs(**batch, output_attentions=True)
     o = bert(**batch)
@@ -133,7 +146,8 @@ def test_set_backend_validates_and_applies(ours):
 
 
 @torch.no_grad()
-def test_padding_does_not_change_real_tokens(ours, tok):
+def test_padding_does_not_change_real_tokens(pair64, tok):
+    ours, _ = pair64  # float64: the padded batch runs matmuls of other shapes than the lone sentence
     alone = tok(SENTENCES[1])
     padded = tok(SENTENCES[:2])
     a = ours(**alone).last_hidden_state[0]
@@ -141,13 +155,17 @@ def test_padding_does_not_change_real_tokens(ours, tok):
     _parity(b, a)
 
 
-def test_sentence_embeddings_match_sentence_transformers(ours, model_dir):
+def test_sentence_embeddings_match_sentence_transformers(ours, pair64, model_dir):
     st = pytest.importorskip("sentence_transformers")
     texts = SENTENCES + [" ".join(["the river bank"] * 150)]  # 450 words: truncated to 256 tokens
-    ref = st.SentenceTransformer(str(model_dir), device="cpu").encode(texts, convert_to_tensor=True)
+    model = st.SentenceTransformer(str(model_dir), device="cpu")
+    ref = model.encode(texts, convert_to_tensor=True)
     emb = ours.encode(texts, batch_size=3)
     assert emb.shape == (len(texts), 384)
     _parity(emb, ref.cpu())
+    emb64 = pair64[0].encode(texts, batch_size=3)
+    assert emb64.dtype == torch.float64
+    _parity(emb64, model.double().encode(texts, convert_to_tensor=True).cpu())
     close(emb.norm(dim=1), torch.ones(len(texts)))
     close(ours.encode(SENTENCES[0])[0], emb[0])
 
@@ -159,9 +177,9 @@ def test_any_local_bert_folder_with_prefix_and_segments(tmp_path):
                                   hidden_act="gelu_new", layer_norm_eps=1e-7)
     torch.manual_seed(0)
     cfg._attn_implementation = "eager"
-    mlm = transformers.BertForMaskedLM(cfg).eval()  # keys saved as "bert.*", plus an MLM head we ignore
+    mlm = transformers.BertForMaskedLM(cfg).double().eval()  # keys saved as "bert.*", plus an MLM head we ignore
     mlm.save_pretrained(tmp_path)
-    bert = Bert.from_pretrained(tmp_path)
+    bert = Bert.from_pretrained(tmp_path, dtype=torch.float64)
     assert bert.pooler is None  # BertForMaskedLM has no pooler
     ids = torch.randint(0, 97, (3, 11))
     am = torch.ones(3, 11, dtype=torch.long)
@@ -248,7 +266,7 @@ def tiny():
     cfg = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=24, max_position_embeddings=16)
     torch.manual_seed(0)
-    return Bert(cfg).eval()
+    return Bert(cfg).double().eval()  # float64: the property is exact maths, not a CPU's rounding
 
 
 @settings(max_examples=15)
@@ -264,7 +282,7 @@ def test_padding_tokens_never_reach_real_tokens(tiny, lengths, seed):
     a = tiny(ids, attention_mask=am, output_attentions=True)
     b = tiny(other, attention_mask=am, output_attentions=True)
     real = am.bool()
-    close(b.last_hidden_state[real], a.last_hidden_state[real], **MODEL_PARITY_FP32)
+    close(b.last_hidden_state[real], a.last_hidden_state[real])
     for wa, wb in zip(a.attentions, b.attentions, strict=True):
         rows = real[:, None, :, None] & real[:, None, None, :]  # real query x real key
-        close(wb.masked_select(rows), wa.masked_select(rows), **MODEL_PARITY_FP32)
+        close(wb.masked_select(rows), wa.masked_select(rows))
