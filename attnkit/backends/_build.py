@@ -54,6 +54,7 @@ class BuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
+    """``$ATTNKIT_CACHE``, default ``~/.cache/attnkit``."""
     return Path(os.environ.get("ATTNKIT_CACHE") or Path.home() / ".cache" / "attnkit")
 
 
@@ -118,8 +119,9 @@ def _private_folder(folder: Path) -> None:
 
 
 def _read(path: Path) -> bytes:
-    """A regular file's bytes, refusing a symlink (``O_NOFOLLOW``: ELOOP) or anything but a file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """A regular file's bytes, refusing a symlink (``O_NOFOLLOW``: ELOOP) or anything but a file
+    (``O_NONBLOCK``: a FIFO planted at the name must not hang the open)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise OSError(f"{path} is not a regular file")
