@@ -309,7 +309,7 @@ class T5RelativeBias(nn.Module):
         def mod(score, b, h, q_idx, kv_idx):
             bucket = t5_relative_position_bucket(kv_idx - (q_idx + offset), bidirectional=self.bidirectional,
                                                  num_buckets=self.num_buckets, max_distance=self.max_distance)
-            return score + table[bucket, h]
+            return score + scores.like_score(table, score.dtype)[bucket, h]
 
         return mod
 

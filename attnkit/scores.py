@@ -5,9 +5,16 @@ gradients into what a score_mod captures. Positions: query ``i`` sits at ``i + o
 ``offset = Lk - Lq`` for bottom-right alignment (decoding with a KV cache).
 
 Helpers that add a bias depending only on the head and ``kv_idx - q_idx`` also carry
-``attnkit_diagonal(heads, q_len, kv_len) -> [1 or H, q_len + kv_len - 1]`` (column
-``kv_idx - q_idx + q_len - 1``; differentiable in the captured tensors), or None where the
-arguments do not fit; the blockwise backend's banded kernel adds it along each row.
+``attnkit_diagonal(heads, q_len, kv_len, dtype=None) -> [1 or H, q_len + kv_len - 1]`` (column
+``kv_idx - q_idx + q_len - 1``, in ``dtype``; differentiable in the captured tensors), or None
+where the arguments do not fit; the blockwise backend's banded kernel adds it along each row.
+
+One dtype rule, on every backend: scores are computed in the inputs' compute dtype (float32 for
+half types), and a score_mod's captured tensors are used in that dtype. The helpers here cast
+what they capture to the score's dtype before any arithmetic (:func:`like_score`), and every
+backend casts whatever a score_mod returns to the score's dtype (:func:`apply`). So float64
+inputs with float32 ALiBi slopes compute in float64 (with the slopes' float32 values), float32
+inputs with float64 slopes in float32, and gradients reach each captured tensor in its own dtype.
 """
 
 from __future__ import annotations
@@ -19,7 +26,18 @@ from torch import Tensor
 
 from .request import ScoreMod
 
-__all__ = ["alibi_slopes", "alibi", "relative_position_bias", "softcap", "compose"]
+__all__ = ["alibi_slopes", "alibi", "relative_position_bias", "softcap", "compose", "like_score", "apply"]
+
+
+def like_score(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A captured tensor in the scores' dtype (differentiable: its gradient comes back in its own)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def apply(score_mod: ScoreMod, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """``score_mod(score, b, h, q_idx, kv_idx)`` in ``score``'s dtype, whatever dtype the mod computed in."""
+    out = score_mod(score, b, h, q_idx, kv_idx)
+    return like_score(out, score.dtype) if isinstance(out, Tensor) else out
 
 
 def alibi_slopes(num_heads: int, *, device=None, dtype=torch.float32) -> Tensor:
@@ -49,12 +67,13 @@ def alibi(slopes: Tensor, *, offset: int = 0) -> ScoreMod:
 
     def mod(score, b, h, q_idx, kv_idx):
         dist = (q_idx + offset - kv_idx).abs()
-        return score - slopes[h] * dist
+        return score - like_score(slopes, score.dtype)[h] * dist
 
-    def diagonal(heads, q_len, kv_len):  # the mod reads slopes[h]: the first `heads` slopes
+    def diagonal(heads, q_len, kv_len, dtype=None):  # the mod reads slopes[h]: the first `heads` slopes
         if slopes.dim() != 1 or slopes.numel() < heads:
             return None
-        return -slopes[:heads, None] * (offset - _diagonals(q_len, kv_len, slopes.device)).abs()
+        own = like_score(slopes[:heads, None], dtype or slopes.dtype)
+        return -own * (offset - _diagonals(q_len, kv_len, slopes.device)).abs()
 
     mod.attnkit_diagonal = diagonal
     return mod
@@ -74,11 +93,11 @@ def relative_position_bias(table: Tensor, max_distance: int, *, offset: int = 0)
 
     def mod(score, b, h, q_idx, kv_idx):
         d = (kv_idx - (q_idx + offset)).clamp(-max_distance, max_distance) + max_distance
-        return score + table[h, d]
+        return score + like_score(table, score.dtype)[h, d]
 
-    def diagonal(heads, q_len, kv_len):
+    def diagonal(heads, q_len, kv_len, dtype=None):
         d = (_diagonals(q_len, kv_len, table.device) - offset).clamp(-max_distance, max_distance) + max_distance
-        return table[:heads, d[0]] if table.shape[0] >= heads else None
+        return like_score(table[:heads, d[0]], dtype or table.dtype) if table.shape[0] >= heads else None
 
     mod.attnkit_diagonal = diagonal
     return mod
@@ -100,11 +119,12 @@ def compose(*mods: ScoreMod) -> ScoreMod:
 
     def mod(score, b, h, q_idx, kv_idx):
         for m in mods:
-            score = m(score, b, h, q_idx, kv_idx)
+            score = apply(m, score, b, h, q_idx, kv_idx)
         return score
 
-    def diagonal(heads, q_len, kv_len):  # additive parts add up
-        parts = [getattr(m, "attnkit_diagonal", lambda *_: None)(heads, q_len, kv_len) for m in mods]
+    def diagonal(heads, q_len, kv_len, dtype=None):  # additive parts add up (in `dtype`, not each part's own)
+        parts = [getattr(m, "attnkit_diagonal", lambda *_, **__: None)(heads, q_len, kv_len, dtype=dtype)
+                 for m in mods]
         return None if not parts or any(p is None for p in parts) else sum(parts[1:], parts[0])
 
     mod.attnkit_diagonal = diagonal

@@ -99,3 +99,21 @@ def test_diagonal_biases_agree_with_their_score_mods(lq, lk, offset, dist):
         want = mod(torch.zeros(heads, lq, lk), 0, h, i, j)
         diag = mod.attnkit_diagonal(heads, lq, lk)
         close(diag[:, j[0] - i[0] + lq - 1], want)
+
+
+@pytest.mark.parametrize("own, score", [(torch.float32, torch.float64), (torch.float64, torch.float32)])
+def test_captured_tensors_are_used_in_the_score_dtype(own, score):
+    slopes = scores.alibi_slopes(4, dtype=own)
+    table = torch.randn(4, 7, generator=torch.Generator().manual_seed(0), dtype=own)
+    mod = scores.compose(scores.alibi(slopes), scores.relative_position_bias(table, 3))
+    s = torch.zeros(1, 4, 5, 6, dtype=score)
+    out = mod(s, *grid(4, 5, 6))
+    assert out.dtype == score
+    want = -slopes.to(score).view(1, 4, 1, 1) * (torch.arange(5).view(-1, 1) - torch.arange(6)).abs()
+    d = (torch.arange(6) - torch.arange(5).view(-1, 1)).clamp(-3, 3) + 3
+    close(out, want + table.to(score)[:, d])  # each part in the score's dtype, then added there
+    diag = mod.attnkit_diagonal(4, 5, 6, dtype=score)
+    assert diag.dtype == score
+    cols = torch.arange(6) - torch.arange(5).view(-1, 1) + 4  # column kv - q + Lq - 1
+    close(diag[:, cols], out[0])
+    assert scores.apply(lambda x, *_: x.double() * 2, s, *grid(4, 5, 6)).dtype == score  # any mod's result

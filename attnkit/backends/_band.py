@@ -107,7 +107,9 @@ def plan(req: Request) -> Plan | None:
 
 def _diagonal_bias(req: Request) -> Tensor | None:
     """The score_mod's bias ``[1 or H, Lq + Lk - 1]`` (column ``kv_idx - q_idx + Lq - 1``), with autograd."""
-    bias = req.score_mod.attnkit_diagonal(req.heads, req.q_len, req.kv_len)
+    # In the scores' compute dtype (the attnkit.scores dtype rule), so float32 tables add up in float64 for float64
+    # inputs; _BandFn sends the gradient back in each captured tensor's own dtype.
+    bias = req.score_mod.attnkit_diagonal(req.heads, req.q_len, req.kv_len, dtype=compute_dtype(req.query.dtype))
     width = req.q_len + req.kv_len - 1
     if bias is None or bias.dim() != 2 or bias.shape[0] not in (1, req.heads) or bias.shape[1] != width:
         return None

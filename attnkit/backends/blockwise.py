@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .. import scores
 from ..ops.tiles import merge_partials
 from ..request import Request
 from . import _band, _fused, _tiling
@@ -507,11 +508,11 @@ def _scores(st: _Setup, bt: _tiling.Batch, c: _Chunk, *, track_mod: bool = False
         if track_mod:
             x = s.requires_grad_()
             with torch.enable_grad():
-                y = req.score_mod(x, c.b, c.h, q, kv)
+                y = scores.apply(req.score_mod, x, c.b, c.h, q, kv)
             graph = (x, y)
-            s = torch.broadcast_to(y.detach().to(x.dtype), x.shape).clone()
+            s = torch.broadcast_to(y.detach(), x.shape).clone()
         else:
-            y = req.score_mod(s, c.b, c.h, q, kv).to(s.dtype)
+            y = scores.apply(req.score_mod, s, c.b, c.h, q, kv)
             s = y if y.shape == s.shape and y.is_contiguous() else torch.broadcast_to(y, s.shape).clone()
     for a, e in bt.partial:
         s[..., a:e] += _mask_bias(st, bt, c, a, e)
@@ -528,14 +529,15 @@ def _chunk_softmax(s: Tensor) -> tuple[Tensor, Tensor]:
 
     ``torch.softmax`` is one fused, cache-friendly pass per row, where max / subtract / exp / sum
     would be four passes over a tile bigger than the cache. The log-sum-exp follows from the
-    largest probability: ``lse = max(s) - log(max(p))``.
+    largest probability: ``lse = max(s) - log(max(p))``. A row is dead when its largest score is
+    ``-inf``; a NaN score makes the maximum NaN, so the row stays NaN (NaN in, NaN out).
     """
     p = torch.softmax(s, -1)
-    p_max = p.amax(-1)
-    lse = s.amax(-1) - torch.log(p_max)
-    dead = torch.isnan(p_max)
+    s_max = s.amax(-1)
+    lse = s_max - torch.log(p.amax(-1))
+    dead = torch.isneginf(s_max)
     if dead.any():
-        p = torch.nan_to_num_(p, nan=0.0)
+        p = p.masked_fill_(dead.unsqueeze(-1), 0.0)
         lse = lse.masked_fill(dead, _NEG_INF)
     return p, lse
 
@@ -575,7 +577,8 @@ def _forward(st: _Setup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tenso
         _put(out, bt, out_j)
         _put(lse, bt, lse_j)
         visited[bt.tiles] = True
-    return out, lse
+    # Rows with no visible key are 0 even where a NaN value met their zero weights (0 * NaN).
+    return out.masked_fill_(torch.isneginf(lse).unsqueeze(-1), 0.0), lse
 
 
 def _backward(st: _Setup, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,

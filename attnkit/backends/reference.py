@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import scores
 from ..ops import masked_softmax
 from ..request import Request
 
@@ -27,7 +28,7 @@ def apply_score_mod(req: Request, s: Tensor) -> Tensor:
     h = torch.arange(s.shape[1], device=s.device).view(1, -1, 1, 1)
     q = torch.arange(s.shape[2], device=s.device).view(1, 1, -1, 1)
     kv = torch.arange(s.shape[3], device=s.device).view(1, 1, 1, -1)
-    return req.score_mod(s, b, h, q, kv)
+    return scores.apply(req.score_mod, s, b, h, q, kv)
 
 
 class ReferenceBackend:
@@ -49,5 +50,8 @@ class ReferenceBackend:
             s = apply_score_mod(req, s)
         weights = masked_softmax(s, req.dense_mask())
         p = F.dropout(weights, req.dropout_p) if req.dropout_p > 0 else weights
-        out = torch.matmul(p, v).to(dtype)  # [..., H, Lq, Ev]
+        out = torch.matmul(p, v)  # [..., H, Lq, Ev]
+        # A row with no visible key has all-zero weights and gives 0, even against a NaN value (0 * NaN);
+        # a NaN score leaves its weights NaN, never all zero, so NaN still comes out.
+        out = out.masked_fill(~(weights != 0).any(-1, keepdim=True), 0.0).to(dtype)
         return out, (weights.to(dtype) if req.return_weights else None)

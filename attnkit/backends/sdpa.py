@@ -3,11 +3,15 @@
 What this adapter adds: bottom-right causal alignment when ``Lq != Lk`` (SDPA's ``is_causal``
 is top-left), ``mask`` and ``bias`` together, grouped-query heads, and zeros for entirely masked
 rows on every PyTorch version (such rows are unmasked for the kernel and zeroed afterwards, so
-no NaN can reach the output or the gradient).
+no NaN they would make can reach the output or the gradient). A NaN in the inputs still comes out
+in the rows that see it, as on every backend: only rows whose mask is all ``False`` (bias all
+``-inf``) are zeroed, and on CPU, where the kernel's own causal mode returns 0 for a NaN row, a
+causal call with a NaN in its inputs takes an explicit mask.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -37,7 +41,8 @@ class SDPABackend:
             k, v = expand_kv(k, req.heads), expand_kv(v, req.heads)
         mask = req.mask
         is_causal = req.is_causal
-        if is_causal and (mask is not None or req.bias is not None or req.q_len != req.kv_len):
+        if is_causal and (mask is not None or req.bias is not None or req.q_len != req.kv_len
+                          or _has_nan(req.query, req.key, req.value)):
             causal = masks.causal(req.q_len, req.kv_len, device=q.device)
             mask = causal if mask is None else mask & causal
             is_causal = False
@@ -45,7 +50,7 @@ class SDPABackend:
         if req.bias is not None:
             bias = req.bias.to(q.dtype)
             attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
-            dead = ~(attn_mask > float("-inf")).any(dim=-1, keepdim=True)
+            dead = torch.isneginf(attn_mask).all(dim=-1, keepdim=True)  # a NaN bias is not a mask
             attn_mask = attn_mask.masked_fill(dead, 0.0)
         elif mask is not None:
             dead = ~mask.any(dim=-1, keepdim=True)
@@ -55,3 +60,8 @@ class SDPABackend:
         if dead is not None:
             out = out.masked_fill(dead, 0.0)
         return out, None
+
+
+def _has_nan(*tensors: Tensor) -> bool:
+    """Whether a CPU input holds a NaN (one cheap pass; on other devices it would cost a sync, so False)."""
+    return any(t.device.type == "cpu" and bool(torch.isnan(t).any()) for t in tensors)
