@@ -8,9 +8,14 @@
 // are zero. Backward (FlashAttention-2): for each block of keys, exactly the queries that see them
 // (binary searches on lo/hi); probabilities are recomputed from the saved row maximum and log-sum,
 // dK and dV belong to the block, dQ rows are shared with neighbouring blocks and added under a lock
-// per LOCK_ROWS rows, in whatever order the threads arrive. Deterministic mode instead leaves dQ to a
-// second pass over query blocks (like the forward), each block owning its rows: bitwise repeatable
-// and independent of the thread count, for one more recomputation of the probabilities.
+// per LOCK_ROWS rows, in whatever order the threads arrive, so dQ may change from run to run. Under
+// torch.use_deterministic_algorithms(True) dQ comes from a second pass over query blocks instead
+// (like the forward), each block owning its rows: every result is then bitwise repeatable run to
+// run at a given thread count, for one more recomputation of the probabilities (fwd+bwd about 1.3x,
+// window 256, n = 8192, 2 threads). Across thread counts results may differ in the last bits in
+// either mode: measured at 1 vs 2 threads, the output of a causal call and dQ, dK differ (each block
+// does the same work at any thread count, so torch's BLAS rounds differently), and the bias gradient
+// is summed per thread.
 //
 // Large scores: a score is scaled (and biased) once, stored, and every later step works on that
 // stored value: exp(t - m) with m the maximum of the same stored t. Computing s * scale - m in one
