@@ -237,20 +237,26 @@ def _probe_mods(mask_mod, score_mod, target: torch.Size, query: Tensor) -> None:
     b, h, q, kv = (torch.arange(0, n, max(n - 1, 1), device=dev).view([-1 if d == i else 1 for d in range(4)])
                    for i, n in enumerate(target))  # first and last of each axis
     grid = (b.shape[0], h.shape[1], q.shape[2], kv.shape[3])
-    with torch.no_grad():
-        if mask_mod is not None:
-            _masks.check_mask_mod_output(mask_mod, mask_mod(b, h, q, kv), grid)
-        if score_mod is not None:
-            compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-            out = score_mod(torch.zeros(grid, dtype=compute, device=dev), b, h, q, kv)
-            fn = _masks.mod_name("score_mod", score_mod)
-            if not isinstance(out, Tensor) or not out.is_floating_point():
-                got = f"a {out.dtype} tensor" if isinstance(out, Tensor) else type(out).__name__
-                raise TypeError(f"{fn} returned {got}; expected a floating-point tensor of the score's shape "
-                                "(e.g. score + bias[h])")
-            if out.shape != grid:
-                raise ValueError(f"{fn} returned shape {tuple(out.shape)} for scores of shape {grid}; expected "
-                                 "the score's shape (a reduction such as score.sum() would make attention uniform)")
+    compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    try:
+        with torch.no_grad():
+            mask_out = None if mask_mod is None else mask_mod(b, h, q, kv)
+            score_out = None if score_mod is None else score_mod(torch.zeros(grid, dtype=compute, device=dev),
+                                                                  b, h, q, kv)
+    except Exception:  # a mod that raises here raises in the real call too, with its own message and traceback
+        return
+    if mask_mod is not None:
+        _masks.check_mask_mod_output(mask_mod, mask_out, grid)
+    if score_mod is None:
+        return
+    fn = _masks.mod_name("score_mod", score_mod)
+    if not isinstance(score_out, Tensor) or not score_out.is_floating_point():
+        got = f"a {score_out.dtype} tensor" if isinstance(score_out, Tensor) else type(score_out).__name__
+        raise TypeError(f"{fn} returned {got}; expected a floating-point tensor of the score's shape "
+                        "(e.g. score + bias[h])")
+    if score_out.shape != grid:
+        raise ValueError(f"{fn} returned shape {tuple(score_out.shape)} for scores of shape {grid}; expected "
+                         "the score's shape (a reduction such as score.sum() would make attention uniform)")
 
 
 @torch.compiler.assume_constant_result  # read once while tracing, not a graph break at every call
