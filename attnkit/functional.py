@@ -53,8 +53,11 @@ def attention(
         with no key to attend gives zeros (and zero weights and gradients), never NaN.
 
     Raises:
-        TypeError, ValueError: bad input, naming the argument, what came and what was expected;
-            a forced ``backend`` that cannot serve the call, with its reasons.
+        TypeError, ValueError: bad input, naming the argument, what came and what was expected
+            (a ``mask_mod``/``score_mod`` is called once on a few in-range indices to check what it
+            returns); a forced ``backend`` that cannot serve the call, with its reasons; a dense
+            path (the weights, the reference backend) whose ``[..., H, Lq, Lk]`` tensors would
+            exceed the memory available, or ``ATTNKIT_MAX_DENSE_BYTES`` when set.
 
     Plain PyTorch, for a reader::
 

@@ -50,6 +50,7 @@ class MultiHeadAttention(nn.Module):
 
     Raises:
         ValueError: sizes that do not fit together, naming them.
+        TypeError: (in ``forward``) inputs whose dtype differs from the parameters' outside autocast.
     """
 
     def __init__(
