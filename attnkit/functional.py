@@ -86,11 +86,15 @@ def _check_dense_footprint(req: Request, backend: str) -> None:
         check_dense_fits("the reference backend (scores, exponentials, weights)", req.scores_shape,
                          torch.float32 if half else req.query.dtype, 3)
     elif backend == "sdpa":
-        shapes = [t.shape for t in (req.mask, req.bias) if t is not None]
+        shapes = [tuple(t.shape) for t in (req.mask, req.bias) if t is not None]
         if req.is_causal and (shapes or req.q_len != req.kv_len):
             shapes.append((req.q_len, req.kv_len))
         if shapes:
-            check_dense_fits("the SDPA backend's combined attn_mask", torch.broadcast_shapes(*shapes),
+            # Each broadcasts to the scores (checked), so their broadcast is the largest size per
+            # trailing dim; plain Python, as torch.broadcast_shapes costs tens of microseconds.
+            n = max(map(len, shapes))
+            joint = tuple(map(max, zip(*((1,) * (n - len(s)) + s for s in shapes), strict=True)))
+            check_dense_fits("the SDPA backend's combined attn_mask", joint,
                              torch.bool if req.bias is None else req.query.dtype, 2)
 
 

@@ -7,6 +7,8 @@ dtype.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -68,15 +70,21 @@ def test_half_inputs_count_the_reference_backends_float32_scores(monkeypatch):
         attnkit.attention(q, k, v, return_weights=True)
 
 
-def test_sdpa_refuses_a_combined_mask_past_the_limit(monkeypatch):
+@pytest.mark.parametrize("kwargs, shape, dtype, nbytes", [
     # Bottom-right causal with Lq != Lk: the adapter builds a [Lq, Lk] bool mask and its copy.
+    ({"is_causal": True}, (16, 32), torch.bool, 1024),
+    # A key mask and a per-query bias merge into one float mask of their joint shape.
+    ({"mask": torch.arange(32) < 20, "bias": torch.zeros(1, 1, 16, 1)}, (1, 1, 16, 32), torch.float32, 4096),
+])
+def test_sdpa_refuses_a_combined_mask_past_the_limit(monkeypatch, kwargs, shape, dtype, nbytes):
     q, k, v = _qkv(1, 1, 16, 32)
-    monkeypatch.setenv(ENV, "1023")
-    with pytest.raises(ValueError, match=r"SDPA backend's combined attn_mask.*2 x \(16, 32\) torch.bool = 1024 bytes"):
-        attnkit.attention(q, k, v, is_causal=True, backend="sdpa")
+    monkeypatch.setenv(ENV, str(nbytes - 1))
+    pattern = rf"SDPA backend's combined attn_mask.*2 x {re.escape(str(shape))} {dtype} = {nbytes} bytes"
+    with pytest.raises(ValueError, match=pattern):
+        attnkit.attention(q, k, v, backend="sdpa", **kwargs)
     # Tile by tile, the blockwise backend forms no [Lq, Lk] tensor: the same call goes through.
-    close(attnkit.attention(q, k, v, is_causal=True, backend="blockwise"),
-          attention_oracle(q, k, v, is_causal=True), torch.float32)
+    close(attnkit.attention(q, k, v, backend="blockwise", **kwargs), attention_oracle(q, k, v, **kwargs),
+          torch.float32)
 
 
 def test_module_weights_past_the_limit_are_refused(monkeypatch):
