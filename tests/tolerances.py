@@ -22,17 +22,18 @@ BLAS blocking and the thread count: a fixed 1e-5 passed on one machine and faile
   ==========================================================  ==========  ================
   family                                                      worst rel   worst |a-b| here
   ==========================================================  ==========  ================
-  models: GPT-2 logits / BERT states vs transformers          1.18e-5     3.6e-5
+  models: GPT-2 logits / BERT states vs transformers          1.60e-5     3.6e-5
   models: cached decoding vs full pass (GPT-2 logits)         3.98e-6     1.2e-5
   models: sentence embeddings vs sentence-transformers        1.51e-6     1.4e-7
-  modules: torch.nn.MultiheadAttention / Transformer* layers  5.36e-7     2.4e-7
-  kernels: blockwise vs SDPA (L up to 1024)                   1.40e-6     5.4e-7
+  modules: torch.nn.MultiheadAttention / Transformer* layers  7.27e-7     2.4e-7
+  kernels: blockwise vs SDPA (L up to 1024)                   1.79e-6     6.0e-7
   ==========================================================  ==========  ================
 
-* Rows: 10x the worst measured ``rel``, rounded up (other vector widths and BLAS blockings give
-  errors of the same order; the three dispatch levels here differ by under 10%). Models:
-  ``1.18e-5 -> 2e-4``; modules: ``5.36e-7 -> 6e-6``. The kernel comparisons (values of order 1)
-  stay on the plain float32 row: ``atol 2e-5`` is 11x their worst bound ``1.75e-6``.
+* Rows: 10x the worst measured ``rel``, rounded up: other vector widths and BLAS blockings give
+  errors of the same order (the three dispatch levels here differ by at most 1.6x, the scalar
+  kernels mostly the worst). Models: ``1.60e-5 -> 2e-4``; modules: ``7.27e-7 -> 8e-6``. The kernel
+  comparisons (values of order 1) stay on the plain float32 row: its ``atol 2e-5`` is 7x their worst
+  bound (2.79e-6, scalar kernels) and 33x the worst difference seen (6.0e-7).
 * The old fixed 1e-5 was below GPT-2's measured float32 gap (3.6e-5 on logits of size 14),
   which is why it failed on some machines.
 """
@@ -49,7 +50,7 @@ TOLERANCES: dict[torch.dtype, dict[str, float]] = {
 }
 
 #: float32 parity of a module (attention, a Transformer layer) with torch.nn, weights copied.
-PARITY_FP32 = {"scaled_atol": 6e-6, "rtol": 0.0}
+PARITY_FP32 = {"scaled_atol": 8e-6, "rtol": 0.0}
 #: float32 parity of a whole model (GPT-2, BERT, sentence embeddings) with its reference, or of
 #: cached decoding with a full pass.
 MODEL_PARITY_FP32 = {"scaled_atol": 2e-4, "rtol": 0.0}
