@@ -89,6 +89,10 @@ def test_converters_flip_other_libraries_conventions():
     (lambda: masks.from_key_padding_mask(torch.zeros(3, dtype=torch.bool)), ValueError, "key_padding_mask"),
     (lambda: masks.from_key_padding_mask(torch.zeros(2, 3, dtype=torch.int64)), TypeError, "key_padding_mask"),
     (lambda: masks.materialize(lambda b, h, q, kv: q - kv, 1, 1, 2, 2), TypeError, "bool"),
+    (lambda: masks.materialize(lambda b, h, q, kv: (q >= kv).mT, 1, 1, 2, 3), ValueError,
+     r"mask_mod '.*<lambda>' returned shape \(1, 1, 3, 2\) for indices broadcasting to \(1, 1, 2, 3\)"),
+    (lambda: masks.materialize(lambda b, h, q, kv: (q >= kv).sum(-1), 1, 1, 2, 3), TypeError,
+     r"mask_mod '.*<lambda>' returned a torch.int64 tensor; expected a bool tensor"),
     (lambda: masks.and_masks(), ValueError, "at least one"),
 ])
 def test_bad_input_is_named(call, exc, words):
