@@ -39,19 +39,15 @@ Case = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ours32, theirs32, trut
 
 
 def _gpt2_cases() -> Iterator[Case]:
-    import transformers
-
     from attnkit.models import GPT2
+
+    from .test_models_gpt2 import _hf_gpt2
 
     variants = [{}, {"activation_function": "relu", "n_inner": 48, "scale_attn_by_inverse_layer_idx": True},
                 {"scale_attn_weights": False, "layer_norm_epsilon": 1e-3}]
     for seed in SEEDS:
         for over in variants:
-            kw = dict(vocab_size=101, n_positions=64, n_embd=32, n_layer=3, n_head=4, initializer_range=0.5) | over
-            cfg = transformers.GPT2Config(**kw)
-            cfg._attn_implementation = "eager"
-            torch.manual_seed(seed)
-            hf = transformers.GPT2LMHeadModel(cfg).eval()
+            hf = _hf_gpt2(seed=seed, dtype=torch.float32, **over)
             ids = torch.randint(0, 100, (3, 9), generator=torch.Generator().manual_seed(seed))
             yield GPT2.from_hf(hf)(ids).logits, hf(ids).logits, copy.deepcopy(hf).double()(ids).logits
 
@@ -121,17 +117,12 @@ def _transformer_cases() -> Iterator[Case]:
 
 
 def _mha_cases() -> Iterator[Case]:
-    import attnkit
+    from .test_mha import torch_pair
 
     for seed in SEEDS:
         for kw in ({"embed_dim": 32, "num_heads": 8}, {"embed_dim": 24, "num_heads": 3, "bias": False},
                    {"embed_dim": 16, "num_heads": 4, "kdim": 10, "vdim": 6}):
-            torch.manual_seed(seed)
-            theirs = nn.MultiheadAttention(batch_first=True, **kw).eval()
-            with torch.no_grad():
-                for p in theirs.parameters():
-                    p.add_(torch.randn_like(p) * 0.1)
-            ours = attnkit.MultiHeadAttention.from_torch(theirs).eval()
+            theirs, ours = torch_pair(seed, dtype=torch.float32, **kw)
             e = kw["embed_dim"]
             q, k, v = torch.randn(3, 5, e), torch.randn(3, 7, kw.get("kdim", e)), torch.randn(3, 7, kw.get("vdim", e))
             truth = copy.deepcopy(theirs).double()(q.double(), k.double(), v.double())[0]
