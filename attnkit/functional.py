@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from . import backends
+from .backends._fused import compute_dtype
 from .request import Request, build_request, check_dense_fits
 
 
@@ -82,9 +83,8 @@ def _check_dense_footprint(req: Request, backend: str) -> None:
     mask, a bias and a bottom-right causal mask into one. The blockwise backend forms tiles only.
     """
     if backend == "reference":
-        half = req.query.dtype in (torch.float16, torch.bfloat16)
         check_dense_fits("the reference backend (scores, exponentials, weights)", req.scores_shape,
-                         torch.float32 if half else req.query.dtype, 3)
+                         compute_dtype(req.query.dtype), 3)
     elif backend == "sdpa":
         shapes = [tuple(t.shape) for t in (req.mask, req.bias) if t is not None]
         if req.is_causal and (shapes or req.q_len != req.kv_len):

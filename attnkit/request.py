@@ -237,12 +237,10 @@ def _probe_mods(mask_mod, score_mod, target: torch.Size, query: Tensor) -> None:
     b, h, q, kv = (torch.arange(0, n, max(n - 1, 1), device=dev).view([-1 if d == i else 1 for d in range(4)])
                    for i, n in enumerate(target))  # first and last of each axis
     grid = (b.shape[0], h.shape[1], q.shape[2], kv.shape[3])
-    compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     try:
         with torch.no_grad():
             mask_out = None if mask_mod is None else mask_mod(b, h, q, kv)
-            score_out = None if score_mod is None else score_mod(torch.zeros(grid, dtype=compute, device=dev),
-                                                                  b, h, q, kv)
+            score_out = None if score_mod is None else score_mod(query.new_zeros(grid), b, h, q, kv)
     except Exception:  # a mod that raises here raises in the real call too, with its own message and traceback
         return
     if mask_mod is not None:
