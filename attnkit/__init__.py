@@ -7,27 +7,40 @@ The table of contents:
 * ``attnkit.masks`` - mask predicates and builders, ``True`` = may attend.
 * ``attnkit.MultiHeadAttention`` - the module (``modules/``).
 * ``attnkit.ops`` - numerical primitives (safe softmax, tile forward/backward with log-sum-exp).
-* Heavier parts load on first use: ``positional``, ``scores``, ``models``, ``viz``,
-  ``analysis``, ``distributed``, ``bench``.
+* ``positional``, ``scores``, ``models``, ``viz``, ``analysis``, ``distributed``, ``bench``.
+
+Everything loads on first use, torch included: ``import attnkit`` is instant, so the command
+line answers a mistyped argument before it pays for importing torch.
 """
 
-from __future__ import annotations
+import importlib as _importlib
+from typing import TYPE_CHECKING
 
-import importlib
-
-from . import backends, masks
-from .functional import attention, which_backend
-from .modules import MultiHeadAttention
+if TYPE_CHECKING:
+    from . import backends, masks
+    from .functional import attention, which_backend
+    from .modules import MultiHeadAttention
 
 __version__ = "0.1.0"
 
 __all__ = ["MultiHeadAttention", "attention", "backends", "masks", "which_backend", "__version__"]
 
-_LAZY = {"positional", "scores", "models", "viz", "analysis", "distributed", "bench", "modules", "ops",
-         "cache", "linear"}
+#: Public names that live in a submodule: name -> the submodule that defines it.
+_FROM = {"attention": "functional", "which_backend": "functional", "MultiHeadAttention": "modules"}
+_SUBMODULES = {"backends", "masks", "functional", "positional", "scores", "models", "viz", "analysis",
+               "distributed", "bench", "modules", "ops", "cache", "linear"}
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
+    if name in _FROM:
+        value = getattr(_importlib.import_module(f".{_FROM[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = _importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | _SUBMODULES)

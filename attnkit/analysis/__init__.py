@@ -7,11 +7,13 @@
   count gets wrong (1,032,192 parameters for d = 512 and 8 heads, where the total is 1,048,576).
 """
 
-from __future__ import annotations
+import importlib as _importlib
+from typing import TYPE_CHECKING
 
-from .complexity import AttentionCost, attention_cost, compare_heads, projection_params
-from .heads import entropy, mean_distance
-from .rollout import fuse_heads, rollout
+if TYPE_CHECKING:
+    from .complexity import AttentionCost, attention_cost, compare_heads, projection_params
+    from .heads import entropy, mean_distance
+    from .rollout import fuse_heads, rollout
 
 __all__ = [
     "AttentionCost",
@@ -23,3 +25,23 @@ __all__ = [
     "projection_params",
     "rollout",
 ]
+
+#: Each name's submodule: loaded on first use, so the complexity calculator (pure arithmetic)
+#: does not import torch, which ``heads`` and ``rollout`` need.
+_FROM = {"AttentionCost": "complexity", "attention_cost": "complexity", "compare_heads": "complexity",
+         "projection_params": "complexity", "entropy": "heads", "mean_distance": "heads",
+         "fuse_heads": "rollout", "rollout": "rollout"}
+
+
+def __getattr__(name: str):
+    if name not in _FROM:
+        raise AttributeError(f"module 'attnkit.analysis' has no attribute {name!r}")
+    module = _importlib.import_module(f".{_FROM[name]}", __name__)
+    # Bind all of the submodule's names at once: importing ``.rollout`` sets the package's
+    # ``rollout`` attribute to the module, which must not shadow the function of that name.
+    globals().update({n: getattr(module, n) for n, m in _FROM.items() if m == _FROM[name]})
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
