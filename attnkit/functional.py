@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from . import backends
-from .backends._fused import compute_dtype
-from .request import Request, build_request, check_dense_fits
+from .request import build_request
 
 
 def attention(
@@ -69,33 +67,8 @@ def attention(
                         mask_mod=mask_mod, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
                         return_weights=return_weights)
     chosen = backends.select(req, backend)
-    _check_dense_footprint(req, chosen.name)
     out, weights = chosen(req)
     return (out, weights) if return_weights else out
-
-
-def _check_dense_footprint(req: Request, backend: str) -> None:
-    """Refuse a call whose backend would materialise ``[..., H, Lq, Lk]`` tensors that cannot fit.
-
-    What each dense path builds: the reference backend the scores, their exponentials and the
-    weights in its compute dtype (float32 for half inputs); the SDPA adapter a combined mask
-    (bool, or the query's dtype with a bias) and its dead-row-safe copy, when it has to merge a
-    mask, a bias and a bottom-right causal mask into one. The blockwise backend forms tiles only.
-    """
-    if backend == "reference":
-        check_dense_fits("the reference backend (scores, exponentials, weights)", req.scores_shape,
-                         compute_dtype(req.query.dtype), 3)
-    elif backend == "sdpa":
-        shapes = [tuple(t.shape) for t in (req.mask, req.bias) if t is not None]
-        if req.is_causal and (shapes or req.q_len != req.kv_len):
-            shapes.append((req.q_len, req.kv_len))
-        if shapes:
-            # Each broadcasts to the scores (checked), so their broadcast is the largest size per
-            # trailing dim; plain Python, as torch.broadcast_shapes costs tens of microseconds.
-            n = max(map(len, shapes))
-            joint = tuple(map(max, zip(*((1,) * (n - len(s)) + s for s in shapes), strict=True)))
-            check_dense_fits("the SDPA backend's combined attn_mask", joint,
-                             torch.bool if req.bias is None else req.query.dtype, 2)
 
 
 def which_backend(query: Tensor, key: Tensor, value: Tensor, *, backend: str = "auto", **kwargs) -> str:

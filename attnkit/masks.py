@@ -238,6 +238,13 @@ def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
     return extra >= 0 and all(a in (1, t) for a, t in zip(shape, target[extra:], strict=True))
 
 
+def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """The shape that ``shapes`` broadcast to, for shapes known to broadcast together (plain Python,
+    for the same reason as :func:`broadcasts_to`)."""
+    n = max(map(len, shapes))
+    return tuple(map(max, zip(*((1,) * (n - len(s)) + tuple(s) for s in shapes), strict=True)))
+
+
 def mod_name(kind: str, fn) -> str:
     """``"mask_mod 'doc'"``: the argument and the function's name, for error messages."""
     return f"{kind} {getattr(fn, '__qualname__', type(fn).__name__)!r}"

@@ -13,7 +13,8 @@ from torch import Tensor
 
 from .. import scores
 from ..ops import masked_softmax
-from ..request import Request
+from ..request import Request, check_dense_fits
+from ._fused import compute_dtype
 
 
 def expand_kv(x: Tensor, heads: int) -> Tensor:
@@ -39,7 +40,8 @@ class ReferenceBackend:
 
     def __call__(self, req: Request) -> tuple[Tensor, Tensor | None]:
         dtype = req.query.dtype
-        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        compute = compute_dtype(dtype)
+        check_dense_fits("the reference backend (scores, exponentials, weights)", req.scores_shape, compute, 3)
         q = req.query.to(compute)
         k = expand_kv(req.key, req.heads).to(compute)
         v = expand_kv(req.value, req.heads).to(compute)

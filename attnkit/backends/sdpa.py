@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import masks
-from ..request import Request
+from ..request import Request, check_dense_fits
 from .reference import expand_kv
 
 
@@ -46,6 +46,10 @@ class SDPABackend:
             causal = masks.causal(req.q_len, req.kv_len, device=q.device)
             mask = causal if mask is None else mask & causal
             is_causal = False
+        if mask is not None or req.bias is not None:
+            shape = masks.broadcast_shape(*(t.shape for t in (mask, req.bias) if t is not None))
+            check_dense_fits("the SDPA backend's combined attn_mask", shape,
+                             torch.bool if req.bias is None else q.dtype, 2)
         attn_mask, dead = mask, None
         if req.bias is not None:
             bias = req.bias.to(q.dtype)

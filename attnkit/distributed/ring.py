@@ -36,6 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import masks as _masks
 from .._text import describe
+from ..backends._fused import compute_dtype
 from ..ops.tiles import merge_partials, tile_backward, tile_forward
 from .agree import Field, agree, name_code, name_of, refuse
 from .shard import LAYOUTS, group_info, positions_from_sizes
@@ -427,12 +428,11 @@ def _make_plan(q, k, v, group, is_causal, window, layout, scale, lengths) -> _Pl
         # the offset folded in (q is the raw global query index).
         band = (None if left is None else left - offset, None if right is None else right + offset)
 
-    half = q.dtype in (torch.float16, torch.bfloat16)
     return _Plan(
         group=group, rank=rank, world=world,
         next_peer=_global_rank(group, (rank + 1) % world), prev_peer=_global_rank(group, (rank - 1) % world),
         q_pos=q_pos, kv_pos=tuple(kv_pos), kv_sizes=tuple(kv_sizes), mask_mod=mask_mod, band=band,
-        batch=q.shape[0], scale=scale, compute_dtype=torch.float32 if half else q.dtype,
+        batch=q.shape[0], scale=scale, compute_dtype=compute_dtype(q.dtype),
     )
 
 
