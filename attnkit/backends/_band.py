@@ -8,7 +8,8 @@ tiles too, but that kernel works on 32-row slices below 192 rows, splits keys at
 through Python between batches; ``_band.cpp`` does the whole call in one parallel loop, with the
 rows' exact key ranges, over the BLAS that torch links. Forward and a FlashAttention-2 backward
 (recomputing probabilities from the saved log-sum-exp, each key block owning its dK/dV, dQ rows
-added under locks).
+added under locks; under `torch.use_deterministic_algorithms(True)` dQ comes from a row-owned
+pass instead, bitwise repeatable at a given thread count).
 
 The source is compiled once per source, torch version and CPU capability (about a minute, said on
 stderr; one process builds while others wait) into ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``,

@@ -1,4 +1,4 @@
-"""Core suite: ``attnkit.attention`` (auto) against raw PyTorch SDPA and the naive seed formula.
+"""Core suite: ``attnkit.attention`` (auto) against raw PyTorch SDPA and the naive textbook formula.
 
 The question it answers: what does attnkit's validation and dispatch cost on top of the fused
 kernel it calls, and how far is the textbook formula from both? Target: at most 3% over raw SDPA
@@ -19,7 +19,7 @@ from ._util import attention_flops, interleaved_medians, markdown_table, matmul_
 
 
 def naive(q, k, v):
-    """The seeds' formula: matmul, scale, softmax, matmul, with the n x n matrix materialised."""
+    """The textbook formula: matmul, scale, softmax, matmul, with the n x n matrix materialised."""
     scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 

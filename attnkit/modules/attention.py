@@ -19,7 +19,7 @@ class MultiHeadAttention(nn.Module):
     """Multi-head self- or cross-attention, batch-first (``[B, L, E]`` in and out).
 
     Heads are split with reshapes, not separate tensors (``[B, L, H*D] -> [B, H, L, D]``), as in
-    BERT and the seeds. Query/key and value head sizes may differ (``head_dim`` /
+    BERT and most tutorials. Query/key and value head sizes may differ (``head_dim`` /
     ``v_head_dim``), keys and values may have fewer heads than queries (``num_kv_heads``: GQA,
     MQA), and ``share_kv=True`` uses one projection for K and V. Weights get Xavier (Glorot)
     normal initialisation and biases zeros.
