@@ -1,8 +1,17 @@
-"""Wording shared by error messages."""
+"""Text rules shared by error messages and the pages attnkit writes."""
 
 from __future__ import annotations
 
 from torch import Tensor
+
+
+def utf8_safe(s: str) -> str:
+    """``s`` as text UTF-8 can hold: surrogate pairs joined, lone surrogates as U+FFFD.
+
+    Token strings from byte-level or JavaScript-born vocabularies can hold halves of a pair,
+    which no UTF-8 file can store.
+    """
+    return s.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def describe(x) -> str:

@@ -29,21 +29,13 @@ import numpy as np
 import torch
 
 from .._io import atomic_write
+from .._text import utf8_safe
 from ._viewer_template import TEMPLATE
 
 _JSON_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 # The template's two slots, filled in one pass over the template alone: a title or token that
 # contains a slot's name is never itself taken for a slot.
 _SLOT = re.compile(r"__ATTNKIT_(TITLE|DATA)__")
-
-
-def _clean(s: str) -> str:
-    """``s`` as text UTF-8 can hold: surrogate pairs joined, lone surrogates as U+FFFD.
-
-    Token strings from byte-level or JavaScript-born vocabularies can hold halves of a pair,
-    which no UTF-8 file can store.
-    """
-    return s.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def _stack(attentions, batch_index: int) -> np.ndarray:
@@ -108,11 +100,11 @@ def viewer_html(attentions, tokens: Sequence[str], *, title: str = "attnkit atte
         raise TypeError(f"title must be a str, got {type(title).__name__}")
     if text is not None and not isinstance(text, str):
         raise TypeError(f"text must be a str or None, got {type(text).__name__}")
-    title = _clean(title)
-    text = None if text is None else _clean(text)
+    title = utf8_safe(title)
+    text = None if text is None else utf8_safe(text)
     a = _stack(attentions, batch_index)
     n_layers, n_heads, n, _ = a.shape
-    tokens = [_clean(str(t)) for t in tokens]
+    tokens = [utf8_safe(str(t)) for t in tokens]
     if len(tokens) != n:
         raise ValueError(f"tokens has {len(tokens)} entries but the maps are {n} x {n}")
     if n > 65535:
