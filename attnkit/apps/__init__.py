@@ -1,0 +1,35 @@
+"""Self-attention applied: small models that train from scratch on 2 CPU cores in minutes.
+
+Each task is a module ``attnkit.apps.<task>`` that reads top to bottom (data -> model -> train ->
+evaluate -> pictures), is built from :mod:`attnkit.modules`, and exposes ``DEFAULTS``, ``QUICK``,
+``run(out=..., steps=None, seed=0, quick=False, progress=True) -> Result`` and ``load(dir)``:
+
+* ``vit``: a Vision Transformer on scikit-learn's 8x8 handwritten digits, beside a CNN of about the
+  same size, both at 10%, 30% and 100% of the training data; attention rollout over the digit.
+* ``caption``: strips of 3 to 5 digits -> the caption "4 7 1"; cross-attention over the strip.
+* ``translate``: a sequence-to-sequence Transformer on a generated translation task; greedy and beam
+  decoding with the KV cache; the alignment matrix.
+* ``classify``: text classification with attention pooling against a bag-of-words baseline.
+* ``recommend``: next-item prediction over sessions with causal self-attention (SASRec-style).
+
+``attnkit train TASK`` runs one and writes its checkpoint, pictures and an HTML report. Tasks are
+imported on first use (:func:`task`), so importing this package imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+TASKS = ("vit", "caption", "translate", "classify", "recommend")
+
+
+def task(name: str) -> ModuleType:
+    """The module of task ``name`` (imported now).
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`TASKS`.
+    """
+    if name not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {name!r}")
+    return importlib.import_module(f"{__name__}.{name}")
