@@ -128,3 +128,11 @@ def test_quick_run_learns_and_reports(quick_run):
     page = write_report(out / "report.html", "caption", result.sections).read_text()
     for p in pngs:
         assert p.parent == out and base64.b64encode(p.read_bytes()).decode() in page
+
+
+def test_same_seed_same_checkpoint(tmp_path):
+    runs = [cap.run(out=tmp_path / name, steps=5, seed=seed, quick=True, progress=False)
+            for name, seed in (("a", 3), ("b", 3), ("c", 4))]
+    weights = [(tmp_path / name / _common.WEIGHTS).read_bytes() for name in "abc"]
+    assert weights[0] == weights[1] and runs[0].metrics["final_loss"] == runs[1].metrics["final_loss"]
+    assert weights[0] != weights[2]

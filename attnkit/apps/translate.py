@@ -29,7 +29,7 @@ from ..positional import LearnedPositionalEmbedding
 from ..viz.report import Section
 from . import _common
 
-DEFAULTS = {"steps": 1500, "lr": 2e-3, "warmup": 100, "batch_size": 128, "embed_dim": 64, "num_heads": 4,
+DEFAULTS = {"steps": 1000, "lr": 2e-3, "warmup": 100, "batch_size": 128, "embed_dim": 64, "num_heads": 4,
             "encoder_layers": 2, "decoder_layers": 2, "ffn_dim": 128, "beam": 4, "test_size": 2000}
 QUICK = {"steps": 300, "batch_size": 32, "embed_dim": 32, "num_heads": 2, "encoder_layers": 1,
          "decoder_layers": 1, "ffn_dim": 64, "beam": 2, "test_size": 64}
@@ -336,18 +336,18 @@ def alignment_figure(model: Seq2Seq, words: list[str], layer: int = 0):
     """The cross-attention of the greedy translation of ``words``: output characters down the side,
     source words along the top; one decoder layer, mean over heads.
 
-    The first layer is the default: there the alignment is sharpest (measured on the default
-    model: "seventy" gets 0.88 of the weight of the "7" it becomes); later layers mix in context
-    the first already gathered."""
+    The first layer is the default: there the alignment is sharpest (in the default model the "7"
+    of "seventy" puts most of its weight on "seventy"); later layers mix in context the first
+    already gathered."""
     from ..viz.heatmap import heatmap
 
     src = torch.tensor([encode_words(words)])
     with recording_cross_attention(model) as rec:
         pred = greedy(model, src)
-    text = decode_chars(pred[0].tolist())
-    steps = len(text) + 1  # the characters and <eos>
-    weights = torch.cat(rec[layer], dim=2)[0].mean(0)[:steps]  # (Lt, Ls)
-    return heatmap(weights, [*text, "<eos>"], words, title=f"cross-attention, decoder layer {layer + 1}")
+    ids = pred[0].tolist()
+    ids = ids[:ids.index(EOS) + 1] if EOS in ids else ids  # what was written, <eos> included
+    weights = torch.cat(rec[layer], dim=2)[0].mean(0)[:len(ids)]  # (Lt, Ls)
+    return heatmap(weights, [TGT_VOCAB[i] for i in ids], words, title=f"cross-attention, decoder layer {layer + 1}")
 
 
 def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = False,
