@@ -21,7 +21,8 @@ class MultiHeadAttention(nn.Module):
     Heads are split with reshapes, not separate tensors (``[B, L, H*D] -> [B, H, L, D]``), as in
     BERT and most tutorials. Query/key and value head sizes may differ (``head_dim`` /
     ``v_head_dim``), keys and values may have fewer heads than queries (``num_kv_heads``: GQA,
-    MQA), and ``share_kv=True`` uses one projection for K and V. Weights get Xavier (Glorot)
+    MQA), ``share_kv=True`` uses one projection for K and V, and ``share_qk=True`` makes K use
+    Q's projection (so each head's scores ``q_i . q_j`` are symmetric in self-attention). Weights get Xavier (Glorot)
     normal initialisation and biases zeros.
 
     Positions enter in one of two roles (see :mod:`attnkit.positional`): ``rotary`` transforms
@@ -40,6 +41,8 @@ class MultiHeadAttention(nn.Module):
         bias: biases in the four projections.
         dropout: dropout probability on the attention weights while training.
         share_kv: one projection for keys and values (needs ``kdim == vdim``, equal head sizes).
+        share_qk: keys use the query projection (needs ``kdim == embed_dim`` and
+            ``num_kv_heads == num_heads``); with ``share_kv`` too, all three share it.
         backend: attention backend name, ``"auto"`` by default.
         scale: score scale, default ``1 / sqrt(head_dim)`` (T5 uses ``1.0``).
         rotary: a q/k transform ``rotary(x [B, H, L, D], start) -> x`` rotating positions
@@ -66,6 +69,7 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         share_kv: bool = False,
+        share_qk: bool = False,
         backend: str = "auto",
         scale: float | None = None,
         rotary=None,
@@ -94,6 +98,12 @@ class MultiHeadAttention(nn.Module):
         if share_kv and (kdim != vdim or head_dim != v_head_dim):
             raise ValueError(f"share_kv needs kdim == vdim and head_dim == v_head_dim, got kdim={kdim}, "
                              f"vdim={vdim}, head_dim={head_dim}, v_head_dim={v_head_dim}")
+        if not isinstance(share_qk, bool):
+            raise TypeError(f"share_qk must be a bool, got {type(share_qk).__name__}")
+        if share_qk and (kdim != embed_dim or num_kv_heads != num_heads):
+            raise ValueError(f"share_qk needs kdim == embed_dim and num_kv_heads == num_heads, got "
+                             f"embed_dim={embed_dim}, kdim={kdim}, num_heads={num_heads}, "
+                             f"num_kv_heads={num_kv_heads}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         if rotary is not None and not callable(rotary):
@@ -105,11 +115,12 @@ class MultiHeadAttention(nn.Module):
         self.embed_dim, self.kdim, self.vdim = embed_dim, kdim, vdim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.v_head_dim = head_dim, v_head_dim
-        self.dropout, self.share_kv, self.backend, self.scale = dropout, share_kv, backend, scale
+        self.dropout, self.share_kv, self.share_qk = dropout, share_kv, share_qk
+        self.backend, self.scale = backend, scale
         self.rotary, self.position_bias = rotary, position_bias
         fk = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **fk)
-        self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=bias, **fk)
+        self.k_proj = None if share_qk else nn.Linear(kdim, num_kv_heads * head_dim, bias=bias, **fk)
         self.v_proj = None if share_kv else nn.Linear(vdim, num_kv_heads * v_head_dim, bias=bias, **fk)
         self.out_proj = nn.Linear(num_heads * v_head_dim, embed_dim, bias=bias, **fk)
         self.reset_parameters()
@@ -132,8 +143,7 @@ class MultiHeadAttention(nn.Module):
         if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
             raise ValueError(f"query, key and value must share B, and key/value share {length}: got query "
                              f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
-        v_proj = self.k_proj if self.share_kv else self.v_proj
-        for name, t, proj in (("query", query, self.q_proj), ("key", key, self.k_proj), ("value", value, v_proj)):
+        for name, t, proj in zip(("query", "key", "value"), (query, key, value), self.projections(), strict=True):
             # Under autocast the projections cast their inputs themselves; elsewhere a mismatch
             # would only surface as torch's "mat1 and mat2 must have the same dtype".
             if t.dtype != proj.weight.dtype and not torch.is_autocast_enabled(t.device.type):
@@ -141,11 +151,16 @@ class MultiHeadAttention(nn.Module):
                                 f"{proj.weight.dtype}: pass {name}.to({proj.weight.dtype}), or convert the module "
                                 f"with .to({t.dtype})")
 
+    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        """The linear maps that make q, k and v, after ``share_qk`` / ``share_kv``."""
+        k_proj = self.q_proj if self.share_qk else self.k_proj
+        return self.q_proj, k_proj, k_proj if self.share_kv else self.v_proj
+
     def project_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Project and split heads: ``[B, L, E] -> [B, H, L, D]`` for q, and ``Hkv`` heads for k, v."""
-        v_proj = self.k_proj if self.share_kv else self.v_proj
-        q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, Lq, D)
-        k = split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, Lk, D)
+        q_proj, k_proj, v_proj = self.projections()
+        q = split_heads(q_proj(query), self.num_heads)  # (B, H, Lq, D)
+        k = split_heads(k_proj(key), self.num_kv_heads)  # (B, Hkv, Lk, D)
         v = split_heads(v_proj(value), self.num_kv_heads)  # (B, Hkv, Lk, Dv)
         return q, k, v
 
@@ -231,8 +246,9 @@ class MultiHeadAttention(nn.Module):
 
     def to_torch(self) -> nn.MultiheadAttention:
         """An equivalent ``torch.nn.MultiheadAttention(batch_first=True)``, where one exists."""
-        if self.rotary is not None or self.position_bias is not None or self.scale is not None:
-            raise ValueError("to_torch: torch.nn.MultiheadAttention has no rotary=, position_bias= or scale=")
+        if self.rotary is not None or self.position_bias is not None or self.scale is not None or self.share_qk:
+            raise ValueError("to_torch: torch.nn.MultiheadAttention has no rotary=, position_bias=, scale= "
+                             "or share_qk=")
         from .interop import to_torch_mha
 
         return to_torch_mha(self)
