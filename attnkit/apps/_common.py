@@ -59,7 +59,8 @@ def fit(model: nn.Module, batch_fn: Callable[[int], Any], loss_fn: Callable[[nn.
         steps: number of optimiser steps, at least 1.
         lr: peak learning rate.
         desc: label of the progress bar.
-        warmup: steps of linear warmup before the cosine decay.
+        warmup: steps of linear warmup before the cosine decay; at most ``steps`` are used, so a
+            task's default warmup does not refuse a short run asked for with ``--steps``.
         clip: largest gradient norm (``torch.nn.utils.clip_grad_norm_``).
         progress: draw a tqdm bar on stderr with the running loss and it/s.
 
@@ -67,14 +68,15 @@ def fit(model: nn.Module, batch_fn: Callable[[int], Any], loss_fn: Callable[[nn.
         The loss of every step, in order.
 
     Raises:
-        ValueError: ``steps < 1``, ``lr <= 0`` or ``warmup`` outside ``[0, steps]``.
+        ValueError: ``steps < 1``, ``lr <= 0`` or ``warmup < 0``.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
-    if not 0 <= warmup <= steps:
-        raise ValueError(f"warmup must be in [0, steps={steps}], got {warmup!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    warmup = min(warmup, steps)
     from tqdm.auto import tqdm
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
