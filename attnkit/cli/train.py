@@ -1,0 +1,61 @@
+"""``attnkit train TASK``: train one of the applications from scratch, print its evaluation, write its report."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+from ..apps import TASKS
+
+
+def positive_int(text: str) -> int:
+    """argparse type for ``--steps``: an integer from 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1, got {value}")
+    return value
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train a small attention model from scratch (vit, caption, translate, classify, recommend)",
+        description="Train one application of self-attention from scratch on this machine's CPU (minutes, "
+                    "offline, seeded), print its evaluation as a table, and write the checkpoint "
+                    "(model.safetensors + config.json), its pictures (PNG) and report.html into --out.")
+    p.add_argument("task", choices=TASKS, help="which application: " + ", ".join(TASKS))
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="training steps (default: the task's own, see attnkit.apps.TASK.DEFAULTS)")
+    p.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order (default: 0)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: ./attnkit-TASK/)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes that train in seconds (a smoke run)")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from . import UserError
+
+    out = args.out if args.out is not None else Path(f"attnkit-{args.task}")
+    try:
+        task = importlib.import_module(f"attnkit.apps.{args.task}")
+    except ModuleNotFoundError as e:
+        if e.name == f"attnkit.apps.{args.task}":
+            raise UserError(f"task {args.task!r} is not available in this version") from None
+        raise UserError(f"the applications need {e.name}: pip install 'attnkit[apps]'") from None
+    from ..apps._common import table
+    from ..demos.real_model import prepare_out
+    from ..viz.report import Section, write_report
+
+    prepare_out(out)  # an unwritable --out fails here, before minutes of training
+    result = task.run(out=out, steps=args.steps, seed=args.seed, quick=args.quick)
+    rows = [{"metric": k, "value": v} for k, v in result.metrics.items()]
+    rows.append({"metric": "seconds", "value": round(result.seconds, 1)})
+    print(table(rows))
+    title = f"attnkit train {args.task}" + (" --quick" if args.quick else "")
+    summary = Section("Evaluation", f"Seed {args.seed}; {result.seconds:.0f} s in all.", table=rows)
+    report = write_report(out / "report.html", title, [summary, *result.sections])
+    print(f"checkpoint, pictures and report written to {out}/ (open {report})")
+    return 0
