@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterable
 
 #: Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ["demo", "viz", "complexity", "bench", "train"]
+COMMANDS = ["demo", "viz", "complexity", "bench", "lab", "train"]
 
 
 class UserError(Exception):

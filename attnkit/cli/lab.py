@@ -1,0 +1,67 @@
+"""``attnkit lab``: run the experiments of :mod:`attnkit.lab`, print their verdicts, write a report."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    from ..lab import EXPERIMENTS
+
+    p = sub.add_parser(
+        "lab", help="test what tutorials claim about attention: a number, a plot and a verdict per claim",
+        description="Run small experiments that test claims commonly made about self-attention (scaling by "
+                    "sqrt(d_k), projections, shared Q/K, score functions, cost, positions, W_O, heads, "
+                    "initialisation), print a verdict table (supported / refuted / depends) and write "
+                    "report.html with every figure and plot into --out.")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help=f"experiments to run (default: all): {', '.join(EXPERIMENTS)}")
+    p.add_argument("--out", type=Path, default=Path("attnkit-lab"),
+                   help="folder for report.html and the PNGs (default: ./attnkit-lab/)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer training steps (seconds each)")
+    p.add_argument("--list", action="store_true", help="list the experiments and exit")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..lab import EXPERIMENTS, check_names
+    from . import UserError
+
+    if args.list:
+        width = max(map(len, EXPERIMENTS))
+        for name, (_, title) in EXPERIMENTS.items():
+            print(f"{name:<{width}}  {title}")
+        return 0
+    try:
+        names = check_names(args.names)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    _check_out(args.out)
+    from ..lab import run_one, verdict_table, write_report
+
+    findings = []
+    for name in names:
+        print(f"{name} ...", end=" ", flush=True)
+        findings.append(run_one(name, quick=args.quick, out=args.out))
+        print(f"{findings[-1].verdict} ({findings[-1].seconds:.1f} s)", flush=True)
+    print()
+    rows = verdict_table(findings)
+    width = max(len(r["experiment"]) for r in rows)
+    for r in rows:
+        print(f"{r['experiment']:<{width}}  {r['verdict']:<9}  {r['why']}")
+    report = write_report(findings, args.out, quick=args.quick)
+    print(f"\nWrote {report} ({sum(r['seconds'] for r in rows):.1f} s in all).")
+    return 0
+
+
+def _check_out(out: Path) -> None:
+    """Create ``--out``, or raise a one-line :class:`UserError` if it cannot be created or written into."""
+    from . import UserError
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create this folder ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: this folder is not writable")

@@ -1,0 +1,117 @@
+"""``attnkit lab``: claims that tutorials make about attention, each tested by a small experiment.
+
+Every experiment is a module here with ``run(quick: bool, out: Path) -> Finding``: it measures,
+draws its pictures into ``out`` and gives a verdict (``supported``, ``refuted`` or ``depends``)
+with one sentence of why. :data:`EXPERIMENTS` lists them in order; importing this package does not
+import torch (the command line checks its arguments first), each experiment does.
+
+Usage::
+
+    from attnkit import lab
+    finding = lab.run_one("scaling", quick=True, out=Path("lab-out"))
+    print(finding.verdict, finding.figures["frac_saturated_unscaled"])
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VERDICTS = ("supported", "refuted", "depends")
+
+#: name -> (module, one-line title), in the order the report shows them.
+EXPERIMENTS: dict[str, tuple[str, str]] = {
+    "scaling": ("scaling", "Dividing scores by sqrt(d_k) keeps the softmax out of saturation"),
+    "projections": ("projections", "Without Q/K/V projections each word attends mostly to itself"),
+    "sharing": ("sharing", "Sharing Q = K makes the scores symmetric; sharing K = V saves parameters"),
+    "score_functions": ("score_functions", "Dot-product vs additive vs multiplicative scores"),
+    "cost": ("cost", "Self-attention costs O(n^2 d); more heads do not add FLOPs"),
+    "rnn_conv": ("rnn_conv", "Self-attention vs recurrent and convolutional layers"),
+    "positions": ("positions", "Without positions attention ignores order; sinusoids encode offsets linearly"),
+    "output_projection": ("output_projection", "The output projection W_O is indispensable"),
+    "heads": ("heads", "Heads of a trained model specialise"),
+    "init": ("init", "Zero initialisation leaves heads identical; Xavier breaks the symmetry"),
+}
+
+
+@dataclass
+class Finding:
+    """What one experiment found.
+
+    Args:
+        name: the experiment's key in :data:`EXPERIMENTS`.
+        claim: the claim tested, in words.
+        figures: the measured numbers, by name (floats, ints or short strings).
+        verdict: ``supported``, ``refuted`` or ``depends``.
+        why: one sentence explaining the verdict.
+        pictures: PNG files written into the output folder.
+        seconds: how long the experiment took.
+    """
+
+    name: str
+    claim: str
+    figures: dict[str, object]
+    verdict: str
+    why: str
+    pictures: list[Path] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+
+
+def check_names(names: list[str]) -> list[str]:
+    """``names`` in registry order (all of them when empty); ``ValueError`` naming any unknown one."""
+    unknown = [n for n in names if n not in EXPERIMENTS]
+    if unknown:
+        raise ValueError(f"unknown experiment {', '.join(map(repr, unknown))}; expected some of: "
+                         f"{', '.join(EXPERIMENTS)}")
+    return [n for n in EXPERIMENTS if not names or n in names]
+
+
+def run_one(name: str, *, quick: bool, out: Path) -> Finding:
+    """Run the experiment ``name``, writing its pictures into ``out`` (created if missing).
+
+    It runs on one thread: the experiments' tensors are small, so on a shared machine extra
+    threads mostly wait for each other, and one thread keeps the timings comparable.
+    """
+    import time
+
+    import torch
+
+    check_names([name])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    module = importlib.import_module(f".{EXPERIMENTS[name][0]}", __name__)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        finding = module.run(quick, out)
+        finding.seconds = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)
+    return finding
+
+
+def verdict_table(findings: list[Finding]) -> list[dict[str, object]]:
+    """One row per finding: experiment, verdict, seconds and why (for printing and for the report)."""
+    return [{"experiment": f.name, "verdict": f.verdict, "seconds": round(f.seconds, 1), "why": f.why}
+            for f in findings]
+
+
+def write_report(findings: list[Finding], out: Path, *, quick: bool) -> Path:
+    """``out/report.html``: the verdict table, then each experiment's claim, verdict, figures and pictures."""
+    from ..viz.report import Section, write_report
+
+    sections = [Section("Verdicts", "Each claim that tutorials make about attention, tested by a small experiment"
+                        + (" (quick settings: fewer steps and sizes)." if quick else "."),
+                        table=[{k: v for k, v in row.items() if k != "why"} for row in verdict_table(findings)])]
+    for f in findings:
+        figures = [{"figure": k, "value": v if isinstance(v, int | float) else str(v)} for k, v in f.figures.items()]
+        sections.append(Section(f"{f.name}: {EXPERIMENTS[f.name][1]}",
+                                f"Claim: {f.claim}\n\nVerdict: {f.verdict}. {f.why}", table=figures,
+                                images=f.pictures))
+    return write_report(Path(out) / "report.html", "attnkit lab", sections)
