@@ -140,3 +140,32 @@ def test_task_names_the_known_tasks():
     with pytest.raises(ValueError, match="task must be one of vit, caption, .* got 'nosuch'"):
         task("nosuch")
     assert TASKS[0] == "vit" and task("vit").__name__ == "attnkit.apps.vit"
+
+
+@pytest.mark.parametrize("accs, seconds, verdict", [
+    ((0.97, 0.95, 0.97), (100.0, 120.0, 90.0), "yes"),   # the mean of the three seeds reaches 96%
+    ((0.97, 0.94, 0.96), (100.0, 120.0, 90.0), "no"),    # one seed pulls the mean below
+    ((0.97, 0.97, 0.97), (100.0, 200.0, 90.0), "no"),    # a run over three minutes
+])
+def test_bench_apps_judges_the_mean_of_seeds_and_the_time_and_lists_missing_tasks(
+        monkeypatch, tmp_path, accs, seconds, verdict):
+    from attnkit.apps import vit
+    from attnkit.bench import apps as bench
+
+    runs = iter(zip(accs, seconds, strict=True))
+
+    def fake_run(*, out, seed, quick, progress):
+        acc, secs = next(runs)
+        return _common.Result("vit", {"vit_acc": acc, "cnn_acc": 0.99}, secs)
+
+    monkeypatch.setattr(vit, "run", fake_run)
+    monkeypatch.setattr(bench, "TASKS", ("vit", "nosuch"))
+    monkeypatch.setitem(bench.TARGETS, "nosuch", ("anything", (0,), None))
+    text = bench.run(False, tmp_path)
+    assert (tmp_path / "apps.md").read_text() == text
+    row = next(line for line in text.splitlines() if line.startswith("| vit |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == f"ViT {sum(accs) / 3:.1%}, CNN 99.0% (test accuracy, mean of 3 seeds)"
+    assert cells[3] == verdict and cells[4] == " / ".join(f"{s:.0f}" for s in seconds)
+    assert "| nosuch | not in this version |" in text
+    assert ("took 200 s, above the 180 s target" in text) == (max(seconds) > 180)

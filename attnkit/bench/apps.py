@@ -1,0 +1,109 @@
+"""Applications suite: train every ``attnkit.apps`` task with its defaults and check it against its target.
+
+Not a timing race like the other suites: each task trains from scratch (the ViT with three seeds,
+since its target is a mean), and the table says what each reached, the target, whether it was met,
+and how many seconds each run took (the target there is 3 minutes a run). A task that is not in
+this version is listed with a note instead of stopping the suite. Checkpoints, pictures and
+reports go to ``out_dir/apps/<task>/seed<N>/``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from statistics import mean
+
+import torch
+
+from ..apps import TASKS
+from ._util import markdown_table, progress, write_report
+
+#: Most seconds one training run may take.
+SECONDS_TARGET = 180.0
+
+Metrics = dict[str, float | int | str]
+
+
+def _vit(runs: list[Metrics]) -> tuple[str, bool]:
+    vit, cnn = mean(m["vit_acc"] for m in runs), mean(m["cnn_acc"] for m in runs)
+    seeds = f"mean of {len(runs)} seeds" if len(runs) > 1 else "one seed"
+    return f"ViT {vit:.1%}, CNN {cnn:.1%} (test accuracy, {seeds})", vit >= 0.96
+
+
+def _caption(runs: list[Metrics]) -> tuple[str, bool]:
+    (m,) = runs
+    exact, placed = m["exact_caption"], m["attention_on_digit"]
+    return f"exact caption {exact:.1%}, attention on the digit {placed:.1%}", exact >= 0.9 and placed >= 0.9
+
+
+def _translate(runs: list[Metrics]) -> tuple[str, bool]:
+    (m,) = runs
+    greedy = m["greedy_exact"]
+    beam = next(v for k, v in m.items() if k.startswith("beam") and k.endswith("_exact"))
+    return f"greedy {greedy:.1%}, beam {beam:.1%} (exact match)", greedy >= 0.98 and beam >= greedy
+
+
+def _classify(runs: list[Metrics]) -> tuple[str, bool]:
+    (m,) = runs
+    att, bow = m["attention pooling accuracy"], m["bag-of-words LR accuracy"]
+    return (f"attention pooling {att:.1%}, bag of words {bow:.1%} ({m['data set']}, "
+            f"{m['train sentences']:,} + {m['test sentences']:,} sentences)"), att > bow
+
+
+def _recommend(runs: list[Metrics]) -> tuple[str, bool]:
+    (m,) = runs
+    ours, pop = m["HR@10 SASRec (causal self-attention)"], m["HR@10 most popular"]
+    trans = m["HR@10 last-item transitions"]
+    return (f"hit rate@10 {ours:.1%}, most popular {pop:.1%}, last-item transitions {trans:.1%}",
+            ours >= 2 * pop and ours > trans)
+
+
+#: task -> (the target in words, seeds to run, judge(metrics of each seed) -> (what was reached, met?)).
+TARGETS: dict[str, tuple[str, tuple[int, ...], Callable[[list[Metrics]], tuple[str, bool]]]] = {
+    "vit": ("test accuracy >= 96% (mean of 3 seeds), CNN beside it", (0, 1, 2), _vit),
+    "caption": ("exact caption >= 90%, strongest patch on the digit >= 90%", (0,), _caption),
+    "translate": ("greedy exact match >= 98%, beam no worse", (0,), _translate),
+    "classify": ("attention pooling beats bag of words", (0,), _classify),
+    "recommend": ("hit@10 >= 2x most-popular and > transition", (0,), _recommend),
+}
+
+
+def run(quick: bool, out_dir: Path) -> str:
+    """Train, judge, print and write ``out_dir/apps.md``; return the report."""
+    say = progress("apps")
+    rows, notes = [], []
+    for name in TASKS:
+        target, seeds, judge = TARGETS[name]
+        try:
+            task = importlib.import_module(f"attnkit.apps.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"attnkit.apps.{name}":
+                raise
+            rows.append([name, "not in this version", target, "-", "-"])
+            continue
+        seeds = seeds[:1] if quick else seeds
+        results = []
+        for seed in seeds:
+            say(f"{name}, seed {seed}")
+            results.append(task.run(out=out_dir / "apps" / name / f"seed{seed}", seed=seed, quick=quick,
+                                    progress=False))
+        try:
+            reached, met = judge([r.metrics for r in results])
+        except KeyError as e:
+            reached, met = f"metric {e} not reported", None
+        secs = [r.seconds for r in results]
+        slow = max(secs) > SECONDS_TARGET
+        verdict = "-" if met is None else ("yes" if met and not slow else "no")
+        if slow:
+            notes.append(f"{name} took {max(secs):.0f} s, above the {SECONDS_TARGET:.0f} s target")
+        rows.append([name, reached, target, verdict, " / ".join(f"{s:.0f}" for s in secs)])
+    body = (markdown_table(["task", "reached", "target", "met?", "seconds per run"], rows)
+            + f"\n\nEach run trains from scratch with the task's defaults on {torch.get_num_threads()} "
+            f"thread(s); a target is met only if every run also took <= {SECONDS_TARGET:.0f} s. Runs on a "
+            "machine shared with other work take longer; the seconds say what this run saw."
+            + ("\n\nQuick mode: the tiny test sizes and one seed, so the targets are not expected to be met."
+               if quick else "")
+            + "".join(f"\n- {n}" for n in notes))
+    cmd = "attnkit bench apps" + (" --quick" if quick else "")
+    return write_report(out_dir, "apps", "Applications: what each task reaches, against its target", body, cmd)
