@@ -24,13 +24,15 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "train", help="train a small attention model from scratch (vit, caption, translate, classify, recommend)",
         description="Train one application of self-attention from scratch on this machine's CPU (minutes, "
-                    "offline, seeded), print its evaluation as a table, and write the checkpoint "
+                    "offline, reproducible), print its evaluation as a table, and write the checkpoint "
                     "(model.safetensors + config.json), its pictures (PNG) and report.html into --out.")
     p.add_argument("task", choices=TASKS, help="which application: " + ", ".join(TASKS))
-    p.add_argument("--steps", type=positive_int, default=None,
+    p.add_argument("--steps", type=positive_int, default=None, metavar="N",
                    help="training steps (default: the task's own, see attnkit.apps.TASK.DEFAULTS)")
-    p.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order (default: 0)")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default: ./attnkit-TASK/)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="fixes the random initialisation and data order; the same S gives the same "
+                        "numbers on one machine (default: 0)")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR", help="output folder (default: ./attnkit-TASK/)")
     p.add_argument("--quick", action="store_true", help="tiny sizes that train in seconds (a smoke run)")
     p.set_defaults(run=run)
 
@@ -55,7 +57,7 @@ def run(args) -> int:
     rows.append({"metric": "seconds", "value": round(result.seconds, 1)})
     print(table(rows))
     title = f"attnkit train {args.task}" + (" --quick" if args.quick else "")
-    summary = Section("Evaluation", f"Seed {args.seed}; {result.seconds:.0f} s in all.", table=rows)
+    summary = Section("Evaluation", f"--seed {args.seed}; {result.seconds:.0f} s in all.", table=rows)
     report = write_report(out / "report.html", title, [summary, *result.sections])
     print(f"checkpoint, pictures and report written to {out}/ (open {report})")
     return 0
