@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from ..modules import TransformerEncoderLayer
 from ..viz.report import Section
 from . import _common
-from ._common import Result, fit, save, save_png, seed_all
+from ._common import Result, Timer, fit, save, save_png, seed_all
 
 DEFAULTS = {
     "steps": 600,  # per model and training fraction
@@ -297,11 +297,14 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
 
     curves: dict[str, list[tuple[int, float]]] = {"ViT": [], "CNN": []}
     rows = []
+    train_seconds = 0.0
     for fraction in cfg["fractions"]:
         idx = subset(y_tr, fraction, torch.Generator().manual_seed(seed))
         for kind, name in (("vit", "ViT"), ("cnn", "CNN")):
-            model, losses = train(kind, cfg, x_tr[idx], y_tr[idx], seed=seed, progress=progress,
-                                  desc=f"{name} on {fraction:.0%} ({len(idx)} images)")
+            with Timer() as timer:
+                model, losses = train(kind, cfg, x_tr[idx], y_tr[idx], seed=seed, progress=progress,
+                                      desc=f"{name} on {fraction:.0%} ({len(idx)} images)")
+            train_seconds += timer.seconds
             acc = accuracy(model, x_te, y_te)
             curves[name].append((len(idx), acc))
             rows.append({"model": name, "train share": f"{fraction:.0%}", "train images": len(idx),
@@ -324,7 +327,8 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
             metrics[f"{r['model'].lower()}_acc_{r['train share']}"] = r["test accuracy"]
     metrics |= {"vit_params": full["ViT"]["parameters"], "cnn_params": full["CNN"]["parameters"],
                 "train_images": len(y_tr), "test_images": len(y_te), "steps": cfg["steps"],
-                "first_loss": vit_losses[0], "last_loss": float(np.mean(vit_losses[-20:]))}
+                "train_seconds": round(train_seconds, 1), "first_loss": vit_losses[0],
+                "last_loss": float(np.mean(vit_losses[-20:]))}
     sections = [
         Section("Data", f"scikit-learn's handwritten digits: 8x8 images, 10 classes; {len(y_tr)} training and "
                         f"{len(y_te)} test images (a fixed stratified split)."),
