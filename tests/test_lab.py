@@ -39,6 +39,8 @@ def test_scaling_keeps_the_softmax_slope_and_its_absence_saturates(findings):
     assert fig["jacobian_trace_scaled_4096"] > 10 * fig["jacobian_trace_unscaled_4096"]
     # The naive check: d/dq is larger unscaled although the softmax's own slope is smaller.
     assert fig["grad_q_unscaled_64"] > fig["grad_q_scaled_64"]
+    # Trained from unit-variance q and k, the unscaled head lags far behind.
+    assert fig["accuracy_scaled"] > fig["accuracy_unscaled"] + 0.3
 
 
 def test_without_projections_tokens_attend_to_themselves(findings):
@@ -67,11 +69,13 @@ def test_score_functions_additive_costs_more(findings):
 def test_cost_exponents_and_heads(findings):
     f = findings["cost"]
     assert f.verdict == "supported"
-    for key, expected in (("flops_exponent_n", 2.0), ("memory_exponent_n", 2.0), ("flops_exponent_d", 1.0),
+    for key, expected in (("flops_exponent_n", 2.0), ("memory_exponent_n", 2.0), ("measured_memory_exponent_n", 2.0),
+                          ("flops_exponent_d", 1.0),
                           ("flops_ratio_16_vs_1_heads", 1.0), ("score_memory_ratio_16_vs_1_heads", 16.0)):
         close(_scalar(f.figures[key]), _scalar(expected))
-    # Measured time: a loose band only (CI machines are shared); the counted FLOPs above are exact.
-    assert 1.5 < f.figures["time_exponent_n"] < 3.5
+    # Measured time: a sanity band only (superlinear, not wild), since CI machines are shared and
+    # contention bends timings; the counted FLOPs and the measured memory above are exact.
+    assert 1.2 < f.figures["time_exponent_n"] < 4.0
 
 
 def test_rnn_conv_path_lengths_are_measured_as_the_table_says(findings):

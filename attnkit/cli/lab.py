@@ -12,7 +12,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "lab", help="test what tutorials claim about attention: a number, a plot and a verdict per claim",
         description="Run small experiments that test claims commonly made about self-attention (scaling by "
-                    "sqrt(d_k), projections, shared Q/K, score functions, cost, positions, W_O, heads, "
+                    "sqrt(d_k), projections, shared Q/K, score functions, cost, recurrent and convolutional "
+                    "layers, positions, W_O, heads, "
                     "initialisation), print a verdict table (supported / refuted / depends) and write "
                     "report.html with every figure and plot into --out.")
     p.add_argument("names", nargs="*", metavar="NAME",

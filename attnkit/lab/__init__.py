@@ -9,7 +9,7 @@ Usage::
 
     from attnkit import lab
     finding = lab.run_one("scaling", quick=True, out=Path("lab-out"))
-    print(finding.verdict, finding.figures["frac_saturated_unscaled"])
+    print(finding.verdict, finding.figures["frac_saturated_unscaled_4096"])
 """
 
 from __future__ import annotations
@@ -104,14 +104,15 @@ def verdict_table(findings: list[Finding]) -> list[dict[str, object]]:
 
 def write_report(findings: list[Finding], out: Path, *, quick: bool) -> Path:
     """``out/report.html``: the verdict table, then each experiment's claim, verdict, figures and pictures."""
-    from ..viz.report import Section, write_report
+    from ..viz import report
 
-    sections = [Section("Verdicts", "Each claim that tutorials make about attention, tested by a small experiment"
-                        + (" (quick settings: fewer steps and sizes)." if quick else "."),
-                        table=[{k: v for k, v in row.items() if k != "why"} for row in verdict_table(findings)])]
+    intro = ("Each claim that tutorials make about attention, tested by a small experiment"
+             + (" (quick settings: fewer steps and sizes)." if quick else "."))
+    sections = [report.Section("Verdicts", intro, table=[{k: v for k, v in row.items() if k != "why"}
+                                                         for row in verdict_table(findings)])]
     for f in findings:
         figures = [{"figure": k, "value": v if isinstance(v, int | float) else str(v)} for k, v in f.figures.items()]
-        sections.append(Section(f"{f.name}: {EXPERIMENTS[f.name][1]}",
-                                f"Claim: {f.claim}\n\nVerdict: {f.verdict}. {f.why}", table=figures,
-                                images=f.pictures))
-    return write_report(Path(out) / "report.html", "attnkit lab", sections)
+        sections.append(report.Section(f"{f.name}: {EXPERIMENTS[f.name][1]}",
+                                       f"Claim: {f.claim}\n\nVerdict: {f.verdict}. {f.why}", table=figures,
+                                       images=f.pictures))
+    return report.write_report(Path(out) / "report.html", "attnkit lab", sections)

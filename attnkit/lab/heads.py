@@ -115,9 +115,9 @@ def run(quick: bool, out: Path) -> Finding:
     pic = save(fig, out / "lab_heads.png")
     specialised = sum(counts[k] for k in KINDS)
     verdict = "supported" if specialised >= 6 and overlap < 3 else "depends"
-    why = (f"Over {len(texts)} sentences, {counts['previous']} heads look mostly at the previous token, "
-           f"{counts['next']} at the next, {counts['self']} at themselves, {counts['delimiter']} at [CLS]/[SEP] and "
-           f"{counts['broad']} spread broadly; after removing what a position-matched control sentence gets, the "
-           f"heads that link bank to river ({links['river']['top_head_excess']}) and to China "
+    why = (f"Over {len(texts)} sentences MiniLM's heads sort into previous-token {counts['previous']}, next-token "
+           f"{counts['next']}, self {counts['self']}, delimiter ([CLS]/[SEP]) {counts['delimiter']}, broad "
+           f"{counts['broad']} and mixed {counts['mixed']}; after removing what a position-matched control sentence "
+           f"gets, the heads that link bank to river ({links['river']['top_head_excess']}) and to China "
            f"({links['china']['top_head_excess']}) share {overlap} of their top 3.")
     return Finding("heads", CLAIM, figures, verdict, why, [pic])

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..modules import MultiHeadAttention
 from . import Finding
@@ -39,6 +40,15 @@ def q_grad_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     return q.grad.norm(dim=-1).mean().item()
 
 
+def unit_variance_head(scale: float | None, width: int = 32, head_dim: int = 256) -> MultiHeadAttention:
+    """One attention head whose queries and keys start with entries of variance ~1, the premise of the
+    argument (Xavier's smaller start would hide the effect until the weights grow)."""
+    mha = MultiHeadAttention(width, 1, head_dim=head_dim, scale=scale)
+    for lin in (mha.q_proj, mha.k_proj):
+        nn.init.normal_(lin.weight, std=width ** -0.5)
+    return mha
+
+
 def run(quick: bool, out: Path) -> Finding:
     gen = torch.Generator().manual_seed(0)
     dims = [16, 64, 256, 1024, 4096]
@@ -56,9 +66,9 @@ def run(quick: bool, out: Path) -> Finding:
                       "grad_q_unscaled": q_grad_norm(q, k, v, 1.0),
                       "grad_q_scaled": q_grad_norm(q, k, v, 1 / math.sqrt(d))})
     # The effect on training: one wide head (d_k = 256) with and without the scaling.
-    steps = 150 if quick else 1500
-    trained = {name: train(lambda s=s: MultiHeadAttention(32, 1, head_dim=256, scale=s), steps=steps)
-               for name, s in (("scaled", None), ("unscaled", 1.0))}
+    steps = 150 if quick else 1000
+    trained = {name: train(lambda s=s: unit_variance_head(s), steps=steps) for name, s in (("scaled", None),
+                                                                                             ("unscaled", 1.0))}
     fig, axes = figure(2)
     ax = axes[0][0]
     ax.loglog(dims, [r["var_unscaled"] for r in table], "o-", label="q.k")
@@ -80,12 +90,16 @@ def run(quick: bool, out: Path) -> Finding:
                "frac_saturated_scaled_4096": last["saturated_scaled"],
                "grad_q_unscaled_64": table[1]["grad_q_unscaled"], "grad_q_scaled_64": table[1]["grad_q_scaled"],
                "accuracy_scaled": trained["scaled"]["accuracy"], "accuracy_unscaled": trained["unscaled"]["accuracy"],
+               "loss_scaled": trained["scaled"]["loss"], "loss_unscaled": trained["unscaled"]["loss"],
                "table": table}
-    supported = last["trace_scaled"] > 10 * last["trace_unscaled"] and last["saturated_unscaled"] > 0.5
+    supported = (last["trace_scaled"] > 10 * last["trace_unscaled"] and last["saturated_unscaled"] > 0.5
+                 and trained["scaled"]["loss"] < trained["unscaled"]["loss"])
     why = (f"Unscaled scores have variance ~d_k ({last['var_unscaled']:.0f} at d_k = 4096) and "
            f"{last['saturated_unscaled']:.0%} of rows put > 0.99 on one key, where the softmax Jacobian "
            f"(sum a(1-a) = {last['trace_unscaled']:.3f} vs {last['trace_scaled']:.3f} scaled) and so the gradient "
            "through it vanish: the scaling keeps scores in the large-gradient region, not out of it; the gradient "
            "with respect to q can still look larger unscaled (it carries |k| ~ sqrt(d_k) without the 1/sqrt(d_k)), "
-           "which is why checking only d/dq misleads.")
+           f"which is why checking only d/dq misleads; trained from unit-variance q and k (d_k = 256, {steps} steps), "
+           f"a one-head model reaches accuracy {trained['scaled']['accuracy']:.2f} scaled and "
+           f"{trained['unscaled']['accuracy']:.2f} unscaled.")
     return Finding("scaling", CLAIM, figures, "supported" if supported else "depends", why, [pic])
