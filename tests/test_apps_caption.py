@@ -116,6 +116,7 @@ def test_checkpoint_reloads_to_identical_outputs(tmp_path, digits):
     assert torch.equal(cap.greedy(again, strips, mask), cap.greedy(model, strips, mask))
 
 
+@pytest.mark.slow  # seconds on a quiet CPU; a minute or more when 2 threads share a loaded one
 def test_quick_run_learns_and_reports(quick_run):
     out, result = quick_run
     m = result.metrics

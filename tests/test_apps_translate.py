@@ -84,6 +84,8 @@ def test_greedy_and_beam_of_one_equal_argmax_without_cache():
     for g, e in zip(got.tolist(), expected.tolist(), strict=True):
         assert tr.decode_chars(g) == tr.decode_chars(e)
     assert torch.equal(tr.beam_search(model, src, skm, beam=1), got)
+    with pytest.raises(ValueError, match="beam must be a positive int"):
+        tr.beam_search(model, src, skm, beam=0)
 
 
 def test_beam_finds_the_most_likely_sequence_when_it_keeps_every_hypothesis():
@@ -146,6 +148,7 @@ def test_checkpoint_reloads_to_identical_outputs(tmp_path):
     assert torch.equal(tr.beam_search(again, src, skm, beam=2), tr.beam_search(model, src, skm, beam=2))
 
 
+@pytest.mark.slow  # seconds on a quiet CPU; a minute or more when 2 threads share a loaded one
 def test_quick_run_learns_and_reports(quick_run):
     out, result = quick_run
     m = result.metrics

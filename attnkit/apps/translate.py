@@ -150,8 +150,8 @@ class TokenEmbedding(nn.Module):
 class Seq2Seq(nn.Module):
     """An encoder-decoder Transformer over any source: ``src_embed`` turns the source into ``[B, Ls, E]``.
 
-    Pre-norm layers (stable to train without a warm-up schedule tuned per size), no dropout (the
-    data never repeats exactly). The target side is tokens with learned positions.
+    Pre-norm layers, as in most modern models; no dropout (fresh examples every step leave nothing
+    to memorise). The target side is tokens with learned positions.
 
     Args:
         src_embed: the source embedding, ``src -> [B, Ls, E]`` (token ids, image patches, ...).
@@ -238,7 +238,12 @@ def beam_search(model: Seq2Seq, src: Tensor, src_key_mask: Tensor | None = None,
 
     Returns:
         ``[B, tgt_len]`` token ids, ``PAD`` after <eos>, as :func:`greedy`.
+
+    Raises:
+        ValueError: ``beam`` is not a positive int.
     """
+    if not isinstance(beam, int) or isinstance(beam, bool) or beam < 1:
+        raise ValueError(f"beam must be a positive int (hypotheses kept per step), got {beam!r}")
     memory = model.encode(src, src_key_mask)
     b, k, n = memory.shape[0], beam, model.tgt_len
     memory = memory.repeat_interleave(k, dim=0)  # (B*k, Ls, E): beam j of row i at i*k + j
@@ -263,7 +268,7 @@ def beam_search(model: Seq2Seq, src: Tensor, src_key_mask: Tensor | None = None,
         seqs = seqs[rows]
         seqs[:, t] = tok[:, 0]
         done = done[rows] | (tok[:, 0] == EOS)
-        for c in caches:
+        for c in caches:  # each hypothesis takes the cached keys/values of the one it extends
             c.k.copy_(c.k[rows])
             c.v.copy_(c.v[rows])
         if done.all():
@@ -310,10 +315,6 @@ def recording_cross_attention(model: Seq2Seq) -> Iterator[list[list[Tensor]]]:
 # ---------------------------------------------------------------------------- train and evaluate
 
 
-def _config(overrides: dict) -> dict:
-    return {**DEFAULTS, **overrides}
-
-
 def build(config: dict) -> Seq2Seq:
     """The model for ``config`` (what :func:`load` rebuilds from ``config.json``)."""
     return Seq2Seq(TokenEmbedding(len(SRC_VOCAB), SRC_LEN, config["embed_dim"]), len(TGT_VOCAB), TGT_LEN,
@@ -356,7 +357,7 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
     alignment, save the checkpoint and pictures into ``out``."""
     out = Path(out)
     with _common.Timer() as total:
-        cfg = _config(QUICK if quick else {})
+        cfg = {**DEFAULTS, **(QUICK if quick else {})}
         if steps is not None:
             cfg["steps"] = steps
         g = _common.seed_all(seed)
