@@ -65,7 +65,6 @@ def causal_mod(offset: int = 0) -> MaskMod:
     def mod(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + offset
 
-    mod.attnkit_kind = ("causal", offset)
     mod.attnkit_rows = lambda batch, q_len, kv_len: (_zeros(q_len), _positions(q_len, offset) + 1)
     return mod
 
@@ -92,7 +91,6 @@ def window_mod(left: int | None, right: int | None, offset: int = 0) -> MaskMod:
         return (_zeros(q_len) if left is None else p - left,
                 torch.full_like(p, kv_len) if right is None else p + right + 1)
 
-    mod.attnkit_kind = ("window", left, right, offset)
     mod.attnkit_rows = rows
     return mod
 

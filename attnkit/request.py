@@ -74,11 +74,6 @@ class Request:
     def scores_shape(self) -> torch.Size:
         return self.batch_shape + (self.heads, self.q_len, self.kv_len)
 
-    @property
-    def structured(self) -> bool:
-        """True when the call has masking or scoring beyond dense tensors and plain causal."""
-        return self.window is not None or self.mask_mod is not None or self.score_mod is not None
-
     def structured_mask_mod(self) -> _masks.MaskMod | None:
         """``is_causal``, ``window`` and ``mask_mod`` as one predicate (``None`` if none is set)."""
         mods = []
