@@ -37,6 +37,7 @@ def test_scaling_keeps_the_softmax_slope_and_its_absence_saturates(findings):
     assert fig["var_unscaled_4096"] > 2000
     assert fig["frac_saturated_unscaled_4096"] > 0.5 and fig["frac_saturated_scaled_4096"] == 0.0
     assert fig["jacobian_trace_scaled_4096"] > 10 * fig["jacobian_trace_unscaled_4096"]
+    assert fig["jacobian_norm_scaled_4096"] > 3 * fig["jacobian_norm_unscaled_4096"]
     # The naive check: d/dq is larger unscaled although the softmax's own slope is smaller.
     assert fig["grad_q_unscaled_64"] > fig["grad_q_scaled_64"]
     # Trained from unit-variance q and k, the unscaled head lags far behind.

@@ -62,6 +62,7 @@ def run(quick: bool, out: Path) -> Finding:
         un, sc = softmax_stats(raw), softmax_stats(raw / math.sqrt(d))
         table.append({"d_k": d, "var_unscaled": raw.var().item(), "var_scaled": (raw / math.sqrt(d)).var().item(),
                       "trace_unscaled": un["trace"], "trace_scaled": sc["trace"],
+                      "jac_norm_unscaled": un["jac_norm"], "jac_norm_scaled": sc["jac_norm"],
                       "saturated_unscaled": un["saturated"], "saturated_scaled": sc["saturated"],
                       "grad_q_unscaled": q_grad_norm(q, k, v, 1.0),
                       "grad_q_scaled": q_grad_norm(q, k, v, 1 / math.sqrt(d))})
@@ -86,6 +87,8 @@ def run(quick: bool, out: Path) -> Finding:
     figures = {"var_unscaled_4096": last["var_unscaled"], "var_scaled_4096": last["var_scaled"],
                "jacobian_trace_unscaled_4096": last["trace_unscaled"],
                "jacobian_trace_scaled_4096": last["trace_scaled"],
+               "jacobian_norm_unscaled_4096": last["jac_norm_unscaled"],
+               "jacobian_norm_scaled_4096": last["jac_norm_scaled"],
                "frac_saturated_unscaled_4096": last["saturated_unscaled"],
                "frac_saturated_scaled_4096": last["saturated_scaled"],
                "grad_q_unscaled_64": table[1]["grad_q_unscaled"], "grad_q_scaled_64": table[1]["grad_q_scaled"],
