@@ -119,3 +119,11 @@ def test_the_picture_is_written_and_the_report_holds_it(trained):
     assert [p.name for p in images] == ["recommend_attention.png"]
     assert (out / "recommend_attention.png").read_bytes().startswith(b"\x89PNG")
     assert report_html("recommend", result.sections).count("data:image/png;base64,") == len(images)
+
+
+def test_one_seed_gives_the_same_checkpoint_to_the_last_bit(trained, tmp_path):
+    recommend.run(out=tmp_path, quick=True, progress=False)
+    assert (tmp_path / "model.safetensors").read_bytes() == (trained[1] / "model.safetensors").read_bytes()
+    other = tmp_path / "seed1"
+    recommend.run(out=other, quick=True, seed=1, progress=False)
+    assert (other / "model.safetensors").read_bytes() != (trained[1] / "model.safetensors").read_bytes()

@@ -13,7 +13,10 @@ the decision rests on; :func:`run` draws them for a few test sentences.
 
 Baselines on the same split: logistic regression on a bag of words (scikit-learn), and the bundled
 MiniLM (:meth:`attnkit.models.Bert.from_pretrained`) as frozen sentence features with a logistic
-regression head, the strong baseline (it was pretrained on a billion sentence pairs).
+regression head, the pretrained baseline. MiniLM's sentence embeddings were trained to place
+paraphrases together, not to separate praise from blame; frozen, they do no better here than the
+bag of words (76% against 77% with the defaults, seed 0), which says more about what a
+representation was trained for than about its size.
 """
 
 from __future__ import annotations
@@ -209,8 +212,15 @@ def minilm_accuracy(train_texts, train_y, test_texts, test_y) -> float:
     from ..models import Bert
 
     bert = Bert.from_pretrained()
-    with torch.no_grad():
-        train_x, test_x = (bert.encode(list(t), batch_size=128).numpy() for t in (train_texts, test_texts))
+
+    def features(texts: list[str]) -> np.ndarray:
+        # Batches of similar length waste little on padding: about half the time of file order.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        with torch.no_grad():
+            x = bert.encode([texts[i] for i in order], batch_size=128)
+        return x[torch.argsort(torch.tensor(order))].numpy()
+
+    train_x, test_x = features(list(train_texts)), features(list(test_texts))
     clf = LogisticRegression(max_iter=2000, C=4.0).fit(train_x, train_y)
     return float(clf.score(test_x, test_y))
 
