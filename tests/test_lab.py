@@ -83,6 +83,9 @@ def test_rnn_conv_path_lengths_are_measured_as_the_table_says(findings):
     f = findings["rnn_conv"]
     paths = f.figures["layers_to_link_first_and_last_of_64"]
     assert paths == {"attention": 1, "convolution": 32, "dilated convolution": 4}
+    depth = f.figures["graph_depth_by_n"]  # sequential steps: constant for attention, linear in n for a recurrence
+    assert depth[16]["attention"] == depth[64]["attention"]
+    assert depth[64]["recurrent"] - depth[32]["recurrent"] == 2 * (depth[32]["recurrent"] - depth[16]["recurrent"]) > 0
     assert f.figures["accuracy"]["shift by 1"]["conv 3"] > 0.9
     assert f.figures["accuracy"]["reverse"]["conv 3"] < 0.6
 
