@@ -100,6 +100,7 @@ def test_models_have_about_the_same_size():
     assert abs(a - b) / max(a, b) < 0.1
 
 
+@pytest.mark.slow  # shares one quick run of six trainings: 10-15 s on this 2-core machine
 def test_training_lowers_the_loss_and_beats_chance(quick_run):
     _, result = quick_run
     m = result.metrics
@@ -108,6 +109,7 @@ def test_training_lowers_the_loss_and_beats_chance(quick_run):
         assert m[key] > 0.2, (key, m[key])  # chance is 0.1
 
 
+@pytest.mark.slow  # shares one quick run of six trainings: 10-15 s on this 2-core machine
 def test_checkpoint_is_the_trained_vit(quick_run, split):
     out, result = quick_run
     model = vit.load(out)
@@ -125,6 +127,7 @@ def test_same_seed_trains_the_same_weights():
     assert la == lb and all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
+@pytest.mark.slow  # shares one quick run of six trainings: 10-15 s on this 2-core machine
 def test_pictures_are_written_and_the_report_holds_them(quick_run):
     out, result = quick_run
     images = [str(p) for s in result.sections for p in s.images]
