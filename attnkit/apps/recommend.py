@@ -38,7 +38,7 @@ K = 10  # hit rate@K
 DATA_SEED = 2024
 
 DEFAULTS: dict = {
-    "steps": 1200, "lr": 3e-3, "warmup": 100, "batch_size": 128, "embed_dim": 64, "num_heads": 2,
+    "steps": 1000, "lr": 3e-3, "warmup": 100, "batch_size": 128, "embed_dim": 64, "num_heads": 2,
     "num_layers": 2, "ffn_dim": 128, "dropout": 0.1,
     "num_items": 300, "num_themes": 100, "path_len": 24, "max_len": 20,
     "train_sessions": 20000, "test_sessions": 2000,
@@ -57,13 +57,14 @@ def make_world(num_items: int, num_themes: int, path_len: int, gen: torch.Genera
     Returns:
         ``paths [num_themes, path_len]``: each theme's path of distinct item ids;
         ``theme_p [num_themes]``: how often each theme is chosen (Zipf-like: a few are common);
-        ``item_p [num_items + 1]``: the distribution of detours (Zipf-like, ``PAD`` gets 0).
+        ``item_p [num_items + 1]``: the weights of detours (Zipf-like, ``PAD`` gets 0).
     """
     paths = torch.stack([torch.randperm(num_items, generator=gen)[:path_len] + 1 for _ in range(num_themes)])
     theme_p = 1.0 / torch.arange(1, num_themes + 1) ** 0.5
-    item_p = torch.cat([torch.zeros(1), 1.0 / torch.arange(1, num_items + 1).float()])
-    return paths, theme_p / theme_p.sum(), item_p[torch.cat([torch.zeros(1, dtype=torch.long),
-                                                              torch.randperm(num_items, generator=gen) + 1])]
+    # Detours by popularity 1 / rank, the ranks shuffled over the items; PAD is never drawn.
+    rank = torch.randperm(num_items, generator=gen) + 1  # (num_items,), rank of items 1..num_items
+    item_p = torch.cat([torch.zeros(1), 1.0 / rank.float()])
+    return paths, theme_p / theme_p.sum(), item_p
 
 
 def make_sessions(n: int, paths: Tensor, theme_p: Tensor, item_p: Tensor, max_len: int,
