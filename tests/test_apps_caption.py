@@ -55,6 +55,16 @@ def test_strips_place_each_digit_in_its_own_columns(digits):
         assert m.tolist() == [True] * (n * cap.PATCHES_PER_DIGIT) + [False] * ((5 - n) * cap.PATCHES_PER_DIGIT)
 
 
+def test_jitter_moves_each_digit_by_at_most_one_pixel(digits):
+    (x, _), _ = digits
+    moved = cap.jitter(x[:200], torch.Generator().manual_seed(3))
+    padded = torch.nn.functional.pad(x[:200], (1, 1, 1, 1))
+    shifts = torch.stack([padded[:, dy:dy + 8, dx:dx + 8] for dy in range(3) for dx in range(3)], dim=1)
+    which = (shifts == moved[:, None]).all(-1).all(-1)  # (N, 9): the shifts each result equals
+    assert which.any(dim=1).all()
+    assert which[:, 4].float().mean() < 0.5  # most are moved (4 = no shift; 1 in 9 expected)
+
+
 def test_patches_are_column_slices_left_to_right():
     strips = torch.arange(2 * 8 * 40, dtype=torch.float32).reshape(2, 8, 40)
     p = cap.patches(strips)
