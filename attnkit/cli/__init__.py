@@ -65,13 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"{__name__}.{name}":  # not written yet
-                continue
-            raise
-        mod.add_parser(sub)
+        importlib.import_module(f"{__name__}.{name}").add_parser(sub)
     return parser
 
 
