@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ._text import describe
+
 __all__ = ["KVCache"]
 
 
@@ -79,6 +81,23 @@ class KVCache(nn.Module):
         """Forget everything cached (the buffers keep their memory; stale entries are never read)."""
         self._len = 0
         self.cache_pos.zero_()
+
+    def reorder(self, index: Tensor) -> None:
+        """Row ``i`` takes row ``index[i]``'s cached keys and values, in place (beam search: each
+        hypothesis continues the one it extends; rows may repeat).
+
+        Raises:
+            ValueError: ``index`` is not an int64 tensor ``[B]`` with entries in ``[0, B)``.
+        """
+        b = self.batch_size
+        if not isinstance(index, Tensor) or index.shape != (b,) or index.dtype != torch.long:
+            raise ValueError(f"index must be an int64 tensor of shape [{b}] (batch_size), got {describe(index)}")
+        if bool(((index < 0) | (index >= b)).any()):
+            raise ValueError(f"index entries must be in [0, {b}), got {index.tolist()}")
+        n = self._len  # only the filled prefix: stale positions are never read
+        index = index.to(self.k.device)
+        self.k[:, :, :n].copy_(self.k[:, :, :n].index_select(0, index))
+        self.v[:, :, :n].copy_(self.v[:, :, :n].index_select(0, index))
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write ``L`` new positions and return the filled prefix.

@@ -140,3 +140,23 @@ def test_need_weights_with_cache_cover_all_cached_keys():
     _, w = mha(x[:, 4:], cache=cache, is_causal=True, need_weights=True)
     assert w.shape == (1, 2, 1, 5)
     close(w, full_w[:, :, 4:])
+
+
+def test_reorder_gives_each_row_the_cached_keys_of_the_row_it_continues():
+    cache = KVCache(3, 6, num_kv_heads=2, head_dim=4, v_head_dim=5)
+    k, v = torch.randn(3, 2, 4, 4), torch.randn(3, 2, 4, 5)
+    cache.update(k, v)
+    index = torch.tensor([2, 2, 0])
+    cache.reorder(index)
+    assert torch.equal(cache.k[:, :, :4], k[index]) and torch.equal(cache.v[:, :, :4], v[index])
+    assert cache.seq_len == 4
+    k_all, _ = cache.update(torch.ones(3, 2, 1, 4), torch.ones(3, 2, 1, 5))  # appending still works after it
+    assert torch.equal(k_all[:, :, :4], k[index]) and k_all.shape[2] == 5
+
+
+@pytest.mark.parametrize("index", [torch.tensor([0, 1]), torch.tensor([0, 1, 3]), torch.tensor([0.0, 1.0, 2.0]),
+                                   [0, 1, 2], torch.tensor([-1, 0, 1])])
+def test_reorder_refuses_a_bad_index_naming_it(index):
+    cache = KVCache(3, 4, num_kv_heads=1, head_dim=2)
+    with pytest.raises(ValueError, match="index"):
+        cache.reorder(index)

@@ -2,6 +2,7 @@
 
 * :func:`rollout` - attention rollout (Abnar & Zuidema 2020) with residual term and head fusion.
 * :func:`entropy`, :func:`mean_distance` - per-head summaries of attention maps.
+* :func:`recorded_weights` - the weights of a model's own forward pass, kept by hooks.
 * :func:`attention_cost`, :func:`projection_params` - a complexity calculator (FLOPs, score-matrix
   memory, parameter counts), including the single- versus multi-head comparison that a widely copied
   count gets wrong (1,032,192 parameters for d = 512 and 8 heads, where the total is 1,048,576).
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .complexity import AttentionCost, attention_cost, compare_heads, projection_params
     from .heads import entropy, mean_distance
+    from .record import recorded_weights
     from .rollout import fuse_heads, rollout
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "fuse_heads",
     "mean_distance",
     "projection_params",
+    "recorded_weights",
     "rollout",
 ]
 
@@ -30,7 +33,7 @@ __all__ = [
 #: does not import torch, which ``heads`` and ``rollout`` need.
 _FROM = {"AttentionCost": "complexity", "attention_cost": "complexity", "compare_heads": "complexity",
          "projection_params": "complexity", "entropy": "heads", "mean_distance": "heads",
-         "fuse_heads": "rollout", "rollout": "rollout"}
+         "fuse_heads": "rollout", "rollout": "rollout", "recorded_weights": "record"}
 
 
 def __getattr__(name: str):

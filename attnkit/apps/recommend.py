@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..analysis.record import recorded_weights
 from ..modules import MultiHeadAttention, TransformerEncoder, TransformerEncoderLayer
 from ..viz.report import Section
 from . import _common
@@ -145,30 +146,12 @@ def load(dir: str | Path) -> SASRec:
 @contextmanager
 def recorded_attention(model: nn.Module):
     """Within the block, every :class:`MultiHeadAttention` of ``model`` also records its weights
-    ``[B, H, Lq, Lk]`` into the yielded list, in call order. Outputs are those of the backend that
-    returns weights (the reference), equal to the usual ones up to rounding.
-
-    Hooks rather than a second code path, so the weights are those of the very forward pass.
-    """
+    ``[B, H, Lq, Lk]`` into the yielded list, in call order (:func:`attnkit.analysis.recorded_weights`
+    keeps one list per module; a forward pass calls each module once, so they are joined in order)."""
     maps: list[Tensor] = []
-
-    def ask(module, args, kwargs):
-        return args, {**kwargs, "need_weights": True}
-
-    def keep(module, args, kwargs, output):
-        maps.append(output[1].detach())
-        return output[0]
-
-    handles = []
-    for m in model.modules():
-        if isinstance(m, MultiHeadAttention):
-            handles += [m.register_forward_pre_hook(ask, with_kwargs=True),
-                        m.register_forward_hook(keep, with_kwargs=True)]
-    try:
+    with recorded_weights(m for m in model.modules() if isinstance(m, MultiHeadAttention)) as rec:
         yield maps
-    finally:
-        for h in handles:
-            h.remove()
+    maps.extend(w for calls in zip(*rec, strict=True) for w in calls)
 
 
 # --------------------------------------------------------------------------- evaluation

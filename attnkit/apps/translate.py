@@ -15,14 +15,13 @@ task; ``caption`` reuses them with image patches as the source.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..analysis.record import recorded_weights
 from ..cache import KVCache
 from ..modules import Transformer
 from ..positional import LearnedPositionalEmbedding
@@ -269,48 +268,23 @@ def beam_search(model: Seq2Seq, src: Tensor, src_key_mask: Tensor | None = None,
         seqs[:, t] = tok[:, 0]
         done = done[rows] | (tok[:, 0] == EOS)
         for c in caches:  # each hypothesis takes the cached keys/values of the one it extends
-            c.k.copy_(c.k[rows])
-            c.v.copy_(c.v[rows])
+            c.reorder(rows)
         if done.all():
             break
     best = score.argmax(-1) + torch.arange(b) * k
     return seqs[best]
 
 
-@contextmanager
-def recording_cross_attention(model: Seq2Seq) -> Iterator[list[list[Tensor]]]:
+def recording_cross_attention(model: Seq2Seq):
     """Inside the block, every decoder layer's cross-attention weights are kept.
 
     Yields:
         One list per decoder layer, appended to on each call with ``[B, H, Lt, Ls]`` (``Lt`` = 1
         per step when decoding with the cache; ``torch.cat(..., dim=2)`` joins the steps).
-
-    The decoder layer calls its ``cross_attn`` without ``need_weights``; a pre-hook asks for them
-    and a hook takes them off the output again, so the layer sees the output it always does
-    (computed by the backend that returns weights, so equal to the usual one up to rounding).
+        See :func:`attnkit.analysis.recorded_weights`.
     """
-    layers = model.transformer.decoder.layers
-    records: list[list[Tensor]] = [[] for _ in layers]
+    return recorded_weights(layer.cross_attn for layer in model.transformer.decoder.layers)
 
-    def ask(module, args, kwargs):
-        return args, {**kwargs, "need_weights": True}
-
-    def keep(i):
-        def hook(module, args, kwargs, output):
-            out, weights = output
-            records[i].append(weights.detach())
-            return out
-        return hook
-
-    handles = []
-    for i, layer in enumerate(layers):
-        handles.append(layer.cross_attn.register_forward_pre_hook(ask, with_kwargs=True))
-        handles.append(layer.cross_attn.register_forward_hook(keep(i), with_kwargs=True))
-    try:
-        yield records
-    finally:
-        for h in handles:
-            h.remove()
 
 # ---------------------------------------------------------------------------- train and evaluate
 
