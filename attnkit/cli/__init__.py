@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 #: Subcommand modules, in the order ``--help`` lists them.
 COMMANDS = ["demo", "viz", "complexity", "bench", "lab", "train"]
@@ -30,15 +32,32 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def index(text: str) -> int:
-    """argparse type for a layer or head number: an integer from 0."""
+def int_at_least(minimum: int, note: str = "") -> Callable[[str], int]:
+    """argparse type: an integer from ``minimum``; ``note`` says why, in the error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer from {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer from {minimum}{note}, got {value}")
+        return value
+    return parse
+
+
+#: A layer or head number; ``--steps`` and other counts.
+index = int_at_least(0, " (layers and heads count from 0)")
+positive_int = int_at_least(1)
+
+
+def prepare_out(out: Path) -> None:
+    """Create the ``--out`` folder, or raise :class:`UserError` saying in one line why it cannot be."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer from 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer from 0 (layers and heads count from 0), got {value}")
-    return value
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create this folder ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: this folder is not writable")
 
 
 class LazyChoices:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 
@@ -27,7 +26,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..lab import EXPERIMENTS, check_names
-    from . import UserError
+    from . import UserError, prepare_out
 
     if args.list:
         width = max(map(len, EXPERIMENTS))
@@ -38,7 +37,7 @@ def run(args) -> int:
         names = check_names(args.names)
     except ValueError as e:
         raise UserError(str(e)) from None
-    _check_out(args.out)
+    prepare_out(args.out)
     from ..lab import run_one, verdict_table, write_report
 
     findings = []
@@ -56,13 +55,3 @@ def run(args) -> int:
     return 0
 
 
-def _check_out(out: Path) -> None:
-    """Create ``--out``, or raise a one-line :class:`UserError` if it cannot be created or written into."""
-    from . import UserError
-
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot create this folder ({e.strerror or e})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise UserError(f"--out {out}: this folder is not writable")

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 from pathlib import Path
 
 from ..apps import TASKS
-
-
-def positive_int(text: str) -> int:
-    """argparse type for ``--steps``: an integer from 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer from 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer from 1, got {value}")
-    return value
+from . import positive_int
 
 
 def add_parser(sub) -> None:
@@ -38,7 +27,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from . import UserError
+    from . import UserError, prepare_out
 
     out = args.out if args.out is not None else Path(f"attnkit-{args.task}")
     try:
@@ -48,7 +37,6 @@ def run(args) -> int:
             raise UserError(f"task {args.task!r} is not available in this version") from None
         raise UserError(f"the applications need {e.name}: pip install 'attnkit[apps]'") from None
     from ..apps._common import table
-    from ..demos.real_model import prepare_out
     from ..viz.report import Section, write_report
 
     prepare_out(out)  # an unwritable --out fails here, before minutes of training

