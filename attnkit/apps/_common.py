@@ -26,6 +26,14 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 
 
+def settings(defaults: dict, quick_overrides: dict, *, quick: bool, steps: int | None) -> dict:
+    """A task's settings: its ``DEFAULTS``, with its ``QUICK`` sizes for a smoke run, and ``steps`` if given."""
+    cfg = {**defaults, **(quick_overrides if quick else {})}
+    if steps is not None:
+        cfg["steps"] = steps
+    return cfg
+
+
 def seed_all(seed: int) -> torch.Generator:
     """Seed torch, ``random`` and numpy; return a generator seeded with ``seed`` for the data.
 

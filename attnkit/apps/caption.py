@@ -205,9 +205,7 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
     save the checkpoint and picture into ``out``."""
     out = Path(out)
     with _common.Timer() as total:
-        cfg = {**DEFAULTS, **(QUICK if quick else {})}
-        if steps is not None:
-            cfg["steps"] = steps
+        cfg = _common.settings(DEFAULTS, QUICK, quick=quick, steps=steps)
         g = _common.seed_all(seed)
         (train_x, train_y), (test_x, test_y) = load_digits_split(g)
         model = build(cfg)

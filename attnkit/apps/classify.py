@@ -261,9 +261,7 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
     Returns:
         :class:`~attnkit.apps._common.Result` with the accuracies, the data set's name and sizes.
     """
-    cfg = {**DEFAULTS, **(QUICK if quick else {})}
-    if steps is not None:
-        cfg["steps"] = steps
+    cfg = _common.settings(DEFAULTS, QUICK, quick=quick, steps=steps)
     out = Path(out)
     with Timer() as total:
         gen = _common.seed_all(seed)

@@ -218,9 +218,7 @@ def draw_session(weights: Tensor, session: list[int], theme_items: set[int], lay
 def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = False, progress: bool = True) -> Result:
     """Generate the sessions, train SASRec from scratch, compare hit rate@10 with the baselines,
     save the checkpoint and the attention picture into ``out``."""
-    cfg = {**DEFAULTS, **(QUICK if quick else {})}
-    if steps is not None:
-        cfg["steps"] = steps
+    cfg = _common.settings(DEFAULTS, QUICK, quick=quick, steps=steps)
     out = Path(out)
     with Timer() as total:
         data_gen = torch.Generator().manual_seed(DATA_SEED)

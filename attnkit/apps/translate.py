@@ -331,9 +331,7 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
     alignment, save the checkpoint and pictures into ``out``."""
     out = Path(out)
     with _common.Timer() as total:
-        cfg = {**DEFAULTS, **(QUICK if quick else {})}
-        if steps is not None:
-            cfg["steps"] = steps
+        cfg = _common.settings(DEFAULTS, QUICK, quick=quick, steps=steps)
         g = _common.seed_all(seed)
         train_days, test_days = split_days(g)
         model = build(cfg)

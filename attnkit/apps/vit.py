@@ -288,9 +288,7 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
         progress: draw progress bars on stderr.
     """
     t0 = time.perf_counter()
-    cfg = {**DEFAULTS, **(QUICK if quick else {})}
-    if steps is not None:
-        cfg["steps"] = steps
+    cfg = _common.settings(DEFAULTS, QUICK, quick=quick, steps=steps)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     x_tr, y_tr, x_te, y_te = digits()
