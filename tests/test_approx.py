@@ -1,0 +1,224 @@
+"""attnkit.approx: each approximation against its own definition (float64), and the exact cases it contains."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+from attnkit import approx
+from attnkit.approx import kernel, nystrom
+
+from . import oracle
+from .test_linear import quadratic
+from .tolerances import close
+
+
+def qkv(b=2, h=2, hkv=1, lq=7, lk=9, e=4, ev=3, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, lq, e, generator=g, dtype=torch.float64) * scale
+    k = torch.randn(b, hkv, lk, e, generator=g, dtype=torch.float64) * scale
+    v = torch.randn(b, hkv, lk, ev, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+def key_padding(b, lk, seed=0):
+    km = torch.rand(b, lk, generator=torch.Generator().manual_seed(seed)) > 0.3
+    km[:, 0] = True
+    return km
+
+
+def feature_map(kind, e, num_features=64, seed=0):
+    if kind == "performer":
+        w = kernel.orthogonal_features(num_features, e, generator=torch.Generator().manual_seed(seed))
+        return kernel.favor_feature_map(w, 1.0 / math.sqrt(e))
+    return {"elu": kernel.elu_feature_map, "relu": kernel.relu_feature_map}[kind]
+
+
+@pytest.mark.parametrize("kind", ["elu", "relu", "performer"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("chunk", [1, 3, 128])
+def test_kernel_kinds_match_quadratic_form(kind, is_causal, chunk):
+    """Chunked causal (and non-causal) kernel attention == phi(Q) phi(K)^T written out, masked, GQA, Lq != Lk."""
+    q, k, v = qkv()
+    km = key_padding(2, 9)
+    args = {"num_features": 64, "seed": 0} if kind == "performer" else {}
+    out = approx.attention(q, k, v, kind=kind, is_causal=is_causal, mask=km[:, None, None, :], chunk_size=chunk,
+                           **args)
+    eps = 0.0 if kind == "performer" else 1e-6  # FAVOR+ runs unbiased, without eps
+    close(out, quadratic(q, k, v, feature_map(kind, 4), is_causal=is_causal, key_mask=km, eps=eps))
+
+
+@pytest.mark.parametrize("kind", ["elu", "relu", "performer"])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_recurrent_state_equals_causal_form(kind, chunk):
+    q, k, v = qkv(h=2, hkv=2, lq=8, lk=8)
+    w = kernel.orthogonal_features(32, 4, generator=torch.Generator().manual_seed(3))
+    extra = {"projection": w} if kind == "performer" else {}
+    full = approx.attention(q, k, v, kind=kind, is_causal=True, **extra)
+    state, outs = None, []
+    for s in range(0, 8, chunk):
+        out, state = approx.step(state, q[..., s:s + chunk, :], k[..., s:s + chunk, :], v[..., s:s + chunk, :],
+                                 kind=kind, **extra)
+        outs.append(out)
+    close(torch.cat(outs, -2), full)
+
+
+@pytest.mark.parametrize("lq, lk", [(6, 6), (5, 8)])
+def test_nystrom_with_one_landmark_per_token_is_softmax_attention(lq, lk):
+    q, k, v = qkv(lq=lq, lk=lk)
+    km = key_padding(2, lk)
+    out = approx.attention(q, k, v, kind="nystrom", num_landmarks=lk, exact_pinv=True, mask=km[:, None, None, :])
+    allowed = km[:, None, None, :].expand(2, 2, lq, lk)
+    close(out, oracle.attention(q, k, v, allowed=allowed)[0])
+
+
+def test_nystrom_iterative_pinv_converges_to_the_pseudo_inverse():
+    """The paper's iteration (6 steps by default) on a softmax matrix; error bound stated per iteration count."""
+    q, k, _ = qkv(lq=8, lk=8, hkv=2)
+    a = torch.softmax(q @ k.transpose(-2, -1) / 2, -1)
+    exact = torch.linalg.pinv(a)
+    errors = [((nystrom.iterative_pinv(a, n) - exact).norm() / exact.norm()).item() for n in (2, 6, 30)]
+    assert errors[2] < errors[1] < errors[0], errors
+    assert errors[2] < 1e-8, errors
+
+
+def test_nystrom_segment_means_with_uneven_segments():
+    x = torch.arange(7, dtype=torch.float64)[:, None]
+    close(nystrom.segment_means(x, 3), torch.tensor([[1.0], [3.5], [5.5]], dtype=torch.float64))
+
+
+def test_performer_error_falls_as_features_grow():
+    """FAVOR+ is unbiased for exp(q.k / sqrt(d)): relative error, mean of 3 seeds, falls with m; < 3% at 4096."""
+    q, k, v = qkv(b=1, h=1, hkv=1, lq=32, lk=32, e=8, ev=8, scale=0.5)
+    exact = oracle.attention(q, k, v)[0]
+    errors = {}
+    for m in (16, 256, 4096):
+        errs = [(approx.attention(q, k, v, kind="performer", num_features=m, seed=s) - exact).norm() / exact.norm()
+                for s in range(3)]
+        errors[m] = sum(e.item() for e in errs) / 3
+    assert errors[4096] < errors[256] < errors[16], errors
+    assert errors[4096] < 0.03, errors
+
+
+def test_linformer_identity_projections_at_n_equal_k_is_softmax_attention():
+    q, k, v = qkv(lq=6, lk=6)
+    proj = approx.LinformerProjection(6, 6).double()
+    with torch.no_grad():
+        proj.e.copy_(torch.eye(6))
+        proj.f.copy_(torch.eye(6))
+    close(approx.attention(q, k, v, kind="linformer", projection=proj), oracle.attention(q, k, v)[0])
+
+
+def loop_attention(score, q, k, v, allowed):
+    """softmax over allowed keys of ``score(qi, kj)``, one query at a time; empty rows give zeros."""
+    b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    out = torch.zeros(b, h, lq, v.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(lq):
+                js = [j for j in range(lk) if allowed[bi, hi, i, j]]
+                if not js:
+                    continue
+                s = torch.stack([score(hi, q[bi, hi, i], k[bi, hi, j]) for j in js])
+                w = torch.exp(s - s.max()) / torch.exp(s - s.max()).sum()
+                out[bi, hi, i] = sum(wj * v[bi, hi, j] for wj, j in zip(w, js, strict=True))
+    return out
+
+
+def masked_case(lq=5, lk=6):
+    """Causal plus an arbitrary mask that empties one query row."""
+    q, k, v = qkv(h=2, hkv=2, lq=lq, lk=lk)
+    mask = torch.rand(2, 2, lq, lk, generator=torch.Generator().manual_seed(5)) > 0.4
+    mask[0, 1, 2] = False
+    return q, k, v, mask, oracle.allowed_grid(2, 2, lq, lk, is_causal=True, mask=mask)
+
+
+def test_additive_matches_loop_formula():
+    q, k, v, mask, allowed = masked_case()
+    g = torch.Generator().manual_seed(2)
+    wq, wk = torch.randn(2, 3, 4, generator=g, dtype=torch.float64), torch.randn(2, 3, 4, generator=g,
+                                                                                 dtype=torch.float64)
+    w = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    out = approx.attention(q, k, v, kind="additive", mask=mask, is_causal=True, query_weight=wq, key_weight=wk,
+                           score_vector=w)
+    close(out, loop_attention(lambda h, qi, kj: w[h] @ torch.tanh(wq[h] @ qi + wk[h] @ kj), q, k, v, allowed))
+
+
+def test_multiplicative_and_dot_match_loop_formula():
+    q, k, v, mask, allowed = masked_case()
+    wm = torch.randn(4, 4, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    out = approx.attention(q, k, v, kind="multiplicative", mask=mask, is_causal=True, weight=wm)
+    close(out, loop_attention(lambda h, qi, kj: qi @ wm @ kj, q, k, v, allowed))
+    out = approx.attention(q, k, v, kind="dot", mask=mask, is_causal=True)
+    close(out, loop_attention(lambda h, qi, kj: qi @ kj, q, k, v, allowed))  # unscaled
+
+
+def kind_args(kind, e=3):
+    g = torch.Generator().manual_seed(6)
+    if kind == "performer":
+        return {"num_features": 8}
+    if kind == "nystrom":
+        return {"num_landmarks": 2}
+    if kind == "linformer":
+        return {"projection": approx.LinformerProjection(8, 3).double().requires_grad_(False)}
+    if kind == "multiplicative":
+        return {"weight": torch.randn(e, e, generator=g, dtype=torch.float64)}
+    if kind == "additive":
+        return {"score_vector": torch.randn(2, generator=g, dtype=torch.float64),
+                "query_weight": torch.randn(2, e, generator=g, dtype=torch.float64),
+                "key_weight": torch.randn(2, e, generator=g, dtype=torch.float64)}
+    return {}
+
+
+@pytest.mark.parametrize("kind", approx.KINDS)
+def test_gradcheck(kind):
+    q, k, v = (t.requires_grad_() for t in qkv(b=1, h=2, hkv=2, lq=4, lk=5, e=3, ev=2))
+    args = kind_args(kind)
+    causal = "is_causal" in approx.SUPPORTS[kind]
+    assert gradcheck(lambda q, k, v: approx.attention(q, k, v, kind=kind, is_causal=causal, **args), (q, k, v))
+
+
+def test_gradcheck_reaches_score_parameters():
+    q, k, v = qkv(b=1, h=1, hkv=1, lq=3, lk=4, e=3, ev=2)
+    args = {name: t.requires_grad_() for name, t in kind_args("additive").items()}
+    assert gradcheck(lambda a, b, c: approx.attention(q, k, v, kind="additive", score_vector=a, query_weight=b,
+                                                      key_weight=c), tuple(args.values()))
+
+
+@pytest.mark.parametrize("call, pattern", [
+    (dict(kind="softmax"), r"kind must be one of \('elu'.*got 'softmax'"),
+    (dict(kind="performer", num_features=0), r"performer: num_features must be an int >= 1, got 0"),
+    (dict(kind="nystrom", num_landmarks=0), r"nystrom: num_landmarks must be an int >= 1, got 0"),
+    (dict(kind="nystrom", features=3), r"nystrom: unknown argument\(s\) \['features'\]; it takes \['num_landmarks'"),
+    (dict(kind="nystrom", mask=torch.ones(5, 6, dtype=torch.bool).tril()),
+     r"nystrom cannot honour a mask of shape \(5, 6\) exactly .* it supports: key-padding mask"),
+    (dict(kind="nystrom", is_causal=True), r"nystrom cannot honour is_causal exactly; it supports: key-padding mask"),
+    (dict(kind="linformer", projection=approx.LinformerProjection(4, 2)),
+     r"linformer: key length 6 exceeds the projections' max_len 4"),
+    (dict(kind="linformer", mask=torch.ones(6, dtype=torch.bool), projection=approx.LinformerProjection(8, 2)),
+     r"linformer cannot honour a mask of shape \(6,\) exactly .* it supports: no mask"),
+    (dict(kind="elu", mask=torch.ones(5, 6, dtype=torch.bool)), r"elu cannot honour a mask of shape \(5, 6\)"),
+])
+def test_bad_input(call, pattern):
+    q, k, v = (torch.randn(1, 2, n, 4) for n in (5, 6, 6))
+    with pytest.raises(ValueError, match=pattern):
+        approx.attention(q, k, v, **call)
+
+
+def test_linformer_projection_sizes_checked():
+    with pytest.raises(ValueError, match=r"linformer: k must be an int >= 1, got 0"):
+        approx.LinformerProjection(8, 0)
+
+
+@pytest.mark.parametrize("kind", ["elu", "relu", "performer", "nystrom"])
+def test_keys_all_padded_give_zeros(kind):
+    """A batch element with every key padded attends nothing: zeros, not NaN (FAVOR+ runs without eps)."""
+    q, k, v = qkv(b=2, lq=4, lk=5)
+    km = torch.ones(2, 5, dtype=torch.bool)
+    km[1] = False
+    out = approx.attention(q, k, v, kind=kind, mask=km[:, None, None, :])
+    close(out[1], torch.zeros_like(out[1]))
+    assert out[0].abs().sum() > 0
