@@ -222,3 +222,51 @@ def test_keys_all_padded_give_zeros(kind):
     out = approx.attention(q, k, v, kind=kind, mask=km[:, None, None, :])
     close(out[1], torch.zeros_like(out[1]))
     assert out[0].abs().sum() > 0
+
+
+def twin_modules(**kind):
+    """An exact MultiHeadAttention and one with ``kind``, same weights, float64."""
+    from attnkit import MultiHeadAttention
+
+    torch.manual_seed(0)
+    exact = MultiHeadAttention(8, 2).double()
+    other = MultiHeadAttention(8, 2, **kind).double()
+    other.load_state_dict(exact.state_dict(), strict=False)
+    return exact, other
+
+
+def test_module_kind_nystrom_with_a_landmark_per_token_equals_exact_module():
+    exact, other = twin_modules(kind="nystrom", kind_args={"num_landmarks": 64, "exact_pinv": True})
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    km = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    close(other(x, key_mask=km), exact(x, key_mask=km))
+    assert other.approx is not None and exact.approx is None
+
+
+def test_module_kind_performer_uses_its_features_and_redraws_them():
+    _, m = twin_modules(kind="performer", kind_args={"num_features": 16, "seed": 3})
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    q, k, v = m.project_qkv(x, x, x)
+    w = kernel.orthogonal_features(16, 4, generator=torch.Generator().manual_seed(3))
+    expected = m.out_proj(approx.attention(q, k, v, kind="performer", projection=w).transpose(1, 2).reshape(1, 5, 8))
+    first = m(x, is_causal=True)
+    close(m(x), expected)
+    m.approx.redraw()
+    assert (m(x, is_causal=True) - first).abs().max() > 1e-3  # new features, another estimate
+    m.approx.redraw(3)
+    close(m(x, is_causal=True), first)
+
+
+def test_module_kind_refuses_what_it_cannot_do():
+    _, m = twin_modules(kind="linformer", kind_args={"max_len": 8, "k": 4})
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"kind 'linformer' takes mask, key_mask and is_causal; got .'need_weights'."):
+        m(x, need_weights=True)
+    with pytest.raises(ValueError, match=r"linformer cannot honour is_causal exactly; it supports: no mask"):
+        m(x, is_causal=True)
+    with pytest.raises(ValueError, match=r"linformer: key length 9 exceeds the projections' max_len 8"):
+        m(torch.randn(1, 9, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"kind must be one of .* got 'fast'"):
+        twin_modules(kind="fast")
+    m.set_kind(None)
+    assert m(x, need_weights=True)[1].shape == (1, 2, 5, 5)

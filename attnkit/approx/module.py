@@ -30,26 +30,29 @@ class ApproxAttention(nn.Module):
             (additive, default ``head_dim``), or any argument :func:`attnkit.approx.attention` takes for the kind.
     """
 
-    def __init__(self, kind: str, *, num_heads: int, head_dim: int, **kind_args) -> None:
+    def __init__(self, kind: str, *, num_heads: int, head_dim: int, device=None, dtype=None, **kind_args) -> None:
         super().__init__()
+        fk = {"device": device, "dtype": dtype}
         check_kind(kind)
         self.kind = kind
         args = dict(kind_args)
         if kind == "performer":
             self.num_features, self.seed = args.pop("num_features", 256), args.pop("seed", 0)
-            self.register_buffer("projection", torch.empty(0, head_dim), persistent=False)
+            # float64 like the draw itself: the features are then as exact as the model's dtype allows
+            self.register_buffer("projection", torch.empty(0, head_dim, device=device, dtype=torch.float64),
+                                 persistent=False)
             self.head_dim = head_dim
             self.redraw(self.seed)
         elif kind == "linformer":
-            self.projection = LinformerProjection(args.pop("max_len", 512), args.pop("k", 64))
+            self.projection = LinformerProjection(args.pop("max_len", 512), args.pop("k", 64), **fk)
         elif kind == "multiplicative":
-            self.weight = nn.Parameter(torch.eye(head_dim).repeat(num_heads, 1, 1))
+            self.weight = nn.Parameter(torch.eye(head_dim, **fk).repeat(num_heads, 1, 1))
         elif kind == "additive":
             hidden = args.pop("hidden", head_dim)
             bound = 1.0 / math.sqrt(head_dim)
-            self.query_weight = nn.Parameter(torch.empty(num_heads, hidden, head_dim).uniform_(-bound, bound))
-            self.key_weight = nn.Parameter(torch.empty(num_heads, hidden, head_dim).uniform_(-bound, bound))
-            self.score_vector = nn.Parameter(torch.empty(num_heads, hidden).uniform_(-bound, bound))
+            self.query_weight = nn.Parameter(torch.empty(num_heads, hidden, head_dim, **fk).uniform_(-bound, bound))
+            self.key_weight = nn.Parameter(torch.empty(num_heads, hidden, head_dim, **fk).uniform_(-bound, bound))
+            self.score_vector = nn.Parameter(torch.empty(num_heads, hidden, **fk).uniform_(-bound, bound))
         unknown = sorted(set(args) - set(kind_arguments(kind)))
         if unknown:
             raise ValueError(f"{kind}: unknown argument(s) {unknown}")
@@ -61,7 +64,7 @@ class ApproxAttention(nn.Module):
             raise ValueError(f"redraw is for kind 'performer', this is {self.kind!r}")
         self.seed = self.seed + 1 if seed is None else seed
         w = orthogonal_features(self.num_features, self.head_dim, generator=torch.Generator().manual_seed(self.seed))
-        self.projection = w.to(device=self.projection.device)
+        self.projection = w.to(device=self.projection.device, dtype=self.projection.dtype)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, is_causal: bool = False,
                 scale: float | None = None) -> Tensor:

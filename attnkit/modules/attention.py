@@ -50,6 +50,10 @@ class MultiHeadAttention(nn.Module):
         position_bias: an object with ``score_mod(q, k, *, offset) -> score_mod``, e.g.
             :class:`attnkit.positional.ALiBi`, ``T5RelativeBias``, ``RelativeKeyEmbedding``; it
             is registered as a submodule when it is an ``nn.Module`` (learned tables train).
+        kind: ``None`` (default) for exact attention through ``backend``, or an approximate or
+            alternative method from :data:`attnkit.approx.KINDS` (``"performer"``, ``"nystrom"``,
+            ...), opted into by name; see :meth:`set_kind`.
+        kind_args: that method's arguments, e.g. ``{"num_features": 128}``.
 
     Raises:
         ValueError: sizes that do not fit together, naming them.
@@ -74,6 +78,8 @@ class MultiHeadAttention(nn.Module):
         scale: float | None = None,
         rotary=None,
         position_bias=None,
+        kind: str | None = None,
+        kind_args: dict | None = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -124,6 +130,29 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = None if share_kv else nn.Linear(vdim, num_kv_heads * v_head_dim, bias=bias, **fk)
         self.out_proj = nn.Linear(num_heads * v_head_dim, embed_dim, bias=bias, **fk)
         self.reset_parameters()
+        self.approx = None
+        if kind is not None:
+            self.set_kind(kind, **(kind_args or {}))
+        elif kind_args:
+            raise ValueError(f"kind_args {sorted(kind_args)} need a kind (kind=None is exact attention)")
+
+    def set_kind(self, kind: str | None, **kind_args) -> MultiHeadAttention:
+        """Attend by an approximate or alternative method from now on (``None``: exact again); returns self.
+
+        The projections stay; the method's own parameters (:class:`attnkit.approx.ApproxAttention`)
+        are created fresh on the projections' device and dtype. Such a module takes ``mask``,
+        ``key_mask`` and ``is_causal`` (as far as the method honours them), no ``bias``, ``window``,
+        ``mask_mod``, ``score_mod``, ``position_bias`` or ``need_weights``, and no dropout.
+        """
+        if kind is None:
+            self.approx = None
+            return self
+        from ..approx import ApproxAttention  # only loaded when asked for
+
+        w = self.q_proj.weight
+        self.approx = ApproxAttention(kind, num_heads=self.num_heads, head_dim=self.head_dim, device=w.device,
+                                      dtype=w.dtype, **kind_args)
+        return self
 
     def reset_parameters(self) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
@@ -224,6 +253,10 @@ class MultiHeadAttention(nn.Module):
             k = self.rotary(k, start)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, Lk, D): everything cached so far
+        if self.approx is not None:
+            return self._approx_forward(q, k, v, mask, is_causal, bias=bias, window=window, mask_mod=mask_mod,
+                                        score_mod=score_mod, position_bias=self.position_bias,
+                                        need_weights=need_weights or None)
         if self.position_bias is not None:
             pos_mod = self.position_bias.score_mod(q, k, offset=kv_len - q.shape[-2])
             score_mod = pos_mod if score_mod is None else compose(pos_mod, score_mod)
@@ -234,6 +267,15 @@ class MultiHeadAttention(nn.Module):
         out, weights = res if need_weights else (res, None)
         out = self.out_proj(merge_heads(out))  # (B, Lq, embed_dim)
         return (out, weights) if need_weights else out
+
+    def _approx_forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+                        **refused) -> Tensor:
+        given = sorted(name for name, val in refused.items() if val is not None)
+        if given:
+            raise ValueError(f"kind {self.approx.kind!r} takes mask, key_mask and is_causal; got {given} "
+                             "(exact attention, kind=None, takes them)")
+        out = self.approx(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale)
+        return self.out_proj(merge_heads(out))  # (B, Lq, embed_dim)
 
     # ---------------------------------------------------------------- torch.nn interop
 
@@ -246,9 +288,10 @@ class MultiHeadAttention(nn.Module):
 
     def to_torch(self) -> nn.MultiheadAttention:
         """An equivalent ``torch.nn.MultiheadAttention(batch_first=True)``, where one exists."""
-        if self.rotary is not None or self.position_bias is not None or self.scale is not None or self.share_qk:
-            raise ValueError("to_torch: torch.nn.MultiheadAttention has no rotary=, position_bias=, scale= "
-                             "or share_qk=")
+        if self.rotary is not None or self.position_bias is not None or self.scale is not None or self.share_qk \
+                or self.approx is not None:
+            raise ValueError("to_torch: torch.nn.MultiheadAttention has no rotary=, position_bias=, scale=, "
+                             "share_qk= or kind=")
         from .interop import to_torch_mha
 
         return to_torch_mha(self)
