@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .. import approx
 from ..functional import attention
 from . import Finding
 from ._common import WIDTH, figure, save, train
@@ -21,6 +22,8 @@ KINDS = ("dot", "multiplicative", "additive")
 
 class ScoredAttention(nn.Module):
     """Single-head self-attention ``[B, L, E] -> [B, L, E]`` with one of :data:`KINDS` as its score.
+
+    The multiplicative and additive scores are :func:`attnkit.approx.attention`'s.
 
     * dot: ``q . k / sqrt(E)``.
     * multiplicative: ``q^T W k / sqrt(E)`` (Luong et al. 2015, "general").
@@ -39,11 +42,12 @@ class ScoredAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = (p(x)[:, None] for p in (self.q_proj, self.k_proj, self.v_proj))  # (B, 1, L, E)
-        if self.kind == "additive":
-            scores = torch.tanh(q[..., :, None, :] + k[..., None, :, :]) @ self.score_vec  # (B, 1, L, L)
-            out = scores.softmax(-1) @ v
+        if self.kind == "additive":  # q, k are already W_q x, W_k x
+            out = approx.attention(q, k, v, kind="additive", score_vector=self.score_vec)
+        elif self.kind == "multiplicative":  # self.w(q) . k = q^T W^T k
+            out = approx.attention(q, k, v, kind="multiplicative", weight=self.w.weight.T, scale=q.shape[-1] ** -0.5)
         else:
-            out = attention(self.w(q) if self.w is not None else q, k, v)
+            out = attention(q, k, v)
         return self.out_proj(out[:, 0])
 
 
