@@ -270,3 +270,35 @@ def test_module_kind_refuses_what_it_cannot_do():
         twin_modules(kind="fast")
     m.set_kind(None)
     assert m(x, need_weights=True)[1].shape == (1, 2, 5, 5)
+
+
+def tiny_bert():
+    from attnkit.models import Bert
+    from attnkit.models.bert import BertConfig
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32)
+    bert = Bert(cfg).double().eval()
+    ids = torch.randint(0, 40, (2, 7))
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[1, 5:] = 0
+    return bert, ids, am
+
+
+def test_bert_with_exact_nystrom_layers_reproduces_the_model():
+    """One landmark per token with the exact pseudo-inverse is softmax attention: same hidden states, padding too."""
+    bert, ids, am = tiny_bert()
+    swapped = bert.with_attention("nystrom", layers=[0, 2], num_landmarks=512, exact_pinv=True)
+    close(swapped(ids, attention_mask=am).last_hidden_state, bert(ids, attention_mask=am).last_hidden_state)
+    assert [layer.attn.approx is not None for layer in swapped.layers] == [True, False, True]
+
+
+def test_bert_with_performer_changes_only_the_copy():
+    bert, ids, am = tiny_bert()
+    before = bert(ids, attention_mask=am).last_hidden_state
+    swapped = bert.with_attention("performer", layers=[1], num_features=8)
+    assert (swapped(ids, attention_mask=am).last_hidden_state - before).abs().max() > 1e-4
+    close(bert(ids, attention_mask=am).last_hidden_state, before)
+    assert all(layer.attn.approx is None for layer in bert.layers)
+    with pytest.raises(ValueError, match=r"layers must be indices 0 \.\.\. 2 of this 3-layer model, got \[3\]"):
+        bert.with_attention("performer", layers=[1, 3])

@@ -9,6 +9,7 @@ Shape notation: ``B`` batch, ``L`` tokens, ``E`` hidden size, ``H`` heads.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -282,6 +283,32 @@ class Bert(nn.Module):
     @property
     def backend(self) -> str:
         return self.layers[0].attn.backend if len(self.layers) else "auto"
+
+    def with_attention(self, kind: str | None, *, layers: Iterable[int] | None = None, **kind_args) -> Bert:
+        """A copy of this model whose chosen layers attend by an approximate method, without retraining.
+
+        ``bert.with_attention("performer", layers=[5], num_features=64)`` shows what FAVOR+ in the
+        last layer does to a trained network; ``kind=None`` makes the chosen layers exact again.
+        This model is left as it is. See :func:`attnkit.approx.attention` for the kinds and their
+        arguments; the swapped layers take padding masks, not ``output_attentions``.
+
+        Args:
+            kind: a name from :data:`attnkit.approx.KINDS`, or ``None``.
+            layers: indices of the layers to swap (default: all).
+            **kind_args: the method's arguments (``num_features``, ``num_landmarks``, ``max_len`` and ``k``, ...).
+
+        Raises:
+            ValueError: a layer index outside ``0 ... num_hidden_layers - 1``; an unknown kind or argument.
+        """
+        n = len(self.layers)
+        chosen = list(range(n) if layers is None else layers)
+        bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise ValueError(f"layers must be indices 0 ... {n - 1} of this {n}-layer model, got {bad}")
+        model = copy.deepcopy(self)
+        for i in chosen:
+            model.layers[i].attn.set_kind(kind, **kind_args)
+        return model
 
     # ------------------------------------------------------------------ forward
 
