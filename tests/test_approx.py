@@ -302,3 +302,20 @@ def test_bert_with_performer_changes_only_the_copy():
     assert all(layer.attn.approx is None for layer in bert.layers)
     with pytest.raises(ValueError, match=r"layers must be indices 0 \.\.\. 2 of this 3-layer model, got \[3\]"):
         bert.with_attention("performer", layers=[1, 3])
+
+
+def test_bench_sentences_are_fixed_distinct_and_of_varied_length():
+    from attnkit.bench.approx import sentences
+
+    texts = sentences(600)
+    assert texts == sentences(600) and len(set(texts)) == 600
+    words = [len(t.split()) for t in texts]
+    assert min(words) <= 6 and max(words) >= 40, (min(words), max(words))
+
+
+def test_bench_fitted_exponent():
+    from attnkit.bench.approx import _slope
+
+    ns = [256, 512, 1024]
+    close(torch.tensor(_slope(ns, [3e-9 * n ** 1.5 for n in ns]), dtype=torch.float64),
+          torch.tensor(1.5, dtype=torch.float64))

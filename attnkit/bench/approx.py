@@ -1,0 +1,204 @@
+"""Benchmark suite ``approx``: what each approximation of :mod:`attnkit.approx` loses and what it saves.
+
+* Quality on the bundled MiniLM (sentence embeddings): generated sentences of 4 to 60 words from
+  a fixed grammar (``sentences(n)``, seeded), each method swapped into every layer and into the
+  last layer only, without retraining; the mean and worst cosine against the exact model's
+  embedding, and how often nearest-neighbour retrieval over the set agrees (top-1, top-5 overlap).
+  Sentences are encoded in batches of equal token length, so no padding mask is involved (Linformer
+  honours none) and Nystrom's landmarks see real tokens only.
+Run it with one thread on a shared machine (``OMP_NUM_THREADS=1``): with more threads than free
+cores every call spins and waits, and the times measure the neighbours. The report names the count.
+
+* Cost against n: forward and forward + backward time of one attention call (B = 1, H = 4,
+  D = 64, float32) for exact attention (``attnkit.attention``, its automatic backend) and each
+  method, the exponent fitted to ``time ~ n^p`` on log-log axes, and the first measured n where the
+  method beats exact attention; additive scores (an ``n x n x D`` tensor) only at small n.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import torch
+
+from ._util import markdown_table, median_time, progress, write_report
+
+_SUBJECTS = ["the old man", "a young woman", "my neighbour", "the committee", "our teacher", "a small dog",
+             "the engineers", "her brother", "the city council", "a famous painter", "the children", "this company"]
+_VERBS = ["wrote", "found", "painted", "sold", "repaired", "described", "ignored", "discovered", "built",
+          "cancelled", "praised", "carried"]
+_OBJECTS = ["a long letter", "the broken bicycle", "an old map of the harbour", "three red apples",
+            "the new bridge", "a strange noise", "the annual report", "a wooden boat", "the quiet garden",
+            "several blue paintings", "the evening train", "a forgotten song"]
+_TAILS = ["after the storm", "in the morning", "before anyone noticed", "near the river", "during the winter",
+          "without asking for help", "for the second time", "at the end of the street", "with great care",
+          "while it was raining"]
+_JOINS = ["and then", "because", "although", "so", "but later", "while"]
+
+
+def sentences(n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct generated sentences of one to five clauses (about 4 to 60 words)."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    seen: set[str] = set()
+    while len(out) < n:
+        clauses = [f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}"
+                   + (f" {rng.choice(_TAILS)}" if rng.random() < 0.6 else "") for _ in range(rng.randint(1, 5))]
+        text = clauses[0]
+        for c in clauses[1:]:
+            text += f" {rng.choice(_JOINS)} {c}"
+        text = text[0].upper() + text[1:] + "."
+        if text not in seen:
+            seen.add(text)
+            out.append(text)
+    return out
+
+
+def _embed(model, texts: list[str], buckets: dict[int, list[int]]) -> torch.Tensor:
+    """Sentence embeddings, each batch holding sentences of one token length (no padding)."""
+    out = torch.empty(len(texts), model.config.hidden_size)
+    with torch.inference_mode():
+        for idx in buckets.values():
+            out[idx] = model.encode([texts[i] for i in idx], batch_size=len(idx))
+    return out
+
+
+def _retrieval(exact: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    """Top-1 agreement and mean top-5 overlap of nearest neighbours (each sentence excluded from its own list)."""
+    def top(e: torch.Tensor) -> torch.Tensor:
+        sim = e @ e.T
+        sim.fill_diagonal_(-math.inf)
+        return sim.topk(5, dim=1).indices
+
+    a, b = top(exact), top(other)
+    top1 = (a[:, 0] == b[:, 0]).double().mean().item()
+    top5 = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b, strict=True)) / (5 * len(a))
+    return top1, top5
+
+
+def quality_rows(quick: bool) -> tuple[list[list[object]], int, int]:
+    from ..models import Bert
+
+    model = Bert.from_pretrained()
+    n = 64 if quick else 600
+    texts = sentences(n)
+    buckets: dict[int, list[int]] = {}
+    for i, t in enumerate(texts):
+        buckets.setdefault(len(model.tokenizer.tokenize(t)), []).append(i)
+    longest = max(buckets) + 2  # [CLS] and [SEP]
+    settings = ([("performer", {"num_features": 64}), ("nystrom", {"num_landmarks": 16}),
+                 ("linformer", {"max_len": longest, "k": 16}), ("elu", {})] if quick else
+                [("performer", {"num_features": 64}), ("performer", {"num_features": 256}),
+                 ("nystrom", {"num_landmarks": 8}), ("nystrom", {"num_landmarks": 16}),
+                 ("nystrom", {"num_landmarks": 32}), ("linformer", {"max_len": longest, "k": 16}),
+                 ("linformer", {"max_len": longest, "k": 32}), ("elu", {}), ("relu", {}), ("dot", {})])
+    exact = _embed(model, texts, buckets)
+    last = len(model.layers) - 1
+    rows = []
+    for kind, args in settings:
+        torch.manual_seed(0)  # Linformer's random projections
+        for where, layers in (("all layers", None), (f"layer {last} only", [last])):
+            emb = _embed(model.with_attention(kind, layers=layers, **args), texts, buckets)
+            cos = (emb * exact).sum(-1)
+            top1, top5 = _retrieval(exact, emb)
+            setting = ", ".join(f"{k}={v}" for k, v in args.items() if k != "max_len") or "-"
+            rows.append([kind, setting, where, cos.mean().item(), cos.min().item(), top1, top5])
+    return rows, n, longest
+
+
+def _call(kind: str, n: int, backward: bool):
+    from .. import approx
+    from ..functional import attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, n, 64, generator=g, requires_grad=backward) for _ in range(3))
+    # FAVOR+ features drawn once, as a module holds them: the call measures attention, not the draw
+    args: dict = {"performer": {"projection": approx.orthogonal_features(256, 64, generator=g).float()},
+                  "nystrom": {"num_landmarks": 64},
+                  "additive": {"score_vector": torch.randn(64, generator=g) / 8}}.get(kind, {})
+    if kind == "linformer":
+        args = {"projection": approx.LinformerProjection(n, 256).requires_grad_(backward)}
+
+    def run():
+        out = attention(q, k, v) if kind == "exact" else approx.attention(q, k, v, kind=kind, **args)
+        if backward:
+            out.sum().backward()
+
+    return run
+
+
+def cost_rows(quick: bool, out_dir: Path) -> tuple[list[list[object]], Path]:
+    sizes = [256, 512, 1024] if quick else [1024, 2048, 4096, 8192]
+    kinds = ["exact", "elu", "performer", "nystrom", "linformer", "additive"]
+    repeat = 1 if quick else 3
+    times: dict[tuple[str, bool], dict[int, float]] = {}
+    for backward in (False, True):
+        for kind in kinds:
+            for n in sizes:
+                if kind == "additive" and n > sizes[0]:
+                    continue  # [1, 4, n, n, 64] floats: 4 GiB at n = 2048
+                times.setdefault((kind, backward), {})[n] = median_time(_call(kind, n, backward), repeat=repeat)
+    rows = []
+    for (kind, backward), t in times.items():
+        ns = sorted(t)
+        slope = _slope(ns, [t[n] for n in ns]) if len(ns) > 1 else float("nan")
+        exact = times[("exact", backward)]
+        beats = [n for n in ns if t[n] < exact[n]]
+        cross = "-" if kind == "exact" else (str(beats[0]) if beats else f"> {ns[-1]}")
+        rows.append([kind, "fwd+bwd" if backward else "fwd", *[t[n] * 1e3 if n in t else "-" for n in sizes],
+                     slope, cross])
+    pic = _plot(times, out_dir / "approx_cost.png")
+    return rows, pic, sizes
+
+
+def _slope(ns: list[int], ts: list[float]) -> float:
+    """Least-squares slope of log t against log n: the fitted exponent p of ``t ~ n^p``."""
+    x = [math.log(n) for n in ns]
+    y = [math.log(t) for t in ts]
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    return sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sum((a - mx) ** 2 for a in x)
+
+
+def _plot(times, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, backward in zip(axes, (False, True), strict=True):
+        for (kind, bwd), t in times.items():
+            if bwd == backward:
+                ns = sorted(t)
+                ax.loglog(ns, [t[n] * 1e3 for n in ns], "o-", label=kind)
+        ax.set(xlabel="n (tokens)", ylabel="ms", title="forward + backward" if backward else "forward")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def run(quick: bool, out_dir: Path) -> str:
+    say = progress("approx")
+    qrows, n, longest = quality_rows(quick)
+    say("quality")
+    crows, pic, sizes = cost_rows(quick, out_dir)
+    say("cost")
+    body = (f"## Quality: bundled MiniLM, {n} generated sentences (`attnkit.bench.approx.sentences`), up to "
+            f"{longest} tokens\n\nCosine of each sentence embedding with the exact model's; retrieval: the "
+            "nearest neighbour (top-1) and the 5 nearest (top-5 overlap) over the same set, against the exact "
+            "model's. Linformer's projections are random (they are trained with a model, and this one was not).\n\n"
+            + markdown_table(["method", "setting", "swapped", "mean cos", "worst cos", "top-1 agree",
+                              "top-5 overlap"], qrows)
+            + "\n\n## Cost: one attention call, B = 1, H = 4, D = 64, float32\n\n"
+            "Milliseconds per call; p: exponent fitted to time ~ n^p; crossover: the first measured n where the "
+            "method is faster than exact attention. Peak memory is not measured here.\n\n"
+            + markdown_table(["method", "pass", *[f"n={s} ms" for s in sizes], "p", "beats exact from n"], crows)
+            + f"\n\n![cost against n]({pic.name})\n")
+    return write_report(out_dir, "approx", "Approximate attention: quality on MiniLM and cost against n", body,
+                        f"attnkit bench approx{' --quick' if quick else ''}")
