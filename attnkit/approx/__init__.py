@@ -2,24 +2,22 @@
 
 ``attnkit.attention`` is exact and never routes here: an approximation is something you ask for
 by name. Every kind takes ``[..., H, L, E]`` like ``attnkit.attention`` and returns
-``[..., H, Lq, Ev]``; each honours exactly the masks in :data:`SUPPORTS` and refuses the rest.
+``[..., H, Lq, Ev]``; each honours exactly the masks in :data:`SUPPORTS` and refuses the rest:
 
-==================  ===========================================  ===============================  ==========
-kind                what                                         arguments                        masks
-==================  ===========================================  ===============================  ==========
-``elu``, ``relu``   kernel attention, ``phi = elu + 1`` / relu   ``chunk_size``, ``eps``          key, causal
-``performer``       FAVOR+, positive orthogonal random features  ``num_features``, ``seed`` or    key, causal
-                                                                 ``projection``, ``chunk_size``
-``nystrom``         Nystromformer, segment-mean landmarks        ``num_landmarks``,               key
-                                                                 ``exact_pinv``, ``pinv_iterations``
-``linformer``       learned sequence projections                 ``projection``                   none
-``dot``             unscaled dot-product score ``q . k``         --                               all
-``multiplicative``  Luong's ``q^T W k``                          ``weight``                       all
-``additive``        Bahdanau's ``w . tanh(W_q q + W_k k)``       ``score_vector``, ``query_weight``,  all
-                                                                 ``key_weight``
-==================  ===========================================  ===============================  ==========
+* ``elu``, ``relu``: kernel attention with ``phi = elu + 1`` or ``relu`` (Katharopoulos et al.
+  2020); arguments ``chunk_size``, ``eps``; masks: key-padding, ``is_causal``; :func:`step` decodes.
+* ``performer``: FAVOR+ with positive orthogonal random features (Choromanski et al. 2021);
+  ``num_features`` and ``seed``, or a fixed ``projection``; masks: key-padding, ``is_causal``.
+* ``nystrom``: Nystromformer, segment-mean landmarks (Xiong et al. 2021); ``num_landmarks``,
+  ``exact_pinv``, ``pinv_iterations``; masks: key-padding.
+* ``linformer``: learned sequence projections (Wang et al. 2020); ``projection``
+  (:class:`LinformerProjection`); masks: none.
+* ``dot``: the unscaled dot-product score ``q . k``; masks: all.
+* ``multiplicative``: Luong's ``q^T W k``; ``weight``; masks: all.
+* ``additive``: Bahdanau's ``w . tanh(W_q q + W_k k)``; ``score_vector``, ``query_weight``,
+  ``key_weight``; masks: all.
 
-"key" is a key-padding mask: a bool ``mask`` that does not vary over queries (size 1 in its
+A key-padding mask is a bool ``mask`` that does not vary over queries (size 1 in its
 ``Lq`` dimension, e.g. ``[B, 1, 1, Lk]``). :class:`ApproxAttention` holds each kind's parameters
 for :class:`attnkit.MultiHeadAttention` (``kind=``).
 """
