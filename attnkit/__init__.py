@@ -28,7 +28,7 @@ __all__ = ["MultiHeadAttention", "attention", "backends", "masks", "which_backen
 #: Public names that live in a submodule: name -> the submodule that defines it.
 _FROM = {"attention": "functional", "which_backend": "functional", "MultiHeadAttention": "modules"}
 _SUBMODULES = {"backends", "masks", "functional", "positional", "scores", "models", "viz", "analysis",
-               "distributed", "bench", "modules", "ops", "cache", "linear"}
+               "distributed", "bench", "modules", "ops", "cache", "linear", "approx"}
 
 
 def __getattr__(name: str):

@@ -81,7 +81,7 @@ def test_every_attnkit_command_and_flag_exists():
     assert any(c.startswith("attnkit demo") for c in commands)  # the set-up command is found
     subparsers = build_parser()._subparsers._group_actions[0].choices
     for cmd in commands:
-        words = shlex.split(cmd)
+        words = shlex.split(cmd, comments=True)
         name = words[1] if len(words) > 1 else None
         assert name in subparsers, f"README shows {cmd!r}: no command {name!r}"
         flags = set(subparsers[name]._option_string_actions)
@@ -91,4 +91,5 @@ def test_every_attnkit_command_and_flag_exists():
 
 def test_the_readme_points_at_no_internal_documents():
     """Users do not have the articles the project was seeded with; the README says what they claimed."""
-    assert not re.search(r"\bseeds?\b", TEXT, re.I), re.search(r".*\bseeds?\b.*", TEXT, re.I).group(0)
+    text = re.sub(r"--seed\b", "", TEXT)  # the option that seeds the random generator is not a document
+    assert not re.search(r"\bseeds?\b", text, re.I), re.search(r".*\bseeds?\b.*", text, re.I).group(0)
