@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.autograd import gradcheck
 
 from attnkit import approx
@@ -319,3 +321,66 @@ def test_bench_fitted_exponent():
     ns = [256, 512, 1024]
     close(torch.tensor(_slope(ns, [3e-9 * n ** 1.5 for n in ns]), dtype=torch.float64),
           torch.tensor(1.5, dtype=torch.float64))
+
+
+# Properties over random shapes (hypothesis; examples fixed by the project's profile in conftest.py).
+
+shapes = st.tuples(st.integers(1, 2), st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2)]), st.integers(1, 6),
+                   st.integers(0, 5), st.integers(1, 5), st.integers(1, 4), st.integers(0, 2 ** 16))
+
+
+def random_case(shape):
+    """q, k, v and a key-padding mask for ``(b, (h, hkv), lq, extra keys, e, ev, seed)``; Lk = Lq + extra."""
+    b, (h, hkv), lq, extra, e, ev, seed = shape
+    q, k, v = qkv(b=b, h=h, hkv=hkv, lq=lq, lk=lq + extra, e=e, ev=ev, seed=seed)
+    km = torch.rand(b, lq + extra, generator=torch.Generator().manual_seed(seed)) > 0.4
+    return q, k, v, km
+
+
+@given(shape=shapes, kind=st.sampled_from(["elu", "relu", "performer"]), is_causal=st.booleans(),
+       chunk=st.integers(1, 4))
+def test_property_kernel_kinds_chunked_equal_quadratic_form(shape, kind, is_causal, chunk):
+    q, k, v, km = random_case(shape)
+    km[:, 0] = True  # FAVOR+ runs without eps: the written-out form divides 0 / 0 on a row that sees no key
+    args = {"num_features": 8, "seed": shape[-1]} if kind == "performer" else {}
+    out = approx.attention(q, k, v, kind=kind, is_causal=is_causal, mask=km[:, None, None, :], chunk_size=chunk,
+                           **args)
+    phi = feature_map(kind, q.shape[-1], num_features=8, seed=shape[-1])
+    close(out, quadratic(q, k, v, phi, is_causal=is_causal, key_mask=km, eps=0.0 if kind == "performer" else 1e-6))
+
+
+@given(shape=shapes, kind=st.sampled_from(["elu", "relu", "performer"]), chunk=st.integers(1, 4))
+def test_property_recurrent_steps_equal_causal_form(shape, kind, chunk):
+    b, (h, _), lq, _, e, ev, seed = shape
+    q, k, v = qkv(b=b, h=h, hkv=h, lq=lq, lk=lq, e=e, ev=ev, seed=seed)
+    extra = {"projection": kernel.orthogonal_features(8, e, generator=torch.Generator().manual_seed(seed))} \
+        if kind == "performer" else {}
+    full = approx.attention(q, k, v, kind=kind, is_causal=True, **extra)
+    state, outs = None, []
+    for s in range(0, lq, chunk):
+        part = (t[..., s:s + chunk, :] for t in (q, k, v))
+        out, state = approx.step(state, *part, kind=kind, **extra)
+        outs.append(out)
+    close(torch.cat(outs, -2), full)
+
+
+@given(shape=shapes)
+def test_property_nystrom_with_a_landmark_per_key_is_softmax_attention(shape):
+    q, k, v, km = random_case(shape)
+    km[:, 0] = True  # segment means of padded keys are undefined landmarks; one real key per batch element
+    b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    out = approx.attention(q, k, v, kind="nystrom", num_landmarks=lk, exact_pinv=True, mask=km[:, None, None, :])
+    close(out, oracle.attention(q, k, v, allowed=km[:, None, None, :].expand(b, h, lq, lk))[0])
+
+
+@given(shape=shapes, kind=st.sampled_from(["elu", "relu", "performer", "dot"]))
+def test_property_rows_that_see_no_key_are_zero(shape, kind):
+    """Causal with key padding: a query whose visible keys are all padded gives zeros, never NaN or a guess."""
+    q, k, v, km = random_case(shape)
+    lq, lk = q.shape[2], k.shape[2]
+    km[0, : lk - lq + 1] = False  # the first query of batch element 0 sees only padded keys
+    out = approx.attention(q, k, v, kind=kind, is_causal=True, mask=km[:, None, None, :])
+    seen = oracle.allowed_grid(q.shape[0], q.shape[1], lq, lk, is_causal=True, mask=km[:, None, None, :]).any(-1)
+    assert not seen[0, :, 0].any()
+    close(out[~seen], torch.zeros_like(out[~seen]))
+    assert torch.isfinite(out).all()
