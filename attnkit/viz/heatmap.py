@@ -142,8 +142,10 @@ def heatmap(weights, q_tokens: Sequence[str] | None = None, k_tokens: Sequence[s
     vmax = vmax or max(float(w.max()) if w.size else 0.0, 1e-6)
     w, m, stride = _pool(w, m)
     cq, ck = w.shape
-    side = min(12.0, 3.0 + 0.18 * max(cq, ck))
-    fig = Figure(figsize=(side + 1.2, side), dpi=100, layout="constrained")
+    # Square cells, each side as long as its token count asks: an 11 x 6 matrix gets a tall canvas,
+    # not a square one with a blank band beside it. The margins hold the labels and the colour bar.
+    cell = min(12.0, 3.0 + 0.18 * max(cq, ck)) / max(cq, ck, 1)
+    fig = Figure(figsize=(cell * ck + 2.4, cell * cq + 1.2), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     fontsize = max(5.0, min(10.0, 360.0 / max(cq, ck, 1)))
