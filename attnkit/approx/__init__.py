@@ -7,7 +7,8 @@ by name. Every kind takes ``[..., H, L, E]`` like ``attnkit.attention`` and retu
 * ``elu``, ``relu``: kernel attention with ``phi = elu + 1`` or ``relu`` (Katharopoulos et al.
   2020); arguments ``chunk_size``, ``eps``; masks: key-padding, ``is_causal``; :func:`step` decodes.
 * ``performer``: FAVOR+ with positive orthogonal random features (Choromanski et al. 2021);
-  ``num_features`` and ``seed``, or a fixed ``projection``; masks: key-padding, ``is_causal``.
+  ``num_features`` and ``seed``, or a fixed ``projection``; ``chunk_size`` (also non-causal: features
+  are built ``chunk_size`` tokens at a time, in linear time); masks: key-padding, ``is_causal``.
 * ``nystrom``: Nystromformer, segment-mean landmarks (Xiong et al. 2021); ``num_landmarks``,
   ``exact_pinv``, ``pinv_iterations``; masks: key-padding.
 * ``linformer``: learned sequence projections (Wang et al. 2020); ``projection``
@@ -35,6 +36,7 @@ from .kernel import (
     check_causal_lengths,
     check_chunk_size,
     elu_feature_map,
+    favor_attention,
     favor_feature_map,
     kernel_attention,
     linear_attention,
@@ -72,7 +74,10 @@ def _kernel(phi_name):
         eps = (0.0 if phi_name == "performer" else 1e-6) if eps is None else eps  # see kernel.normalise
         check_chunk_size(chunk_size)
         if phi_name == "performer":
-            phi = favor_feature_map(_performer_projection(num_features, q.shape[-1], seed, projection), scale)
+            w = _performer_projection(num_features, q.shape[-1], seed, projection)
+            if not is_causal:
+                return favor_attention(q, k, v, w, scale, key_column=key_column, chunk_size=chunk_size, eps=eps)
+            phi = favor_feature_map(w, scale)
         else:
             phi = elu_feature_map if phi_name == "elu" else relu_feature_map
         fq, fk = phi(q), phi(k)

@@ -130,6 +130,51 @@ def scan_step(state: LinearState | None, fq: Tensor, fk: Tensor, v: Tensor, *,
     return out, LinearState(state.kv + fk.transpose(-2, -1) @ v, state.z + fk.sum(-2))
 
 
+def favor_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, *, key_column: Tensor | None,
+                    chunk_size: int, eps: float) -> Tensor:
+    """Non-causal FAVOR+ in chunks along the sequence; equals ``kernel_attention`` on ``favor_feature_map(w, scale)``.
+
+    Written out, the features ``[..., L, m]`` of all keys and all queries are each built (and
+    shifted, and exponentiated) as whole tensors: past a few thousand tokens they leave the cache
+    and the cost per token grows with ``n``. Here the features of ``chunk_size`` keys at a time go
+    straight into the sums ``phi(K)^T V`` and ``phi(K)^T 1``; the shift that keeps ``exp`` finite
+    is a running maximum per head (the sums so far are rescaled when it rises, as in flash
+    attention), and each query row gets its own shift. Every shift is a common factor of a row's
+    numerator and denominator and cancels (exactly, with ``eps = 0``); ``1 / sqrt(m)`` cancels too.
+    ``key_column`` ``[..., Lk, 1]`` (or ``[..., 1, 1]``) zeroes padded keys' features.
+    """
+    if not q.shape[-2] or not k.shape[-2]:  # no queries, or no keys to attend: zeros
+        return q.new_zeros(q.shape[:-1] + v.shape[-1:])
+    wt = w.to(q.dtype).transpose(0, 1) * math.sqrt(scale)  # [E, m]: phi's input scaling folded into w
+
+    def exponent(x: Tensor) -> Tensor:
+        return x @ wt - 0.5 * scale * (x * x).sum(-1, keepdim=True)  # [..., c, m]
+
+    kv = z = top = None
+    for s in range(0, k.shape[-2], chunk_size):
+        e = min(s + chunk_size, k.shape[-2])
+        p = exponent(k[..., s:e, :])
+        peak = p.detach().amax((-2, -1))  # [...]: this chunk's largest exponent per head
+        if top is not None:
+            peak = torch.maximum(top, peak)
+        f = torch.exp(p - peak[..., None, None])
+        if key_column is not None:
+            f = f * (key_column if key_column.shape[-2] == 1 else key_column[..., s:e, :])
+        chunk_kv, chunk_z = f.transpose(-2, -1) @ v[..., s:e, :], f.sum(-2)
+        if top is None:
+            kv, z = chunk_kv, chunk_z
+        else:
+            drop = torch.exp(top - peak)  # the sums so far, onto the new shift
+            kv, z = kv * drop[..., None, None] + chunk_kv, z * drop[..., None] + chunk_z
+        top = peak
+    outs = []
+    for s in range(0, q.shape[-2], chunk_size):
+        p = exponent(q[..., s:s + chunk_size, :])
+        fq = torch.exp(p - p.detach().amax(-1, keepdim=True))
+        outs.append(normalise(fq @ kv, fq @ z.unsqueeze(-1), eps))
+    return torch.cat(outs, dim=-2)
+
+
 def normalise(num: Tensor, den: Tensor, eps: float) -> Tensor:
     """``num / (den + eps)``, and zeros where that is ``0 / 0`` (a query with nothing to attend).
 
