@@ -11,8 +11,10 @@ cores every call spins and waits, and the times measure the neighbours. The repo
 
 * Cost against n: forward and forward + backward time of one attention call (B = 1, H = 4,
   D = 64, float32) for exact attention (``attnkit.attention``, its automatic backend) and each
-  method, the exponent fitted to ``time ~ n^p`` on log-log axes, and the first measured n where the
-  method beats exact attention; additive scores (an ``n x n x D`` tensor) only at small n.
+  method, n = 1k ... 64k as far as each fits in 16 GiB, each point in a fresh process that also
+  reports its peak memory; the exponent fitted to ``time ~ n^p`` on log-log axes, and the first
+  measured n where the method beats exact attention; additive scores (an ``n x n x D`` tensor)
+  only at small n.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ._util import markdown_table, median_time, progress, write_report
+from ._util import markdown_table, progress, write_report
 
 _SUBJECTS = ["the old man", "a young woman", "my neighbour", "the committee", "our teacher", "a small dog",
              "the engineers", "her brother", "the city council", "a famous painter", "the children", "this company"]
@@ -129,28 +131,81 @@ def _call(kind: str, n: int, backward: bool):
     return run
 
 
-def cost_rows(quick: bool, out_dir: Path) -> tuple[list[list[object]], Path]:
-    sizes = [256, 512, 1024] if quick else [1024, 2048, 4096, 8192]
+LIMIT_BYTES = 16 << 30  # the issue's budget: a point that needs more is reported as not fitting
+TOO_SLOW_S = 60.0  # a method stops growing n once one call takes longer than this
+
+
+def _cost_child(kind: str, n: int, backward: bool, repeat: int) -> None:
+    """In a fresh process capped at 16 GiB: time ``repeat`` calls, print the median and the peak memory as JSON.
+
+    The peak is ``VmHWM`` (this address space alone, see ``blockwise._peak_mb``) after the calls
+    minus the resident memory just before them (runtime and inputs): what the call itself needs.
+    """
+    import json
+    import resource
+    import time
+
+    from .blockwise import _peak_mb
+
+    resource.setrlimit(resource.RLIMIT_AS, (LIMIT_BYTES, LIMIT_BYTES))
+    torch.set_num_threads(1)
+    call = _call(kind, n, backward)
+    base = _peak_mb()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({"seconds": sorted(times)[len(times) // 2], "peak_mb": _peak_mb() - base}))
+
+
+def _measure(kind: str, n: int, backward: bool, repeat: int) -> dict | None:
+    """One point in a subprocess; None when it does not fit in the 16 GiB cap (or fails)."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"from attnkit.bench.approx import _cost_child; _cost_child({kind!r}, {n}, {backward}, {repeat})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def cost_rows(quick: bool, out_dir: Path, say=lambda _: None):
+    sizes = [256, 512, 1024] if quick else [1024 << i for i in range(7)]  # 1k ... 64k
     kinds = ["exact", "elu", "performer", "nystrom", "linformer", "additive"]
-    repeat = 1 if quick else 3
     times: dict[tuple[str, bool], dict[int, float]] = {}
+    peaks: dict[tuple[str, bool], dict[int, float]] = {}
     for backward in (False, True):
         for kind in kinds:
             for n in sizes:
                 if kind == "additive" and n > sizes[0]:
-                    continue  # [1, 4, n, n, 64] floats: 4 GiB at n = 2048
-                times.setdefault((kind, backward), {})[n] = median_time(_call(kind, n, backward), repeat=repeat)
+                    break  # [1, 4, n, n, 64] floats: 4 GiB at n = 2048
+                # 3 calls (the first warms up) where cheap, one call at the sizes that take seconds
+                point = _measure(kind, n, backward, repeat=3 if quick or n <= 8192 else 1)
+                if point is None:
+                    break  # does not fit in 16 GiB: neither will larger n
+                times.setdefault((kind, backward), {})[n] = point["seconds"]
+                peaks.setdefault((kind, backward), {})[n] = point["peak_mb"]
+                say(f"{kind} {'fwd+bwd' if backward else 'fwd'} n={n}: {point['seconds']:.3g} s, "
+                    f"{point['peak_mb']:.0f} MiB")
+                if point["seconds"] > TOO_SLOW_S:
+                    break
     rows = []
     for (kind, backward), t in times.items():
         ns = sorted(t)
         slope = _slope(ns, [t[n] for n in ns]) if len(ns) > 1 else float("nan")
         exact = times[("exact", backward)]
-        beats = [n for n in ns if t[n] < exact[n]]
-        cross = "-" if kind == "exact" else (str(beats[0]) if beats else f"> {ns[-1]}")
+        shared = [n for n in ns if n in exact]
+        beats = [n for n in shared if t[n] < exact[n]]
+        cross = "-" if kind == "exact" else (str(beats[0]) if beats else f"> {shared[-1]}")
         rows.append([kind, "fwd+bwd" if backward else "fwd", *[t[n] * 1e3 if n in t else "-" for n in sizes],
                      slope, cross])
-    pic = _plot(times, out_dir / "approx_cost.png")
-    return rows, pic, sizes
+    memory = [[kind, "fwd+bwd" if backward else "fwd", *[peak.get(n, "-") for n in sizes]]
+              for (kind, backward), peak in peaks.items()]
+    pic = _plot(times, peaks, out_dir / "approx_cost.png")
+    return rows, memory, pic, sizes
 
 
 def _slope(ns: list[int], ts: list[float]) -> float:
@@ -161,19 +216,21 @@ def _slope(ns: list[int], ts: list[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sum((a - mx) ** 2 for a in x)
 
 
-def _plot(times, path: Path) -> Path:
+def _plot(times, peaks, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for ax, backward in zip(axes, (False, True), strict=True):
-        for (kind, bwd), t in times.items():
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    panels = ((times, False, 1e3, "ms", "forward"), (times, True, 1e3, "ms", "forward + backward"),
+              (peaks, True, 1.0, "peak MiB", "forward + backward memory"))
+    for ax, (values, backward, unit, ylabel, title) in zip(axes, panels, strict=True):
+        for (kind, bwd), t in values.items():
             if bwd == backward:
                 ns = sorted(t)
-                ax.loglog(ns, [t[n] * 1e3 for n in ns], "o-", label=kind)
-        ax.set(xlabel="n (tokens)", ylabel="ms", title="forward + backward" if backward else "forward")
+                ax.loglog(ns, [max(t[n], 1e-3) * unit for n in ns], "o-", label=kind)
+        ax.set(xlabel="n (tokens)", ylabel=ylabel, title=title)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -187,7 +244,7 @@ def run(quick: bool, out_dir: Path) -> str:
     say = progress("approx")
     qrows, n, longest = quality_rows(quick)
     say("quality")
-    crows, pic, sizes = cost_rows(quick, out_dir)
+    crows, mrows, pic, sizes = cost_rows(quick, out_dir, say)
     say("cost")
     body = (f"## Quality: bundled MiniLM, {n} generated sentences (`attnkit.bench.approx.sentences`), up to "
             f"{longest} tokens\n\nCosine of each sentence embedding with the exact model's; retrieval: the "
@@ -196,9 +253,14 @@ def run(quick: bool, out_dir: Path) -> str:
             + markdown_table(["method", "setting", "swapped", "mean cos", "worst cos", "top-1 agree",
                               "top-5 overlap"], qrows)
             + "\n\n## Cost: one attention call, B = 1, H = 4, D = 64, float32\n\n"
-            "Milliseconds per call; p: exponent fitted to time ~ n^p; crossover: the first measured n where the "
-            "method is faster than exact attention. Peak memory is not measured here.\n\n"
+            "Each point in a fresh process capped at 16 GiB, one thread; milliseconds per call (median of 3 calls "
+            "up to n = 8192, one call above); a method stops at the first n that does not fit in 16 GiB or after "
+            f"a call over {TOO_SLOW_S:.0f} s. p: exponent fitted to time ~ n^p over its measured n; crossover: "
+            "the first n measured for both where the method is faster than exact attention.\n\n"
             + markdown_table(["method", "pass", *[f"n={s} ms" for s in sizes], "p", "beats exact from n"], crows)
+            + "\n\nPeak memory of the call in MiB: the process's peak resident memory (`VmHWM`) minus its resident "
+            "memory just before the calls (Python, torch and the inputs).\n\n"
+            + markdown_table(["method", "pass", *[f"n={s} MiB" for s in sizes]], mrows)
             + f"\n\n![cost against n]({pic.name})\n")
     return write_report(out_dir, "approx", "Approximate attention: quality on MiniLM and cost against n", body,
                         f"attnkit bench approx{' --quick' if quick else ''}")
