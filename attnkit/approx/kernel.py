@@ -150,17 +150,20 @@ def favor_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, *,
     def exponent(x: Tensor) -> Tensor:
         return x @ wt - 0.5 * scale * (x * x).sum(-1, keepdim=True)  # [..., c, m]
 
+    # split, not slices: a slice's backward writes its gradient into a zero tensor of the full length,
+    # n / chunk_size times over; split's backward concatenates once
+    columns = [key_column] * math.ceil(k.shape[-2] / chunk_size) if key_column is None or key_column.shape[-2] == 1 \
+        else key_column.split(chunk_size, dim=-2)
     kv = z = top = None
-    for s in range(0, k.shape[-2], chunk_size):
-        e = min(s + chunk_size, k.shape[-2])
-        p = exponent(k[..., s:e, :])
+    for k_c, v_c, col in zip(k.split(chunk_size, dim=-2), v.split(chunk_size, dim=-2), columns, strict=True):
+        p = exponent(k_c)
         peak = p.detach().amax((-2, -1))  # [...]: this chunk's largest exponent per head
         if top is not None:
             peak = torch.maximum(top, peak)
         f = torch.exp(p - peak[..., None, None])
-        if key_column is not None:
-            f = f * (key_column if key_column.shape[-2] == 1 else key_column[..., s:e, :])
-        chunk_kv, chunk_z = f.transpose(-2, -1) @ v[..., s:e, :], f.sum(-2)
+        if col is not None:
+            f = f * col
+        chunk_kv, chunk_z = f.transpose(-2, -1) @ v_c, f.sum(-2)
         if top is None:
             kv, z = chunk_kv, chunk_z
         else:
@@ -168,8 +171,8 @@ def favor_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, *,
             kv, z = kv * drop[..., None, None] + chunk_kv, z * drop[..., None] + chunk_z
         top = peak
     outs = []
-    for s in range(0, q.shape[-2], chunk_size):
-        p = exponent(q[..., s:s + chunk_size, :])
+    for q_c in q.split(chunk_size, dim=-2):
+        p = exponent(q_c)
         fq = torch.exp(p - p.detach().amax(-1, keepdim=True))
         outs.append(normalise(fq @ kv, fq @ z.unsqueeze(-1), eps))
     return torch.cat(outs, dim=-2)
