@@ -140,6 +140,8 @@ def _cost_child(kind: str, n: int, backward: bool, repeat: int) -> None:
 
     The peak is ``VmHWM`` (this address space alone, see ``blockwise._peak_mb``) after the calls
     minus the resident memory just before them (runtime and inputs): what the call itself needs.
+    The high-water mark is reset first (``clear_refs``), or the setup's temporaries (a Linformer
+    projection's initialisation) would stand in for the call's peak.
     """
     import json
     import resource
@@ -150,6 +152,10 @@ def _cost_child(kind: str, n: int, backward: bool, repeat: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (LIMIT_BYTES, LIMIT_BYTES))
     torch.set_num_threads(1)
     call = _call(kind, n, backward)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := VmRSS, the resident memory now
+    except OSError:
+        pass  # no /proc: the peak then counts the setup's too
     base = _peak_mb()
     times = []
     for _ in range(repeat):
