@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from attnkit.cli import COMMANDS, build_parser, main
+from tests.cli_runner import run_fresh
 
 AVAILABLE = [c for c in COMMANDS if c in build_parser()._subparsers._group_actions[0].choices]
 
@@ -64,18 +65,6 @@ def test_a_subcommand_mistake_points_to_that_subcommands_help(capsys):
     assert err.strip() == "attnkit demo: error: unrecognized arguments: --bogus (see 'attnkit demo --help')"
 
 
-# Runs the installed CLI's entry point in a fresh interpreter and reports whether torch was imported.
-_RUNNER = """
-import sys
-from attnkit.cli import main
-try:
-    rc = main(sys.argv[1:])
-except SystemExit as e:
-    rc = e.code
-print("torch imported:", "torch" in sys.modules, "rc:", rc)
-"""
-
-
 @pytest.mark.parametrize("argv", [
     ["viz", "some text", "--layer", "-1"],
     ["viz", "some text", "--head", "x"],
@@ -84,7 +73,7 @@ print("torch imported:", "torch" in sys.modules, "rc:", rc)
     ["complexity", "--dtype", "float7"],
 ])
 def test_argument_mistakes_are_answered_before_torch_is_imported(argv):
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, *argv], capture_output=True, text=True, timeout=60)
+    proc = run_fresh(*argv)
     assert "torch imported: False rc: 2" in proc.stdout, proc.stdout + proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
 

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from attnkit.cli import main
 from attnkit.lab import EXPERIMENTS
-
-# A fresh interpreter, to see whether the command got as far as importing torch (the work).
-_RUNNER = """
-import sys
-from attnkit.cli import main
-try:
-    rc = main(sys.argv[1:])
-except SystemExit as e:
-    rc = e.code
-print("torch imported:", "torch" in sys.modules, "rc:", rc)
-"""
+from tests.cli_runner import run_fresh
 
 
-def _run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _RUNNER, *argv], capture_output=True, text=True, timeout=60)
+def _run(*argv: str):
+    return run_fresh(*argv)  # a fresh interpreter: did the command get as far as importing torch?
 
 
 def test_unknown_names_are_one_line_before_any_work(tmp_path):
