@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from attnkit.apps import _common
 from attnkit.apps import caption as cap
 from attnkit.apps.translate import EOS, PAD
 from attnkit.modules import MultiHeadAttention
-from attnkit.viz.report import write_report
+from tests.apps_checks import report_embeds_pictures, same_seed_same_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -134,16 +132,8 @@ def test_quick_run_learns_and_reports(quick_run):
     assert m["final_loss"] < 0.7 * m["first_loss"]
     assert m["digit_accuracy"] > 0.3  # chance: 0.1
     assert cap.load(out).transformer.decoder.layers[0].cross_attn.embed_dim == cap.QUICK["embed_dim"]
-    pngs = [p for s in result.sections for p in s.images]
-    assert [p.name for p in pngs] == ["caption_attention.png"]
-    page = write_report(out / "report.html", "caption", result.sections).read_text()
-    for p in pngs:
-        assert p.parent == out and base64.b64encode(p.read_bytes()).decode() in page
+    assert report_embeds_pictures(result, out) == ["caption_attention.png"]
 
 
 def test_same_seed_same_checkpoint(tmp_path):
-    runs = [cap.run(out=tmp_path / name, steps=5, seed=seed, quick=True, progress=False)
-            for name, seed in (("a", 3), ("b", 3), ("c", 4))]
-    weights = [(tmp_path / name / _common.WEIGHTS).read_bytes() for name in "abc"]
-    assert weights[0] == weights[1] and runs[0].metrics["final_loss"] == runs[1].metrics["final_loss"]
-    assert weights[0] != weights[2]
+    same_seed_same_checkpoint(cap, tmp_path)

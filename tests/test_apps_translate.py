@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from attnkit.apps import _common
 from attnkit.apps import translate as tr
 from attnkit.modules import MultiHeadAttention
-from attnkit.viz.report import write_report
+from tests.apps_checks import report_embeds_pictures, same_seed_same_checkpoint
 from tests.tolerances import close
 
 
@@ -158,16 +157,8 @@ def test_quick_run_learns_and_reports(quick_run):
     assert m["greedy_exact"] > 0.1
     assert m[f"beam{tr.QUICK['beam']}_exact"] > 0.1
     assert tr.load(out).transformer.decoder.layers[0].cross_attn.embed_dim == tr.QUICK["embed_dim"]
-    pngs = [p for s in result.sections for p in s.images]
-    assert [p.name for p in pngs] == ["translate_alignment.png"]
-    page = write_report(out / "report.html", "translate", result.sections).read_text()
-    for p in pngs:
-        assert p.parent == out and base64.b64encode(p.read_bytes()).decode() in page
+    assert report_embeds_pictures(result, out) == ["translate_alignment.png"]
 
 
 def test_same_seed_same_checkpoint(tmp_path):
-    runs = [tr.run(out=tmp_path / name, steps=5, seed=seed, quick=True, progress=False)
-            for name, seed in (("a", 3), ("b", 3), ("c", 4))]
-    weights = [(tmp_path / name / _common.WEIGHTS).read_bytes() for name in "abc"]
-    assert weights[0] == weights[1] and runs[0].metrics["final_loss"] == runs[1].metrics["final_loss"]
-    assert weights[0] != weights[2]
+    same_seed_same_checkpoint(tr, tmp_path)

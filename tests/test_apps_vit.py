@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import base64
-
 import pytest
 import torch
 from torch import nn
 
 from attnkit.apps import vit
 from attnkit.modules import MultiHeadAttention
-from attnkit.viz.report import report_html
+from tests.apps_checks import report_embeds_pictures
 from tests.tolerances import close
 
 PICTURES = ("vit_data_efficiency.png", "vit_rollout.png", "vit_losses.png")
@@ -130,10 +128,7 @@ def test_same_seed_trains_the_same_weights():
 @pytest.mark.slow  # shares one quick run of six trainings: 10-15 s on this 2-core machine
 def test_pictures_are_written_and_the_report_holds_them(quick_run):
     out, result = quick_run
-    images = [str(p) for s in result.sections for p in s.images]
-    assert sorted(map(lambda p: p.rsplit("/", 1)[-1], images)) == sorted(PICTURES)
-    page = report_html("vit", result.sections)
+    assert sorted(report_embeds_pictures(result, out)) == sorted(PICTURES)
     for name in PICTURES:
         data = (out / name).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 5_000
-        assert base64.b64encode(data).decode("ascii") in page
