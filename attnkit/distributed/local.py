@@ -29,7 +29,7 @@ class RankError(RuntimeError):
     """A rank of :func:`run_local` failed, exited without a result, or ran out of time."""
 
 
-def _worker(fn, rank, world, init_file, results, args, timeout, threads):
+def _worker(fn, rank, world, init_file, results, received, args, timeout, threads):
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
         torch.set_num_threads(threads)
@@ -42,6 +42,9 @@ def _worker(fn, rank, world, init_file, results, args, timeout, threads):
         results.put((rank, False, traceback.format_exc()))
     else:
         results.put((rank, True, out))
+        # Tensors travel as shared file descriptors that this process serves until the parent has
+        # unpickled them: exiting at once made the parent's get() fail now and then.
+        received.wait(timeout)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -67,11 +70,11 @@ def run_local(fn: Callable, world: int, *args, timeout: float = 120.0, threads: 
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"world must be a positive int, got {world!r}")
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results, received = ctx.Queue(), ctx.Event()
     done: dict[int, object] = {}
     with tempfile.TemporaryDirectory(prefix="attnkit-dist-") as tmp:
         init_file = Path(tmp) / "rendezvous"
-        procs = [ctx.Process(target=_worker, args=(fn, r, world, str(init_file), results, args, timeout,
+        procs = [ctx.Process(target=_worker, args=(fn, r, world, str(init_file), results, received, args, timeout,
                                                     threads), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
@@ -91,6 +94,7 @@ def run_local(fn: Callable, world: int, *args, timeout: float = 120.0, threads: 
                     raise RankError(_failures(world, [(rank, payload)], results))
                 done[rank] = payload
         finally:
+            received.set()
             for p in procs:
                 p.join(timeout=5.0 if len(done) == world else 0.0)
                 if p.is_alive():
