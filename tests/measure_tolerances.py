@@ -149,8 +149,7 @@ def _kernel_cases() -> Iterator[Case]:
     """The float32 kernel comparisons of test_blockwise*.py and test_attention.py: blockwise against SDPA."""
     import torch.nn.functional as F
 
-    from attnkit import masks
-    from attnkit.backends.blockwise import BlockwiseBackend
+    from attnkit import backends, masks
     from attnkit.request import build_request
 
     for seed in SEEDS:
@@ -158,7 +157,7 @@ def _kernel_cases() -> Iterator[Case]:
             g = torch.Generator().manual_seed(seed)
             q, k, v = (torch.randn(1, 4, n, d, generator=g) for _ in range(3))
             mask = masks.sliding_window(n, left=window[0], right=window[1])
-            ours = BlockwiseBackend(band=band)(build_request(q, k, v, window=window))[0]
+            ours = backends.get("band" if band else "fused_tiles")(build_request(q, k, v, window=window))[0]
             truth = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
             yield ours, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), truth
 

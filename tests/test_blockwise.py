@@ -1,4 +1,4 @@
-"""The blockwise backend against the float64 oracle, the reference backend and PyTorch SDPA.
+"""The tile backends ("fused_tiles", "tiles") against the float64 oracle, the reference backend and PyTorch SDPA.
 
 Most tests use tiny tiles (``SMALL``) so that even short sequences cut into many tiles, chunks and
 batches, with empty, full and partial blocks.
@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks, scores
-from attnkit.backends import _tiling, blockwise
-from attnkit.backends.blockwise import BlockwiseBackend
+from attnkit.backends import _tiling, tiles
+from attnkit.backends.tiles import TilesBackend
 from attnkit.request import build_request
 from tests import oracle
 from tests.tolerances import close
 
-SMALL = BlockwiseBackend(q_tile=4, kv_block=3, kv_chunk=7, score_budget=200)  # fused kernel where it can
-SMALL_PLAIN = BlockwiseBackend(q_tile=4, kv_block=3, kv_chunk=7, score_budget=200, fused=False)
+SMALL = TilesBackend(fused=True, q_tile=4, kv_block=3, kv_chunk=7, score_budget=200)  # see run()
+SMALL_PLAIN = TilesBackend(fused=False, q_tile=4, kv_block=3, kv_chunk=7, score_budget=200)
 BOTH = pytest.mark.parametrize("small", [SMALL, SMALL_PLAIN], ids=["fused", "plain"])
 REFERENCE = attnkit.backends.get("reference")
 
@@ -36,7 +36,11 @@ def qkv(b, h, hkv, lq, lk, d=8, dtype=torch.float64, seed=0, grad=False):
 
 
 def run(backend, q, k, v, **kw):
-    return backend(build_request(q, k, v, **kw))[0]
+    """``backend``'s output; SMALL stands for "the fused kernel where it serves, else the plain tiles"."""
+    req = build_request(q, k, v, **kw)
+    if backend is SMALL and backend.not_supported_reasons(req):
+        backend = SMALL_PLAIN
+    return backend(req)[0]
 
 
 def checkerboard(b, h, q_idx, kv_idx):
@@ -148,7 +152,7 @@ def test_fully_masked_rows_give_zeros_and_zero_grads(dtype, with_score_mod):
 
 def test_random_block_pattern_has_empty_and_full_tiles():
     q, k, v = qkv(1, 2, 2, 19, 17)
-    st = blockwise._setup(build_request(q, k, v, mask_mod=random_blocks), SMALL)
+    st = tiles._setup(build_request(q, k, v, mask_mod=random_blocks), SMALL)
     assert sum(len(b.tiles) for b in st.batches) > 0
     kinds = _tiling.refine_kinds(_tiling.analytic_kinds(19, 17, 4, 3, offset=0, is_causal=False, window=None),
                                  lambda qi, kv: random_blocks(None, None, qi, kv) & (kv < 17), 19, 4, 3, 7)
@@ -228,17 +232,18 @@ def test_gradcheck_float64():
 # Found by 1,500 examples: the fused path reused the mask of another tile whose padding rows
 # had made a column "full" (the cache key lacked the partial pattern).
 @example(lq=6, lk=6, groups=(2, 2), left=0, right=None, causal=False, q_tile=4, kv_block=1, kv_chunk=2, budget=1,
-         with_mod=False, fused=None)
+         with_mod=False, fused=True)
 @given(
     lq=st.integers(1, 12), lk=st.integers(1, 12), groups=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
     left=st.one_of(st.none(), st.integers(0, 14)), right=st.one_of(st.none(), st.integers(0, 14)),
     causal=st.booleans(), q_tile=st.integers(1, 6), kv_block=st.integers(1, 6), kv_chunk=st.integers(1, 13),
-    budget=st.sampled_from([1, 50, 10_000]), with_mod=st.booleans(), fused=st.sampled_from([None, False]),
+    budget=st.sampled_from([1, 50, 10_000]), with_mod=st.booleans(), fused=st.booleans(),
 )
 def test_property_any_tiling_matches_oracle(lq, lk, groups, left, right, causal, q_tile, kv_block, kv_chunk,
                                             budget, with_mod, fused):
     h, hkv = groups
-    backend = BlockwiseBackend(q_tile=q_tile, kv_block=kv_block, kv_chunk=kv_chunk, score_budget=budget, fused=fused)
+    backend = TilesBackend(q_tile=q_tile, kv_block=kv_block, kv_chunk=kv_chunk, score_budget=budget,
+                           fused=fused and not with_mod)
     q, k, v = qkv(1, h, hkv, lq, lk)
     kw = {"window": (left, right), "is_causal": causal}
     if with_mod:
@@ -272,20 +277,20 @@ def test_matches_pytorch_sdpa_float32():
     q, k, v = qkv(2, 4, 4, 70, 70, d=16, dtype=torch.float32)
     mask = masks.sliding_window(70, left=9, right=4)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    close(run(BlockwiseBackend(q_tile=16, kv_block=8), q, k, v, window=(9, 4)), want)
+    close(run(TilesBackend(fused=True, q_tile=16, kv_block=8), q, k, v, window=(9, 4)), want)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    close(run(BlockwiseBackend(q_tile=16, kv_block=8), q, k, v, is_causal=True), want)
+    close(run(TilesBackend(fused=True, q_tile=16, kv_block=8), q, k, v, is_causal=True), want)
 
 
 def test_never_holds_the_score_matrix():
     n, h = 1024, 2
     q, k, v = qkv(1, h, h, n, n, d=16, dtype=torch.float32, grad=True)
-    backend = BlockwiseBackend(q_tile=64, kv_block=64, kv_chunk=256, score_budget=1 << 15)
-    blockwise.largest_score_tile = 0
+    backend = TilesBackend(fused=False, q_tile=64, kv_block=64, kv_chunk=256, score_budget=1 << 15)
+    tiles.largest_score_tile = 0
     out = run(backend, q, k, v, window=(100, 100), score_mod=scores.softcap(5.0))
     out.sum().backward()
-    assert 0 < blockwise.largest_score_tile <= (1 << 15)
-    assert blockwise.largest_score_tile * 32 <= h * n * n
+    assert 0 < tiles.largest_score_tile <= (1 << 15)
+    assert tiles.largest_score_tile * 32 <= h * n * n
     mask = masks.sliding_window(n, left=100, right=100)
     close(out, attnkit.attention(q, k, v, mask=mask, score_mod=scores.softcap(5.0), backend="reference"))
 
@@ -313,27 +318,32 @@ def test_mask_mod_is_only_evaluated_on_partial_blocks_after_planning():
         return kv_idx >= 0
 
     q, k, v = qkv(1, 2, 2, 16, 16)
-    backend = BlockwiseBackend(q_tile=4, kv_block=4, kv_chunk=16)
+    backend = TilesBackend(fused=True, q_tile=4, kv_block=4, kv_chunk=16)
     req = build_request(q, k, v, mask_mod=mod)
-    st = blockwise._setup(req, backend)
+    st = tiles._setup(req, backend)
     assert calls and all(b.partial == () for b in st.batches)  # planning evaluated, all blocks full
     calls.clear()
-    close(blockwise._from_tiles(blockwise._forward(st, q, k, v)[0], st), run(REFERENCE, q, k, v))
+    close(tiles._from_tiles(tiles._forward(st, q, k, v)[0], st), run(REFERENCE, q, k, v))
     assert calls == []
 
 
 def test_auto_selection_and_refusals():
     q, k, v = qkv(1, 2, 2, 5, 5)
     assert attnkit.which_backend(q, k, v) == "sdpa"
-    assert attnkit.which_backend(q, k, v, window=(1, 1)) == "blockwise"
-    assert attnkit.which_backend(q, k, v, mask_mod=checkerboard) == "blockwise"
-    assert attnkit.which_backend(q, k, v, score_mod=scores.softcap(2.0)) == "blockwise"
+    assert attnkit.which_backend(q, k, v, window=(1, 1)) == "band"
+    assert attnkit.which_backend(q, k, v, mask_mod=checkerboard) == "fused_tiles"  # depends on the head
+    assert attnkit.which_backend(q, k, v, score_mod=scores.softcap(2.0)) == "tiles"
+    assert attnkit.which_backend(q, k, v, window=(1, 1), backend="blockwise") == "band"  # a family: its first fit
     assert attnkit.which_backend(q, k, v, window=(1, 1), return_weights=True) == "reference"
     assert attnkit.which_backend(q, k, v, window=(1, 1), dropout_p=0.1) == "reference"
-    with pytest.raises(ValueError, match="blockwise.*weights"):
+    with pytest.raises(ValueError, match="'blockwise' family.*band: the band backend never forms the weights"):
         attnkit.attention(q, k, v, window=(1, 1), return_weights=True, backend="blockwise")
+    with pytest.raises(ValueError, match="backend 'fused_tiles' cannot serve this call: PyTorch's fused CPU kernel"):
+        attnkit.attention(q, k, v, score_mod=scores.softcap(2.0), backend="fused_tiles")
     with pytest.raises(ValueError, match="q_tile must be a positive int or None, got 0"):
-        BlockwiseBackend(q_tile=0)
+        TilesBackend(fused=False, q_tile=0)
+    with pytest.raises(TypeError, match="fused must be True or False, got None"):
+        TilesBackend(fused=None)
 
 
 def test_invariants_masked_keys_and_future_tokens_do_not_matter():

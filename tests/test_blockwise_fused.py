@@ -1,4 +1,4 @@
-"""The blockwise backend's fused path: PyTorch's CPU flash kernel inside the tile plan.
+"""The "fused_tiles" backend: PyTorch's CPU flash kernel inside the tile plan.
 
 ``test_blockwise.py`` runs every case through both paths with tiny tiles; here: when the fused
 path is taken, that its default tiles and split chunks match the oracle, the self-check, and the
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import masks, scores
-from attnkit.backends import _fused, blockwise
-from attnkit.backends.blockwise import BlockwiseBackend
+from attnkit.backends import _fused, tiles
+from attnkit.backends.tiles import TilesBackend
 from attnkit.request import build_request
 from tests import oracle
 from tests.tolerances import close
@@ -55,23 +55,27 @@ def fresh_self_check():
 def test_the_kernel_passes_its_self_check_and_serves_mask_only_calls():
     assert _fused.available()
     q, k, v = qkv(1, 2, 2, 9, 9)
-    assert blockwise._setup(build_request(q, k, v, window=(2, 2)), BlockwiseBackend()).fused
-    assert blockwise._setup(build_request(q, k, v, mask_mod=masks.causal_mod()), BlockwiseBackend()).fused
+    fused = attnkit.backends.get("fused_tiles")
+    assert tiles._setup(build_request(q, k, v, window=(2, 2)), fused).fused
+    assert tiles._setup(build_request(q, k, v, mask_mod=masks.causal_mod()), fused).fused
     with_mod = build_request(q, k, v, window=(2, 2), score_mod=scores.softcap(2.0))
-    assert not blockwise._setup(with_mod, BlockwiseBackend()).fused  # a score_mod needs the scores
-    assert not blockwise._setup(build_request(q, k, v, window=(2, 2)), BlockwiseBackend(fused=False)).fused
+    assert fused.not_supported_reasons(with_mod)  # a score_mod needs the scores
+    assert attnkit.which_backend(q, k, v, window=(2, 2), score_mod=scores.softcap(2.0)) == "tiles"
+    assert not tiles._setup(build_request(q, k, v, window=(2, 2)), TilesBackend(fused=False)).fused
     q2, k2, v2 = qkv(1, 2, 2, 9, 9, dv=5)
-    assert not blockwise._setup(build_request(q2, k2, v2, window=(2, 2)), BlockwiseBackend()).fused
+    assert fused.not_supported_reasons(build_request(q2, k2, v2, window=(2, 2)))  # values narrower than queries
 
 
 def test_forcing_the_fused_path_where_it_cannot_run_is_refused_with_the_reason():
     q, k, v = qkv(1, 2, 2, 5, 5)
     req = build_request(q, k, v, window=(1, 1), score_mod=scores.softcap(2.0))
-    reasons = BlockwiseBackend(fused=True).not_supported_reasons(req)
-    assert any("fused=True needs no score_mod" in r for r in reasons)
-    assert BlockwiseBackend().not_supported_reasons(req) == []
-    with pytest.raises(TypeError, match="fused must be True, False or None, got 'yes'"):
-        BlockwiseBackend(fused="yes")
+    reasons = TilesBackend(fused=True).not_supported_reasons(req)
+    assert any("fused CPU kernel needs no score_mod" in r for r in reasons)
+    assert TilesBackend(fused=False).not_supported_reasons(req) == []
+    with pytest.raises(ValueError, match="backend 'fused_tiles' cannot serve this call: PyTorch's fused"):
+        TilesBackend(fused=True)(req)
+    with pytest.raises(TypeError, match="fused must be True or False, got 'yes'"):
+        TilesBackend(fused="yes")
 
 
 @pytest.mark.parametrize("case", [
@@ -85,38 +89,38 @@ def test_forcing_the_fused_path_where_it_cannot_run_is_refused_with_the_reason()
 def test_default_tiles_match_the_oracle(case, heads):
     h, hkv = heads
     q, k, v = qkv(1, h, hkv, 300, 300, d=16)
-    tiles = BlockwiseBackend(band=False)  # pure window/causal calls would otherwise go to the banded kernel
-    st = blockwise._setup(build_request(q, k, v, **case), tiles)
+    backend = attnkit.backends.get("fused_tiles")
+    st = tiles._setup(build_request(q, k, v, **case), backend)
     # A narrow band gets small tiles, plain causal masks one tile as long as the sequence (300 -> 320).
     want = 64 if case.get("window") == (40, 40) else 320 if case == {"is_causal": True} else 256
     assert st.fused and st.q_tile == want
     # The oracle evaluates a mask_mod cell by cell in Python; for the documents give it the grid.
     allowed = masks.document(DOCS).expand(1, h, 300, 300) if "mask_mod" in case else None
-    check_against_oracle(tiles, q, k, v, allowed=allowed, **case)
+    check_against_oracle(backend, q, k, v, allowed=allowed, **case)
 
 
 def test_float32_matches_pytorch_sdpa_with_the_dense_mask():
     q, k, v = qkv(2, 4, 4, 333, 333, d=32, dtype=torch.float32)
     mask = masks.sliding_window(333, left=50, right=7)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    close(BlockwiseBackend(band=False)(build_request(q, k, v, window=(50, 7)))[0], want)
+    close(TilesBackend(fused=True)(build_request(q, k, v, window=(50, 7)))[0], want)
 
 
 @pytest.mark.parametrize("cache", [0, 1 << 40], ids=["split_every_chunk", "never_split"])
 def test_chunks_split_into_spans_or_not_give_the_same_answer(monkeypatch, cache):
-    monkeypatch.setattr(blockwise, "FUSED_MASK_CACHE", cache)
-    backend = BlockwiseBackend(q_tile=8, kv_block=4)
+    monkeypatch.setattr(tiles, "FUSED_MASK_CACHE", cache)
+    backend = TilesBackend(fused=True, q_tile=8, kv_block=4)
     q, k, v = qkv(1, 2, 2, 37, 41)
     req = build_request(q, k, v, is_causal=True, window=(9, None))
-    st = blockwise._setup(req, backend)
-    spans = [len(blockwise._fused_segments(st, bt, blockwise._gather(st, bt, *_operands(st, q, k, v))))
+    st = tiles._setup(req, backend)
+    spans = [len(tiles._fused_segments(st, bt, tiles._gather(st, bt, *_operands(st, q, k, v))))
              for bt in st.batches]
     assert (max(spans) > 1) == (cache == 0)
     check_against_oracle(backend, q, k, v, is_causal=True, window=(9, None))
 
 
 def _operands(st, q, k, v):
-    return blockwise._to_tiles(q.detach(), st), blockwise._to_rows(k.detach(), st), blockwise._to_rows(v.detach(), st)
+    return tiles._to_tiles(q.detach(), st), tiles._to_rows(k.detach(), st), tiles._to_rows(v.detach(), st)
 
 
 def test_dense_bias_and_mask_go_through_the_kernel_too():
@@ -124,8 +128,8 @@ def test_dense_bias_and_mask_go_through_the_kernel_too():
     q, k, v = qkv(2, 2, 2, 29, 23)
     bias = torch.randn(2, 1, 29, 23, generator=g, dtype=torch.float64)
     mask = torch.rand(29, 23, generator=g) > 0.3
-    backend = BlockwiseBackend(q_tile=8, kv_block=4)
-    assert blockwise._setup(build_request(q, k, v, bias=bias, mask=mask), backend).fused
+    backend = TilesBackend(fused=True, q_tile=8, kv_block=4)
+    assert tiles._setup(build_request(q, k, v, bias=bias, mask=mask), backend).fused
     check_against_oracle(backend, q, k, v, bias=bias, mask=mask, window=(6, 6))
 
 
@@ -136,7 +140,7 @@ def test_gradcheck_through_the_kernel():
         return attnkit.attention(q, k, v, window=(2, 1), mask_mod=lambda b, h, i, j: (i + j) % 4 != 1,
                                  backend="blockwise")
 
-    assert blockwise._setup(build_request(q, k, v, window=(2, 1)), BlockwiseBackend()).fused
+    assert attnkit.which_backend(q, k, v, window=(2, 1), mask_mod=lambda b, h, i, j: (i + j) % 4 != 1) == "fused_tiles"
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
@@ -144,8 +148,8 @@ def test_without_the_kernel_the_plain_path_runs(monkeypatch, fresh_self_check):
     monkeypatch.setattr(_fused, "_FWD", None)
     assert not _fused.available()
     q, k, v = qkv(1, 2, 2, 19, 19)
-    assert not blockwise._setup(build_request(q, k, v, window=(3, 3)), BlockwiseBackend()).fused
-    check_against_oracle(BlockwiseBackend(q_tile=4, kv_block=4), q, k, v, window=(3, 3))
+    assert attnkit.which_backend(q, k, v, mask_mod=lambda b, h, i, j: i != j + 1) == "tiles"
+    check_against_oracle(TilesBackend(fused=False, q_tile=4, kv_block=4), q, k, v, window=(3, 3))
 
 
 def test_self_check_tolerates_nan_dead_rows_but_refuses_a_wrong_lse(monkeypatch, fresh_self_check):
@@ -172,18 +176,18 @@ def test_self_check_tolerates_nan_dead_rows_but_refuses_a_wrong_lse(monkeypatch,
 
 @pytest.mark.parametrize("lengths", [(96, 96), (90, 100), (96, 40)], ids=["square", "offset", "lq>lk"])
 def test_square_diagonal_blocks_use_the_kernels_causal_mode(monkeypatch, lengths):
-    monkeypatch.setattr(blockwise, "FUSED_MASK_CACHE", 0)  # split chunks into spans
-    backend = BlockwiseBackend(q_tile=16, kv_block=16)
+    monkeypatch.setattr(tiles, "FUSED_MASK_CACHE", 0)  # split chunks into spans
+    backend = TilesBackend(fused=True, q_tile=16, kv_block=16)
     lq, lk = lengths
     q, k, v = qkv(2, 2, 2, lq, lk)
-    st = blockwise._setup(build_request(q, k, v, is_causal=True), backend)
+    st = tiles._setup(build_request(q, k, v, is_causal=True), backend)
     flags = [seg[4] for bt in st.batches
-             for seg in blockwise._fused_segments(st, bt, blockwise._gather(st, bt, *_operands(st, q, k, v)))]
+             for seg in tiles._fused_segments(st, bt, tiles._gather(st, bt, *_operands(st, q, k, v)))]
     assert any(flags) == (lq == lk)  # aligned only when the bottom-right diagonal starts at a block edge
     check_against_oracle(backend, q, k, v, is_causal=True)
 
 
-@pytest.mark.parametrize("backend", [BlockwiseBackend(), BlockwiseBackend(band=False)], ids=["band", "tiles"])
+@pytest.mark.parametrize("backend", ["band", "fused_tiles"])
 @pytest.mark.parametrize("layout", ["bshd", "last_dim_strided", "expanded_kv"])
 def test_inputs_in_any_memory_layout(layout, backend):
     g = torch.Generator().manual_seed(2)
@@ -196,23 +200,4 @@ def test_inputs_in_any_memory_layout(layout, backend):
         q = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
         k, v = (torch.randn(b, 1, n, d, generator=g, dtype=torch.float64).expand(b, h, n, d) for _ in range(2))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    check_against_oracle(backend, q, k, v, is_causal=True, window=(20, None))
-
-
-def test_the_registered_backend_can_be_told_not_to_fuse(monkeypatch):
-    q, k, v = qkv(1, 2, 2, 40, 40)
-    registered = attnkit.backends.get("blockwise")
-    monkeypatch.setattr(registered, "fused", False)
-    assert not blockwise._setup(build_request(q, k, v, window=(3, 3)), registered).fused
-    ref = attnkit.attention(q, k, v, window=(3, 3), backend="reference")
-    close(attnkit.attention(q, k, v, window=(3, 3), backend="blockwise"), ref)
-
-
-def test_an_empty_key_range_never_reaches_the_kernel():
-    # The kernel divides by the key length (a SIGFPE would kill the process, not raise).
-    q = torch.randn(2, 3, 4, 8, dtype=torch.float64)
-    k = v = torch.randn(2, 3, 0, 8, dtype=torch.float64)
-    out, lse = _fused.forward(q, k, v, None, None, 0.5)
-    assert (out == 0).all() and torch.isneginf(lse).all() and out.shape == (2, 3, 4, 8)
-    grads = _fused.backward(torch.ones_like(out), q, k, v, out, torch.zeros_like(lse), None, 0.5)
-    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and (grads[0] == 0).all()
+    check_against_oracle(attnkit.backends.get(backend), q, k, v, is_causal=True, window=(20, None))

@@ -14,7 +14,6 @@ import torch
 
 import attnkit
 from attnkit.backends import _band
-from attnkit.backends.blockwise import BlockwiseBackend
 from attnkit.request import build_request
 from tests import oracle
 from tests.test_blockwise_fused import qkv
@@ -23,11 +22,7 @@ from tests.tolerances import close
 REFERENCE = attnkit.backends.get("reference")
 SDPA = attnkit.backends.get("sdpa")
 #: Every blockwise path: the banded kernel, PyTorch's fused kernel on tiles, and plain tiles.
-BLOCKWISE = {
-    "band": BlockwiseBackend(band=True),
-    "fused_tiles": BlockwiseBackend(fused=True, band=False),
-    "tiles": BlockwiseBackend(fused=False, band=False),
-}
+BLOCKWISE = {name: attnkit.backends.get(name) for name in attnkit.backends.FAMILIES["blockwise"]}
 
 
 @pytest.fixture

@@ -4,6 +4,8 @@ A backend is an object with a ``name``, ``not_supported_reasons(request) -> list
 when it can serve the request exactly) and ``__call__(request) -> (out, weights | None)``.
 ``"auto"`` takes the first backend in :data:`AUTO_ORDER` that can serve a request; forcing a
 backend that cannot raises ``ValueError`` with its reasons, and when none fits, every backend's.
+A family name (:data:`FAMILIES`: ``"blockwise"``) takes the first of its members that can serve;
+``attnkit.which_backend`` always names the member that runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class Backend(Protocol):
 _REGISTRY: dict[str, Backend] = {}
 #: Preference order for ``backend="auto"``: fused kernels first, the exact reference last.
 AUTO_ORDER: list[str] = []
+#: Names that stand for the first member able to serve a call: ``"blockwise"`` is the exact
+#: O(tile)-memory kernels, fastest first.
+FAMILIES: dict[str, tuple[str, ...]] = {"blockwise": ("band", "fused_tiles", "tiles")}
 
 
 def register(backend: Backend, *, auto_rank: int | None = None) -> Backend:
@@ -43,7 +48,7 @@ def available() -> list[str]:
 
 def get(name: str) -> Backend:
     if name not in _REGISTRY:
-        raise ValueError(f"backend must be 'auto' or one of {available()}, got {name!r}")
+        raise ValueError(f"backend must be 'auto', one of {available()} or a family {list(FAMILIES)}, got {name!r}")
     return _REGISTRY[name]
 
 
@@ -51,29 +56,33 @@ def select(req: Request, name: str = "auto") -> Backend:
     """The backend that will serve ``req``: the named one, or the first fit in AUTO_ORDER."""
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, got {type(name).__name__}")
-    if name != "auto":
+    if name != "auto" and name not in FAMILIES:
         backend = get(name)
         reasons = backend.not_supported_reasons(req)
         if reasons:
             raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(reasons))
         return backend
     why = {}
-    for candidate in AUTO_ORDER:
+    for candidate in AUTO_ORDER if name == "auto" else FAMILIES[name]:
         reasons = _REGISTRY[candidate].not_supported_reasons(req)
         if not reasons:
             return _REGISTRY[candidate]
         why[candidate] = reasons
     detail = " | ".join(f"{n}: {'; '.join(r)}" for n, r in why.items())
-    raise ValueError(f"no attention backend can serve this call ({detail})")
+    what = "no attention backend" if name == "auto" else f"no backend of the {name!r} family"
+    raise ValueError(f"{what} can serve this call ({detail})")
 
 
 def _register_builtin() -> None:
-    from .blockwise import BlockwiseBackend
+    from .band import BandBackend
     from .reference import ReferenceBackend
     from .sdpa import SDPABackend
+    from .tiles import TilesBackend
 
     register(SDPABackend(), auto_rank=0)
-    register(BlockwiseBackend(), auto_rank=1)
+    register(BandBackend(), auto_rank=1)
+    register(TilesBackend(fused=True), auto_rank=2)
+    register(TilesBackend(fused=False), auto_rank=3)
     register(ReferenceBackend(), auto_rank=99)
 
 

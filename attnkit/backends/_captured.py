@@ -1,7 +1,7 @@
 """Find the tensors a ``score_mod`` closes over, so gradients can flow into them.
 
 A score_mod such as ``alibi(slopes)`` or ``relative_position_bias(table)`` captures tensors that may
-be ``nn.Parameter``s. The blockwise backend recomputes the score_mod tile by tile in its backward
+be ``nn.Parameter``s. The tiles backend recomputes the score_mod tile by tile in its backward
 pass and asks autograd for the gradient of each captured tensor; to do that it must know them. They
 are found by walking the function's closure cells, default arguments, the module globals it names,
 ``functools.partial`` arguments, bound ``nn.Module``s and callable objects. :func:`check_covered`
