@@ -13,7 +13,7 @@ def attention(
     key: Tensor,
     value: Tensor,
     *,
-    mask: Tensor | None = None,
+    mask=None,
     bias: Tensor | None = None,
     is_causal: bool = False,
     window: tuple[int | None, int | None] | None = None,
@@ -33,7 +33,9 @@ def attention(
         query: ``[..., H, Lq, E]``.
         key: ``[..., Hkv, Lk, E]``.
         value: ``[..., Hkv, Lk, Ev]``.
-        mask: bool, ``True`` = may attend, broadcastable to ``[..., H, Lq, Lk]``.
+        mask: bool, ``True`` = may attend, broadcastable to ``[..., H, Lq, Lk]``; or a
+            :class:`attnkit.MaskPlan` (:func:`attnkit.mask_plan`): a mask worked out once and
+            reused across calls, layers and steps.
         bias: float, added to the scaled scores, broadcastable to ``[..., H, Lq, Lk]``.
         is_causal: look-ahead masking. With ``Lq != Lk`` it is aligned *bottom-right*: query
             ``i`` sits at position ``Lk - Lq + i`` (a KV cache's layout). PyTorch's SDPA aligns

@@ -10,8 +10,10 @@ backends never re-validate user input. Shape notation (used throughout attnkit):
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,6 +75,14 @@ class Request:
     @property
     def scores_shape(self) -> torch.Size:
         return self.batch_shape + (self.heads, self.q_len, self.kv_len)
+
+    @functools.cached_property
+    def plan(self):
+        """The :class:`attnkit.plan.MaskPlan` of ``is_causal``/``window``/``mask_mod`` (None when
+        none is set), worked out on first use and cached (see :func:`attnkit.plan.for_request`)."""
+        from . import plan
+
+        return plan.for_request(self)
 
     def structured_mask_mod(self) -> _masks.MaskMod | None:
         """``is_causal``, ``window`` and ``mask_mod`` as one predicate (``None`` if none is set)."""
@@ -150,9 +160,17 @@ def build_request(
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
 
     target = query.shape[:-3] + (h, query.shape[-2], key.shape[-2])
+    if is_plan(mask):  # the whole mask, worked out once: from here on it is the request's mask_mod
+        if mask_mod is not None or is_causal or window is not None:
+            raise ValueError("mask is a MaskPlan, which holds the whole mask: build it with is_causal/window/"
+                             "mask_mod (attnkit.mask_plan) instead of passing them here as well")
+        if query.dim() != 4:
+            raise ValueError(f"a MaskPlan needs 4-D inputs [B, H, L, E], got query shape {tuple(query.shape)}")
+        mask.check(query.shape[0], query.shape[-2], key.shape[-2], query.device)
+        mask, mask_mod = None, mask
     if mask is not None:
         if not isinstance(mask, Tensor):
-            raise TypeError(f"mask must be a bool tensor or None, got {type(mask).__name__}")
+            raise TypeError(f"mask must be a bool tensor, a MaskPlan or None, got {type(mask).__name__}")
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}; "
                             "pass additive float terms as bias=")
@@ -169,12 +187,7 @@ def build_request(
             _check_not_per_batch_3d(name, t, query.dim(), h)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if window is not None:
-        if not (isinstance(window, tuple | list) and len(window) == 2):
-            raise ValueError(f"window must be a (left, right) pair, got {window!r}")
-        for side, n in zip(("left", "right"), window, strict=True):
-            _masks._check_window_side(side, n)
-        window = (window[0], window[1])
+    window = check_window(window)
     for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if fn is not None:
             if not callable(fn):
@@ -193,6 +206,23 @@ def build_request(
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
     return Request(query, key, value, mask, bias, is_causal, window, mask_mod, score_mod,
                    float(scale), float(dropout_p), return_weights)
+
+
+def is_plan(mask) -> bool:
+    """Whether ``mask`` is an :class:`attnkit.MaskPlan`."""
+    plan = sys.modules.get("attnkit.plan")  # not loaded: no MaskPlan exists (and it builds on this module)
+    return plan is not None and isinstance(mask, plan.MaskPlan)
+
+
+def check_window(window) -> Window | None:
+    """``window`` as a ``(left, right)`` tuple (None stays None), or ``ValueError`` naming what came."""
+    if window is None:
+        return None
+    if not (isinstance(window, tuple | list) and len(window) == 2):
+        raise ValueError(f"window must be a (left, right) pair, got {window!r}")
+    for side, n in zip(("left", "right"), window, strict=True):
+        _masks._check_window_side(side, n)
+    return (window[0], window[1])
 
 
 def _check_broadcast(name: str, t: Tensor, target: torch.Size, device: torch.device) -> None:

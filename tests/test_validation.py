@@ -22,7 +22,7 @@ V = torch.randn(2, 2, 7, 6)
     ((Q, K, V[:, :, :3]), {}, ValueError, r"value must have the same heads and length as key"),
     ((Q[:, :3], K, V), {}, ValueError, r"query heads \(3\) must be a multiple of key/value heads \(2\)"),
     ((Q, K, V), {"mask": torch.ones(5, 7)}, TypeError, r"mask must be a bool tensor .*got dtype torch.float32"),
-    ((Q, K, V), {"mask": [[True]]}, TypeError, r"mask must be a bool tensor or None, got list"),
+    ((Q, K, V), {"mask": [[True]]}, TypeError, r"mask must be a bool tensor, a MaskPlan or None, got list"),
     ((Q, K, V), {"mask": torch.ones(5, 6, dtype=torch.bool)}, ValueError,
      r"mask of shape \(5, 6\) is not broadcastable to \[..., H, Lq, Lk\] = \(2, 4, 5, 7\)"),
     ((Q, K, V), {"mask": torch.ones(3, 2, 4, 5, 7, dtype=torch.bool)}, ValueError, r"mask of shape"),

@@ -48,7 +48,7 @@ def available() -> list[str]:
 
 def get(name: str) -> Backend:
     if name not in _REGISTRY:
-        raise ValueError(f"backend must be 'auto', one of {available()} or a family {list(FAMILIES)}, got {name!r}")
+        raise ValueError(f"backend must be 'auto' or one of {available() + list(FAMILIES)}, got {name!r}")
     return _REGISTRY[name]
 
 

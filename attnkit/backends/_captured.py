@@ -20,8 +20,9 @@ from torch import Tensor
 _MAX_DEPTH = 8
 
 
-def captured_tensors(fn) -> list[Tensor]:
-    """Tensors that require grad and that ``fn`` can reach, in a fixed order, without duplicates."""
+def captured_tensors(fn, *, requiring_grad: bool = True) -> list[Tensor]:
+    """Tensors that ``fn`` can reach (only those that require grad, unless ``requiring_grad`` is
+    False), in a fixed order, without duplicates."""
     found: list[Tensor] = []
     seen: set[int] = set()
 
@@ -30,7 +31,7 @@ def captured_tensors(fn) -> list[Tensor]:
             return
         seen.add(id(obj))
         if isinstance(obj, Tensor):
-            if obj.requires_grad:
+            if obj.requires_grad or not requiring_grad:
                 found.append(obj)
         elif isinstance(obj, torch.nn.Module):
             for p in obj.parameters():

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from .._text import describe
 from ..functional import attention
+from ..request import is_plan
 from ..scores import compose
 
 if TYPE_CHECKING:
@@ -208,6 +209,7 @@ class MultiHeadAttention(nn.Module):
         score_mod=None,
         need_weights: bool = False,
         cache: KVCache | None = None,
+        backend: str | None = None,
     ):
         """Attend ``query`` to ``key``/``value`` (self-attention when ``key`` is omitted).
 
@@ -220,13 +222,16 @@ class MultiHeadAttention(nn.Module):
             query: ``[B, Lq, embed_dim]``.
             key: ``[B, Lk, kdim]``; defaults to ``query``.
             value: ``[B, Lk, vdim]``; defaults to ``key``.
-            mask: bool, ``True`` = may attend: ``[Lq, Lk]``, ``[B, Lq, Lk]`` or ``[B, H, Lq, Lk]``.
+            mask: bool, ``True`` = may attend: ``[Lq, Lk]``, ``[B, Lq, Lk]`` or ``[B, H, Lq, Lk]``; or
+                an :class:`attnkit.MaskPlan` built once and shared by every layer and step.
             key_mask: ``[B, Lk]`` bool, ``True`` = a real token (not padding).
             bias: float added to the scores, same shapes as ``mask``.
             is_causal, window, mask_mod, score_mod: as in :func:`attnkit.attention`; a
                 ``position_bias`` term is applied before ``score_mod``.
             need_weights: also return per-head weights ``[B, H, Lq, Lk]``.
             cache: a :class:`~attnkit.cache.KVCache` sized for ``B``, ``num_kv_heads``, ``head_dim``.
+            backend: this call's backend, instead of the module's ``backend`` (nothing on the
+                module changes).
 
         Returns:
             ``out [B, Lq, embed_dim]``, or ``(out, weights)``.
@@ -241,6 +246,9 @@ class MultiHeadAttention(nn.Module):
         mask = _per_head(mask, "mask")
         bias = _per_head(bias, "bias")
         if key_mask is not None:
+            if is_plan(mask):
+                raise ValueError("key_mask cannot be combined with a MaskPlan mask: build the plan with "
+                                 "attnkit.masks.padding_mod(lengths) in its mask_mod instead")
             if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or \
                     tuple(key_mask.shape) != (key.shape[0], kv_len):
                 raise ValueError(f"key_mask must be a bool [B, Lk] = {(key.shape[0], kv_len)} tensor, "
@@ -254,7 +262,9 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v)  # (B, Hkv, Lk, D): everything cached so far
         if self.approx is not None:
-            return self._approx_forward(q, k, v, mask, is_causal, bias=bias, window=window, mask_mod=mask_mod,
+            plan = mask if is_plan(mask) else None
+            return self._approx_forward(q, k, v, None if plan is not None else mask, is_causal, mask_plan=plan,
+                                        bias=bias, window=window, mask_mod=mask_mod,
                                         score_mod=score_mod, position_bias=self.position_bias,
                                         need_weights=need_weights or None)
         if self.position_bias is not None:
@@ -263,7 +273,7 @@ class MultiHeadAttention(nn.Module):
         res = attention(q, k, v, mask=mask, bias=bias, is_causal=is_causal, window=window,
                         mask_mod=mask_mod, score_mod=score_mod, scale=self.scale,
                         dropout_p=self.dropout if self.training else 0.0,
-                        return_weights=need_weights, backend=self.backend)
+                        return_weights=need_weights, backend=self.backend if backend is None else backend)
         out, weights = res if need_weights else (res, None)
         out = self.out_proj(merge_heads(out))  # (B, Lq, embed_dim)
         return (out, weights) if need_weights else out
@@ -311,8 +321,8 @@ def merge_heads(x: Tensor) -> Tensor:
 
 def _per_head(t: Tensor | None, name: str) -> Tensor | None:
     """Module masks come as ``[Lq, Lk]``, ``[B, Lq, Lk]`` or ``[B, H, Lq, Lk]``; make them 4-D."""
-    if t is None:
-        return None
+    if t is None or is_plan(t):
+        return t
     if not isinstance(t, Tensor) or t.dim() not in (2, 3, 4):
         raise ValueError(f"{name} must be [Lq, Lk], [B, Lq, Lk] or [B, H, Lq, Lk], got {describe(t)}")
     return t.unsqueeze(1) if t.dim() == 3 else t
