@@ -26,9 +26,7 @@ import torch.nn.functional as F
 
 from .. import masks, scores
 from ..backends import _band
-from ..backends.blockwise import BlockwiseBackend
 from ..functional import attention
-from ..request import build_request
 from ._util import (
     attention_flops,
     interleaved_medians,
@@ -42,18 +40,18 @@ from ._util import (
 
 H, D, WINDOW = 8, 64, 256
 DOC = 1024  # tokens per packed document
-PLAIN = "attnkit blockwise, plain path (fused=False)"
-TILES = "attnkit blockwise, tile plan + PyTorch's flash kernel (band=False)"
+PLAIN = "attnkit, backend='tiles' (plain tiles)"
+TILES = "attnkit, backend='fused_tiles' (tile plan + PyTorch's flash kernel)"
 
 
 def _plain(q, k, v, **kw):
-    """The blockwise backend without any fused kernel: what the fused paths are measured against."""
-    return BlockwiseBackend(fused=False)(build_request(q, k, v, **kw))[0]
+    """The plain tiles, no fused kernel: what the fused paths are measured against."""
+    return attention(q, k, v, backend="tiles", **kw)
 
 
 def _tiles(q, k, v, **kw):
-    """The blockwise backend's tile plan with PyTorch's flash kernel, without the banded C++ kernel."""
-    return BlockwiseBackend(band=False)(build_request(q, k, v, **kw))[0]
+    """The tile plan with PyTorch's flash kernel, without the banded C++ kernel."""
+    return attention(q, k, v, backend="fused_tiles", **kw)
 
 
 def _interleaved(cands: dict, rounds: int, clock=time.perf_counter) -> dict[str, float]:
@@ -351,9 +349,9 @@ def run(quick: bool, out_dir: Path) -> str:
                                    ("window, forward+backward", cells, fb["attnkit blockwise"], True),
                                    ("causal, forward", causal_cells, causal_fwd["mine"], False),
                                    ("causal, forward+backward", causal_cells, causal_fb, True),
-                                   ("window, forward, tile plan (band=False)", cells, fwd[TILES], False),
-                                   ("window, forward+backward, tile plan (band=False)", cells, fb[TILES], True),
-                                   ("causal, forward, tile plan (band=False)", causal_cells, causal_fwd["tiles"],
+                                   ("window, forward, backend='fused_tiles'", cells, fwd[TILES], False),
+                                   ("window, forward+backward, backend='fused_tiles'", cells, fb[TILES], True),
+                                   ("causal, forward, backend='fused_tiles'", causal_cells, causal_fwd["tiles"],
                                     False),
                                    ("window, forward, plain path", cells, fwd[PLAIN], False),
                                    ("causal, forward, plain path", causal_cells, causal_fwd["plain"], False),
@@ -389,9 +387,9 @@ def run(quick: bool, out_dir: Path) -> str:
         cases = [("window fwd", "window_fwd", "mine", cells, False),
                  ("window fwd+bwd", "window_fb", "mine", cells, True),
                  ("causal fwd", "causal_fwd", "mine", n * (n + 1) // 2, False),
-                 ("window fwd, tile plan (band=False)", "window_fwd", "tiles", cells, False),
-                 ("window fwd+bwd, tile plan (band=False)", "window_fb", "tiles", cells, True),
-                 ("causal fwd, tile plan (band=False)", "causal_fwd", "tiles", n * (n + 1) // 2, False),
+                 ("window fwd, backend='fused_tiles'", "window_fwd", "tiles", cells, False),
+                 ("window fwd+bwd, backend='fused_tiles'", "window_fb", "tiles", cells, True),
+                 ("causal fwd, backend='fused_tiles'", "causal_fwd", "tiles", n * (n + 1) // 2, False),
                  ("window fwd, plain path", "window_fwd", "plain", cells, False),
                  ("causal fwd, plain path", "causal_fwd", "plain", n * (n + 1) // 2, False)]
         rows1 = []
