@@ -3,8 +3,9 @@
 The table of contents:
 
 * ``attnkit.attention`` - the one entry point for the maths (``functional.py``), in front of
-  ``attnkit.backends`` (reference, sdpa, blockwise, ...).
+  ``attnkit.backends`` (sdpa, band, fused_tiles, tiles, reference; each a kernel with a name).
 * ``attnkit.masks`` - mask predicates and builders, ``True`` = may attend.
+* ``attnkit.mask_plan`` -> ``attnkit.MaskPlan`` - a mask worked out once for every kernel (``plan.py``).
 * ``attnkit.MultiHeadAttention`` - the module (``modules/``).
 * ``attnkit.ops`` - numerical primitives (safe softmax, tile forward/backward with log-sum-exp).
 * ``positional``, ``scores``, ``models``, ``viz``, ``analysis``, ``distributed``, ``bench``.
@@ -20,15 +21,18 @@ if TYPE_CHECKING:
     from . import backends, masks
     from .functional import attention, which_backend
     from .modules import MultiHeadAttention
+    from .plan import MaskPlan, mask_plan
 
 __version__ = "0.1.0"
 
-__all__ = ["MultiHeadAttention", "attention", "backends", "masks", "which_backend", "__version__"]
+__all__ = ["MaskPlan", "MultiHeadAttention", "attention", "backends", "mask_plan", "masks", "which_backend",
+           "__version__"]
 
 #: Public names that live in a submodule: name -> the submodule that defines it.
-_FROM = {"attention": "functional", "which_backend": "functional", "MultiHeadAttention": "modules"}
+_FROM = {"attention": "functional", "which_backend": "functional", "MultiHeadAttention": "modules",
+         "MaskPlan": "plan", "mask_plan": "plan"}
 _SUBMODULES = {"backends", "masks", "functional", "positional", "scores", "models", "viz", "analysis",
-               "distributed", "bench", "modules", "ops", "cache", "linear", "approx"}
+               "distributed", "bench", "modules", "ops", "cache", "linear", "approx", "plan"}
 
 
 def __getattr__(name: str):

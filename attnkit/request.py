@@ -194,8 +194,9 @@ def build_request(
                 raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
             if query.dim() != 4:
                 raise ValueError(f"{name} needs 4-D inputs [B, H, L, E], got query shape {tuple(query.shape)}")
-    if mask_mod is not None or score_mod is not None:
-        _probe_mods(mask_mod, score_mod, target, query)
+    unchecked = None if is_plan(mask_mod) else mask_mod  # a plan's predicate was checked when it was built
+    if unchecked is not None or score_mod is not None:
+        _probe_mods(unchecked, score_mod, target, query)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):

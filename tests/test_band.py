@@ -17,13 +17,12 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import masks, scores
 from attnkit.backends import _band
-from attnkit.backends.blockwise import BlockwiseBackend
 from attnkit.request import build_request
 from tests import oracle
 from tests.test_blockwise_fused import check_against_oracle, qkv
 from tests.tolerances import close
 
-BAND = BlockwiseBackend(band=True)
+BAND = attnkit.backends.get("band")
 REFERENCE = attnkit.backends.get("reference")
 
 
@@ -156,40 +155,35 @@ def test_chosen_when_every_row_sees_one_interval_of_keys(monkeypatch):
     calls = []
     monkeypatch.setattr(_band, "attention", lambda req, plan: calls.append(req) or REFERENCE(req)[0])
     q, k, v = qkv(2, 2, 2, 20, 20)
-    backend = BlockwiseBackend()
     served = [{"window": (2, 2)}, {"is_causal": True}, {"mask_mod": masks.causal_mod()},
               {"window": (2, 2), "mask_mod": masks.padding_mod(torch.tensor([20, 7]))},
               {"mask_mod": masks.and_masks(masks.document_mod(torch.arange(20) // 6), masks.causal_mod())},
-              {"mask_mod": masks.prefix_lm_mod(torch.tensor([3, 9]))}]
+              {"mask_mod": masks.prefix_lm_mod(torch.tensor([3, 9]))},
+              {},  # no mask: every row sees every key
+              {"mask_mod": lambda b, h, i, j: j <= i},  # a user's predicate: its plan finds the rows
+              {"mask_mod": masks.or_masks(masks.causal_mod(), masks.window_mod(0, 2))},  # a union that is one run
+              {"window": (2, 2), "mask": torch.ones(20, 20, dtype=torch.bool)}]  # a dense mask: its rows are found
     for case in served:
-        backend(build_request(q, k, v, **case))
+        assert attnkit.which_backend(q, k, v, backend="blockwise", **case) == "band"
+        want = attnkit.attention(q, k, v, backend="reference", **case)
+        close(attnkit.attention(q, k, v, backend="band", **case), want)
     assert len(calls) == len(served)
-    for case in [{"window": (2, 2), "mask": torch.ones(20, 20, dtype=torch.bool)},  # dense: rows unknown
-                 {},  # nothing to skip
-                 {"mask_mod": lambda b, h, i, j: j <= i},  # a user's predicate: rows unknown
-                 {"mask_mod": masks.or_masks(masks.causal_mod(), masks.window_mod(0, 2))},
-                 {"mask_mod": masks.document_mod(torch.arange(20) % 3)},  # documents not contiguous
-                 {"mask_mod": masks.document_mod(torch.arange(19, -1, -1) // 5)}]:  # ends not sorted
-        backend(build_request(q, k, v, **case))
-    for other in (BlockwiseBackend(band=False), BlockwiseBackend(fused=False), BlockwiseBackend(q_tile=8)):
-        other(build_request(q, k, v, window=(2, 2)))  # asked for the tile plan (tile sizes) or plain tiles
+    for case in [{"window": (2, 2), "bias": torch.ones(20, 20, dtype=torch.float64)},  # a dense bias
+                 {"mask_mod": lambda b, h, i, j: (i + h) % 2 == j % 2}]:  # depends on the head
+        assert attnkit.which_backend(q, k, v, backend="blockwise", **case) == "fused_tiles"
     assert len(calls) == len(served)
-    BlockwiseBackend(q_tile=8, band=True)(build_request(q, k, v, window=(2, 2)))
-    attnkit.attention(q, k, v, window=(2, 2))  # "auto" picks blockwise, and blockwise the band
-    assert len(calls) == len(served) + 2
 
 
-def test_bad_options_and_forcing_it_where_it_cannot_run():
-    with pytest.raises(TypeError, match="band must be True, False or None, got 1"):
-        BlockwiseBackend(band=1)
-    with pytest.raises(ValueError, match="band=True contradicts fused=False"):
-        BlockwiseBackend(band=True, fused=False)
+def test_forcing_it_where_it_cannot_run_says_why():
     q, k, v = qkv(1, 2, 2, 5, 5)
-    reasons = BAND.not_supported_reasons(build_request(q, k, v, window=(1, 1), mask_mod=lambda b, h, i, j: i >= j))
-    assert any("band=True needs masks whose rows are intervals" in r for r in reasons)
-    assert BAND.not_supported_reasons(build_request(q, k, v, window=(1, 1))) == []
-    with pytest.raises(ValueError, match="cannot serve this call: band=True needs"):
-        BAND(build_request(q, k, v, mask_mod=masks.or_masks(masks.causal_mod(), masks.window_mod(0, 1))))
+    band = attnkit.backends.get("band")
+    reasons = band.not_supported_reasons(build_request(q, k, v, mask_mod=lambda b, h, i, j: (i + h) % 2 == j % 2))
+    assert reasons == ["the mask has no interval form (it depends on the head, or a row has too many runs of keys)"]
+    assert band.not_supported_reasons(build_request(q, k, v, window=(1, 1))) == []
+    with pytest.raises(ValueError, match="backend 'band' cannot serve this call: a dense bias"):
+        attnkit.attention(q, k, v, bias=torch.ones(5, 5), backend="band")
+    with pytest.raises(ValueError, match="the score_mod is not an additive bias per head and diagonal"):
+        band(build_request(q, k, v, score_mod=lambda s, b, h, i, j: s * 2))
 
 
 @pytest.fixture
@@ -217,13 +211,13 @@ def test_a_wrong_kernel_is_refused_and_the_tile_plan_takes_over(monkeypatch, fre
     assert "self-check against the formula failed: out differs" in _band.unavailable_reason()
     assert "banded kernel self-check" in capsys.readouterr().err
     q, k, v = qkv(1, 2, 2, 30, 30)
-    check_against_oracle(BlockwiseBackend(), q, k, v, window=(3, 3))
+    check_against_oracle(attnkit.backends.get("fused_tiles"), q, k, v, window=(3, 3))
 
 
 def test_the_first_call_may_come_under_no_grad_or_inference_mode(fresh_check):
     q, k, v = qkv(1, 2, 2, 30, 30)
     with torch.inference_mode():
-        out = BlockwiseBackend()(build_request(q, k, v, window=(3, 3)))[0]
+        out = attnkit.backends.get("band")(build_request(q, k, v, window=(3, 3)))[0]
     assert _band.available()
     close(out, oracle.attention(q, k, v, allowed=masks.sliding_window(30, left=3, right=3))[0])
 

@@ -154,8 +154,7 @@ def test_random_block_pattern_has_empty_and_full_tiles():
     q, k, v = qkv(1, 2, 2, 19, 17)
     st = tiles._setup(build_request(q, k, v, mask_mod=random_blocks), SMALL)
     assert sum(len(b.tiles) for b in st.batches) > 0
-    kinds = _tiling.refine_kinds(_tiling.analytic_kinds(19, 17, 4, 3, offset=0, is_causal=False, window=None),
-                                 lambda qi, kv: random_blocks(None, None, qi, kv) & (kv < 17), 19, 4, 3, 7)
+    kinds = attnkit.mask_plan(random_blocks, q_len=19, kv_len=17).kinds(4, 3)
     assert (kinds == _tiling.EMPTY).any() and (kinds == _tiling.FULL).any()
     allowed = oracle.allowed_grid(1, 2, 19, 17, mask_mod=random_blocks)
     close(run(SMALL, q, k, v, mask_mod=random_blocks), oracle.attention(q, k, v, allowed=allowed)[0])
@@ -296,10 +295,10 @@ def test_never_holds_the_score_matrix():
 
 
 def test_plan_skips_empty_and_masks_only_partial_blocks():
-    kinds = _tiling.analytic_kinds(8, 8, 2, 2, offset=0, is_causal=True, window=None)
+    kinds = attnkit.mask_plan(q_len=8, is_causal=True).kinds(2, 2)
     E, Fu, P = _tiling.EMPTY, _tiling.FULL, _tiling.PARTIAL
     assert kinds.tolist() == [[P, E, E, E], [Fu, P, E, E], [Fu, Fu, P, E], [Fu, Fu, Fu, P]]
-    kinds = _tiling.analytic_kinds(8, 9, 4, 4, offset=1, is_causal=False, window=(1, 1))
+    kinds = attnkit.mask_plan(q_len=8, kv_len=9, window=(1, 1)).kinds(4, 4)
     assert kinds.tolist() == [[P, P, E], [E, P, P]]  # last block (1 real key of 4) is partial
     docs = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     doc = masks.document_mod(docs)

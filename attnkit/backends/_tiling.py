@@ -2,9 +2,10 @@
 
 Queries are cut into tiles of ``q_tile`` rows and keys into blocks of ``kv_block`` columns. Each
 pair is **empty** (skipped), **full** (every real query row may attend every key: no mask is
-evaluated) or **partial** (the mask is evaluated on it). Causal and window masks are classified
-analytically in ``O(tiles x blocks)``; a ``mask_mod`` or dense mask is evaluated once on the tiles
-the analytic part leaves non-empty, and its verdict refines the plan.
+evaluated) or **partial** (the mask is evaluated on it). The kinds come from the request's mask
+plan (:meth:`attnkit.plan.MaskPlan.kinds`, from each row's key intervals without looking at a
+cell) where it has intervals; otherwise, and for a dense mask, the mask is evaluated once on the
+tiles still non-empty (:func:`refine_kinds`).
 
 Consecutive non-empty blocks of a tile form *chunks* of at most ``kv_chunk`` keys. Chunks with the
 same layout (width and partial-block pattern) from different tiles are computed together, as one
@@ -38,49 +39,6 @@ class Batch:
     width: int
     partial: tuple[tuple[int, int], ...]
     tile_range: tuple[int, int] | None
-
-
-def _row_bounds(q_len: int, kv_len: int, offset: int, is_causal: bool,
-                window: tuple[int | None, int | None] | None) -> tuple[Tensor, Tensor]:
-    """First and last key each query row may attend (``lo > hi``: the row attends nothing)."""
-    p = torch.arange(q_len, dtype=torch.int64) + offset
-    lo = torch.zeros(q_len, dtype=torch.int64)
-    hi = torch.full((q_len,), kv_len - 1, dtype=torch.int64)
-    if is_causal:
-        hi = torch.minimum(hi, p)
-    if window is not None:
-        left, right = window
-        if left is not None:
-            lo = torch.maximum(lo, p - left)
-        if right is not None:
-            hi = torch.minimum(hi, p + right)
-    return lo, hi
-
-
-def analytic_kinds(q_len: int, kv_len: int, q_tile: int, kv_block: int, *, offset: int,
-                   is_causal: bool, window) -> Tensor:
-    """``[tiles, blocks]`` int8 of EMPTY/FULL/PARTIAL from the causal and window masks alone.
-
-    Every row's allowed keys form one interval ``[lo, hi]`` and both ends grow with the row, so
-    the keys a tile touches form one interval too; a block is full when the tile's first row
-    already reaches its end and its last row still reaches its start. A block cut short by the
-    end of the keys is partial (its padding columns must be masked).
-    """
-    n_tiles, n_blocks = -(-q_len // q_tile), -(-kv_len // kv_block)
-    lo, hi = _row_bounds(q_len, kv_len, offset, is_causal, window)
-    rows = torch.arange(n_tiles * q_tile).view(n_tiles, q_tile)
-    real = rows < q_len
-    live = torch.nn.functional.pad(lo <= hi, (0, n_tiles * q_tile - q_len)).view(n_tiles, q_tile)
-    first = torch.where(live, rows, q_len - 1).amin(1)  # first live row of each tile
-    last = torch.where(live, rows, 0).amax(1)  # last live row
-    r0 = rows[:, 0]
-    r_end = torch.clamp(r0 + q_tile, max=q_len) - 1  # last real row
-    ks = torch.arange(n_blocks, dtype=torch.int64) * kv_block
-    ke = torch.clamp(ks + kv_block, max=kv_len) - 1  # last real key of each block
-    touched = (ks <= hi[last, None]) & (ke >= lo[first, None]) & live.any(1, keepdim=True)
-    every_row = (live | ~real).all(1, keepdim=True)
-    full = touched & (ks >= lo[r_end, None]) & (ke <= hi[r0, None]) & every_row & (ks + kv_block <= kv_len)
-    return torch.where(full, FULL, torch.where(touched, PARTIAL, EMPTY)).to(torch.int8)
 
 
 def refine_kinds(kinds: Tensor, allowed: Callable[[Tensor, Tensor], Tensor], q_len: int, q_tile: int,

@@ -1,18 +1,21 @@
 """The ``"band"`` backend: the banded C++ kernel (:mod:`._band`) for masks whose rows are intervals.
 
-It serves a call when every query row's allowed keys are a few intervals (causal, window,
-prefix-LM, padding, packed documents, the sparse patterns of :mod:`attnkit.masks`, or a user's
-predicate whose plan finds intervals), there is no dense ``mask``/``bias``, the ``score_mod``, if
-any, is an additive bias per head and diagonal and/or tanh soft-capping, on CPU in float32/float64
-(half types computed in float32), once the kernel is built and has passed its self-check.
+It serves a call when the request's mask plan (:mod:`attnkit.plan`) gives each query row its keys
+as intervals the kernel takes (causal, window, prefix-LM, padding, packed documents, or any
+predicate or dense bool mask whose plan finds that form), there is no dense ``bias``, the ``score_mod``, if
+any, is an additive bias per head and diagonal (``attnkit.scores``' ALiBi and relative-position
+tables), on CPU in float32/float64 (half types computed in float32), once the kernel is built and
+has passed its self-check.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..request import Request
 from . import _band
+from ._fused import compute_dtype
 
 
 class BandBackend:
@@ -24,18 +27,60 @@ class BandBackend:
             reasons.append("the band backend never forms the weights (use backend='reference')")
         if req.dropout_p > 0:
             reasons.append("dropout is not implemented in the band backend")
-        if req.mask is not None or req.bias is not None:
-            reasons.append("a dense mask or bias has no interval form (use mask_mod/score_mod or a mask plan)")
+        if req.bias is not None:
+            reasons.append("a dense bias is not a bias per head and diagonal (use score_mod)")
+        if req.query.device.type != "cpu" or compute_dtype(req.query.dtype) not in _band.DTYPES:
+            reasons.append(f"the banded kernel runs on CPU tensors of a float type, got {req.query.dtype} on "
+                           f"{req.query.device}")
         if reasons:
             return reasons
-        if _band.plan(req) is None:
-            reasons.append("needs masks whose rows are intervals, no score_mod but an additive bias per head and "
-                           "diagonal, a CPU float tensor, and the banded kernel built "
-                           f"({_band.unavailable_reason() or 'it is'})")
-        return reasons
+        why = _kernel_plan(req)[1]
+        if why is None and not _band.available():
+            why = f"the banded kernel is not available ({_band.unavailable_reason()})"
+        return [why] if why is not None else []
 
     def __call__(self, req: Request) -> tuple[Tensor, None]:
-        plan = _band.plan(req)
-        if plan is None:  # select() asks not_supported_reasons first; this is a direct call
-            raise ValueError("backend 'band' cannot serve this call: " + "; ".join(self.not_supported_reasons(req)))
-        return _band.attention(req, plan), None
+        reasons = self.not_supported_reasons(req)
+        if reasons:  # select() asks first; this is a direct call
+            raise ValueError("backend 'band' cannot serve this call: " + "; ".join(reasons))
+        out = _band.attention(req, _kernel_plan(req)[0])
+        plan = req.plan
+        if plan is not None and bool((plan.starts[..., 0] >= plan.ends[..., 0]).any()):
+            dead = plan.starts[..., 0] >= plan.ends[..., 0]  # [1 or B, Lq]: rows that borrowed an interval
+            flat = out.reshape(-1, req.heads, req.q_len, out.shape[-1])
+            out = flat.masked_fill(dead.view(dead.shape[0], 1, req.q_len, 1), 0.0).view(out.shape)
+        return out, None
+
+
+def _kernel_plan(req: Request) -> tuple[_band.Plan | None, str | None]:
+    """The kernel's plan for ``req``, or None and why not."""
+    bias = None
+    if req.score_mod is not None:
+        bias = _band._diagonal_bias(req) if hasattr(req.score_mod, "attnkit_diagonal") else None
+        if bias is None:
+            return None, ("the score_mod is not an additive bias per head and diagonal (attnkit.scores.alibi, "
+                          "relative_position_bias and their compose)")
+    plan = req.plan
+    if plan is None and req.mask is not None:
+        return None, "a dense mask has an interval form only with 4-D inputs [B, H, L, E]"
+    if plan is None:  # no mask: every row sees every key
+        lo = torch.zeros(1, req.q_len, dtype=torch.int64)
+        return _band.Plan(lo, torch.full_like(lo, req.kv_len), bias), None
+    if plan.starts is None:
+        return None, "the mask has no interval form (it depends on the head, or a row has too many runs of keys)"
+    if plan.starts.shape[-1] != 1:
+        k = plan.starts.shape[-1]
+        return None, f"the banded kernel takes one interval of keys per row; this mask has up to {k}"
+    lo, hi = plan.starts[..., 0], plan.ends[..., 0]
+    dead = lo >= hi
+    if bool(dead.any()):
+        # The kernel finds a key's rows by binary search, so both ends must be ordered down the rows.
+        # A dead row borrows the interval of the row before it (rows before the first live one get
+        # (0, 0)); _call zeroes its output, so nothing it computed reaches the result or a gradient.
+        live_row = torch.where(dead, -1, torch.arange(req.q_len)).cummax(-1).values
+        src = live_row.clamp(min=0)
+        lo = torch.where(live_row >= 0, lo.gather(-1, src), 0)
+        hi = torch.where(live_row >= 0, hi.gather(-1, src), 0)
+    if bool((lo[:, 1:] < lo[:, :-1]).any() or (hi[:, 1:] < hi[:, :-1]).any()):
+        return None, "the banded kernel needs both ends of the rows' intervals non-decreasing down the rows"
+    return _band.Plan(lo.contiguous(), hi.contiguous(), bias), None

@@ -193,9 +193,16 @@ def _setup(req: Request, cfg: TilesBackend) -> _Setup:
     st = _Setup(req, batch, req.heads, req.kv_heads, tq, bk, -(-lq // tq), -(-lk // bk) * bk, fused)
     if lq == 0 or lk == 0 or batch == 0:
         return st
-    kinds = _tiling.analytic_kinds(lq, lk, tq, bk, offset=req.offset, is_causal=req.is_causal,
-                                   window=req.window)
-    if req.mask_mod is not None or req.mask is not None:
+    # The mask plan's tile kinds (from its intervals, no cell evaluated) where it has them;
+    # otherwise, and for a dense mask, the predicate is evaluated on the tiles still non-empty.
+    plan = req.plan
+    kinds = plan.kinds(tq, bk) if plan is not None else None
+    exact = kinds is not None
+    if kinds is None:
+        kinds = torch.full((st.n_tiles, -(-lk // bk)), _tiling.FULL, dtype=torch.int8)
+        if lk % bk:
+            kinds[:, -1] = _tiling.PARTIAL  # the padding keys of the last block are masked
+    if (plan is not None and not exact) or req.mask is not None:
         dev = req.query.device
         b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
         h = torch.arange(req.heads, device=dev).view(1, -1, 1, 1)

@@ -1,0 +1,343 @@
+"""The mask plan: which keys each query row may attend, worked out once and used by every kernel.
+
+A :class:`MaskPlan` holds a mask (``is_causal``, ``window`` and/or a ``mask_mod``) for fixed
+lengths and batch, in the form each kernel wants:
+
+* each query row's allowed keys as a few sorted, disjoint intervals (``starts``/``ends``
+  ``[1 or B, Lq, K]``, the convention of :mod:`attnkit.masks`), where the mask has that form:
+  the ``"band"`` backend runs on them;
+* the (query tile, key block) kinds, empty / full / partial, for the tile backends, at whatever
+  tile size they ask (:meth:`MaskPlan.kinds`, computed from the intervals without looking at a
+  cell, or by evaluating the predicate tile by tile when there are none);
+* the mask as one predicate, for partial tiles and the dense backends.
+
+Build it with :func:`mask_plan` and pass it as ``attnkit.attention(..., mask=plan)``, to
+``MultiHeadAttention`` or to a model, and reuse it across layers and steps: FlexAttention's
+``create_block_mask`` -> ``BlockMask``, for attnkit's kernels. The structure of a predicate,
+the library's or a user's own, is found by evaluating it once on every cell (vectorised, in
+cache-sized row chunks: about 50-100 ms at n = 8192 on this machine), not by asking for
+annotations; ``is_causal`` and ``window`` are worked out analytically (:func:`row_bounds`, the
+one place that says which keys they allow).
+
+``attnkit.attention(..., mask_mod=fn)`` builds the plan itself and keeps the last few plans it
+built, keyed on the predicate object, the lengths, the batch, the device and the version counters
+of the tensors the predicate captures (an in-place change to captured document ids makes a new
+plan). A predicate that reads anything else that changes between calls (a global, a Python list)
+should be given a fresh plan, or a fresh function, when it changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from . import masks as _masks
+from .backends import _captured
+from .request import check_window
+
+#: How many automatically built plans ``attnkit.attention`` keeps.
+CACHE_SIZE = 16
+#: Rows with more intervals than this are not worth the band kernel's per-row bookkeeping.
+MAX_INTERVALS = 64
+
+_cache: OrderedDict = OrderedDict()
+
+
+class MaskPlan:
+    """A mask worked out for one set of lengths, batch and device; see the module docstring.
+
+    Callable as a predicate (``plan(b, h, q_idx, kv_idx) -> bool``). Attributes: ``q_len``,
+    ``kv_len``, ``batch`` (the batch it was built for, all batch dims flattened; intervals may be
+    shared, ``[1, Lq, K]``), ``device``,
+    ``starts``/``ends`` (None when the mask has no interval form) and ``predicate``.
+    """
+
+    def __init__(self, predicate, *, q_len: int, kv_len: int, batch: int, device: torch.device,
+                 starts: Tensor | None, ends: Tensor | None):
+        self.predicate = predicate
+        self.q_len, self.kv_len, self.batch, self.device = q_len, kv_len, batch, device
+        self.starts, self.ends = starts, ends
+        self.dense: Tensor | None = None
+        self._kinds: dict[tuple[int, int], Tensor] = {}
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.predicate(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        form = "no intervals" if self.starts is None else f"{self.starts.shape[-1]} interval(s) per row"
+        return f"MaskPlan(q_len={self.q_len}, kv_len={self.kv_len}, batch={self.batch}, {form})"
+
+    def check(self, batch: int, q_len: int, kv_len: int, device: torch.device | None = None) -> None:
+        """Raise ``ValueError`` unless this plan was built for these sizes (and device)."""
+        got = (q_len, kv_len)
+        if got != (self.q_len, self.kv_len):
+            raise ValueError(f"mask plan was built for q_len={self.q_len}, kv_len={self.kv_len}, "
+                             f"but the call has q_len={q_len}, kv_len={kv_len}")
+        if batch != self.batch and not (self.starts is not None and self.starts.shape[0] == 1):
+            raise ValueError(f"mask plan was built for a batch of {self.batch}, but the call has {batch} "
+                             "(batch dims flattened)")
+        if device is not None and torch.device(device).type != self.device.type:
+            raise ValueError(f"mask plan was built for {self.device}, but the call is on {device}")
+
+    def kinds(self, q_tile: int, kv_block: int) -> Tensor | None:
+        """``[tiles, blocks]`` int8 EMPTY/FULL/PARTIAL (``attnkit.backends._tiling``) from the
+        intervals, cached per tile size; None without intervals (the tile backends then evaluate
+        the predicate)."""
+        if self.starts is None:
+            return None
+        key = (q_tile, kv_block)
+        if key not in self._kinds:
+            self._kinds[key] = _tile_kinds(self.starts, self.ends, self.q_len, self.kv_len, q_tile, kv_block)
+        return self._kinds[key]
+
+
+def mask_plan(mask_mod=None, *, q_len: int, kv_len: int | None = None, batch: int = 1, heads: int = 1,
+              is_causal: bool = False, window=None, device="cpu") -> MaskPlan:
+    """Work out a mask once, for every kernel (see the module docstring).
+
+    Args:
+        mask_mod: ``fn(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's convention, per element or
+            broadcasting), a typed mask of :mod:`attnkit.masks`, or None.
+        q_len, kv_len: query and key lengths (``kv_len`` defaults to ``q_len``).
+        batch: the batch size of the calls (all batch dims flattened).
+        heads: query heads (a predicate that depends on the head has no interval form).
+        is_causal, window: as in ``attnkit.attention`` (aligned bottom-right).
+        device: where the calls run.
+
+    Raises:
+        TypeError, ValueError: bad arguments, or a predicate that returns something else than bool.
+    """
+    kv_len = q_len if kv_len is None else kv_len
+    for name, val, least in (("q_len", q_len, 0), ("kv_len", kv_len, 0), ("batch", batch, 1), ("heads", heads, 1)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {val!r}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
+    return _build(mask_mod, q_len, kv_len, batch, heads, is_causal, check_window(window), torch.device(device))
+
+
+def for_request(req) -> MaskPlan | None:
+    """The plan of a validated request's ``is_causal``/``window``/``mask_mod`` and dense ``mask``
+    (None when it has none, or a dense mask with other than 4-D inputs), from the request itself,
+    from the cache, or built now and cached."""
+    dense = req.mask if req.mask is not None and req.query.dim() == 4 else None
+    if req.mask_mod is None and not req.is_causal and req.window is None and dense is None:
+        return None
+    if req.mask is not None and dense is None:
+        return None
+    batch = math.prod(req.batch_shape)
+    dev = req.query.device
+    if isinstance(req.mask_mod, MaskPlan) and not req.is_causal and req.window is None and dense is None:
+        req.mask_mod.check(batch, req.q_len, req.kv_len, dev)
+        return req.mask_mod
+    mod = req.mask_mod
+    if dense is not None:
+        mod = _dense_predicate(dense) if mod is None else _masks.and_masks(mod, _dense_predicate(dense))
+    key = _cache_key(req.mask_mod, dense, req.q_len, req.kv_len, batch, req.heads, req.is_causal, req.window, dev)
+    plan = _cache.get(key) if key is not None else None
+    if plan is None:
+        plan = _build(mod, req.q_len, req.kv_len, batch, req.heads, req.is_causal, req.window, dev)
+        plan.dense = dense  # keeps the mask's address from being reused while the plan is cached
+        if key is not None:
+            _cache[key] = plan
+            while len(_cache) > CACHE_SIZE:
+                _cache.popitem(last=False)
+    else:
+        _cache.move_to_end(key)
+    return plan
+
+
+def _dense_predicate(mask: Tensor):
+    """A bool ``[B|1, H|1, Lq|1, Lk|1]`` mask as a predicate on broadcasting index tensors."""
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+    def allowed(b, h, q_idx, kv_idx):
+        return m[tuple(ix if m.shape[d] > 1 else 0 for d, ix in enumerate((b, h, q_idx, kv_idx)))]
+
+    return allowed
+
+
+def _build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> MaskPlan:
+    rows = row_bounds(q_len, kv_len, is_causal, window)
+    if mask_mod is not None:
+        derived = _derive(mask_mod, batch, heads, q_len, kv_len, device)
+        rows = None if derived is None else _intersect(rows, derived, kv_len)
+    parts = []
+    if is_causal:
+        parts.append(_masks.causal_mod(kv_len - q_len))
+    if window is not None:
+        parts.append(_masks.window_mod(*window, offset=kv_len - q_len))
+    parts += [mask_mod] if mask_mod is not None else []
+    predicate = parts[0] if len(parts) == 1 else _masks.and_masks(*parts) if parts else _everything
+    starts, ends = rows if rows is not None else (None, None)
+    return MaskPlan(predicate, q_len=q_len, kv_len=kv_len, batch=batch, device=device, starts=starts, ends=ends)
+
+
+def row_bounds(q_len: int, kv_len: int, is_causal: bool = False, window=None) -> tuple[Tensor, Tensor]:
+    """The one interval ``[lo, hi)`` of keys each query row may attend under ``is_causal`` and
+    ``window`` (aligned bottom-right: query ``i`` sits at ``kv_len - q_len + i``), as
+    ``[1, Lq, 1]`` intervals; an empty row is ``(Lk, Lk)``."""
+    pos = torch.arange(q_len, dtype=torch.int64) + (kv_len - q_len)
+    lo, hi = torch.zeros_like(pos), torch.full_like(pos, kv_len)
+    if is_causal:
+        hi = torch.minimum(hi, pos + 1)
+    if window is not None:
+        left, right = window
+        lo = lo if left is None else torch.maximum(lo, pos - left)
+        hi = hi if right is None else torch.minimum(hi, pos + right + 1)
+    lo, hi = lo.clamp(0, kv_len), hi.clamp(0, kv_len)
+    return _normalize(lo.view(1, -1, 1), hi.view(1, -1, 1), kv_len)
+
+
+def _cache_key(mask_mod, dense: Tensor | None, *sizes) -> tuple | None:
+    """What a cached plan depends on: the predicate object (held by the key), the tensors it
+    reaches and the dense mask (by address, version counter and shape; the cached plan holds the
+    dense mask, so its address is not reused while the entry lives), and the sizes; None when
+    the predicate cannot be a dict key."""
+    try:
+        hash(mask_mod)
+    except TypeError:
+        return None
+    found = _captured.captured_tensors(mask_mod, requiring_grad=False) + ([dense] if dense is not None else [])
+    versions = tuple((id(t), t.data_ptr(), t._version, tuple(t.shape)) for t in found)
+    return (mask_mod, versions, *sizes)
+
+
+def _everything(b, h, q_idx, kv_idx) -> Tensor:
+    return torch.ones((), dtype=torch.bool)
+
+
+# --------------------------------------------------------------------------------------------
+# Interval arithmetic (the convention of attnkit.masks: [P, Lq, K], sorted, disjoint, empties last
+# as (Lk, Lk)) and what follows from intervals without looking at a cell.
+# --------------------------------------------------------------------------------------------
+
+
+def _normalize(starts: Tensor, ends: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+    """Sort each row's intervals by start with the empty ones last as ``(Lk, Lk)``, and drop
+    the columns no row needs (at least one is kept)."""
+    empty = ends <= starts
+    starts = starts.masked_fill(empty, kv_len)
+    ends = ends.masked_fill(empty, kv_len)
+    order = starts.argsort(dim=-1, stable=True)
+    starts, ends = starts.gather(-1, order), ends.gather(-1, order)
+    k = max(1, int((~empty).sum(-1).max())) if starts.numel() else 1
+    return starts[..., :k].contiguous(), ends[..., :k].contiguous()
+
+
+def _intersect(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], kv_len: int) -> tuple[Tensor, Tensor]:
+    """Each row's intervals of ``a`` intersected with those of ``b`` (every pair; disjoint inputs
+    give disjoint pairs)."""
+    (sa, ea), (sb, eb) = a, b
+    starts = torch.maximum(sa.unsqueeze(-1), sb.unsqueeze(-2)).flatten(-2)
+    ends = torch.minimum(ea.unsqueeze(-1), eb.unsqueeze(-2)).flatten(-2)
+    return _normalize(starts, ends, kv_len)
+
+
+def _runs(rows: Tensor, buf: Tensor) -> tuple[Tensor, Tensor]:
+    """The runs of True in ``rows [N, Lk]``, in order: ``(starts, ends)``, each ``[runs, 2]`` of
+    ``(row, column)``. ``buf``: a ``[>= N, Lk + 2]`` bool buffer whose first and last columns are False."""
+    n, lk = rows.shape
+    buf[:n, 1:lk + 1] = rows
+    edges = (buf[:n, 1:] ^ buf[:n, :-1]).nonzero().cpu()  # row-major: each row's start, end, start, end, ...
+    return edges[0::2], edges[1::2]
+
+
+#: Most cells of a predicate evaluated at once while a plan is derived (a few MiB, cache-sized).
+CELLS = 1 << 20
+
+
+def _derive(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor] | None:
+    """Each row's runs of allowed keys, by evaluating ``mod`` on every cell, in row chunks;
+    None when the mask depends on the head or a row has more than :data:`MAX_INTERVALS` runs.
+
+    Dependence on ``b`` and ``h`` shows in the result's shape: a broadcasting predicate that never
+    reads ``h`` returns size 1 along it. One that does is compared across heads.
+    """
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    kv = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
+    step = max(1, CELLS // max(1, kv_len))
+    buf = torch.zeros(step * batch, kv_len + 2, dtype=torch.bool, device=device)
+    pieces, per_batch = [], False
+    for r0 in range(0, q_len, step):
+        q = torch.arange(r0, min(r0 + step, q_len), device=device).view(1, 1, -1, 1)
+        grid = (batch, heads, q.shape[2], kv_len)
+        out = mod(b, h, q, kv)
+        _masks.check_mask_mod_output(mod, out, grid)
+        out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
+        if out.shape[1] > 1:
+            if not bool((out == out[:, :1]).all()):
+                return None
+            out = out[:, :1]
+        out = out.expand(out.shape[0], 1, q.shape[2], kv_len)[:, 0]  # [1 or B, R, Lk]
+        per_batch = per_batch or out.shape[0] > 1
+        starts, ends = _runs(out.reshape(-1, kv_len), buf)
+        pieces.append((r0, out.shape[0], q.shape[2], starts, ends))
+    return _assemble(pieces, batch if per_batch else 1, q_len, kv_len)
+
+
+def _assemble(pieces: list, p: int, q_len: int, kv_len: int) -> tuple[Tensor, Tensor] | None:
+    """``[p, Lq, K]`` intervals from the chunks' runs (a chunk with one row set per batch
+    element, or one shared by all)."""
+    rows, firsts, lasts = [], [], []
+    for r0, pb, n, starts, ends in pieces:
+        bi, ri = starts[:, 0] // n, starts[:, 0] % n
+        for copy in range(p if pb == 1 else 1):  # a shared chunk of a per-batch plan: every element
+            rows.append((bi + copy) * q_len + r0 + ri)
+            firsts.append(starts[:, 1])
+            lasts.append(ends[:, 1])
+    row = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+    counts = torch.bincount(row, minlength=p * q_len)
+    k = int(counts.max()) if row.numel() else 0
+    if k > MAX_INTERVALS:
+        return None
+    k = max(k, 1)
+    order = row.argsort(stable=True)  # each row's runs in column order (chunks keep it)
+    row = row[order]
+    rank = torch.arange(row.numel()) - (counts.cumsum(0) - counts)[row]
+    starts = torch.full((p * q_len, k), kv_len, dtype=torch.int64)
+    ends = torch.full((p * q_len, k), kv_len, dtype=torch.int64)
+    starts[row, rank] = torch.cat(firsts)[order]
+    ends[row, rank] = torch.cat(lasts)[order]
+    return starts.view(p, q_len, k), ends.view(p, q_len, k)
+
+
+def _tile_kinds(starts: Tensor, ends: Tensor, q_len: int, kv_len: int, q_tile: int, kv_block: int) -> Tensor:
+    """``[tiles, blocks]`` EMPTY/FULL/PARTIAL from intervals, by difference arrays over blocks.
+
+    A pair is FULL when every real row of the tile, in every batch element, attends every key of
+    the block (a block cut short by ``kv_len`` never is: its padding keys must be masked), EMPTY
+    when no row attends any of its keys.
+    """
+    from .backends._tiling import EMPTY, FULL, PARTIAL
+
+    p, lq, k = starts.shape
+    nb, nt = -(-kv_len // kv_block), -(-q_len // q_tile)
+    row = torch.arange(p * lq).repeat_interleave(k)
+    s, e = starts.reshape(-1), ends.reshape(-1)
+
+    def covered(first: Tensor, end: Tensor) -> Tensor:  # blocks first <= c < end, per row
+        live = end > first
+        d = torch.zeros(p * lq, nb + 1, dtype=torch.int32)
+        ones = torch.ones(int(live.sum()), dtype=torch.int32)
+        d.index_put_((row[live], first[live]), ones, accumulate=True)
+        d.index_put_((row[live], end[live]), -ones, accumulate=True)
+        return d.cumsum(1)[:, :nb] > 0
+
+    live = e > s
+    touched = covered(torch.where(live, s // kv_block, 0), torch.where(live, (e - 1) // kv_block + 1, 0))
+    full = covered((s + kv_block - 1) // kv_block, e // kv_block)
+    if kv_len % kv_block:
+        full[:, -1] = False
+    pad = nt * q_tile - lq
+    touched = torch.nn.functional.pad(touched.view(p, lq, nb), (0, 0, 0, pad), value=False)
+    full = torch.nn.functional.pad(full.view(p, lq, nb), (0, 0, 0, pad), value=True)
+    touched = touched.view(p, nt, q_tile, nb).any(2).any(0)
+    full = full.view(p, nt, q_tile, nb).all(2).all(0)
+    return torch.where(full & touched, FULL, torch.where(touched, PARTIAL, EMPTY)).to(torch.int8)
