@@ -3,14 +3,10 @@
 Every structured mask exists in two forms built from one predicate:
 
 * a **mask_mod** ``fn(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention's signature), which
-  backends evaluate only where they need it (the blockwise backend evaluates it tile by tile);
+  the engine reads through a mask plan (:mod:`attnkit.plan`: each row's keys as intervals, found by
+  evaluating the predicate once, for the banded kernel and the tile backends alike);
 * a **dense builder** that evaluates the same predicate on the full index grid, for backends and
   tests that want a tensor.
-
-Where a predicate lets each query row see one interval of keys, its mask_mod also carries
-``attnkit_rows(batch, q_len, kv_len) -> (lo, hi)``: int64 ``[1 or B, Lq]`` with row ``i`` seeing
-keys ``lo <= j < hi`` (ends may lie outside ``0..Lk``), or None where the arguments make it no
-interval. The blockwise backend's banded kernel uses it to skip the tile plan.
 
 Positions: ``q_idx`` and ``kv_idx`` are raw indices, ``0..Lq-1`` and ``0..Lk-1``, as in
 FlexAttention. The causal and window predicates here take an ``offset`` (default ``Lk - Lq`` in the
@@ -65,7 +61,6 @@ def causal_mod(offset: int = 0) -> MaskMod:
     def mod(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + offset
 
-    mod.attnkit_rows = lambda batch, q_len, kv_len: (_zeros(q_len), _positions(q_len, offset) + 1)
     return mod
 
 
@@ -86,12 +81,6 @@ def window_mod(left: int | None, right: int | None, offset: int = 0) -> MaskMod:
             ok = ok & (d <= right)
         return ok
 
-    def rows(batch, q_len, kv_len):
-        p = _positions(q_len, offset)
-        return (_zeros(q_len) if left is None else p - left,
-                torch.full_like(p, kv_len) if right is None else p + right + 1)
-
-    mod.attnkit_rows = rows
     return mod
 
 
@@ -105,12 +94,6 @@ def prefix_lm_mod(prefix_len: int | Tensor, offset: int = 0) -> MaskMod:
         p = prefix_len[b] if isinstance(prefix_len, Tensor) else prefix_len
         return (kv_idx < p) | (kv_idx <= q_idx + offset)
 
-    def rows(batch, q_len, kv_len):  # keys [0, max(prefix, position + 1))
-        p = prefix_len.detach().cpu().long().view(-1, 1) if isinstance(prefix_len, Tensor) else prefix_len
-        hi = torch.maximum(torch.as_tensor(p), _positions(q_len, offset) + 1)
-        return torch.zeros_like(hi), hi
-
-    mod.attnkit_rows = rows
     return mod
 
 
@@ -128,15 +111,6 @@ def document_mod(q_doc_ids: Tensor, kv_doc_ids: Tensor | None = None) -> MaskMod
             return q_doc_ids[q_idx] == kv_ids[kv_idx]
         return q_doc_ids[b, q_idx] == kv_ids[b, kv_idx]
 
-    def rows(batch, q_len, kv_len):  # a query's document as a run of keys: only if key ids never decrease
-        if q_doc_ids.dim() != kv_ids.dim() or q_doc_ids.dim() not in (1, 2):
-            return None
-        qi, ki = (t.detach().cpu().reshape(-1, t.shape[-1]).contiguous() for t in (q_doc_ids, kv_ids))
-        if qi.shape[1] != q_len or ki.shape != (qi.shape[0], kv_len) or bool((ki[:, 1:] < ki[:, :-1]).any()):
-            return None
-        return torch.searchsorted(ki, qi, side="left"), torch.searchsorted(ki, qi, side="right")
-
-    mod.attnkit_rows = rows
     return mod
 
 
@@ -146,11 +120,6 @@ def padding_mod(lengths: Tensor) -> MaskMod:
     def mod(b, h, q_idx, kv_idx):
         return kv_idx < lengths[b]
 
-    def rows(batch, q_len, kv_len):
-        hi = lengths.detach().cpu().long().view(-1, 1).expand(-1, q_len)
-        return torch.zeros_like(hi), hi
-
-    mod.attnkit_rows = rows
     return mod
 
 
@@ -165,16 +134,6 @@ def and_masks(*mods: MaskMod) -> MaskMod:
             out = out & m(b, h, q_idx, kv_idx)
         return out
 
-    def rows(batch, q_len, kv_len):  # intervals intersect into an interval
-        parts = [getattr(m, "attnkit_rows", lambda *_: None)(batch, q_len, kv_len) for m in mods]
-        if any(p is None for p in parts):
-            return None
-        lo, hi = parts[0]
-        for a, e in parts[1:]:
-            lo, hi = torch.maximum(lo, a), torch.minimum(hi, e)
-        return lo, hi
-
-    mod.attnkit_rows = rows
     return mod
 
 
@@ -195,14 +154,6 @@ def or_masks(*mods: MaskMod) -> MaskMod:
 # --------------------------------------------------------------------------------------------
 # Dense builders
 # --------------------------------------------------------------------------------------------
-
-
-def _positions(q_len: int, offset: int) -> Tensor:
-    return (torch.arange(q_len) + offset).view(1, -1)
-
-
-def _zeros(q_len: int) -> Tensor:
-    return torch.zeros(1, q_len, dtype=torch.long)
 
 
 def materialize(

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import attnkit
 from attnkit import masks
 
 from . import oracle
@@ -103,21 +104,18 @@ def test_bad_input_is_named(call, exc, words):
 @given(lq=st.integers(1, 40), lk=st.integers(1, 40), offset=st.integers(-10, 10), cut=st.integers(0, 45),
        left=st.one_of(st.none(), st.integers(0, 12)), right=st.one_of(st.none(), st.integers(0, 12)))
 def test_row_intervals_agree_with_their_predicates(lq, lk, offset, cut, left, right):
-    """``attnkit_rows`` (what the banded kernel reads) against the predicate itself, cell by cell."""
+    """Each mask's plan (its rows as intervals, what the banded kernel reads) against the predicate
+    itself, cell by cell."""
     docs_q, docs_k = torch.arange(lq) * 3 // max(lq, 1), torch.arange(lk) * 3 // max(lk, 1)
     mods = [masks.causal_mod(offset), masks.window_mod(left, right, offset=offset),
             masks.prefix_lm_mod(cut, offset=offset), masks.prefix_lm_mod(torch.tensor([cut, 3]), offset=offset),
             masks.padding_mod(torch.tensor([cut, lk])), masks.document_mod(docs_q, docs_k),
-            masks.and_masks(masks.document_mod(docs_q, docs_k), masks.causal_mod(offset))]
+            masks.and_masks(masks.document_mod(docs_q, docs_k), masks.causal_mod(offset)),
+            masks.document_mod(torch.arange(lq) % 3, torch.arange(lk) % 3),  # documents in pieces
+            masks.or_masks(masks.causal_mod(offset), masks.window_mod(0, 1, offset=offset))]
     j = torch.arange(lk)
     for mod in mods:
-        lo, hi = mod.attnkit_rows(2, lq, lk)
-        from_rows = (j >= lo[..., None]) & (j < hi[..., None])  # [1|B, Lq, Lk]
+        plan = attnkit.mask_plan(mod, q_len=lq, kv_len=lk, batch=2)
+        from_rows = ((j >= plan.starts[..., None]) & (j < plan.ends[..., None])).any(-2)  # [1|B, Lq, Lk]
         dense = masks.materialize(mod, 2, 1, lq, lk)[:, 0]
         assert torch.equal(*torch.broadcast_tensors(from_rows, dense))
-
-
-def test_masks_that_are_no_row_intervals_say_so():
-    assert masks.document_mod(torch.arange(12) % 3).attnkit_rows(1, 12, 12) is None  # a document in pieces
-    assert not hasattr(masks.or_masks(masks.causal_mod(), masks.window_mod(0, 1)), "attnkit_rows")
-    assert masks.and_masks(masks.causal_mod(), lambda b, h, i, j: i != j).attnkit_rows(1, 5, 5) is None

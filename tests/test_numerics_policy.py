@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import attnkit
-from attnkit.backends import _band
 from attnkit.request import build_request
 from tests import oracle
 from tests.test_blockwise_fused import qkv
@@ -85,7 +84,7 @@ def _band_step(q, k, v):
 def test_deterministic_mode_repeats_the_band_kernel_bit_for_bit(two_threads, deterministic):
     # One head, so both threads work on the same head and add into the same dQ rows at once.
     q, k, v = qkv(1, 1, 1, 4096, 4096, d=64, dtype=torch.float32)
-    assert _band.plan(build_request(q, k, v, window=(1024, 1024))) is not None
+    assert not attnkit.backends.get("band").not_supported_reasons(build_request(q, k, v, window=(1024, 1024)))
     runs = [_band_step(q, k, v) for _ in range(5)]
     for run in runs[1:]:
         for got, first in zip(run, runs[0], strict=True):
@@ -115,7 +114,7 @@ def test_a_nan_reaches_the_rows_that_see_it_and_dead_rows_stay_zero(path, where,
     if path == "sdpa" and mask == "documents":  # takes no mask_mod: the same mask, dense
         req = build_request(q, k, v, mask=req.dense_mask())
     elif path == "band":
-        assert _band.plan(req) is not None
+        assert not attnkit.backends.get("band").not_supported_reasons(req)
     if path == "tiles" and where == "key" and mask == "documents":
         pytest.xfail("the plain tile path masks by adding -inf, and NaN - inf is NaN: a dead row sharing a tile "
                      "with a NaN key comes out NaN (masked_fill would cost ~1.7x the add on every tile)")
@@ -158,7 +157,7 @@ def test_float64_inputs_with_float32_parameters_are_exact_in_float64(path):
     mod, params = _mixed_mod(torch.float32)
     req = build_request(q, k, v, score_mod=mod, window=(9, 3))
     if path == "band":
-        assert _band.plan(req) is not None
+        assert not attnkit.backends.get("band").not_supported_reasons(req)
     out = SCORE_MOD_PATHS[path](req)[0]
     assert out.dtype == torch.float64
     allowed = oracle.allowed_grid(1, 4, 40, 40, window=(9, 3))

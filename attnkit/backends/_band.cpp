@@ -1,21 +1,22 @@
 // Banded attention on CPU, built on first use by attnkit/backends/_band.py.
 //
-// Query row i of batch element b attends the keys lo[b, i] <= j < hi[b, i]: one interval per row,
-// with an optional bias per head and diagonal, bias[h, j - i + L - 1] (ALiBi, relative positions),
-// both ends non-decreasing in i (window, causal, prefix-LM, padding, packed documents; the caller
-// checks). Forward: for each block of query rows, exactly the keys some row of the block sees, in
-// chunks merged by an online softmax; only the columns a row may see are exponentiated, the rest
-// are zero. Backward (FlashAttention-2): for each block of keys, exactly the queries that see them
-// (binary searches on lo/hi); probabilities are recomputed from the saved row maximum and log-sum,
-// dK and dV belong to the block, dQ rows are shared with neighbouring blocks and added under a lock
-// per LOCK_ROWS rows, in whatever order the threads arrive, so dQ may change from run to run. Under
-// torch.use_deterministic_algorithms(True) dQ comes from a second pass over query blocks instead
-// (like the forward), each block owning its rows: every result is then bitwise repeatable run to
-// run at a given thread count, for one more recomputation of the probabilities (fwd+bwd about 1.3x,
-// window 256, n = 8192, 2 threads). Across thread counts results may differ in the last bits in
-// either mode: measured at 1 vs 2 threads, the output of a causal call and dQ, dK differ (each block
-// does the same work at any thread count, so torch's BLAS rounds differently), and the bias gradient
-// is summed per thread.
+// Query row i of batch element b attends the keys in a few intervals, starts[b, i, k] <= j <
+// ends[b, i, k] (each row's sorted and disjoint, empty ones last; rows in any order: a window,
+// causal, padding, packed documents, a window plus global tokens, dilated or strided patterns, a
+// block layout), with an optional bias per head and diagonal, bias[h, j - i + L - 1] (ALiBi,
+// relative positions). Forward: for each block of query rows, the union of the rows' intervals as
+// a few segments of keys (gaps shorter than the block closed, so a sliding window is one segment,
+// exactly its first row's start to its last row's end), in chunks merged by an online softmax;
+// only the columns a row may see are exponentiated, the rest are zero. Backward
+// (FlashAttention-2): for each block of keys, the runs of query rows that see one of its keys
+// (found once per call from the intervals); probabilities are recomputed from the saved row
+// maximum and log-sum, dK and dV belong to the block, dQ rows are shared with neighbouring blocks
+// and added under a lock per LOCK_ROWS rows, in whatever order the threads arrive, so dQ may change
+// from run to run. Under torch.use_deterministic_algorithms(True) dQ comes from a second pass over
+// query blocks instead (like the forward), each block owning its rows: every result is then
+// bitwise repeatable run to run at a given thread count, for one more recomputation of the
+// probabilities. Across thread counts results may differ in the last bits in either mode: torch's
+// BLAS rounds differently with the thread count, and the bias gradient is summed per thread.
 //
 // Large scores: a score is scaled (and biased) once, stored, and every later step works on that
 // stored value: exp(t - m) with m the maximum of the same stored t. Computing s * scale - m in one
@@ -100,36 +101,6 @@ void score_row(T* s, Index n, T scale, const T* bias) {
   }
 }
 
-// One row of scaled scores s[0:n) whose columns [a, e) are visible: s <- exp(s - m_new) there and 0
-// elsewhere; updates the running max m and sum l; returns the factor for the row's accumulator. A
-// NaN score makes m (and so the row's output) NaN: exp_u20 clamps NaN to a finite value.
-template <typename T>
-T online_softmax_row(T* s, Index n, Index a, Index e, T& m, T& l) {
-  using Vec = at::vec::Vectorized<T>;
-  std::fill(s, s + a, T(0));
-  std::fill(s + e, s + n, T(0));
-  if (a >= e) return T(1);
-  const T mx = at::vec::reduce_all<T>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, s + a, e - a);
-  const T m_new = std::isnan(mx) ? mx : std::max(m, mx);
-  const T factor = m == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m - m_new);
-  const Vec vm(m_new);
-  Vec acc(T(0));
-  Index j = a;
-  for (; j + Vec::size() <= e; j += Vec::size()) {
-    Vec x = vexp<T>(Vec::loadu(s + j) - vm);
-    x.store(s + j);
-    acc = acc + x;
-  }
-  T sum = at::vec::vec_reduce_all<T>([](Vec x, Vec y) { return x + y; }, acc);
-  for (; j < e; ++j) {
-    s[j] = std::exp(s[j] - m_new);
-    sum += s[j];
-  }
-  l = l * factor + sum;
-  m = m_new;
-  return factor;
-}
-
 struct Shape {
   Index B, H, L, E, Hkv, S, Ev;
   Shape(const Tensor& q, const Tensor& k, const Tensor& v)
@@ -143,57 +114,172 @@ inline const T* diagonal_row(const Tensor& bias, Index h, Index c) {
   return bias.data_ptr<T>() + (bias.size(0) == 1 ? 0 : h) * bias.size(1) + c;
 }
 
-// Row b of an interval bound [1 or B, L].
-inline const int64_t* bound_row(const Tensor& t, Index b) {
-  return t.data_ptr<int64_t>() + (t.size(0) == 1 ? 0 : b) * t.size(1);
-}
-
 template <typename T>
 const T* row_ptr(const Tensor& t, Index b, Index h, Index i) {
   return t.data_ptr<T>() + b * t.stride(0) + h * t.stride(1) + i * t.stride(2);
 }
 
+// The rows' key intervals, [1 or B, L, K] int64: row i of batch element b sees the keys
+// starts[b, i, k] <= j < ends[b, i, k]; each row's intervals sorted and disjoint, empty ones last.
+struct Rows {
+  const int64_t* s;
+  const int64_t* e;
+  Index Bp, L, K;
+  Rows(const Tensor& starts, const Tensor& ends)
+      : s(starts.data_ptr<int64_t>()), e(ends.data_ptr<int64_t>()), Bp(starts.size(0)), L(starts.size(1)),
+        K(starts.size(2)) {}
+  Index at(Index b, Index i) const { return ((Bp == 1 ? 0 : b) * L + i) * K; }
+  // Row i's visible columns within [c0, c0 + n), as (first, end) pairs relative to c0; returns how many.
+  Index ranges(Index b, Index i, Index c0, Index n, Index* out) const {
+    const Index o = at(b, i);
+    Index count = 0;
+    for (Index k = 0; k < K; ++k) {
+      if (s[o + k] >= c0 + n) break;  // sorted: nothing further reaches the window (empties sit at S)
+      const Index a = std::max<Index>(s[o + k] - c0, 0), z = std::min<Index>(e[o + k] - c0, n);
+      if (a < z) {
+        out[2 * count] = a;
+        out[2 * count + 1] = z;
+        ++count;
+      }
+    }
+    return count;
+  }
+};
+
+// The keys rows [i0, i0 + rows) see, as few segments: the union of their intervals, with gaps
+// shorter than `gap` closed (a window that moves by one key per row stays one segment, exactly
+// [first row's start, last row's end) as in a one-interval band).
+std::vector<std::pair<Index, Index>> segments(const Rows& R, Index b, Index i0, Index rows, Index gap) {
+  std::vector<std::pair<Index, Index>> iv;
+  for (Index r = 0; r < rows; ++r) {
+    const Index o = R.at(b, i0 + r);
+    for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) iv.emplace_back(R.s[o + k], R.e[o + k]);
+  }
+  std::sort(iv.begin(), iv.end());
+  std::vector<std::pair<Index, Index>> out;
+  for (const auto& x : iv) {
+    if (!out.empty() && x.first <= out.back().second + gap) {
+      out.back().second = std::max(out.back().second, x.second);
+    } else {
+      out.push_back(x);
+    }
+  }
+  return out;
+}
+
+// For each batch row set and block of `block` keys, the runs [first, end) of query rows that see
+// one of its keys (one pass over the rows' intervals; rows come in order, so runs come sorted).
+std::vector<std::vector<std::vector<std::pair<Index, Index>>>> key_block_rows(const Rows& R, Index S, Index block) {
+  const Index blocks = (S + block - 1) / block;
+  std::vector<std::vector<std::vector<std::pair<Index, Index>>>> out(R.Bp);
+  for (Index b = 0; b < R.Bp; ++b) {
+    auto& runs = out[b];
+    runs.resize(blocks);
+    for (Index i = 0; i < R.L; ++i) {
+      const Index o = R.at(b, i);
+      Index last = -1;  // the last key block this row was added to (its intervals are sorted)
+      for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) {
+        for (Index kb = std::max(last + 1, R.s[o + k] / block); kb <= (R.e[o + k] - 1) / block; ++kb) {
+          auto& r = runs[kb];
+          if (!r.empty() && r.back().second == i) {
+            r.back().second = i + 1;
+          } else {
+            r.emplace_back(i, i + 1);
+          }
+          last = kb;
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// One row of raw scores s[0:n) whose visible columns are the `count` ranges in rg: scale (and bias)
+// them, zero the rest, and fold them into the running max m and sum l (online softmax); returns the
+// factor for the row's accumulator. A NaN score makes m (and so the row's output) NaN: exp_u20
+// clamps NaN to a finite value.
 template <typename T>
-void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& stats, const Tensor& lo_t,
-                  const Tensor& hi_t, const Tensor& bias, T scale, Index q_rows, Index kv_chunk) {
+T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const T* bias, T& m, T& l) {
+  using Vec = at::vec::Vectorized<T>;
+  Index at = 0;
+  for (Index c = 0; c < count; ++c) {
+    std::fill(s + at, s + rg[2 * c], T(0));
+    at = rg[2 * c + 1];
+  }
+  std::fill(s + at, s + n, T(0));
+  if (count == 0) return T(1);
+  T mx = -std::numeric_limits<T>::infinity();
+  for (Index c = 0; c < count; ++c) {
+    const Index a = rg[2 * c], e = rg[2 * c + 1];
+    score_row<T>(s + a, e - a, scale, bias != nullptr ? bias + a : nullptr);
+    const T x = at::vec::reduce_all<T>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, s + a, e - a);
+    mx = std::isnan(x) || std::isnan(mx) ? std::numeric_limits<T>::quiet_NaN() : std::max(mx, x);
+  }
+  const T m_new = std::isnan(mx) ? mx : std::max(m, mx);
+  const T factor = m == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m - m_new);
+  const Vec vm(m_new);
+  T sum = 0;
+  for (Index c = 0; c < count; ++c) {
+    const Index a = rg[2 * c], e = rg[2 * c + 1];
+    Vec acc(T(0));
+    Index j = a;
+    for (; j + Vec::size() <= e; j += Vec::size()) {
+      Vec x = vexp<T>(Vec::loadu(s + j) - vm);
+      x.store(s + j);
+      acc = acc + x;
+    }
+    sum += at::vec::vec_reduce_all<T>([](Vec x, Vec y) { return x + y; }, acc);
+    for (; j < e; ++j) {
+      s[j] = std::exp(s[j] - m_new);
+      sum += s[j];
+    }
+  }
+  l = l * factor + sum;
+  m = m_new;
+  return factor;
+}
+
+template <typename T>
+void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& stats, const Rows& R,
+                  const Tensor& bias, T scale, Index q_rows, Index kv_chunk) {
   const Shape d(q, k, v);
   const bool biased = bias.numel() > 0;
-  const Index blocks = (d.L + q_rows - 1) / q_rows, G = d.groups();
+  const Index blocks = (d.L + q_rows - 1) / q_rows, G = d.groups(), K = R.K;
   const T ninf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, d.B * d.H * blocks, 1, [&](Index begin, Index end) {
     Tensor s_buf, acc_buf;
     T* const s = scratch<T>(s_buf, q_rows * kv_chunk);
     T* const acc = scratch<T>(acc_buf, q_rows * d.Ev);
     std::vector<T> m(q_rows), l(q_rows);
+    std::vector<Index> rg(2 * K);
     for (Index it = begin; it < end; ++it) {
       const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
       const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
-      const int64_t* lo_r = bound_row(lo_t, b) + i0;
-      const int64_t* hi_r = bound_row(hi_t, b) + i0;
-      const Index lo = *std::min_element(lo_r, lo_r + rows), hi = *std::max_element(hi_r, hi_r + rows);
       T* o = out.data_ptr<T>() + ((b * d.H + h) * d.L + i0) * d.Ev;
       T* ms = stats.data_ptr<T>() + (b * d.H + h) * d.L + i0;  // the row maximum, then log of the row sum
       T* ls = ms + d.B * d.H * d.L;
       std::fill(m.begin(), m.end(), ninf);
       std::fill(l.begin(), l.end(), T(0));
       const T* qp = row_ptr<T>(q, b, h, i0);
-      for (Index c0 = lo; c0 < hi; c0 += kv_chunk) {
-        const Index kc = std::min(kv_chunk, hi - c0);
-        const bool first = c0 == lo;
-        gemm<T>(false, true, rows, kc, d.E, T(1), qp, q.stride(2), row_ptr<T>(k, b, h / G, c0), k.stride(2), T(0),
-                s, kc);
-        for (Index r = 0; r < rows; ++r) {
-          const Index a = std::clamp<Index>(lo_r[r] - c0, 0, kc), e = std::clamp<Index>(hi_r[r] - c0, a, kc);
-          // bias[h, j - i + L - 1]: a contiguous slice along the row
-          const T* br = biased ? diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1) + a : nullptr;
-          score_row<T>(s + r * kc + a, e - a, scale, br);
-          const T factor = online_softmax_row<T>(s + r * kc, kc, a, e, m[r], l[r]);
-          if (!first && factor != T(1)) {
-            for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
+      bool first = true;
+      for (const auto& seg : segments(R, b, i0, rows, q_rows)) {
+        for (Index c0 = seg.first; c0 < seg.second; c0 += kv_chunk) {
+          const Index kc = std::min(kv_chunk, seg.second - c0);
+          gemm<T>(false, true, rows, kc, d.E, T(1), qp, q.stride(2), row_ptr<T>(k, b, h / G, c0), k.stride(2), T(0),
+                  s, kc);
+          for (Index r = 0; r < rows; ++r) {
+            const Index count = R.ranges(b, i0 + r, c0, kc, rg.data());
+            // bias[h, j - i + L - 1]: a contiguous slice along the row
+            const T* br = biased ? diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1) : nullptr;
+            const T factor = online_softmax_row<T>(s + r * kc, kc, rg.data(), count, scale, br, m[r], l[r]);
+            if (!first && factor != T(1)) {
+              for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
+            }
           }
+          gemm<T>(false, false, rows, d.Ev, kc, T(1), s, kc, row_ptr<T>(v, b, h / G, c0), v.stride(2),
+                  first ? T(0) : T(1), acc, d.Ev);
+          first = false;
         }
-        gemm<T>(false, false, rows, d.Ev, kc, T(1), s, kc, row_ptr<T>(v, b, h / G, c0), v.stride(2),
-                first ? T(0) : T(1), acc, d.Ev);
       }
       for (Index r = 0; r < rows; ++r) {
         if (l[r] == T(0)) {  // nothing visible: zeros, like every other backend
@@ -210,91 +296,86 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   });
 }
 
-// Probabilities and dS of one row of scores in place, over its visible columns [a, e): raw scores
-// s -> p = exp((t - m) - log l) with t = score_row(s), and dp -> p * (dp - delta). m, ll, delta are
-// per column (the key-block pass runs along a key's queries) or, with stride 0, one row's scalars.
+// Probabilities and dS of one row of raw scores over its visible ranges, in place: p = exp((t - m)
+// - log l) with t = score_row(s), dp -> p * (dp - delta); zeros elsewhere. m, ll, delta: the row's.
 template <typename T>
-void probabilities(T* p, T* dp, Index a, Index e, T scale, const T* bias, const T* m, const T* ll, const T* dl,
-                   bool per_column) {
+void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, const T* bias, T m, T ll, T dl) {
   using Vec = at::vec::Vectorized<T>;
-  score_row<T>(p + a, e - a, scale, bias);
-  if (per_column) {
-    at::vec::map3([](Vec x, Vec mm, Vec l) { return vexp<T>((x - mm) - l); }, p + a, p + a, m + a, ll + a, e - a);
-    at::vec::map3([](Vec pp, Vec d, Vec dd) { return pp * (d - dd); }, dp + a, p + a, dp + a, dl + a, e - a);
-  } else {
-    const Vec mm(*m), l(*ll), dd(*dl);
+  Index at = 0;
+  for (Index c = 0; c < count; ++c) {
+    const Index a = rg[2 * c], e = rg[2 * c + 1];
+    std::fill(p + at, p + a, T(0));
+    std::fill(dp + at, dp + a, T(0));
+    at = e;
+    score_row<T>(p + a, e - a, scale, bias != nullptr ? bias + a : nullptr);
+    const Vec mm(m), l(ll), dd(dl);
     at::vec::map([=](Vec x) { return vexp<T>((x - mm) - l); }, p + a, p + a, e - a);
     at::vec::map2([=](Vec pp, Vec d) { return pp * (d - dd); }, dp + a, p + a, dp + a, e - a);
   }
+  std::fill(p + at, p + n, T(0));
+  std::fill(dp + at, dp + n, T(0));
 }
 
 template <typename T>
 void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
-                   const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& lo_t, const Tensor& hi_t,
-                   const Tensor& bias, const Tensor& rbias, Tensor& drbias, T scale, Index kv_rows, Index q_chunk,
-                   bool deterministic) {
+                   const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Rows& R, const Tensor& bias,
+                   Tensor& dbias, T scale, Index kv_rows, Index q_chunk, bool deterministic) {
   using Vec = at::vec::Vectorized<T>;
   const Shape d(q, k, v);
-  const bool biased = rbias.numel() > 0;  // reversed: column S - 1 - j + i, increasing along a key's queries
+  const bool biased = bias.numel() > 0;
   const Index blocks = (d.S + kv_rows - 1) / kv_rows, G = d.groups(), groups = (d.L + LOCK_ROWS - 1) / LOCK_ROWS;
   const T* m_all = stats.data_ptr<T>();
   const T* ll_all = m_all + d.B * d.H * d.L;
+  const T* dl_all = delta.data_ptr<T>();
+  const auto seen_by = key_block_rows(R, d.S, kv_rows);
   std::vector<std::mutex> locks(deterministic ? 0 : d.B * d.H * groups);
   at::parallel_for(0, d.B * d.Hkv * blocks, 1, [&](Index begin, Index end) {
     Tensor p_buf, ds_buf;
     T* const p = scratch<T>(p_buf, kv_rows * q_chunk);
     T* const ds = scratch<T>(ds_buf, kv_rows * q_chunk);
+    std::vector<Index> rg(2 * R.K);
     for (Index it = begin; it < end; ++it) {
       const Index blk = interleaved(it % blocks, blocks), hk = (it / blocks) % d.Hkv, b = it / (blocks * d.Hkv);
-      const Index j0 = blk * kv_rows, rows = std::min(kv_rows, d.S - j0);
-      // Key j is seen by the rows with hi > j and lo <= j: [first hi > j, first lo > j), both ends sorted.
-      const int64_t* lo_b = bound_row(lo_t, b);
-      const int64_t* hi_b = bound_row(hi_t, b);
-      const Index lo = std::upper_bound(hi_b, hi_b + d.L, j0) - hi_b;
-      const Index hi = std::lower_bound(lo_b, lo_b + d.L, j0 + rows) - lo_b;
+      const Index j0 = blk * kv_rows, cols = std::min(kv_rows, d.S - j0);
       const T* kp = row_ptr<T>(k, b, hk, j0);
       const T* vp = row_ptr<T>(v, b, hk, j0);
       T* dkp = dk.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.E;
       T* dvp = dv.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.Ev;
       for (Index g = 0; g < G; ++g) {
-        const Index h = hk * G + g;
-        const T* mp = m_all + (b * d.H + h) * d.L;
-        const T* llp = ll_all + (b * d.H + h) * d.L;
-        const T* dlp = delta.data_ptr<T>() + (b * d.H + h) * d.L;
-        for (Index i0 = lo; i0 < hi; i0 += q_chunk) {
-          const Index n = std::min(q_chunk, hi - i0);
-          const T* qp = row_ptr<T>(q, b, h, i0);
-          const T* dop = row_ptr<T>(dout, b, h, i0);
-          gemm<T>(false, true, rows, n, d.E, T(1), kp, k.stride(2), qp, q.stride(2), T(0), p, n);
-          gemm<T>(false, true, rows, n, d.Ev, T(1), vp, v.stride(2), dop, dout.stride(2), T(0), ds, n);
-          for (Index r = 0; r < rows; ++r) {
-            const Index j = j0 + r;
-            const Index a = std::upper_bound(hi_b + i0, hi_b + i0 + n, j) - (hi_b + i0);
-            const Index e = std::max(a, Index(std::upper_bound(lo_b + i0, lo_b + i0 + n, j) - (lo_b + i0)));
-            T* pr = p + r * n;
-            T* dr = ds + r * n;
-            std::fill(pr, pr + a, T(0));
-            std::fill(pr + e, pr + n, T(0));
-            std::fill(dr, dr + a, T(0));
-            std::fill(dr + e, dr + n, T(0));
-            if (a >= e) continue;
-            const T* br = biased ? diagonal_row<T>(rbias, h, d.S - 1 - j + i0) + a : nullptr;
-            probabilities<T>(pr, dr, a, e, scale, br, mp + i0, llp + i0, dlp + i0, true);
-            if (biased) {  // dBias of a diagonal: the sum of dS along it (this thread's share)
-              const Index slot = std::min<Index>(at::get_thread_num(), drbias.size(0) - 1);  // nested: runs serially
-              T* gb = drbias.data_ptr<T>() + (slot * drbias.size(1) + (rbias.size(0) == 1 ? 0 : h)) * drbias.size(2) +
-                      d.S - 1 - j + i0;
-              at::vec::map2([](Vec x, Vec y) { return x + y; }, gb + a, gb + a, dr + a, e - a);
+        const Index h = hk * G + g, row0 = (b * d.H + h) * d.L;
+        for (const auto& run : seen_by[R.Bp == 1 ? 0 : b][blk]) {
+          for (Index i0 = run.first; i0 < run.second; i0 += q_chunk) {
+            const Index n = std::min(q_chunk, run.second - i0);
+            const T* qp = row_ptr<T>(q, b, h, i0);
+            const T* dop = row_ptr<T>(dout, b, h, i0);
+            // Scores and dP of these queries (rows) against the block's keys (columns).
+            gemm<T>(false, true, n, cols, d.E, T(1), qp, q.stride(2), kp, k.stride(2), T(0), p, cols);
+            gemm<T>(false, true, n, cols, d.Ev, T(1), dop, dout.stride(2), vp, v.stride(2), T(0), ds, cols);
+            for (Index r = 0; r < n; ++r) {
+              const Index i = i0 + r;
+              const Index count = R.ranges(b, i, j0, cols, rg.data());
+              const T* br = biased ? diagonal_row<T>(bias, h, j0 - i + d.L - 1) : nullptr;
+              probabilities<T>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, m_all[row0 + i],
+                               ll_all[row0 + i], dl_all[row0 + i]);
+              if (biased && count > 0) {  // dBias of a diagonal: the sum of dS along it (this thread's share)
+                const Index slot = std::min<Index>(at::get_thread_num(), dbias.size(0) - 1);  // nested: serial
+                T* gb = dbias.data_ptr<T>() + (slot * dbias.size(1) + (bias.size(0) == 1 ? 0 : h)) * dbias.size(2) +
+                        j0 - i + d.L - 1;
+                for (Index c = 0; c < count; ++c) {
+                  const Index a = rg[2 * c], e = rg[2 * c + 1];
+                  at::vec::map2([](Vec x, Vec y) { return x + y; }, gb + a, gb + a, ds + r * cols + a, e - a);
+                }
+              }
             }
+            gemm<T>(true, false, cols, d.Ev, n, T(1), p, cols, dop, dout.stride(2), T(1), dvp, d.Ev);
+            gemm<T>(true, false, cols, d.E, n, scale, ds, cols, qp, q.stride(2), T(1), dkp, d.E);
+            if (deterministic) continue;  // dQ comes from the row-owned pass below
+            const Index base = (b * d.H + h) * groups, ga = i0 / LOCK_ROWS, ge = (i0 + n - 1) / LOCK_ROWS;
+            for (Index x = ga; x <= ge; ++x) locks[base + x].lock();  // ascending: no deadlock
+            gemm<T>(false, false, n, d.E, cols, scale, ds, cols, kp, k.stride(2), T(1),
+                    dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
+            for (Index x = ga; x <= ge; ++x) locks[base + x].unlock();
           }
-          gemm<T>(false, false, rows, d.Ev, n, T(1), p, n, dop, dout.stride(2), T(1), dvp, d.Ev);
-          gemm<T>(false, false, rows, d.E, n, scale, ds, n, qp, q.stride(2), T(1), dkp, d.E);
-          if (deterministic) continue;  // dQ comes from the row-owned pass below
-          const Index base = (b * d.H + h) * groups, ga = i0 / LOCK_ROWS, ge = (i0 + n - 1) / LOCK_ROWS;
-          for (Index x = ga; x <= ge; ++x) locks[base + x].lock();  // ascending: no deadlock
-          gemm<T>(true, false, n, d.E, rows, scale, ds, n, kp, k.stride(2), T(1),
-                  dq.data_ptr<T>() + ((b * d.H + h) * d.L + i0) * d.E, d.E);
-          for (Index x = ga; x <= ge; ++x) locks[base + x].unlock();
         }
       }
     }
@@ -306,34 +387,29 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     Tensor p_buf, ds_buf;
     T* const p = scratch<T>(p_buf, kv_rows * q_chunk);
     T* const ds = scratch<T>(ds_buf, kv_rows * q_chunk);
+    std::vector<Index> rg(2 * R.K);
     for (Index it = begin; it < end; ++it) {
       const Index blk = interleaved(it % q_blocks, q_blocks), h = (it / q_blocks) % d.H, b = it / (q_blocks * d.H);
       const Index i0 = blk * kv_rows, rows = std::min(kv_rows, d.L - i0);
-      const int64_t* lo_r = bound_row(lo_t, b) + i0;
-      const int64_t* hi_r = bound_row(hi_t, b) + i0;
-      const Index lo = *std::min_element(lo_r, lo_r + rows), hi = *std::max_element(hi_r, hi_r + rows);
       const Index row0 = (b * d.H + h) * d.L + i0;
       const T* qp = row_ptr<T>(q, b, h, i0);
       const T* dop = row_ptr<T>(dout, b, h, i0);
       T* dqp = dq.data_ptr<T>() + row0 * d.E;
-      for (Index c0 = lo; c0 < hi; c0 += q_chunk) {
-        const Index kc = std::min(q_chunk, hi - c0);
-        const T* kp = row_ptr<T>(k, b, h / G, c0);
-        gemm<T>(false, true, rows, kc, d.E, T(1), qp, q.stride(2), kp, k.stride(2), T(0), p, kc);
-        gemm<T>(false, true, rows, kc, d.Ev, T(1), dop, dout.stride(2), row_ptr<T>(v, b, h / G, c0), v.stride(2),
-                T(0), ds, kc);
-        for (Index r = 0; r < rows; ++r) {
-          const Index a = std::clamp<Index>(lo_r[r] - c0, 0, kc), e = std::clamp<Index>(hi_r[r] - c0, a, kc);
-          T* pr = p + r * kc;
-          T* dr = ds + r * kc;
-          std::fill(dr, dr + a, T(0));
-          std::fill(dr + e, dr + kc, T(0));
-          if (a >= e) continue;
-          const T* br = biased ? diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1) + a : nullptr;
-          probabilities<T>(pr, dr, a, e, scale, br, m_all + row0 + r, ll_all + row0 + r,
-                           delta.data_ptr<T>() + row0 + r, false);
+      for (const auto& seg : segments(R, b, i0, rows, kv_rows)) {
+        for (Index c0 = seg.first; c0 < seg.second; c0 += q_chunk) {
+          const Index kc = std::min(q_chunk, seg.second - c0);
+          const T* kp = row_ptr<T>(k, b, h / G, c0);
+          gemm<T>(false, true, rows, kc, d.E, T(1), qp, q.stride(2), kp, k.stride(2), T(0), p, kc);
+          gemm<T>(false, true, rows, kc, d.Ev, T(1), dop, dout.stride(2), row_ptr<T>(v, b, h / G, c0), v.stride(2),
+                  T(0), ds, kc);
+          for (Index r = 0; r < rows; ++r) {
+            const Index count = R.ranges(b, i0 + r, c0, kc, rg.data());
+            const T* br = biased ? diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1) : nullptr;
+            probabilities<T>(p + r * kc, ds + r * kc, kc, rg.data(), count, scale, br, m_all[row0 + r],
+                             ll_all[row0 + r], dl_all[row0 + r]);
+          }
+          gemm<T>(false, false, rows, d.E, kc, scale, ds, kc, kp, k.stride(2), T(1), dqp, d.E);
         }
-        gemm<T>(false, false, rows, d.E, kc, scale, ds, kc, kp, k.stride(2), T(1), dqp, d.E);
       }
     }
   });
@@ -346,12 +422,19 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v) {
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "band kernel: heads must be a multiple of key/value heads");
 }
 
-void check_bounds(const Tensor& q, const Tensor& lo, const Tensor& hi) {
-  for (const Tensor* t : {&lo, &hi}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 2 && t->is_contiguous() && t->size(1) == q.size(2) &&
-                    (t->size(0) == 1 || t->size(0) == q.size(0)),
-                "band kernel: lo/hi must be contiguous int64 [1 or B, L]");
+// Shapes and bounds of the intervals (sortedness and disjointness are the caller's: the plan builds
+// them so; out-of-order intervals would give wrong sums, never out-of-bounds reads).
+void check_rows(const Tensor& q, const Tensor& k, const Tensor& starts, const Tensor& ends) {
+  for (const Tensor* t : {&starts, &ends}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 3 && t->is_contiguous() && t->size(1) == q.size(2) &&
+                    (t->size(0) == 1 || t->size(0) == q.size(0)) && t->size(2) >= 1,
+                "band kernel: starts/ends must be contiguous int64 [1 or B, L, K]");
   }
+  TORCH_CHECK(starts.sizes() == ends.sizes(), "band kernel: starts and ends must have one shape");
+  const int64_t S = k.size(2);
+  TORCH_CHECK(starts.numel() == 0 || (starts.min().item<int64_t>() >= 0 && ends.max().item<int64_t>() <= S &&
+                                      (ends >= starts).all().item<bool>()),
+              "band kernel: intervals must satisfy 0 <= start <= end <= S");
 }
 
 void check_bias(const Tensor& q, const Tensor& k, const Tensor& bias) {
@@ -361,37 +444,38 @@ void check_bias(const Tensor& q, const Tensor& k, const Tensor& bias) {
               "band kernel: bias must be contiguous [1 or H, L + S - 1] in the inputs' dtype");
 }
 
-std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lo,
-                                 const Tensor& hi, const Tensor& bias, double scale, Index q_rows, Index kv_chunk) {
+std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
+                                 const Tensor& ends, const Tensor& bias, double scale, Index q_rows, Index kv_chunk) {
   check(q, k, v);
-  check_bounds(q, lo, hi);
+  check_rows(q, k, starts, ends);
   check_bias(q, k, bias);
   Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   Tensor stats = at::empty({2, q.size(0), q.size(1), q.size(2)}, q.options());  // row maximum, log of row sum
+  const Rows R(starts, ends);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_forward", [&] {
-    forward_impl<scalar_t>(q, k, v, out, stats, lo, hi, bias, static_cast<scalar_t>(scale), q_rows, kv_chunk);
+    forward_impl<scalar_t>(q, k, v, out, stats, R, bias, static_cast<scalar_t>(scale), q_rows, kv_chunk);
   });
   return {out, stats};
 }
 
 std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                  const Tensor& out, const Tensor& stats, const Tensor& lo, const Tensor& hi,
+                                  const Tensor& out, const Tensor& stats, const Tensor& starts, const Tensor& ends,
                                   const Tensor& bias, double scale, Index kv_rows, Index q_chunk, bool deterministic) {
   check(q, k, v);
-  check_bounds(q, lo, hi);
+  check_rows(q, k, starts, ends);
   check_bias(q, k, bias);
-  const Tensor rbias = bias.flip(1).contiguous();
-  Tensor drbias = at::zeros({bias.numel() > 0 ? at::get_num_threads() : 0, bias.size(0), bias.size(1)}, q.options());
+  Tensor dbias = at::zeros({bias.numel() > 0 ? at::get_num_threads() : 0, bias.size(0), bias.size(1)}, q.options());
   TORCH_CHECK(dout.stride(3) == 1 && stats.is_contiguous() && stats.dim() == 4 && stats.size(0) == 2,
               "band kernel: dout rows must be contiguous and stats the forward's [2, B, H, L]");
   Tensor delta = (dout * out).sum(-1).contiguous();
   Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
   Tensor dv = at::zeros(v.sizes(), v.options());
+  const Rows R(starts, ends);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
-    backward_impl<scalar_t>(dout, q, k, v, stats, delta, dq, dk, dv, lo, hi, bias, rbias, drbias,
-                            static_cast<scalar_t>(scale), kv_rows, q_chunk, deterministic);
+    backward_impl<scalar_t>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, static_cast<scalar_t>(scale),
+                            kv_rows, q_chunk, deterministic);
   });
-  return {dq, dk, dv, drbias.sum(0).flip(1)};
+  return {dq, dk, dv, dbias.sum(0)};
 }
 
 bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }

@@ -1,15 +1,16 @@
-"""A banded attention kernel in C++ for masks whose rows are intervals, on CPU, compiled on first use.
+"""A banded attention kernel in C++ for masks whose rows are a few intervals of keys, on CPU, compiled on first use.
 
 Under a window, causal, prefix-LM, padding or packed-documents mask the keys a query sees are one
-contiguous range ``[lo, hi)``, and both ends only grow down the rows. So a block of 64 query rows
-needs exactly the keys from its first row's ``lo`` to its last row's ``hi``: 576 keys for a 64-row
-block of a 513-wide band, 89% of them visible. :mod:`._fused` hands PyTorch's flash kernel such
-tiles too, but that kernel works on 32-row slices below 192 rows, splits keys at 512 and goes
-through Python between batches; ``_band.cpp`` does the whole call in one parallel loop, with the
-rows' exact key ranges, over the BLAS that torch links. Forward and a FlashAttention-2 backward
-(recomputing probabilities from the saved log-sum-exp, each key block owning its dK/dV, dQ rows
-added under locks; under `torch.use_deterministic_algorithms(True)` dQ comes from a row-owned
-pass instead, bitwise repeatable at a given thread count).
+contiguous range; under a window plus global tokens, a dilated or strided pattern or a block
+layout, a few. The mask plan (:mod:`attnkit.plan`) gives each row's intervals, and a block of 64
+query rows needs exactly the union of its rows' intervals: 576 keys for a 64-row block of a
+513-wide band, 89% of them visible. :mod:`._fused` hands PyTorch's flash kernel such tiles too,
+but that kernel works on 32-row slices below 192 rows, splits keys at 512 and goes through Python
+between batches; ``_band.cpp`` does the whole call in one parallel loop, with the rows' exact key
+ranges, over the BLAS that torch links. Forward and a FlashAttention-2 backward (recomputing
+probabilities from the saved log-sum-exp, each key block owning its dK/dV, dQ rows added under
+locks; under `torch.use_deterministic_algorithms(True)` dQ comes from a row-owned pass instead,
+bitwise repeatable at a given thread count).
 
 The source is compiled once per source, torch version and CPU capability (about a minute, said on
 stderr; one process builds while others wait) into ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``,
@@ -55,62 +56,24 @@ _reason: str | None = None
 
 
 class Plan(NamedTuple):
-    """What the kernel needs beyond q, k, v: each query row's keys ``[lo, hi)`` (int64
-    ``[1 or B, Lq]``) and the score_mod's diagonal bias (``[1 or H, Lq + Lk - 1]``, with autograd;
-    None without a score_mod)."""
+    """What the kernel needs beyond q, k, v: each query row's keys as intervals (``starts``,
+    ``ends``: int64 ``[1 or B, Lq, K]``, the convention of :mod:`attnkit.plan`) and the score_mod's
+    diagonal bias (``[1 or H, Lq + Lk - 1]``, with autograd; None without a score_mod)."""
 
-    lo: Tensor
-    hi: Tensor
+    starts: Tensor
+    ends: Tensor
     bias: Tensor | None
 
 
-def plan(req: Request) -> Plan | None:
-    """The kernel's :class:`Plan` for ``req`` if this kernel serves it, else None.
-
-    Served: ``is_causal``, ``window`` and a ``mask_mod`` from :mod:`attnkit.masks` whose rows are
-    intervals (``attnkit_rows``: causal, window, prefix-LM, padding, packed documents and their
-    ``and_masks``), and a ``score_mod`` from :mod:`attnkit.scores` that adds a bias per head and
-    diagonal (``attnkit_diagonal``: ALiBi, relative-position tables and their ``compose``), on a
-    CPU tensor of a float type, with no dense ``mask``/``bias``. Both ends must be non-decreasing
-    down the rows (the backward finds a key's rows by binary search); otherwise None and the tile
-    plan serves the call.
-    """
-    diagonal = getattr(req.score_mod, "attnkit_diagonal", None) if req.score_mod is not None else None
-    if ((req.score_mod is not None and diagonal is None) or req.mask is not None or req.bias is not None
-            or not (req.window is not None or req.is_causal or req.mask_mod is not None or diagonal is not None)
-            or req.query.device.type != "cpu" or compute_dtype(req.query.dtype) not in DTYPES):
+def diagonal_bias(req: Request) -> Tensor | None:
+    """The score_mod's bias ``[1 or H, Lq + Lk - 1]`` (column ``kv_idx - q_idx + Lq - 1``), with
+    autograd, when the score_mod is a bias per head and diagonal of :mod:`attnkit.scores`; else None."""
+    diagonal = getattr(req.score_mod, "attnkit_diagonal", None)
+    if diagonal is None:
         return None
-    lq, lk = req.q_len, req.kv_len
-    pos = torch.arange(lq).view(1, -1) + req.offset
-    lo, hi = torch.zeros_like(pos), torch.full_like(pos, lk)
-    if req.is_causal:
-        hi = torch.minimum(hi, pos + 1)
-    if req.window is not None:
-        left, right = req.window
-        lo = lo if left is None else torch.maximum(lo, pos - left)
-        hi = hi if right is None else torch.minimum(hi, pos + right + 1)
-    if req.mask_mod is not None:
-        batch = math.prod(req.batch_shape)
-        intervals = getattr(req.mask_mod, "attnkit_rows", None)
-        got = intervals(batch, lq, lk) if intervals is not None else None
-        if got is None or got[0].shape[0] not in (1, batch):
-            return None
-        lo, hi = torch.maximum(lo, got[0].cpu()), torch.minimum(hi, got[1].cpu())
-    lo = lo.clamp(0, lk)
-    hi = torch.maximum(hi.clamp(0, lk), lo)  # empty rows: lo == hi (still non-decreasing)
-    if bool((lo[:, 1:] < lo[:, :-1]).any() or (hi[:, 1:] < hi[:, :-1]).any()) or not available():
-        return None
-    bias = _diagonal_bias(req) if diagonal is not None else None
-    if diagonal is not None and bias is None:
-        return None
-    return Plan(lo.contiguous(), hi.contiguous(), bias)
-
-
-def _diagonal_bias(req: Request) -> Tensor | None:
-    """The score_mod's bias ``[1 or H, Lq + Lk - 1]`` (column ``kv_idx - q_idx + Lq - 1``), with autograd."""
     # In the scores' compute dtype (the attnkit.scores dtype rule), so float32 tables add up in float64 for float64
     # inputs; _BandFn sends the gradient back in each captured tensor's own dtype.
-    bias = req.score_mod.attnkit_diagonal(req.heads, req.q_len, req.kv_len, dtype=compute_dtype(req.query.dtype))
+    bias = diagonal(req.heads, req.q_len, req.kv_len, dtype=compute_dtype(req.query.dtype))
     width = req.q_len + req.kv_len - 1
     if bias is None or bias.dim() != 2 or bias.shape[0] not in (1, req.heads) or bias.shape[1] != width:
         return None
@@ -133,7 +96,7 @@ def attention(req: Request, plan: Plan) -> Tensor:
     ``plan``: what :func:`plan` returned for ``req``.
     """
     bias = plan.bias if plan.bias is not None else req.query.new_empty(0, 0)
-    return _BandFn.apply(req.query, req.key, req.value, plan.lo, plan.hi, bias, req.scale)
+    return _BandFn.apply(req.query, req.key, req.value, plan.starts, plan.ends, bias, req.scale)
 
 
 def _as_4d(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -144,7 +107,7 @@ def _as_4d(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 class _BandFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor,
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor, bias: Tensor,
                 scale: float) -> Tensor:
         compute = compute_dtype(query.dtype)
         q, k, v = (_as_4d(t, compute) for t in (query, key, value))
@@ -155,8 +118,8 @@ class _BandFn(torch.autograd.Function):
         if ctx.empty:
             out, stats = q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full((2, *q.shape[:-1]), float("-inf"))
         else:
-            out, stats = _module().forward(q, k, v, lo, hi, bias, scale, Q_ROWS, KV_CHUNK)
-        ctx.args = (lo, hi, bias, scale)
+            out, stats = _module().forward(q, k, v, starts, ends, bias, scale, Q_ROWS, KV_CHUNK)
+        ctx.args = (starts, ends, bias, scale)
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.save_for_backward(q, k, v, out, stats)
         return out.view(*query.shape[:-1], value.shape[-1]).to(query.dtype)
@@ -199,53 +162,94 @@ def _checked():
 
 def _self_check(mod) -> str | None:
     """Outputs and gradients against the formula in float64: windows, a causal row offset, packed
-    documents, rows with nothing to attend, GQA, ``Lq != Lk``, odd sizes, bounds shared or per batch,
-    a diagonal bias per head or shared."""
+    documents, several intervals per row in no order down the rows (global rows and keys, a
+    dilated window, rows with nothing to attend between others), GQA, ``Lq != Lk``, odd sizes,
+    bounds shared or per batch, a diagonal bias per head or shared."""
     gen = torch.Generator().manual_seed(0)
     cases = (_window(70, 70, 5, 3), _window(50, 83, 200, 0), _window(83, 30, 2, 0), _window(66, 66, 0, 0),
-             _documents((0, 17, 40, 41, 66), (0, 9, 9, 50, 61)))
-    for n, (lq, lk, lo, hi) in enumerate(cases):
+             _documents((0, 17, 40, 41, 66), (0, 9, 9, 50, 61)), _scattered(75, 80))
+    for n, (lq, lk, starts, ends) in enumerate(cases):
         q, k, v, dout = (torch.randn(*shape, generator=gen, dtype=torch.float64, device="cpu")
                          for shape in ((2, 4, lq, 12), (2, 2, lk, 12), (2, 2, lk, 5), (2, 4, lq, 5)))
         heads = (0, 4, 1)[n % 3]  # no bias, one per head, one shared
         bias = torch.randn(heads, lq + lk - 1 if heads else 0, generator=gen, dtype=torch.float64, device="cpu")
-        out, stats = mod.forward(q, k, v, lo, hi, bias, 0.3, 16, 32)
+        out, stats = mod.forward(q, k, v, starts, ends, bias, 0.3, 16, 32)
         deterministic = n % 2 == 0  # dQ from the key blocks under locks, or from its own pass over query blocks
-        grads = mod.backward(dout, q, k, v, out, stats, lo, hi, bias, 0.3, 16, 24, deterministic)
-        want_out, want_grads = _formula(q, k, v, dout, lo, hi, bias, 0.3)
+        grads = mod.backward(dout, q, k, v, out, stats, starts, ends, bias, 0.3, 16, 24, deterministic)
+        want_out, want_grads = _formula(q, k, v, dout, starts, ends, bias, 0.3)
         names = ("out", "dq", "dk", "dv", "dbias")
         for name, got, want in zip(names, (out, *grads), (want_out, *want_grads), strict=True):
             if not torch.allclose(got, want, rtol=1e-9, atol=1e-10):
                 err = (got - want).abs().max().item()
-                return (f"{name} differs by {err:.3g} (Lq={lq}, Lk={lk}, bias heads={heads}, "
-                        f"deterministic={deterministic})")
+                return (f"{name} differs by {err:.3g} (Lq={lq}, Lk={lk}, intervals per row={starts.shape[-1]}, "
+                        f"bias heads={heads}, deterministic={deterministic})")
     return None
 
 
 def _window(lq: int, lk: int, left: int, right: int) -> tuple[int, int, Tensor, Tensor]:
     pos = torch.arange(lq, device="cpu").view(1, -1) + lk - lq
     lo = (pos - left).clamp(0, lk)
-    return lq, lk, lo, torch.maximum((pos + right + 1).clamp(0, lk), lo)
+    hi = (pos + right + 1).clamp(0, lk)
+    empty = hi <= lo
+    return lq, lk, lo.masked_fill(empty, lk)[..., None], hi.masked_fill(empty, lk)[..., None]
 
 
 def _documents(q_starts: tuple, kv_starts: tuple) -> tuple[int, int, Tensor, Tensor]:
     """Per batch element: element 0 keeps the documents, element 1 their first half only."""
     lq, lk = q_starts[-1], kv_starts[-1]
-    lo, hi = torch.zeros(2, lq, dtype=torch.long), torch.zeros(2, lq, dtype=torch.long)
+    allowed = torch.zeros(2, lq, lk, dtype=torch.bool)
     for d in range(len(q_starts) - 1):
         a, e = kv_starts[d], kv_starts[d + 1]
-        lo[:, q_starts[d]:q_starts[d + 1]] = a
-        hi[0, q_starts[d]:q_starts[d + 1]] = e
-        hi[1, q_starts[d]:q_starts[d + 1]] = a + (e - a) // 2
-    return lq, lk, lo, hi
+        allowed[0, q_starts[d]:q_starts[d + 1], a:e] = True
+        allowed[1, q_starts[d]:q_starts[d + 1], a:a + (e - a) // 2] = True
+    return lq, lk, *_intervals(allowed)
 
 
-def _formula(q, k, v, dout, lo, hi, bias, scale):
+def _scattered(lq: int, lk: int) -> tuple[int, int, Tensor, Tensor]:
+    """Several intervals per row, in no order down the rows: a window of +-4, keys 0-2 and 40 seen
+    by every row, rows 0 and 33 that see every key, a dilated window on the rows 50-59, and rows
+    20 and 21 that see nothing (shared by the batch)."""
+    i, j = torch.arange(lq).view(-1, 1) + lk - lq, torch.arange(lk).view(1, -1)
+    allowed = ((i - j).abs() <= 4) | (j < 3) | (j == 40)
+    allowed[[0, 33]] = True
+    allowed[50:60] = ((i - j).abs() <= 12)[50:60] & ((i - j) % 3 == 0)[50:60]
+    allowed[20:22] = False
+    return lq, lk, *_intervals(allowed[None])
+
+
+def _intervals(allowed: Tensor) -> tuple[Tensor, Tensor]:
+    """``[P, Lq, K]`` intervals of a small bool ``[P, Lq, Lk]`` grid, by loops (the self-check's own
+    reading of the convention, independent of attnkit.plan)."""
+    lk = allowed.shape[-1]
+    rows = [[[] for _ in range(allowed.shape[1])] for _ in range(allowed.shape[0])]
+    for p in range(allowed.shape[0]):
+        for i in range(allowed.shape[1]):
+            cells = allowed[p, i].tolist() + [False]
+            j = 0
+            while j < lk:
+                if cells[j]:
+                    e = j
+                    while cells[e]:
+                        e += 1
+                    rows[p][i].append((j, e))
+                    j = e
+                j += 1
+    k = max(1, max(len(r) for batch in rows for r in batch))
+    starts = torch.full((allowed.shape[0], allowed.shape[1], k), lk, dtype=torch.long)
+    ends = starts.clone()
+    for p, batch in enumerate(rows):
+        for i, row in enumerate(batch):
+            for n, (a, e) in enumerate(row):
+                starts[p, i, n], ends[p, i, n] = a, e
+    return starts, ends
+
+
+def _formula(q, k, v, dout, starts, ends, bias, scale):
     q, k, v, bias = (t.detach().requires_grad_() for t in (q, k, v, bias))
     g = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     i, j = torch.arange(q.shape[2], device="cpu"), torch.arange(k.shape[2], device="cpu")
-    allowed = ((j >= lo[..., None]) & (j < hi[..., None]))[:, None]  # [B|1, 1, Lq, Lk]
+    allowed = ((j >= starts[..., None]) & (j < ends[..., None])).any(-2)[:, None]  # [B|1, 1, Lq, Lk]
     s = q @ ke.transpose(-1, -2) * scale
     if bias.numel():
         s = s + bias[:, j[None, :] - i[:, None] + q.shape[2] - 1]  # [H|1, Lq, Lk]

@@ -10,7 +10,6 @@ has passed its self-check.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..request import Request
@@ -43,20 +42,14 @@ class BandBackend:
         reasons = self.not_supported_reasons(req)
         if reasons:  # select() asks first; this is a direct call
             raise ValueError("backend 'band' cannot serve this call: " + "; ".join(reasons))
-        out = _band.attention(req, _kernel_plan(req)[0])
-        plan = req.plan
-        if plan is not None and bool((plan.starts[..., 0] >= plan.ends[..., 0]).any()):
-            dead = plan.starts[..., 0] >= plan.ends[..., 0]  # [1 or B, Lq]: rows that borrowed an interval
-            flat = out.reshape(-1, req.heads, req.q_len, out.shape[-1])
-            out = flat.masked_fill(dead.view(dead.shape[0], 1, req.q_len, 1), 0.0).view(out.shape)
-        return out, None
+        return _band.attention(req, _kernel_plan(req)[0]), None
 
 
 def _kernel_plan(req: Request) -> tuple[_band.Plan | None, str | None]:
     """The kernel's plan for ``req``, or None and why not."""
     bias = None
     if req.score_mod is not None:
-        bias = _band._diagonal_bias(req) if hasattr(req.score_mod, "attnkit_diagonal") else None
+        bias = _band.diagonal_bias(req)
         if bias is None:
             return None, ("the score_mod is not an additive bias per head and diagonal (attnkit.scores.alibi, "
                           "relative_position_bias and their compose)")
@@ -64,23 +57,9 @@ def _kernel_plan(req: Request) -> tuple[_band.Plan | None, str | None]:
     if plan is None and req.mask is not None:
         return None, "a dense mask has an interval form only with 4-D inputs [B, H, L, E]"
     if plan is None:  # no mask: every row sees every key
-        lo = torch.zeros(1, req.q_len, dtype=torch.int64)
-        return _band.Plan(lo, torch.full_like(lo, req.kv_len), bias), None
+        from ..plan import row_bounds  # the plan module builds on the backends
+
+        return _band.Plan(*row_bounds(req.q_len, req.kv_len), bias), None
     if plan.starts is None:
         return None, "the mask has no interval form (it depends on the head, or a row has too many runs of keys)"
-    if plan.starts.shape[-1] != 1:
-        k = plan.starts.shape[-1]
-        return None, f"the banded kernel takes one interval of keys per row; this mask has up to {k}"
-    lo, hi = plan.starts[..., 0], plan.ends[..., 0]
-    dead = lo >= hi
-    if bool(dead.any()):
-        # The kernel finds a key's rows by binary search, so both ends must be ordered down the rows.
-        # A dead row borrows the interval of the row before it (rows before the first live one get
-        # (0, 0)); _call zeroes its output, so nothing it computed reaches the result or a gradient.
-        live_row = torch.where(dead, -1, torch.arange(req.q_len)).cummax(-1).values
-        src = live_row.clamp(min=0)
-        lo = torch.where(live_row >= 0, lo.gather(-1, src), 0)
-        hi = torch.where(live_row >= 0, hi.gather(-1, src), 0)
-    if bool((lo[:, 1:] < lo[:, :-1]).any() or (hi[:, 1:] < hi[:, :-1]).any()):
-        return None, "the banded kernel needs both ends of the rows' intervals non-decreasing down the rows"
-    return _band.Plan(lo.contiguous(), hi.contiguous(), bias), None
+    return _band.Plan(plan.starts, plan.ends, bias), None
