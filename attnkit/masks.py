@@ -47,6 +47,16 @@ __all__ = [
     "from_key_padding_mask",
     "from_hf_attention_mask",
     "materialize",
+    "global_tokens_mod",
+    "global_tokens",
+    "dilated_window_mod",
+    "dilated_window",
+    "strided_mod",
+    "strided",
+    "block_sparse_mod",
+    "block_sparse",
+    "bigbird_layout",
+    "picture",
 ]
 
 
@@ -358,6 +368,209 @@ def from_hf_attention_mask(attention_mask: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse patterns (Longformer, Sparse Transformer, BigBird): predicates and dense builders
+# --------------------------------------------------------------------------------------------
+
+
+def global_tokens_mod(window: int, global_idx, offset: int = 0) -> MaskMod:
+    """Longformer: a sliding window of ``window`` keys on each side, plus global positions that see
+    every key and are seen by every query (query ``i`` sits at position ``i + offset``).
+
+    A row sees its window and the global keys; a global row sees everything: about
+    ``2 * window + 1 + len(global_idx)`` keys, as up to ``len(global_idx) + 1`` intervals.
+    """
+    _check_window_side("window", window)
+    member = _membership(_positions_tensor("global_idx", global_idx))
+    last = member.numel() - 1  # always False: where positions past the largest global one land
+
+    def is_global(x: Tensor) -> Tensor:
+        return member.to(x.device)[x.clamp(0, last)] & (x >= 0)
+
+    def mod(b, h, q_idx, kv_idx):
+        p = q_idx + offset
+        return ((p - kv_idx).abs() <= window) | is_global(kv_idx) | is_global(p)
+
+    return mod
+
+
+def global_tokens(n: int, window: int, global_idx, *, device=None) -> Tensor:
+    """``[n, n]`` :func:`global_tokens_mod`. ``global_tokens(12, 1, [0, 7])``::
+
+        >>> print(picture(global_tokens(12, 1, [0, 7])))
+        ############
+        ###....#....
+        ####...#....
+        #.###..#....
+        #..###.#....
+        #...####....
+        #....###....
+        ############
+        #......###..
+        #......####.
+        #......#.###
+        #......#..##
+    """
+    q, kv = _grid(n, n, device)
+    return global_tokens_mod(window, global_idx)(None, None, q, kv)
+
+
+def dilated_window_mod(window: int, dilation: int, offset: int = 0, *, causal: bool = False) -> MaskMod:
+    """Longformer's dilated sliding window: query at position ``p = i + offset`` sees keys
+    ``p - d * w ... p + d * w`` in steps of ``d = dilation`` (``w = window``; ``causal`` keeps the
+    left side only): ``2 * window + 1`` keys as as many one-key intervals when ``dilation > 1``."""
+    _check_window_side("window", window)
+    if not isinstance(dilation, int) or isinstance(dilation, bool) or dilation < 1:
+        raise ValueError(f"dilation must be a positive int, got {dilation!r}")
+
+    def mod(b, h, q_idx, kv_idx):
+        d = q_idx + offset - kv_idx
+        ok = (d.abs() <= window * dilation) & (d % dilation == 0)
+        return ok & (d >= 0) if causal else ok
+
+    return mod
+
+
+def dilated_window(n: int, window: int, dilation: int, *, causal: bool = False, device=None) -> Tensor:
+    """``[n, n]`` :func:`dilated_window_mod`. ``dilated_window(12, 2, 2)``::
+
+        >>> print(picture(dilated_window(12, 2, 2)))
+        #.#.#.......
+        .#.#.#......
+        #.#.#.#.....
+        .#.#.#.#....
+        #.#.#.#.#...
+        .#.#.#.#.#..
+        ..#.#.#.#.#.
+        ...#.#.#.#.#
+        ....#.#.#.#.
+        .....#.#.#.#
+        ......#.#.#.
+        .......#.#.#
+    """
+    q, kv = _grid(n, n, device)
+    return dilated_window_mod(window, dilation, causal=causal)(None, None, q, kv)
+
+
+def strided_mod(stride: int, offset: int = 0) -> MaskMod:
+    """Sparse Transformer's strided pattern (Child et al. 2019), causal: query at position ``p``
+    sees the previous ``stride`` keys (``p - stride < j <= p``) and every key ``stride``, ``2 *
+    stride``, ... back (``(p - j) % stride == 0``): about ``p / stride + 1`` intervals per row."""
+    if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
+        raise ValueError(f"stride must be a positive int, got {stride!r}")
+
+    def mod(b, h, q_idx, kv_idx):
+        d = q_idx + offset - kv_idx
+        return (d >= 0) & ((d < stride) | (d % stride == 0))
+
+    return mod
+
+
+def strided(n: int, stride: int, *, device=None) -> Tensor:
+    """``[n, n]`` :func:`strided_mod`. ``strided(12, 3)``::
+
+        >>> print(picture(strided(12, 3)))
+        #...........
+        ##..........
+        ###.........
+        ####........
+        .####.......
+        ..####......
+        #..####.....
+        .#..####....
+        ..#..####...
+        #..#..####..
+        .#..#..####.
+        ..#..#..####
+    """
+    q, kv = _grid(n, n, device)
+    return strided_mod(stride)(None, None, q, kv)
+
+
+def block_sparse_mod(layout: Tensor, block: int) -> MaskMod:
+    """Attend by blocks: query ``i`` may see key ``j`` when ``layout[i // block, j // block]``
+    (``layout``: bool ``[query blocks, key blocks]``, e.g. :func:`bigbird_layout`)."""
+    if not isinstance(layout, Tensor) or layout.dtype != torch.bool or layout.dim() != 2:
+        raise ValueError(f"layout must be a 2-D bool tensor [query blocks, key blocks], got {describe(layout)}")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+
+    def mod(b, h, q_idx, kv_idx):
+        return layout[(q_idx // block).clamp(max=layout.shape[0] - 1), (kv_idx // block).clamp(max=layout.shape[1] - 1)]
+
+    return mod
+
+
+def block_sparse(layout: Tensor, block: int, *, device=None) -> Tensor:
+    """``[Lq, Lk]`` :func:`block_sparse_mod` (each layout entry a ``block x block`` square)::
+
+        >>> print(picture(block_sparse(torch.tensor([[True, False], [True, True]]), 3)))
+        ###...
+        ###...
+        ###...
+        ######
+        ######
+        ######
+    """
+    q, kv = _grid(layout.shape[0] * block, layout.shape[1] * block, device)
+    return block_sparse_mod(layout, block)(None, None, q, kv)
+
+
+def bigbird_layout(n_blocks: int, *, window_blocks: int = 3, global_blocks: int = 2, random_blocks: int = 3,
+                   seed: int = 0) -> Tensor:
+    """BigBird's block layout (Zaheer et al. 2020), bool ``[n_blocks, n_blocks]``: each block row
+    sees ``window_blocks`` blocks around its own, the first ``global_blocks`` blocks (which also see
+    every block), and ``random_blocks`` other blocks drawn with ``torch.Generator`` seeded by
+    ``seed`` (the same on every machine)::
+
+        >>> print(picture(bigbird_layout(8, window_blocks=3, global_blocks=1, random_blocks=1, seed=0)))
+        ########
+        ###....#
+        ####...#
+        #.###..#
+        #.####..
+        #...####
+        ##...###
+        #...#.##
+    """
+    for name, val, least in (("n_blocks", n_blocks, 1), ("window_blocks", window_blocks, 0),
+                             ("global_blocks", global_blocks, 0), ("random_blocks", random_blocks, 0)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {val!r}")
+    i = torch.arange(n_blocks)
+    layout = (i.view(-1, 1) - i.view(1, -1)).abs() <= window_blocks // 2
+    layout[:global_blocks] = True
+    layout[:, :global_blocks] = True
+    gen = torch.Generator().manual_seed(seed)
+    for row in range(global_blocks, n_blocks):
+        free = (~layout[row]).nonzero().flatten()
+        pick = free[torch.randperm(free.numel(), generator=gen)[:random_blocks]]
+        layout[row, pick] = True
+    return layout
+
+
+def picture(mask: Tensor) -> str:
+    """A 2-D bool mask as text, one line per query: ``#`` may attend, ``.`` may not."""
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        raise ValueError(f"mask must be a 2-D tensor [Lq, Lk], got {describe(mask)}")
+    return "\n".join("".join("#" if x else "." for x in row) for row in mask.tolist())
+
+
+def _positions_tensor(name: str, idx) -> Tensor:
+    t = torch.as_tensor(idx, dtype=torch.long).flatten()
+    if t.numel() and int(t.min()) < 0:
+        raise ValueError(f"{name} must hold non-negative positions, got {t.tolist()}")
+    return t
+
+
+def _membership(idx: Tensor) -> Tensor:
+    """Bool ``[max + 2]``: True at the positions in ``idx`` (the last entry stays False, so a clamped
+    index past the end reads False)."""
+    out = torch.zeros(int(idx.max()) + 2 if idx.numel() else 1, dtype=torch.bool)
+    out[idx] = True
+    return out
 
 
 def _check_len(name: str, n) -> None:
