@@ -4,7 +4,9 @@
 // ends[b, i, k] (each row's sorted and disjoint, empty ones last; rows in any order: a window,
 // causal, padding, packed documents, a window plus global tokens, dilated or strided patterns, a
 // block layout), with an optional bias per head and diagonal, bias[h, j - i + L - 1] (ALiBi,
-// relative positions). Forward: for each block of query rows, the union of the rows' intervals as
+// relative positions), and optional tanh soft-capping of the scores, t <- c * tanh(t / c) after the
+// scale and bias (Gemma 2, Grok): the backward multiplies dS by 1 - (t / c)^2 before dQ, dK and
+// the bias gradient take it (the bias is inside the tanh). Forward: for each block of query rows, the union of the rows' intervals as
 // a few segments of keys (gaps shorter than the block closed, so a sliding window is one segment,
 // exactly its first row's start to its last row's end), in chunks merged by an online softmax;
 // only the columns a row may see are exponentiated, the rest are zero. Backward
@@ -18,7 +20,7 @@
 // probabilities. Across thread counts results may differ in the last bits in either mode: torch's
 // BLAS rounds differently with the thread count, and the bias gradient is summed per thread.
 //
-// Large scores: a score is scaled (and biased) once, stored, and every later step works on that
+// Large scores: a score is scaled (biased, capped) once, stored, and every later step works on that
 // stored value: exp(t - m) with m the maximum of the same stored t. Computing s * scale - m in one
 // expression lets the compiler fuse it into an FMA whose unrounded product differs from the rounded
 // one m came from, by up to half an ulp of the score (256 at 7e9): exp of that is 0 or inf. The
@@ -88,16 +90,21 @@ inline at::vec::Vectorized<T> vexp(at::vec::Vectorized<T> x) {
   }
 }
 
-// Raw scores s[0:n) -> s * scale (+ bias[j], one fused multiply-add): the one place a score is
-// rounded, shared by the forward and both backward passes so that they see the same numbers.
+// Raw scores s[0:n) -> s * scale (+ bias[j], one fused multiply-add), then cap * tanh(t / cap)
+// when cap > 0: the one place a score is rounded, shared by the forward and both backward passes
+// so that they see the same numbers.
 template <typename T>
-void score_row(T* s, Index n, T scale, const T* bias) {
+void score_row(T* s, Index n, T scale, const T* bias, T cap) {
   using Vec = at::vec::Vectorized<T>;
   const Vec vs(scale);
   if (bias != nullptr) {
     at::vec::map2([=](Vec x, Vec y) { return at::vec::fmadd(x, vs, y); }, s, s, bias, n);
   } else {
     at::vec::map([=](Vec x) { return x * vs; }, s, s, n);
+  }
+  if (cap > T(0)) {
+    const Vec vc(cap), inv(T(1) / cap);
+    at::vec::map([=](Vec x) { return vc * (x * inv).tanh(); }, s, s, n);
   }
 }
 
@@ -199,7 +206,7 @@ std::vector<std::vector<std::vector<std::pair<Index, Index>>>> key_block_rows(co
 // factor for the row's accumulator. A NaN score makes m (and so the row's output) NaN: exp_u20
 // clamps NaN to a finite value.
 template <typename T>
-T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const T* bias, T& m, T& l) {
+T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const T* bias, T cap, T& m, T& l) {
   using Vec = at::vec::Vectorized<T>;
   Index at = 0;
   for (Index c = 0; c < count; ++c) {
@@ -211,7 +218,7 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
   T mx = -std::numeric_limits<T>::infinity();
   for (Index c = 0; c < count; ++c) {
     const Index a = rg[2 * c], e = rg[2 * c + 1];
-    score_row<T>(s + a, e - a, scale, bias != nullptr ? bias + a : nullptr);
+    score_row<T>(s + a, e - a, scale, bias != nullptr ? bias + a : nullptr, cap);
     const T x = at::vec::reduce_all<T>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, s + a, e - a);
     mx = std::isnan(x) || std::isnan(mx) ? std::numeric_limits<T>::quiet_NaN() : std::max(mx, x);
   }
@@ -241,7 +248,7 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
 
 template <typename T>
 void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& stats, const Rows& R,
-                  const Tensor& bias, T scale, Index q_rows, Index kv_chunk) {
+                  const Tensor& bias, T scale, T cap, Index q_rows, Index kv_chunk) {
   const Shape d(q, k, v);
   const bool biased = bias.numel() > 0;
   const Index blocks = (d.L + q_rows - 1) / q_rows, G = d.groups(), K = R.K;
@@ -271,7 +278,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
             const Index count = R.ranges(b, i0 + r, c0, kc, rg.data());
             // bias[h, j - i + L - 1]: a contiguous slice along the row
             const T* br = biased ? diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1) : nullptr;
-            const T factor = online_softmax_row<T>(s + r * kc, kc, rg.data(), count, scale, br, m[r], l[r]);
+            const T factor = online_softmax_row<T>(s + r * kc, kc, rg.data(), count, scale, br, cap, m[r], l[r]);
             if (!first && factor != T(1)) {
               for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
             }
@@ -297,9 +304,11 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
 }
 
 // Probabilities and dS of one row of raw scores over its visible ranges, in place: p = exp((t - m)
-// - log l) with t = score_row(s), dp -> p * (dp - delta); zeros elsewhere. m, ll, delta: the row's.
+// - log l) with t = score_row(s), dp -> p * (dp - delta), times 1 - (t / cap)^2 (the tanh's
+// derivative) when capped; zeros elsewhere. m, ll, delta: the row's.
 template <typename T>
-void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, const T* bias, T m, T ll, T dl) {
+void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, const T* bias, T cap, T m, T ll,
+                   T dl) {
   using Vec = at::vec::Vectorized<T>;
   Index at = 0;
   for (Index c = 0; c < count; ++c) {
@@ -307,8 +316,18 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
     std::fill(p + at, p + a, T(0));
     std::fill(dp + at, dp + a, T(0));
     at = e;
-    score_row<T>(p + a, e - a, scale, bias != nullptr ? bias + a : nullptr);
+    score_row<T>(p + a, e - a, scale, bias != nullptr ? bias + a : nullptr, cap);
     const Vec mm(m), l(ll), dd(dl);
+    if (cap > T(0)) {  // dS needs t, which p overwrites: both in one pass
+      const Vec inv(T(1) / cap), one(T(1));
+      for (Index j = a; j < e; j += Vec::size()) {
+        const int w = static_cast<int>(std::min<Index>(Vec::size(), e - j));
+        const Vec t = Vec::loadu(p + j, w), u = t * inv, pp = vexp<T>((t - mm) - l);
+        pp.store(p + j, w);
+        (pp * (Vec::loadu(dp + j, w) - dd) * (one - u * u)).store(dp + j, w);
+      }
+      continue;
+    }
     at::vec::map([=](Vec x) { return vexp<T>((x - mm) - l); }, p + a, p + a, e - a);
     at::vec::map2([=](Vec pp, Vec d) { return pp * (d - dd); }, dp + a, p + a, dp + a, e - a);
   }
@@ -319,7 +338,7 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
 template <typename T>
 void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
                    const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Rows& R, const Tensor& bias,
-                   Tensor& dbias, T scale, Index kv_rows, Index q_chunk, bool deterministic) {
+                   Tensor& dbias, T scale, T cap, Index kv_rows, Index q_chunk, bool deterministic) {
   using Vec = at::vec::Vectorized<T>;
   const Shape d(q, k, v);
   const bool biased = bias.numel() > 0;
@@ -355,7 +374,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
               const Index i = i0 + r;
               const Index count = R.ranges(b, i, j0, cols, rg.data());
               const T* br = biased ? diagonal_row<T>(bias, h, j0 - i + d.L - 1) : nullptr;
-              probabilities<T>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, m_all[row0 + i],
+              probabilities<T>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap, m_all[row0 + i],
                                ll_all[row0 + i], dl_all[row0 + i]);
               if (biased && count > 0) {  // dBias of a diagonal: the sum of dS along it (this thread's share)
                 const Index slot = std::min<Index>(at::get_thread_num(), dbias.size(0) - 1);  // nested: serial
@@ -405,7 +424,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
           for (Index r = 0; r < rows; ++r) {
             const Index count = R.ranges(b, i0 + r, c0, kc, rg.data());
             const T* br = biased ? diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1) : nullptr;
-            probabilities<T>(p + r * kc, ds + r * kc, kc, rg.data(), count, scale, br, m_all[row0 + r],
+            probabilities<T>(p + r * kc, ds + r * kc, kc, rg.data(), count, scale, br, cap, m_all[row0 + r],
                              ll_all[row0 + r], dl_all[row0 + r]);
           }
           gemm<T>(false, false, rows, d.E, kc, scale, ds, kc, kp, k.stride(2), T(1), dqp, d.E);
@@ -437,6 +456,11 @@ void check_rows(const Tensor& q, const Tensor& k, const Tensor& starts, const Te
               "band kernel: intervals must satisfy 0 <= start <= end <= S");
 }
 
+void check_softcap(double softcap) {
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "band kernel: softcap must be a finite float >= 0 (0: off), got ",
+              softcap);
+}
+
 void check_bias(const Tensor& q, const Tensor& k, const Tensor& bias) {
   if (bias.numel() == 0) return;
   TORCH_CHECK(bias.scalar_type() == q.scalar_type() && bias.dim() == 2 && bias.is_contiguous() &&
@@ -445,23 +469,28 @@ void check_bias(const Tensor& q, const Tensor& k, const Tensor& bias) {
 }
 
 std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
-                                 const Tensor& ends, const Tensor& bias, double scale, Index q_rows, Index kv_chunk) {
+                                 const Tensor& ends, const Tensor& bias, double scale, double softcap, Index q_rows,
+                                 Index kv_chunk) {
   check(q, k, v);
+  check_softcap(softcap);
   check_rows(q, k, starts, ends);
   check_bias(q, k, bias);
   Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   Tensor stats = at::empty({2, q.size(0), q.size(1), q.size(2)}, q.options());  // row maximum, log of row sum
   const Rows R(starts, ends);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_forward", [&] {
-    forward_impl<scalar_t>(q, k, v, out, stats, R, bias, static_cast<scalar_t>(scale), q_rows, kv_chunk);
+    forward_impl<scalar_t>(q, k, v, out, stats, R, bias, static_cast<scalar_t>(scale), static_cast<scalar_t>(softcap),
+                           q_rows, kv_chunk);
   });
   return {out, stats};
 }
 
 std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const Tensor& stats, const Tensor& starts, const Tensor& ends,
-                                  const Tensor& bias, double scale, Index kv_rows, Index q_chunk, bool deterministic) {
+                                  const Tensor& bias, double scale, double softcap, Index kv_rows, Index q_chunk,
+                                  bool deterministic) {
   check(q, k, v);
+  check_softcap(softcap);
   check_rows(q, k, starts, ends);
   check_bias(q, k, bias);
   Tensor dbias = at::zeros({bias.numel() > 0 ? at::get_num_threads() : 0, bias.size(0), bias.size(1)}, q.options());
@@ -473,7 +502,7 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
   const Rows R(starts, ends);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
     backward_impl<scalar_t>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, static_cast<scalar_t>(scale),
-                            kv_rows, q_chunk, deterministic);
+                            static_cast<scalar_t>(softcap), kv_rows, q_chunk, deterministic);
   });
   return {dq, dk, dv, dbias.sum(0)};
 }

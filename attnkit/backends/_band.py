@@ -10,7 +10,8 @@ between batches; ``_band.cpp`` does the whole call in one parallel loop, with th
 ranges, over the BLAS that torch links. Forward and a FlashAttention-2 backward (recomputing
 probabilities from the saved log-sum-exp, each key block owning its dK/dV, dQ rows added under
 locks; under `torch.use_deterministic_algorithms(True)` dQ comes from a row-owned pass instead,
-bitwise repeatable at a given thread count).
+bitwise repeatable at a given thread count). Scores may be soft-capped, ``c * tanh(t / c)`` after
+the scale and bias (Gemma 2's attention logit capping), forward and backward.
 
 The source is compiled once per source, torch version and CPU capability (about a minute, said on
 stderr; one process builds while others wait) into ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``,
@@ -57,12 +58,14 @@ _reason: str | None = None
 
 class Plan(NamedTuple):
     """What the kernel needs beyond q, k, v: each query row's keys as intervals (``starts``,
-    ``ends``: int64 ``[1 or B, Lq, K]``, the convention of :mod:`attnkit.plan`) and the score_mod's
-    diagonal bias (``[1 or H, Lq + Lk - 1]``, with autograd; None without a score_mod)."""
+    ``ends``: int64 ``[1 or B, Lq, K]``, the convention of :mod:`attnkit.plan`), the score_mod's
+    diagonal bias (``[1 or H, Lq + Lk - 1]``, with autograd; None without a score_mod) and the
+    soft-cap ``c`` of the scores (``t -> c * tanh(t / c)`` after scale and bias; 0 for none)."""
 
     starts: Tensor
     ends: Tensor
     bias: Tensor | None
+    softcap: float = 0.0
 
 
 def diagonal_bias(req: Request) -> Tensor | None:
@@ -95,8 +98,33 @@ def attention(req: Request, plan: Plan) -> Tensor:
 
     ``plan``: what :func:`plan` returned for ``req``.
     """
-    bias = plan.bias if plan.bias is not None else req.query.new_empty(0, 0)
-    return _BandFn.apply(req.query, req.key, req.value, plan.starts, plan.ends, bias, req.scale)
+    return run(req.query, req.key, req.value, plan.starts, plan.ends, plan.bias, req.scale, plan.softcap)
+
+
+def run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor, bias: Tensor | None, scale: float,
+        softcap: float = 0.0) -> Tensor:
+    """Attention through the kernel without a Request; differentiable in query, key, value and bias.
+
+    ``query [..., H, Lq, E]``, ``key [..., Hkv, Lk, E]``, ``value [..., Hkv, Lk, Ev]`` (H a multiple of
+    Hkv, the same leading dims, float32 or float64 after :func:`._fused.compute_dtype`); ``starts``,
+    ``ends``: int64 CPU ``[1 or B, Lq, K]`` with B the leading dims flattened, each row's intervals
+    sorted and disjoint, empty ones ``(Lk, Lk)`` last (the caller's to guarantee; the kernel checks
+    only shapes and ``0 <= start <= end <= Lk``); ``bias``: ``[1 or H, Lq + Lk - 1]`` added to the
+    score of query i and key j at column ``j - i + Lq - 1``, or None; ``softcap``: ``c > 0`` turns a
+    score t (after scale and bias) into ``c * tanh(t / c)``, 0 leaves it. Rows with nothing to
+    attend give zeros. Call :func:`available` first: this builds the kernel if needed but does not
+    fall back.
+    """
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0 for none), got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0 for none), got {softcap}")
+    for name, t in (("starts", starts), ("ends", ends)):
+        if not isinstance(t, Tensor) or t.dtype != torch.int64 or t.dim() != 3 or t.device.type != "cpu":
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be an int64 CPU tensor [1 or B, Lq, K], got {got}")
+    bias = bias if bias is not None else query.new_empty(0, 0)
+    return _BandFn.apply(query, key, value, starts.contiguous(), ends.contiguous(), bias, scale, float(softcap))
 
 
 def _as_4d(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -108,7 +136,7 @@ def _as_4d(x: Tensor, dtype: torch.dtype) -> Tensor:
 class _BandFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor, bias: Tensor,
-                scale: float) -> Tensor:
+                scale: float, softcap: float) -> Tensor:
         compute = compute_dtype(query.dtype)
         q, k, v = (_as_4d(t, compute) for t in (query, key, value))
         ctx.bias_dtype = bias.dtype
@@ -118,8 +146,8 @@ class _BandFn(torch.autograd.Function):
         if ctx.empty:
             out, stats = q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full((2, *q.shape[:-1]), float("-inf"))
         else:
-            out, stats = _module().forward(q, k, v, starts, ends, bias, scale, Q_ROWS, KV_CHUNK)
-        ctx.args = (starts, ends, bias, scale)
+            out, stats = _module().forward(q, k, v, starts, ends, bias, scale, softcap, Q_ROWS, KV_CHUNK)
+        ctx.args = (starts, ends, bias, scale, softcap)
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.save_for_backward(q, k, v, out, stats)
         return out.view(*query.shape[:-1], value.shape[-1]).to(query.dtype)
@@ -135,7 +163,7 @@ class _BandFn(torch.autograd.Function):
             dq, dk, dv, dbias = _module().backward(_as_4d(dout, q.dtype), q, k, v, out, stats, *ctx.args, KV_ROWS,
                                                    Q_CHUNK, torch.are_deterministic_algorithms_enabled())
         qs, ks, vs = ctx.shapes
-        return dq.view(qs), dk.view(ks), dv.view(vs), None, None, dbias.to(ctx.bias_dtype), None
+        return dq.view(qs), dk.view(ks), dv.view(vs), None, None, dbias.to(ctx.bias_dtype), None, None
 
 
 @functools.cache
@@ -164,25 +192,27 @@ def _self_check(mod) -> str | None:
     """Outputs and gradients against the formula in float64: windows, a causal row offset, packed
     documents, several intervals per row in no order down the rows (global rows and keys, a
     dilated window, rows with nothing to attend between others), GQA, ``Lq != Lk``, odd sizes,
-    bounds shared or per batch, a diagonal bias per head or shared."""
+    bounds shared or per batch, a diagonal bias per head or shared, soft-capping with and without bias."""
     gen = torch.Generator().manual_seed(0)
     cases = (_window(70, 70, 5, 3), _window(50, 83, 200, 0), _window(83, 30, 2, 0), _window(66, 66, 0, 0),
-             _documents((0, 17, 40, 41, 66), (0, 9, 9, 50, 61)), _scattered(75, 80))
+             _documents((0, 17, 40, 41, 66), (0, 9, 9, 50, 61)), _scattered(75, 80), _scattered(75, 80),
+             _window(70, 70, 5, 3))
     for n, (lq, lk, starts, ends) in enumerate(cases):
         q, k, v, dout = (torch.randn(*shape, generator=gen, dtype=torch.float64, device="cpu")
                          for shape in ((2, 4, lq, 12), (2, 2, lk, 12), (2, 2, lk, 5), (2, 4, lq, 5)))
         heads = (0, 4, 1)[n % 3]  # no bias, one per head, one shared
         bias = torch.randn(heads, lq + lk - 1 if heads else 0, generator=gen, dtype=torch.float64, device="cpu")
-        out, stats = mod.forward(q, k, v, starts, ends, bias, 0.3, 16, 32)
+        softcap = 1.5 if n >= 6 else 0.0  # the last two: capped, one with a bias, one without
+        out, stats = mod.forward(q, k, v, starts, ends, bias, 0.3, softcap, 16, 32)
         deterministic = n % 2 == 0  # dQ from the key blocks under locks, or from its own pass over query blocks
-        grads = mod.backward(dout, q, k, v, out, stats, starts, ends, bias, 0.3, 16, 24, deterministic)
-        want_out, want_grads = _formula(q, k, v, dout, starts, ends, bias, 0.3)
+        grads = mod.backward(dout, q, k, v, out, stats, starts, ends, bias, 0.3, softcap, 16, 24, deterministic)
+        want_out, want_grads = _formula(q, k, v, dout, starts, ends, bias, 0.3, softcap)
         names = ("out", "dq", "dk", "dv", "dbias")
         for name, got, want in zip(names, (out, *grads), (want_out, *want_grads), strict=True):
             if not torch.allclose(got, want, rtol=1e-9, atol=1e-10):
                 err = (got - want).abs().max().item()
                 return (f"{name} differs by {err:.3g} (Lq={lq}, Lk={lk}, intervals per row={starts.shape[-1]}, "
-                        f"bias heads={heads}, deterministic={deterministic})")
+                        f"bias heads={heads}, softcap={softcap}, deterministic={deterministic})")
     return None
 
 
@@ -244,7 +274,7 @@ def _intervals(allowed: Tensor) -> tuple[Tensor, Tensor]:
     return starts, ends
 
 
-def _formula(q, k, v, dout, starts, ends, bias, scale):
+def _formula(q, k, v, dout, starts, ends, bias, scale, softcap=0.0):
     q, k, v, bias = (t.detach().requires_grad_() for t in (q, k, v, bias))
     g = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -253,6 +283,8 @@ def _formula(q, k, v, dout, starts, ends, bias, scale):
     s = q @ ke.transpose(-1, -2) * scale
     if bias.numel():
         s = s + bias[:, j[None, :] - i[:, None] + q.shape[2] - 1]  # [H|1, Lq, Lk]
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
     out = p @ ve
     out.backward(dout)

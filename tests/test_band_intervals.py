@@ -1,0 +1,248 @@
+"""The banded C++ kernel called directly (``_band.run``) with several key intervals per query row.
+
+Rows in any order (no monotonicity down the rows), 1, 2 or 5 intervals per row, rows with nothing
+to attend, intervals shared by the batch or per element, GQA, ``Lq != Lk``, a diagonal bias per
+head or shared, tanh soft-capping on and off. Outputs and dq/dk/dv/dbias against a float64
+formula over a dense mask that this file builds from the intervals cell by cell (its output is
+itself checked against :mod:`tests.oracle`); determinism bitwise; gradcheck; bad arguments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnkit.backends import _band
+from tests import oracle
+from tests.tolerances import close
+
+
+def test_the_kernel_is_available():
+    assert _band.available(), _band.unavailable_reason()
+
+
+# ---- intervals -----------------------------------------------------------------------------------------------
+
+def random_intervals(batches: int, lq: int, lk: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``[batches, lq, k]`` rows of 0..k sorted, disjoint, non-adjacent random intervals, empties ``(lk, lk)``
+    last; rows independent of each other (so in no order down the rows), about one row in 8 empty."""
+    starts = torch.full((batches, lq, k), lk, dtype=torch.long)
+    ends = starts.clone()
+    for b in range(batches):
+        for i in range(lq):
+            n = 0 if torch.rand((), generator=gen) < 0.125 else int(torch.randint(1, k + 1, (), generator=gen))
+            n = min(n, (lk + 1) // 2)
+            # 2n distinct cut points from 0..lk: [p0, p1), [p2, p3), ... with p1 < p2, never adjacent
+            cuts = torch.randperm(lk + 1, generator=gen)[:2 * n].sort().values
+            starts[b, i, :n], ends[b, i, :n] = cuts[0::2], cuts[1::2]
+    return starts, ends
+
+
+def longformer_intervals(n: int, window: int, globals_: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window +-window plus global tokens 0..globals_-1: global rows see every key, every row sees the
+    global keys and its window (two intervals, or one where they touch)."""
+    starts = torch.full((1, n, 2), n, dtype=torch.long)
+    ends = starts.clone()
+    for i in range(n):
+        lo, hi = max(i - window, 0), min(i + window + 1, n)
+        if i < globals_ or lo <= globals_:
+            starts[0, i, 0], ends[0, i, 0] = 0, (n if i < globals_ else hi)
+        else:
+            starts[0, i, 0], ends[0, i, 0] = 0, globals_
+            starts[0, i, 1], ends[0, i, 1] = lo, hi
+    return starts, ends
+
+
+def dense(starts: torch.Tensor, ends: torch.Tensor, lk: int) -> torch.Tensor:
+    """Bool ``[P, 1, Lq, Lk]``: cell (i, j) allowed iff some interval of row i holds j, cell by cell."""
+    p, lq, k = starts.shape
+    allowed = torch.zeros(p, 1, lq, lk, dtype=torch.bool)
+    for b in range(p):
+        for i in range(lq):
+            for n in range(k):
+                allowed[b, 0, i, int(starts[b, i, n]):int(ends[b, i, n])] = True
+    return allowed
+
+
+# ---- the float64 formula ---------------------------------------------------------------------------------
+
+def formula(q, k, v, allowed, bias, scale, softcap):
+    """softmax(cap(q k^T * scale + bias)) v in float64 with autograd; rows with nothing allowed give zeros."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    lq, lk = q.shape[2], k.shape[2]
+    if bias is not None:
+        diag = torch.arange(lk).view(1, -1) - torch.arange(lq).view(-1, 1) + lq - 1
+        s = s + bias[:, diag]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    return p @ v
+
+
+def inputs(b, h, hkv, lq, lk, d, dv, bias_heads, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, *s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+               for s in ((h, lq, d), (hkv, lk, d), (hkv, lk, dv)))
+    bias = None
+    if bias_heads:
+        bias = torch.randn(bias_heads, lq + lk - 1, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    return q, k, v, bias
+
+
+def check(q, k, v, bias, starts, ends, scale, softcap, *, scaled=None):
+    """Output and every gradient of ``_band.run`` against the float64 formula."""
+    out = _band.run(q, k, v, starts, ends, bias, scale, softcap)
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:-1], v.shape[-1])
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    wide = [t.detach().double().requires_grad_() for t in leaves]
+    allowed = dense(starts, ends, k.shape[2])
+    want = formula(*wide[:3], allowed, wide[3] if bias is not None else None, scale, softcap)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got_grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+    want_grads = torch.autograd.grad(want, wide, dout)
+    tol = {} if scaled is None else {"scaled_atol": scaled, "rtol": 0.0}
+    close(out, want, q.dtype, **tol)
+    for got, expected in zip(got_grads, want_grads, strict=True):
+        close(got, expected, q.dtype, **tol)
+    return out
+
+
+def test_the_formula_here_is_the_oracle():
+    q, k, v, bias = inputs(2, 4, 2, 23, 31, 8, 8, 4, torch.float64, 0)
+    starts, ends = random_intervals(2, 23, 31, 3, torch.Generator().manual_seed(0))
+    allowed = dense(starts, ends, 31)
+    dense_bias = bias[:, torch.arange(31).view(1, -1) - torch.arange(23).view(-1, 1) + 22]
+    want = oracle.attention(q, k, v, allowed=allowed, bias=dense_bias, scale=0.4)[0]
+    close(formula(q, k, v, allowed, bias, 0.4, 0.0), want)
+    capped = oracle.attention(q, k, v, allowed=allowed, bias=dense_bias, scale=0.4,
+                              score_mod=lambda s, *_: 1.5 * torch.tanh(s / 1.5))[0]
+    close(formula(q, k, v, allowed, bias, 0.4, 1.5), capped)
+
+
+# ---- against the formula -----------------------------------------------------------------------------------
+
+@settings(deadline=None, max_examples=40)
+@given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 3]), lq=st.integers(1, 90),
+       lk=st.integers(1, 90), d=st.sampled_from([4, 16]), dv=st.sampled_from([3, 16]), k=st.sampled_from([1, 2, 5]),
+       shared=st.booleans(), bias_heads=st.sampled_from(["none", "shared", "per_head"]),
+       softcap=st.sampled_from([0.0, 0.7, 4.0]), seed=st.integers(0, 2**16))
+def test_random_intervals_match_the_formula(b, hkv, group, lq, lk, d, dv, k, shared, bias_heads, softcap, seed):
+    h = hkv * group
+    heads = {"none": 0, "shared": 1, "per_head": h}[bias_heads]
+    q, k_, v, bias = inputs(b, h, hkv, lq, lk, d, dv, heads, torch.float64, seed)
+    starts, ends = random_intervals(1 if shared else b, lq, lk, k, torch.Generator().manual_seed(seed))
+    check(q, k_, v, bias, starts, ends, 0.5, softcap)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("pattern", ["longformer", "dilated", "random_k5"])
+def test_patterns_in_float32_and_float64(pattern, softcap):
+    """Sizes past one block of rows and keys (the kernel's 64-row blocks, 1024-key chunks)."""
+    n = 200
+    if pattern == "longformer":
+        starts, ends = longformer_intervals(n, 20, 5)
+    elif pattern == "dilated":  # every 3rd key within +-30, plus rows 0 and 150 that see everything
+        i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+        grid = ((i - j).abs() <= 30) & ((i - j) % 3 == 0)
+        grid[[0, 150]] = True
+        starts, ends = _band._intervals(grid[None])
+    else:
+        starts, ends = random_intervals(2, n, n, 5, torch.Generator().manual_seed(3))
+    for dtype in (torch.float64, torch.float32):
+        q, k, v, bias = inputs(2, 4, 2, n, n, 16, 16, 4, dtype, 0)
+        check(q, k, v, bias, starts, ends, 0.25, softcap, scaled=None if dtype == torch.float64 else 2e-6)
+
+
+def test_one_interval_per_row_is_the_window():
+    """K = 1 through run() equals the request path's window."""
+    q, k, v, _ = inputs(1, 2, 2, 100, 100, 8, 8, 0, torch.float64, 0)
+    pos = torch.arange(100)
+    starts, ends = (pos - 7).clamp(0).view(1, -1, 1), (pos + 4).clamp(max=100).view(1, -1, 1)
+    out = check(q, k, v, None, starts, ends, 8 ** -0.5, 0.0)
+    want = oracle.attention(q, k, v, allowed=oracle.allowed_grid(1, 2, 100, 100, window=(7, 3)))[0]
+    close(out, want)
+
+
+def test_soft_capping_bounds_large_scores():
+    """Scores of 1e3..1e17 capped at 3: finite, and the same as the formula."""
+    q, k, v, bias = inputs(1, 2, 1, 40, 40, 8, 8, 2, torch.float64, 0)
+    with torch.no_grad():
+        q.mul_(1e8)
+        k.mul_(1e8)
+    starts, ends = random_intervals(1, 40, 40, 2, torch.Generator().manual_seed(0))
+    out = check(q, k, v, bias, starts, ends, 1.0, 3.0)
+    assert out.isfinite().all()
+
+
+def test_a_nan_score_makes_its_row_nan_with_soft_capping():
+    q, k, v, _ = inputs(1, 1, 1, 6, 6, 4, 4, 0, torch.float64, 0)
+    with torch.no_grad():
+        q[0, 0, 2, 0] = float("nan")
+    starts, ends = torch.zeros(1, 6, 1, dtype=torch.long), torch.full((1, 6, 1), 6, dtype=torch.long)
+    out = _band.run(q, k, v, starts, ends, None, 0.5, 2.0)
+    assert out[0, 0, 2].isnan().all() and out[0, 0, [0, 1, 3, 4, 5]].isfinite().all()
+
+
+# ---- determinism, gradcheck, arguments ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("softcap", [0.0, 1.0])
+def test_deterministic_mode_is_bitwise_repeatable(softcap):
+    q, k, v, bias = inputs(2, 4, 2, 300, 300, 16, 16, 4, torch.float32, 0)
+    starts, ends = random_intervals(2, 300, 300, 5, torch.Generator().manual_seed(0))
+    runs = []
+    with torch.autograd.set_grad_enabled(True):
+        torch.use_deterministic_algorithms(True)
+        try:
+            for _ in range(3):
+                out = _band.run(q, k, v, starts, ends, bias, 0.25, softcap)
+                runs.append((out, *torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))))
+        finally:
+            torch.use_deterministic_algorithms(False)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
+    check(q, k, v, bias, starts, ends, 0.25, softcap, scaled=2e-6)  # and the other mode agrees with the formula
+
+
+@pytest.mark.parametrize("softcap", [0.0, 1.3])
+def test_gradcheck(softcap):
+    q, k, v, bias = inputs(1, 2, 1, 9, 11, 4, 3, 2, torch.float64, 0)
+    starts, ends = random_intervals(1, 9, 11, 2, torch.Generator().manual_seed(5))
+    assert torch.autograd.gradcheck(lambda a, b, c, t: _band.run(a, b, c, starts, ends, t, 0.7, softcap),
+                                    (q, k, v, bias))
+
+
+def test_empty_inputs():
+    q, k, v, _ = inputs(1, 2, 2, 0, 5, 4, 4, 0, torch.float64, 0)
+    starts = ends = torch.zeros(1, 0, 1, dtype=torch.long)
+    assert _band.run(q, k, v, starts, ends, None, 1.0, 1.0).shape == (1, 2, 0, 4)
+
+
+@pytest.mark.parametrize("softcap, error, words", [
+    (-1.0, ValueError, "softcap must be a finite float >= 0"),
+    (float("inf"), ValueError, "softcap must be a finite float >= 0"),
+    ("2", TypeError, "softcap must be a float"),
+])
+def test_bad_softcap(softcap, error, words):
+    q, k, v, _ = inputs(1, 1, 1, 4, 4, 4, 4, 0, torch.float64, 0)
+    starts, ends = torch.zeros(1, 4, 1, dtype=torch.long), torch.full((1, 4, 1), 4, dtype=torch.long)
+    with pytest.raises(error, match=words):
+        _band.run(q, k, v, starts, ends, None, 1.0, softcap)
+
+
+@pytest.mark.parametrize("starts, ends, words", [
+    (torch.zeros(1, 4, 1, dtype=torch.int32), torch.ones(1, 4, 1, dtype=torch.int32), "starts must be an int64"),
+    (torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long), "starts must be an int64"),
+    (torch.zeros(1, 5, 1, dtype=torch.long), torch.ones(1, 5, 1, dtype=torch.long), r"\[1 or B, L, K\]"),
+    (torch.zeros(1, 4, 1, dtype=torch.long), torch.full((1, 4, 1), 5, dtype=torch.long), "end <= S"),
+    (torch.full((1, 4, 1), 3, dtype=torch.long), torch.full((1, 4, 1), 2, dtype=torch.long), "start <= end"),
+    (torch.full((1, 4, 1), -1, dtype=torch.long), torch.full((1, 4, 1), 2, dtype=torch.long), "0 <= start"),
+])
+def test_bad_intervals_are_refused(starts, ends, words):
+    q, k, v, _ = inputs(1, 1, 1, 4, 4, 4, 4, 0, torch.float64, 0)
+    with pytest.raises((ValueError, RuntimeError), match=words):
+        _band.run(q, k, v, starts, ends, None, 1.0)
