@@ -4,10 +4,11 @@ They close over tensors (slopes, tables), which may be ``nn.Parameter``s: backen
 gradients into what a score_mod captures. Positions: query ``i`` sits at ``i + offset``; pass
 ``offset = Lk - Lq`` for bottom-right alignment (decoding with a KV cache).
 
-Helpers that add a bias depending only on the head and ``kv_idx - q_idx`` also carry
-``attnkit_diagonal(heads, q_len, kv_len, dtype=None) -> [1 or H, q_len + kv_len - 1]`` (column
-``kv_idx - q_idx + q_len - 1``, in ``dtype``; differentiable in the captured tensors), or None
-where the arguments do not fit; the blockwise backend's banded kernel adds it along each row.
+A score_mod that adds a bias depending only on the head and ``kv_idx - q_idx`` (ALiBi, relative
+position tables, T5 buckets; the library's helpers or a user's own) runs on the banded kernel as a
+table ``[1 or H, q_len + kv_len - 1]`` (column ``kv_idx - q_idx + q_len - 1``), which
+:func:`diagonal_bias` finds: the helpers here say theirs (``attnkit_diagonal``), and any other
+score_mod is probed (see there for what is recognised and how it is checked).
 
 One dtype rule, on every backend: scores are computed in the inputs' compute dtype (float32 for
 half types), and a score_mod's captured tensors are used in that dtype. The helpers here cast
@@ -19,6 +20,7 @@ inputs with float64 slopes in float32, and gradients reach each captured tensor 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,7 +28,12 @@ from torch import Tensor
 
 from .request import ScoreMod
 
-__all__ = ["alibi_slopes", "alibi", "relative_position_bias", "softcap", "compose", "like_score", "apply"]
+__all__ = ["alibi_slopes", "alibi", "relative_position_bias", "softcap", "compose", "like_score", "apply",
+           "diagonal_bias"]
+
+#: Sampled tiles (``PROBE_TILE`` x ``PROBE_TILE`` cells, every head) on which a probed diagonal bias is
+#: checked against the score_mod itself, besides the grid's four corners.
+PROBE_TILES, PROBE_TILE = 12, 48
 
 
 def like_score(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -129,6 +136,107 @@ def compose(*mods: ScoreMod) -> ScoreMod:
 
     mod.attnkit_diagonal = diagonal
     return mod
+
+
+def diagonal_bias(score_mod: ScoreMod, *, batch: int, heads: int, q_len: int, kv_len: int, dtype: torch.dtype,
+                  device="cpu") -> Tensor | None:
+    """``score_mod`` as an additive bias per head and diagonal, ``[1 or H, Lq + Lk - 1]`` in ``dtype``
+    (column ``kv_idx - q_idx + Lq - 1``; differentiable in what the mod captures), or None.
+
+    The helpers of this module say theirs. Any other score_mod is probed: the bias is read from
+    ``score_mod(0, ...)`` on the grid's first row and first column (together they cover every
+    diagonal), then checked against the score_mod itself, on every head and a few batch elements, at
+    the grid's corners and on :data:`PROBE_TILES` tiles drawn with a fixed seed, with a random score
+    in place of 0 (so the mod must add its bias to the score, not scale or cap it): every value must
+    agree to the last few ulps (compared in float64), and so must the grid's last row and last
+    column. A mod that reads the batch index, keeps state (a counter), draws random numbers, scales
+    or caps the score, or whose bias is not a function of ``(head, kv_idx - q_idx)`` fails the check
+    and the call goes to the tiles, exact for any score_mod. What sampling cannot see: a bias that
+    is diagonal everywhere except on a few cells no sample covers; write such an exception as a
+    mask, or force ``backend="tiles"``.
+    """
+    diagonal = getattr(score_mod, "attnkit_diagonal", None)
+    if diagonal is not None:
+        table = diagonal(heads, q_len, kv_len, dtype=dtype)
+    else:
+        table = _probe(score_mod, batch, heads, q_len, kv_len, dtype, device)
+    width = q_len + kv_len - 1
+    ok = table is not None and table.dim() == 2 and table.shape[0] in (1, heads) and table.shape[1] == width
+    return table if ok else None
+
+
+def _probe(score_mod, batch, heads, q_len, kv_len, dtype, device) -> Tensor | None:
+    if q_len == 0 or kv_len == 0:
+        return None
+    idx = functools.partial(torch.arange, device=device)
+    h = idx(heads).view(-1, 1, 1)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    try:
+        row = _call(score_mod, dtype, zero, h, zero.view(1, 1, 1), idx(kv_len).view(1, 1, -1), 0.0)  # kv - q >= 0
+        col = _call(score_mod, dtype, zero, h, idx(q_len).view(1, -1, 1), zero.view(1, 1, 1), 0.0)  # kv - q <= 0
+    except Exception:  # noqa: BLE001 - a mod that cannot be called this way is not a diagonal bias
+        return None
+    if row is None or col is None:
+        return None
+    row, col = (torch.broadcast_to(t, (heads,) + t.shape[1:]) for t in (row, col))
+    table = torch.cat([col[:, 1:, 0].flip(-1), row[:, 0, :]], dim=-1)  # [H, Lq - 1 + Lk]
+    if table.requires_grad and not _adds_the_score(score_mod, heads, dtype, device):
+        return None
+    with torch.no_grad():
+        if not _agrees(score_mod, table.detach(), batch, heads, q_len, kv_len, dtype, device):
+            return None
+    return table
+
+
+def _adds_the_score(score_mod, heads, dtype, device) -> bool:
+    """Whether the mod's derivative in the score is a constant that nothing learned feeds: the
+    gradients its captured tensors get through the table are then theirs (``score * w[h]`` with
+    ``w`` all ones passes the value checks, but ``w``'s gradient depends on the score)."""
+    score = torch.randn(1, heads, 2, 2, dtype=dtype, device=device, requires_grad=True)
+    idx = torch.arange(2, device=device)
+    with torch.enable_grad():
+        out = score_mod(score, idx.new_zeros(()), torch.arange(heads, device=device).view(1, -1, 1, 1),
+                        idx.view(1, 1, -1, 1), idx.view(1, 1, 1, -1))
+        (slope,) = torch.autograd.grad(out.sum(), score, create_graph=True, allow_unused=True)
+    return slope is not None and not slope.requires_grad
+
+
+def _call(score_mod, dtype, b, h, q, kv, fill: float):
+    """``score_mod`` at these indices on a score of ``fill``, or None when it returns something
+    else than a tensor of the grid's shape."""
+    shape = torch.broadcast_shapes(h.shape, q.shape, kv.shape)
+    out = score_mod(torch.full(shape, fill, dtype=dtype, device=h.device), b, h, q, kv)
+    if not isinstance(out, Tensor) or tuple(torch.broadcast_shapes(out.shape, shape)) != tuple(shape):
+        return None
+    return like_score(torch.broadcast_to(out, shape), dtype)
+
+
+def _agrees(score_mod, table, batch, heads, q_len, kv_len, dtype, device) -> bool:
+    """Whether ``score + table[h, kv - q + Lq - 1]`` is what the mod gives on sampled cells."""
+    gen = torch.Generator().manual_seed(0)
+    t = min(PROBE_TILE, q_len), min(PROBE_TILE, kv_len)
+    corners = [(0, 0), (0, kv_len - t[1]), (q_len - t[0], 0), (q_len - t[0], kv_len - t[1])]
+    drawn = [(int(torch.randint(0, q_len - t[0] + 1, (1,), generator=gen)),
+              int(torch.randint(0, kv_len - t[1] + 1, (1,), generator=gen))) for _ in range(PROBE_TILES)]
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    last_row = (q_len - 1, 0, 1, kv_len)  # the last row and column see every diagonal once more
+    last_col = (0, kv_len - 1, q_len, 1)
+    tiles = [(q0, k0, *t) for q0, k0 in corners + drawn] + [last_row, last_col]
+    for n, (q0, k0, nq, nk) in enumerate(tiles):
+        b = torch.tensor([0, batch - 1, n % batch], device=device).view(-1, 1, 1, 1)
+        q = torch.arange(q0, q0 + nq, device=device).view(1, 1, -1, 1)
+        kv = torch.arange(k0, k0 + nk, device=device).view(1, 1, 1, -1)
+        shape = (3, heads, nq, nk)
+        score = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device) * 4
+        out = score_mod(score, b, h, q, kv)
+        if not isinstance(out, Tensor) or tuple(torch.broadcast_shapes(out.shape, shape)) != shape:
+            return False
+        want = score.double() + table.double()[:, (kv - q + q_len - 1)[0, 0]].unsqueeze(0)
+        got = out.double()
+        tol = 8 * torch.finfo(dtype).eps * (want.abs() + 1)
+        if not bool(((got - want).abs() <= tol).all()):
+            return False
+    return True
 
 
 def _diagonals(q_len: int, kv_len: int, device) -> Tensor:

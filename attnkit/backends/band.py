@@ -10,8 +10,11 @@ has passed its self-check.
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
 
+from .. import scores
 from ..request import Request
 from . import _band
 from ._fused import compute_dtype
@@ -49,10 +52,14 @@ def _kernel_plan(req: Request) -> tuple[_band.Plan | None, str | None]:
     """The kernel's plan for ``req``, or None and why not."""
     bias = None
     if req.score_mod is not None:
-        bias = _band.diagonal_bias(req)
+        # In the scores' compute dtype (the attnkit.scores dtype rule), so float32 tables add up in float64 for
+        # float64 inputs; the kernel sends the gradient back in each captured tensor's own dtype.
+        bias = scores.diagonal_bias(req.score_mod, batch=math.prod(req.batch_shape), heads=req.heads,
+                                    q_len=req.q_len, kv_len=req.kv_len, dtype=compute_dtype(req.query.dtype),
+                                    device=req.query.device)
         if bias is None:
-            return None, ("the score_mod is not an additive bias per head and diagonal (attnkit.scores.alibi, "
-                          "relative_position_bias and their compose)")
+            return None, ("the score_mod is not an additive bias per head and diagonal (ALiBi, relative positions "
+                          "and the like, written by hand or with attnkit.scores)")
     plan = req.plan
     if plan is None and req.mask is not None:
         return None, "a dense mask has an interval form only with 4-D inputs [B, H, L, E]"
