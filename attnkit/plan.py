@@ -41,7 +41,7 @@ from .request import check_window
 #: How many automatically built plans ``attnkit.attention`` keeps.
 CACHE_SIZE = 16
 #: Rows with more intervals than this are not worth the band kernel's per-row bookkeeping.
-MAX_INTERVALS = 64
+MAX_INTERVALS = 256
 
 _cache: OrderedDict = OrderedDict()
 

@@ -15,7 +15,7 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -46,6 +46,9 @@ class Request:
     scale: float
     dropout_p: float
     return_weights: bool
+    #: What backends work out about this call once and reuse (a backend's plan from asking whether
+    #: it can serve the call to serving it); not part of the call's identity.
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def heads(self) -> int:

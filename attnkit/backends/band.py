@@ -49,7 +49,13 @@ class BandBackend:
 
 
 def _kernel_plan(req: Request) -> tuple[_band.Plan | None, str | None]:
-    """The kernel's plan for ``req``, or None and why not."""
+    """The kernel's plan for ``req``, or None and why not (worked out once per call)."""
+    if "band" not in req.memo:
+        req.memo["band"] = _work_out(req)
+    return req.memo["band"]
+
+
+def _work_out(req: Request) -> tuple[_band.Plan | None, str | None]:
     bias = None
     if req.score_mod is not None:
         # In the scores' compute dtype (the attnkit.scores dtype rule), so float32 tables add up in float64 for

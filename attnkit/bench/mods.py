@@ -1,0 +1,210 @@
+"""``attnkit bench mods``: masks and scores as users write them, against SDPA, FlexAttention and
+attnkit's own helpers.
+
+Each family is written the way a FlexAttention user writes it (torch's ``and_masks``/``or_masks``,
+closures over tensors, a hand-written ALiBi), never with an attnkit helper, and handed unchanged
+to ``attnkit.attention``. The mask plan finds the rows' key intervals and the score probe the
+diagonal bias, so they run where attnkit's helpers run. Anchors measured in the same run: SDPA
+with the dense mask or bias, compiled FlexAttention (forward; in its own process, compile time
+apart), the same maths through attnkit's helper, and the matmul throughput. A last section keeps
+one of the two cores busy with another process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import masks, scores
+from ..functional import attention, which_backend
+from ._util import attention_flops, interleaved_medians, markdown_table, matmul_gflops, progress, write_report
+
+H, D = 8, 64
+
+
+def families(n: int) -> dict:
+    """name -> (mask_mod, score_mod, attnkit's helper arguments or None), written as a user would."""
+    from torch.nn.attention.flex_attention import and_masks, or_masks
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def sliding(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx <= 64
+
+    docs = torch.arange(n) // (n // 8)
+
+    def document(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+
+    def dilated(b, h, q_idx, kv_idx):
+        return ((q_idx - kv_idx).abs() <= 64) & ((q_idx - kv_idx) % 2 == 0)
+
+    def near(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= 64
+
+    def global_key(b, h, q_idx, kv_idx):
+        return kv_idx < 16
+
+    def global_query(b, h, q_idx, kv_idx):
+        return q_idx < 16
+
+    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / H) for i in range(H)])
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    return {
+        "causal sliding window 64 (and_masks)": (and_masks(causal, sliding), None, {"window": (64, 0)}),
+        "packed documents, causal (8 docs)": (and_masks(causal, document), None,
+                                              {"mask_mod": masks.and_masks(masks.document_mod(docs),
+                                                                           masks.causal_mod())}),
+        "dilated sliding window 64, dilation 2": (dilated, None, None),
+        "window 64 + 16 global tokens (or_masks)": (or_masks(near, global_key, global_query), None, None),
+        "hand-written ALiBi, causal": (causal, alibi, {"is_causal": True,
+                                                       "score_mod": scores.alibi(slopes)}),
+        "hand-written ALiBi, no mask": (None, alibi, {"score_mod": scores.alibi(slopes)}),
+    }
+
+
+def _dense(n: int, mask_mod, score_mod) -> dict:
+    """SDPA's arguments for a family: the mask or bias materialised."""
+    i, j = torch.arange(n).view(1, 1, -1, 1), torch.arange(n).view(1, 1, 1, -1)
+    h = torch.arange(H).view(1, -1, 1, 1)
+    if score_mod is None:
+        return {"attn_mask": masks.materialize(mask_mod, 1, 1, n, n)}
+    bias = score_mod(torch.zeros(1, H, n, n), torch.zeros((), dtype=torch.long), h, i, j)
+    if mask_mod is not None:
+        bias = bias.masked_fill(~masks.materialize(mask_mod, 1, 1, n, n), float("-inf"))
+    return {"attn_mask": bias}
+
+
+def _fb(fn, q, k, v):
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        out = fn()
+        out.backward(torch.ones_like(out))
+    return run
+
+
+def _flex_child(n: int, rounds: int) -> None:
+    """Compiled FlexAttention, forward, for every family; print JSON. Its own process: the compiled
+    kernel keeps OpenMP threads that would disturb the parent's later measurements."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, n, D) for _ in range(3))
+    compiled = torch.compile(flex_attention)
+    out = {}
+    for name, (mask_mod, score_mod, _) in families(n).items():
+        try:
+            t0 = time.perf_counter()
+            block = create_block_mask(mask_mod, None, None, n, n, device="cpu") if mask_mod is not None else None
+            with torch.no_grad():
+                compiled(q, k, v, score_mod=score_mod, block_mask=block)
+            first = time.perf_counter() - t0
+            with torch.no_grad():
+                t = interleaved_medians({"flex": lambda b=block, s=score_mod: compiled(q, k, v, score_mod=s,
+                                                                                       block_mask=b)},
+                                        repeat=rounds)["flex"]
+            out[name] = {"flex": t, "compile_s": first}
+        except Exception as e:  # reported verbatim in the table
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:120]}
+    print(json.dumps(out))
+
+
+def _child(call: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", f"from attnkit.bench.mods import _flex_child; {call}"],
+                          capture_output=True, text=True, timeout=1800)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+
+
+def _busy() -> subprocess.Popen:
+    """Another process keeping one core busy (pure Python, one thread)."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def run(quick: bool, out_dir: Path) -> str:
+    say = progress("mods")
+    n = 1024 if quick else 8192
+    rounds = 2 if quick else 3
+    peak = matmul_gflops(1024 if quick else 2048)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, H, n, D, generator=g).requires_grad_() for _ in range(3))
+    header = ["mod as the user wrote it", "attnkit path", "plan + probe ms (once)", "attnkit fwd ms",
+              "attnkit fwd+bwd ms", "SDPA dense fwd ms", "SDPA dense fwd+bwd ms", "fwd+bwd vs SDPA",
+              "helper fwd ms", "helper fwd+bwd ms", "user / helper (fwd, fwd+bwd)"]
+    rows, fwd_times = [], {}
+    for name, (mask_mod, score_mod, helper) in families(n).items():
+        say(name)
+        kw = {"mask_mod": mask_mod, "score_mod": score_mod}
+        path = which_backend(q, k, v, **kw)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            attention(q, k, v, **kw)  # builds and caches the plan (and probes the score_mod)
+        first = time.perf_counter() - t0
+        dense = _dense(n, mask_mod, score_mod)
+        cands = {"mine": lambda kw=kw: attention(q, k, v, **kw),
+                 "sdpa": lambda d=dense: F.scaled_dot_product_attention(q, k, v, **d)}
+        if helper is not None:
+            cands["helper"] = lambda h=helper: attention(q, k, v, **h)
+        with torch.no_grad():
+            fwd = interleaved_medians(cands, repeat=rounds)
+        fb = interleaved_medians({key: _fb(fn, q, k, v) for key, fn in cands.items()}, repeat=rounds)
+        plan_ms = max(0.0, first - fwd["mine"]) * 1e3
+        fwd_times[name] = fwd["mine"]
+        rows.append([name, path, plan_ms, fwd["mine"] * 1e3, fb["mine"] * 1e3, fwd["sdpa"] * 1e3, fb["sdpa"] * 1e3,
+                     f"{fb['sdpa'] / fb['mine']:.1f}x faster",
+                     fwd["helper"] * 1e3 if helper else "-", fb["helper"] * 1e3 if helper else "-",
+                     f"{fwd['mine'] / fwd['helper']:.2f}, {fb['mine'] / fb['helper']:.2f}" if helper else "-"])
+    say("FlexAttention (own process)")
+    flex = _child(f"_flex_child({n}, {rounds})")
+    flex_rows = []
+    for name, t in fwd_times.items():
+        got = flex.get(name, flex)
+        if "error" in got:
+            flex_rows.append([name, t * 1e3, f"failed: {got['error']}", "-"])
+        else:
+            flex_rows.append([name, t * 1e3, got["flex"] * 1e3, f"{got['flex'] / t:.2f}"])
+    say("busy core")
+    nb = 1024 if quick else 4096
+    qb, kb, vb = (x.detach()[:, :, :nb] for x in (q, k, v))
+    user_causal = families(nb)["causal sliding window 64 (and_masks)"][0]
+    dense_b = masks.materialize(user_causal, 1, 1, nb, nb)
+    cands = {"attnkit, user mask_mod": lambda: attention(qb, kb, vb, mask_mod=user_causal),
+             "SDPA, dense mask": lambda: F.scaled_dot_product_attention(qb, kb, vb, attn_mask=dense_b)}
+    with torch.no_grad():
+        attention(qb, kb, vb, mask_mod=user_causal)
+        quiet = interleaved_medians(cands, repeat=rounds + 2)
+        busy = _busy()
+        try:
+            time.sleep(0.5)
+            loaded = interleaved_medians(cands, repeat=rounds + 2)
+        finally:
+            busy.kill()
+    busy_rows = [[c, quiet[c] * 1e3, loaded[c] * 1e3, f"{loaded[c] / quiet[c]:.2f}x"] for c in cands]
+    slow = {c: loaded[c] / quiet[c] for c in cands}
+    cells = attention_flops(n, n, D, H)
+    body = (f"B=1, H={H}, D={D}, float32, n = {n}; medians of {rounds} interleaved rounds. Matmul anchor measured "
+            f"in this run: {peak:.0f} GFLOP/s (a full n x n forward at that rate: {cells / peak / 1e6:.0f} ms). "
+            "Each mod is written as a FlexAttention user writes it (torch's and_masks/or_masks, closures over "
+            "tensors, a hand-written ALiBi) and passed unchanged. The first call builds the mask plan (every "
+            "cell of the predicate evaluated once) and probes the score_mod; later calls reuse the plan "
+            "(`plan + probe ms`: that first call minus a timed forward).\n\n"
+            + markdown_table(header, rows)
+            + "\n\n### Against compiled FlexAttention, forward (its own process; compile time apart)\n\n"
+            + markdown_table(["mod", "attnkit fwd ms", "FlexAttention fwd ms", "Flex / attnkit"], flex_rows)
+            + f"\n\n### One core busy with another process, n = {nb}, causal sliding window 64 (user mask_mod)\n\n"
+            + markdown_table(["candidate", "quiet ms", "one core busy ms", "slowdown"], busy_rows)
+            + f"\n\nattnkit's slowdown / SDPA's slowdown: "
+              f"{slow['attnkit, user mask_mod'] / slow['SDPA, dense mask']:.2f} (target <= 1.2).")
+    return write_report(out_dir, "mods", "Masks and scores as users write them", body,
+                        "attnkit bench mods" + (" --quick" if quick else ""))
