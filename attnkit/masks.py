@@ -56,109 +56,318 @@ __all__ = [
     "block_sparse_mod",
     "block_sparse",
     "bigbird_layout",
+    "fixed_mod",
+    "fixed",
     "picture",
+    "Mask",
+    "Causal",
+    "Window",
+    "PrefixLM",
+    "Document",
+    "Padding",
+    "And",
+    "Or",
+    "GlobalTokens",
+    "DilatedWindow",
+    "Strided",
+    "Fixed",
+    "BlockSparse",
+    "Intervals",
+    "normalize",
+    "intersect_intervals",
+    "union_intervals",
 ]
 
 
 # --------------------------------------------------------------------------------------------
-# Predicates (mask_mods)
+# Intervals: each query row's allowed keys as sorted, disjoint [start, end) pairs
+# --------------------------------------------------------------------------------------------
+
+Intervals = tuple[Tensor, Tensor]
+
+
+def normalize(starts: Tensor, ends: Tensor, kv_len: int) -> Intervals:
+    """Any intervals ``[Bp, Lq, K]`` (overlapping, unsorted, empty, out of ``[0, kv_len]``) in the
+    shared form: clipped to ``[0, kv_len]``, sorted by start, overlapping or adjacent ones merged,
+    empties written ``(kv_len, kv_len)`` after the others, and ``K`` cut to the most non-empty
+    intervals any row has (at least 1). Vectorised: a sort, a running maximum and a scatter."""
+    starts, ends = torch.broadcast_tensors(starts.long().clamp(0, kv_len), ends.long().clamp(0, kv_len))
+    empty = starts >= ends
+    starts = starts.masked_fill(empty, kv_len)
+    ends = ends.masked_fill(empty, kv_len)
+    starts, order = starts.sort(dim=-1, stable=True)  # empties (kv_len) go last
+    ends = ends.gather(-1, order)
+    empty = starts >= ends
+    reach = ends.masked_fill(empty, -1).cummax(dim=-1).values  # furthest end so far
+    before = torch.cat([torch.full_like(reach[..., :1], -1), reach[..., :-1]], dim=-1)
+    fresh = ~empty & (starts > before)  # a gap before it: a new merged interval
+    k = starts.shape[-1]
+    slot = (fresh.long().cumsum(-1) - 1).masked_fill(empty, k)  # empties go to a slot dropped below
+    out_s = torch.full(starts.shape[:-1] + (k + 1,), kv_len, dtype=torch.long, device=starts.device)
+    out_e = out_s.clone()
+    out_s = out_s.scatter_reduce(-1, slot, starts, "amin", include_self=True)
+    out_e = out_e.scatter_reduce(-1, slot, ends, "amax", include_self=False)
+    width = max(1, int(fresh.sum(-1).max())) if fresh.numel() else 1
+    return out_s[..., :width].contiguous(), out_e[..., :width].contiguous()
+
+
+def intersect_intervals(a: Intervals, b: Intervals, kv_len: int) -> Intervals:
+    """Keys allowed by both ``a`` and ``b`` (each ``(starts, ends)`` ``[1 or B, Lq, K]``): every pair's
+    overlap (``K1 x K2`` of them), then :func:`normalize`."""
+    s = torch.maximum(a[0][..., :, None], b[0][..., None, :])
+    e = torch.minimum(a[1][..., :, None], b[1][..., None, :])
+    return normalize(s.flatten(-2), e.flatten(-2), kv_len)
+
+
+def union_intervals(a: Intervals, b: Intervals, kv_len: int) -> Intervals:
+    """Keys allowed by ``a`` or ``b``: both lists side by side, then :func:`normalize` (which merges
+    overlapping and adjacent ones)."""
+    (sa, ea), (sb, eb) = a, b
+    sa, sb = _same_batch(sa, sb)
+    ea, eb = _same_batch(ea, eb)
+    return normalize(torch.cat([sa, sb], -1), torch.cat([ea, eb], -1), kv_len)
+
+
+def _same_batch(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    batch = max(x.shape[0], y.shape[0])
+    return x.expand(batch, *x.shape[1:]), y.expand(batch, *y.shape[1:])
+
+
+def _positions(q_len: int, offset: int) -> Tensor:
+    """``[1, Lq, 1]``: each query row's absolute position ``i + offset``."""
+    return (torch.arange(q_len) + offset).view(1, -1, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Typed predicates (mask_mods)
 # --------------------------------------------------------------------------------------------
 
 
-def causal_mod(offset: int = 0) -> MaskMod:
+class Mask:
+    """A mask_mod that knows its shape: callable as FlexAttention's ``mask(b, h, q_idx, kv_idx) ->
+    bool tensor`` (broadcasting index tensors), and :meth:`intervals` gives each row's keys exactly,
+    so the engine need not evaluate the predicate cell by cell. Subclasses define both; equality and
+    hashing are by identity (plans are cached per mask object)."""
+
+    def __call__(self, b, h, q_idx, kv_idx) -> Tensor:
+        raise NotImplementedError
+
+    def intervals(self, batch: int, q_len: int, kv_len: int) -> Intervals | None:
+        """Each row's allowed keys in the shared form: ``(starts, ends)``, int64 ``[1 or batch, q_len,
+        K]``, sorted, disjoint, empties ``(kv_len, kv_len)`` last; None when this mask has no exact
+        interval form for these sizes."""
+        return None
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+class Causal(Mask):
+    """Query ``i`` may attend key ``j`` when ``j <= i + offset`` (one interval per row)."""
+
+    def __init__(self, offset: int = 0):
+        self.offset = offset
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + self.offset
+
+    def intervals(self, batch, q_len, kv_len):
+        p = _positions(q_len, self.offset)
+        return normalize(torch.zeros_like(p), p + 1, kv_len)
+
+
+class Window(Mask):
+    """Query ``i`` at ``p = i + offset`` may attend keys ``p - left ... p + right`` (``None``:
+    unbounded on that side); one interval per row."""
+
+    def __init__(self, left: int | None, right: int | None, offset: int = 0):
+        _check_window_side("left", left)
+        _check_window_side("right", right)
+        self.left, self.right, self.offset = left, right, offset
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        d = kv_idx - (q_idx + self.offset)
+        ok = torch.ones_like(d, dtype=torch.bool)
+        if self.left is not None:
+            ok = ok & (d >= -self.left)
+        if self.right is not None:
+            ok = ok & (d <= self.right)
+        return ok
+
+    def intervals(self, batch, q_len, kv_len):
+        p = _positions(q_len, self.offset)
+        lo = torch.zeros_like(p) if self.left is None else p - self.left
+        hi = torch.full_like(p, kv_len) if self.right is None else p + self.right + 1
+        return normalize(lo, hi, kv_len)
+
+
+class PrefixLM(Mask):
+    """Bidirectional over the first ``prefix_len`` keys (an int or one per batch element, ``[B]``),
+    causal after them; one interval per row."""
+
+    def __init__(self, prefix_len: int | Tensor, offset: int = 0):
+        self.prefix_len, self.offset = prefix_len, offset
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        p = self.prefix_len[b] if isinstance(self.prefix_len, Tensor) else self.prefix_len
+        return (kv_idx < p) | (kv_idx <= q_idx + self.offset)
+
+    def intervals(self, batch, q_len, kv_len):
+        cut = self.prefix_len
+        if isinstance(cut, Tensor):
+            if cut.dim() != 1 or cut.numel() < batch:
+                return None
+            cut = cut[:batch].detach().long().cpu().view(-1, 1, 1)
+        p = _positions(q_len, self.offset)
+        return normalize(torch.zeros_like(p), torch.maximum(p + 1, torch.as_tensor(cut)), kv_len)
+
+
+class Document(Mask):
+    """Tokens attend only within their own document (ids ``[L]`` or ``[B, L]``); a document whose
+    keys come in several runs gives as many intervals."""
+
+    def __init__(self, q_doc_ids: Tensor, kv_doc_ids: Tensor | None = None):
+        self.q_doc_ids = q_doc_ids
+        self.kv_doc_ids = q_doc_ids if kv_doc_ids is None else kv_doc_ids
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        if self.q_doc_ids.dim() == 1:
+            return self.q_doc_ids[q_idx] == self.kv_doc_ids[kv_idx]
+        return self.q_doc_ids[b, q_idx] == self.kv_doc_ids[b, kv_idx]
+
+    def intervals(self, batch, q_len, kv_len):
+        q_ids, kv_ids = self.q_doc_ids, self.kv_doc_ids
+        if q_ids.dim() != kv_ids.dim() or q_ids.dim() not in (1, 2) or q_ids.shape[-1] < q_len \
+                or kv_ids.shape[-1] < kv_len or (q_ids.dim() == 2 and min(len(q_ids), len(kv_ids)) < batch):
+            return None
+        if q_ids.dim() == 1:
+            q_ids, kv_ids = q_ids[None], kv_ids[None]
+        q_ids = q_ids[:batch, :q_len].detach().cpu()
+        kv_ids = kv_ids[:batch, :kv_len].detach().cpu()
+        if kv_len == 0:
+            return normalize(torch.zeros(len(q_ids), q_len, 1), torch.zeros(len(q_ids), q_len, 1), 0)
+        new = torch.ones_like(kv_ids, dtype=torch.bool)
+        new[:, 1:] = kv_ids[:, 1:] != kv_ids[:, :-1]  # where a run of one id begins
+        runs = int(new.sum(-1).max())
+        if q_len * runs > 1 << 24:
+            return None  # too many runs to list: the engine reads the predicate instead
+        slot = new.long().cumsum(-1) - 1
+        j = torch.arange(kv_len).expand_as(kv_ids)
+        first = torch.full((len(kv_ids), runs), kv_len).scatter_reduce(-1, slot, j, "amin")
+        last = torch.full((len(kv_ids), runs), -1).scatter_reduce(-1, slot, j, "amax")
+        run_id = torch.zeros(len(kv_ids), runs, dtype=kv_ids.dtype).scatter(-1, slot, kv_ids)
+        hit = (q_ids[:, :, None] == run_id[:, None, :]) & (last >= 0)[:, None, :]
+        return normalize(torch.where(hit, first[:, None], kv_len), torch.where(hit, last[:, None] + 1, kv_len), kv_len)
+
+
+class Padding(Mask):
+    """Key ``j`` of batch element ``b`` is real when ``j < lengths[b]``; one interval per row."""
+
+    def __init__(self, lengths: Tensor):
+        self.lengths = lengths
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return kv_idx < self.lengths[b]
+
+    def intervals(self, batch, q_len, kv_len):
+        n = self.lengths
+        if not isinstance(n, Tensor) or n.dim() != 1 or n.numel() < batch:
+            return None
+        hi = n[:batch].detach().long().cpu().view(-1, 1, 1).expand(batch, q_len, 1)
+        return normalize(torch.zeros_like(hi), hi, kv_len)
+
+
+class And(Mask):
+    """A cell is allowed when every part allows it; intervals intersect (None if a part has none)."""
+
+    def __init__(self, *parts: MaskMod):
+        self.parts = parts
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        out = self.parts[0](b, h, q_idx, kv_idx)
+        for m in self.parts[1:]:
+            out = out & m(b, h, q_idx, kv_idx)
+        return out
+
+    def intervals(self, batch, q_len, kv_len):
+        return _fold(self.parts, intersect_intervals, batch, q_len, kv_len)
+
+
+class Or(Mask):
+    """A cell is allowed when any part allows it; intervals unite (None if a part has none)."""
+
+    def __init__(self, *parts: MaskMod):
+        self.parts = parts
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        out = self.parts[0](b, h, q_idx, kv_idx)
+        for m in self.parts[1:]:
+            out = out | m(b, h, q_idx, kv_idx)
+        return out
+
+    def intervals(self, batch, q_len, kv_len):
+        return _fold(self.parts, union_intervals, batch, q_len, kv_len)
+
+
+def _fold(parts, combine, batch, q_len, kv_len) -> Intervals | None:
+    out = None
+    for m in parts:
+        got = m.intervals(batch, q_len, kv_len) if isinstance(m, Mask) else None
+        if got is None:
+            return None
+        out = got if out is None else combine(out, got, kv_len)
+    return out
+
+
+def causal_mod(offset: int = 0) -> Causal:
     """Query ``i`` may attend key ``j`` when ``j <= i + offset``."""
-
-    def mod(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + offset
-
-    return mod
+    return Causal(offset)
 
 
-def window_mod(left: int | None, right: int | None, offset: int = 0) -> MaskMod:
+def window_mod(left: int | None, right: int | None, offset: int = 0) -> Window:
     """Query ``i`` (at position ``p = i + offset``) may attend keys ``p - left ... p + right``.
 
     ``None`` on a side means unbounded on that side; ``(None, 0)`` is causal.
     """
-    _check_window_side("left", left)
-    _check_window_side("right", right)
-
-    def mod(b, h, q_idx, kv_idx):
-        d = kv_idx - (q_idx + offset)
-        ok = torch.ones_like(d, dtype=torch.bool)
-        if left is not None:
-            ok = ok & (d >= -left)
-        if right is not None:
-            ok = ok & (d <= right)
-        return ok
-
-    return mod
+    return Window(left, right, offset)
 
 
-def prefix_lm_mod(prefix_len: int | Tensor, offset: int = 0) -> MaskMod:
+def prefix_lm_mod(prefix_len: int | Tensor, offset: int = 0) -> PrefixLM:
     """Bidirectional over the first ``prefix_len`` keys, causal after them (T5/UniLM prefix LM).
 
     ``prefix_len`` may be a ``[B]`` tensor, one prefix per batch element.
     """
-
-    def mod(b, h, q_idx, kv_idx):
-        p = prefix_len[b] if isinstance(prefix_len, Tensor) else prefix_len
-        return (kv_idx < p) | (kv_idx <= q_idx + offset)
-
-    return mod
+    return PrefixLM(prefix_len, offset)
 
 
-def document_mod(q_doc_ids: Tensor, kv_doc_ids: Tensor | None = None) -> MaskMod:
+def document_mod(q_doc_ids: Tensor, kv_doc_ids: Tensor | None = None) -> Document:
     """Tokens attend only within their own document (block-diagonal / packed sequences).
 
     Args:
         q_doc_ids: ``[Lq]`` or ``[B, Lq]`` integer document id of each query token.
         kv_doc_ids: the same for keys; defaults to ``q_doc_ids`` (self-attention).
     """
-    kv_ids = q_doc_ids if kv_doc_ids is None else kv_doc_ids
-
-    def mod(b, h, q_idx, kv_idx):
-        if q_doc_ids.dim() == 1:
-            return q_doc_ids[q_idx] == kv_ids[kv_idx]
-        return q_doc_ids[b, q_idx] == kv_ids[b, kv_idx]
-
-    return mod
+    return Document(q_doc_ids, kv_doc_ids)
 
 
-def padding_mod(lengths: Tensor) -> MaskMod:
+def padding_mod(lengths: Tensor) -> Padding:
     """Key ``j`` of batch element ``b`` is real when ``j < lengths[b]``."""
-
-    def mod(b, h, q_idx, kv_idx):
-        return kv_idx < lengths[b]
-
-    return mod
+    return Padding(lengths)
 
 
-def and_masks(*mods: MaskMod) -> MaskMod:
+def and_masks(*mods: MaskMod) -> And:
     """A mask_mod that allows a cell only when every ``mods`` allows it."""
     if not mods:
         raise ValueError("and_masks needs at least one mask_mod, got none")
-
-    def mod(b, h, q_idx, kv_idx):
-        out = mods[0](b, h, q_idx, kv_idx)
-        for m in mods[1:]:
-            out = out & m(b, h, q_idx, kv_idx)
-        return out
-
-    return mod
+    return And(*mods)
 
 
-def or_masks(*mods: MaskMod) -> MaskMod:
+def or_masks(*mods: MaskMod) -> Or:
     """A mask_mod that allows a cell when any of ``mods`` allows it."""
     if not mods:
         raise ValueError("or_masks needs at least one mask_mod, got none")
-
-    def mod(b, h, q_idx, kv_idx):
-        out = mods[0](b, h, q_idx, kv_idx)
-        for m in mods[1:]:
-            out = out | m(b, h, q_idx, kv_idx)
-        return out
-
-    return mod
+    return Or(*mods)
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,35 +577,143 @@ def from_hf_attention_mask(attention_mask: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------------------------
 # Sparse patterns (Longformer, Sparse Transformer, BigBird): predicates and dense builders
 # --------------------------------------------------------------------------------------------
 
 
-def global_tokens_mod(window: int, global_idx, offset: int = 0) -> MaskMod:
-    """Longformer: a sliding window of ``window`` keys on each side, plus global positions that see
-    every key and are seen by every query (query ``i`` sits at position ``i + offset``).
+class GlobalTokens(Mask):
+    """Longformer: a sliding window (``left`` keys before, ``right`` after the query's position
+    ``p = i + offset``) plus global positions that see every key and are seen by every query.
+    Intervals: a global row is ``[0, Lk)``; any other row its window and one interval per global key,
+    merged where they touch (``K <= len(global_idx) + 1``)."""
 
-    A row sees its window and the global keys; a global row sees everything: about
-    ``2 * window + 1 + len(global_idx)`` keys, as up to ``len(global_idx) + 1`` intervals.
-    """
-    _check_window_side("window", window)
-    member = _membership(_positions_tensor("global_idx", global_idx))
-    last = member.numel() - 1  # always False: where positions past the largest global one land
+    def __init__(self, left: int, right: int, global_idx: Tensor, offset: int = 0):
+        self.left, self.right, self.global_idx, self.offset = left, right, global_idx, offset
+        self._member = _membership(global_idx)
 
-    def is_global(x: Tensor) -> Tensor:
-        return member.to(x.device)[x.clamp(0, last)] & (x >= 0)
+    def _is_global(self, x: Tensor) -> Tensor:
+        member = self._member.to(x.device)
+        return member[x.clamp(0, member.numel() - 1)] & (x >= 0)
 
-    def mod(b, h, q_idx, kv_idx):
-        p = q_idx + offset
-        return ((p - kv_idx).abs() <= window) | is_global(kv_idx) | is_global(p)
+    def __call__(self, b, h, q_idx, kv_idx):
+        d = kv_idx - (q_idx + self.offset)
+        return ((d >= -self.left) & (d <= self.right)) | self._is_global(kv_idx) | self._is_global(q_idx + self.offset)
 
-    return mod
+    def intervals(self, batch, q_len, kv_len):
+        p = _positions(q_len, self.offset)
+        g = self.global_idx.view(1, 1, -1).expand(1, q_len, -1)
+        glob_row = self._is_global(p)
+        starts = torch.cat([p - self.left, g], -1).masked_fill(glob_row, 0)
+        ends = torch.cat([p + self.right + 1, g + 1], -1).masked_fill(glob_row, kv_len)
+        return normalize(starts, ends, kv_len)
 
 
-def global_tokens(n: int, window: int, global_idx, *, device=None) -> Tensor:
+class DilatedWindow(Mask):
+    """Longformer's dilated sliding window: the query at ``p = i + offset`` sees keys ``p - d * k``
+    for ``k`` in ``[-window, window]`` (``d = dilation``; ``causal``: ``k`` in ``[0, window]``).
+    Intervals: one key each, ``K = 2 * window + 1`` (``window + 1`` causal; one when ``d == 1``)."""
+
+    def __init__(self, window: int, dilation: int, offset: int = 0, causal: bool = False):
+        self.window, self.dilation, self.offset, self.causal = window, dilation, offset, causal
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        d = q_idx + self.offset - kv_idx
+        ok = (d.abs() <= self.window * self.dilation) & (d % self.dilation == 0)
+        return ok & (d >= 0) if self.causal else ok
+
+    def intervals(self, batch, q_len, kv_len):
+        k = torch.arange(0 if self.causal else -self.window, self.window + 1)
+        keys = _positions(q_len, self.offset) - self.dilation * k
+        return normalize(keys, (keys + 1).masked_fill(keys < 0, 0), kv_len)
+
+
+class Strided(Mask):
+    """Sparse Transformer's strided pattern (Child et al. 2019): the query at ``p = i + offset``
+    sees the ``stride`` keys up to itself (``p - stride < j <= p``) and every key ``j`` with ``(p -
+    j) % stride == 0`` before it. ``causal=False`` is the symmetric form (``|p - j| < stride`` or a
+    multiple of ``stride`` either way). Intervals: the local one plus one per strided key, ``K``
+    about ``Lk / stride + 1``."""
+
+    def __init__(self, stride: int, offset: int = 0, causal: bool = True):
+        self.stride, self.offset, self.causal = stride, offset, causal
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        d = q_idx + self.offset - kv_idx
+        near = (d < self.stride) & (d > -self.stride)
+        ok = near | (d % self.stride == 0)
+        return ok & (d >= 0) if self.causal else ok
+
+    def intervals(self, batch, q_len, kv_len):
+        p = _positions(q_len, self.offset)
+        keys = p % self.stride + self.stride * torch.arange(kv_len // self.stride + 1)  # j = p mod stride
+        ends = keys + 1
+        if self.causal:
+            ends = torch.where(keys <= p, ends, keys)
+        starts = torch.cat([keys, p - self.stride + 1], -1)
+        ends = torch.cat([ends, p + 1 if self.causal else p + self.stride], -1)
+        return normalize(starts, ends, kv_len)
+
+
+class Fixed(Mask):
+    """Sparse Transformer's "fixed" pattern (Child et al. 2019), causal: positions in blocks of
+    ``stride``; the query at ``p = i + offset`` sees its own block up to itself and the last
+    ``summary`` positions of every block (the summary columns), never a key after ``p``. Intervals:
+    its block plus one per earlier block, ``K`` about ``Lk / stride + 1``."""
+
+    def __init__(self, stride: int, summary: int, offset: int = 0):
+        self.stride, self.summary, self.offset = stride, summary, offset
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        p = q_idx + self.offset
+        same = torch.div(p, self.stride, rounding_mode="floor") == torch.div(kv_idx, self.stride, rounding_mode="floor")
+        return (kv_idx <= p) & (same | (kv_idx % self.stride >= self.stride - self.summary))
+
+    def intervals(self, batch, q_len, kv_len):
+        p = _positions(q_len, self.offset)
+        own = torch.div(p, self.stride, rounding_mode="floor") * self.stride
+        block_end = self.stride * (torch.arange(kv_len // self.stride + 1) + 1)
+        starts = torch.cat([own, (block_end - self.summary).expand(1, q_len, -1)], -1)
+        ends = torch.minimum(torch.cat([p + 1, block_end.expand(1, q_len, -1)], -1), p + 1)
+        return normalize(starts, ends, kv_len)
+
+
+class BlockSparse(Mask):
+    """Attend by blocks: query ``i`` sees key ``j`` when ``layout[i // block, j // block]``
+    (rows/keys past the layout use its last block row/column). Intervals: one per run of
+    attended blocks in the row's layout row, ``K <= key blocks / 2 + 1``."""
+
+    def __init__(self, layout: Tensor, block: int):
+        self.layout, self.block = layout, block
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        rows, cols = self.layout.shape
+        return self.layout[(q_idx // self.block).clamp(max=rows - 1), (kv_idx // self.block).clamp(max=cols - 1)]
+
+    def intervals(self, batch, q_len, kv_len):
+        layout = self.layout.detach().cpu()
+        rows, cols = layout.shape
+        starts = torch.arange(cols) * self.block
+        ends = starts + self.block
+        ends[-1] = max(int(ends[-1]), kv_len)  # the last key block reaches every key past the layout
+        row = (torch.arange(q_len) // self.block).clamp(max=rows - 1)
+        on = layout[row][None]  # [1, Lq, cols]
+        return normalize(torch.where(on, starts, kv_len), torch.where(on, ends, kv_len), kv_len)
+
+
+def global_tokens_mod(window: int | tuple[int, int], global_idx, offset: int = 0) -> GlobalTokens:
+    """Longformer: a sliding window (``window`` keys on each side, or ``(left, right)``) plus global
+    positions that see every key and are seen by every query (query ``i`` sits at ``i + offset``).
+    A row sees about ``2 * window + 1 + len(global_idx)`` keys, as up to ``len(global_idx) + 1``
+    intervals; a global row sees all keys."""
+    left, right = window if isinstance(window, tuple) else (window, window)
+    _check_window_side("window", left)
+    _check_window_side("window", right)
+    if left is None or right is None:
+        raise ValueError(f"window must be an int >= 0 or a pair of them, got {window!r}")
+    return GlobalTokens(left, right, _positions_tensor("global_idx", global_idx), offset)
+
+
+def global_tokens(n: int, window: int | tuple[int, int], global_idx, *, device=None) -> Tensor:
     """``[n, n]`` :func:`global_tokens_mod`. ``global_tokens(12, 1, [0, 7])``::
 
         >>> print(picture(global_tokens(12, 1, [0, 7])))
@@ -417,20 +734,15 @@ def global_tokens(n: int, window: int, global_idx, *, device=None) -> Tensor:
     return global_tokens_mod(window, global_idx)(None, None, q, kv)
 
 
-def dilated_window_mod(window: int, dilation: int, offset: int = 0, *, causal: bool = False) -> MaskMod:
-    """Longformer's dilated sliding window: query at position ``p = i + offset`` sees keys
-    ``p - d * w ... p + d * w`` in steps of ``d = dilation`` (``w = window``; ``causal`` keeps the
-    left side only): ``2 * window + 1`` keys as as many one-key intervals when ``dilation > 1``."""
+def dilated_window_mod(window: int, dilation: int, offset: int = 0, *, causal: bool = False) -> DilatedWindow:
+    """Longformer's dilated sliding window: query at position ``p = i + offset`` sees keys ``p - d *
+    k`` for ``k`` in ``[-window, window]`` (``d = dilation``; ``causal=True`` keeps ``k >= 0``, the
+    keys up to ``p``): ``2 * window + 1`` keys as as many one-key intervals when ``dilation > 1``."""
     _check_window_side("window", window)
-    if not isinstance(dilation, int) or isinstance(dilation, bool) or dilation < 1:
-        raise ValueError(f"dilation must be a positive int, got {dilation!r}")
-
-    def mod(b, h, q_idx, kv_idx):
-        d = q_idx + offset - kv_idx
-        ok = (d.abs() <= window * dilation) & (d % dilation == 0)
-        return ok & (d >= 0) if causal else ok
-
-    return mod
+    if window is None:
+        raise ValueError("window must be a non-negative int, got None")
+    _check_positive("dilation", dilation)
+    return DilatedWindow(window, dilation, offset, bool(causal))
 
 
 def dilated_window(n: int, window: int, dilation: int, *, causal: bool = False, device=None) -> Tensor:
@@ -454,21 +766,16 @@ def dilated_window(n: int, window: int, dilation: int, *, causal: bool = False, 
     return dilated_window_mod(window, dilation, causal=causal)(None, None, q, kv)
 
 
-def strided_mod(stride: int, offset: int = 0) -> MaskMod:
-    """Sparse Transformer's strided pattern (Child et al. 2019), causal: query at position ``p``
-    sees the previous ``stride`` keys (``p - stride < j <= p``) and every key ``stride``, ``2 *
-    stride``, ... back (``(p - j) % stride == 0``): about ``p / stride + 1`` intervals per row."""
-    if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
-        raise ValueError(f"stride must be a positive int, got {stride!r}")
-
-    def mod(b, h, q_idx, kv_idx):
-        d = q_idx + offset - kv_idx
-        return (d >= 0) & ((d < stride) | (d % stride == 0))
-
-    return mod
+def strided_mod(stride: int, offset: int = 0, *, causal: bool = True) -> Strided:
+    """Sparse Transformer's strided pattern (Child et al. 2019), causal by default: query at position
+    ``p`` sees the previous ``stride`` keys (``p - stride < j <= p``) and every key ``stride``, ``2 *
+    stride``, ... back (``(p - j) % stride == 0``): about ``p / stride + 1`` intervals per row.
+    ``causal=False``: the same both ways (``|p - j| < stride`` or ``(p - j) % stride == 0``)."""
+    _check_positive("stride", stride)
+    return Strided(stride, offset, bool(causal))
 
 
-def strided(n: int, stride: int, *, device=None) -> Tensor:
+def strided(n: int, stride: int, *, causal: bool = True, device=None) -> Tensor:
     """``[n, n]`` :func:`strided_mod`. ``strided(12, 3)``::
 
         >>> print(picture(strided(12, 3)))
@@ -486,21 +793,49 @@ def strided(n: int, stride: int, *, device=None) -> Tensor:
         ..#..#..####
     """
     q, kv = _grid(n, n, device)
-    return strided_mod(stride)(None, None, q, kv)
+    return strided_mod(stride, causal=causal)(None, None, q, kv)
 
 
-def block_sparse_mod(layout: Tensor, block: int) -> MaskMod:
+def fixed_mod(stride: int, summary: int = 1, offset: int = 0) -> Fixed:
+    """Sparse Transformer's "fixed" pattern (Child et al. 2019), causal: blocks of ``stride``
+    positions; a query sees its own block up to itself and the last ``summary`` positions of every
+    earlier block (``1 <= summary <= stride``); about ``Lk / stride + 1`` intervals per row."""
+    _check_positive("stride", stride)
+    _check_positive("summary", summary)
+    if summary > stride:
+        raise ValueError(f"summary must be <= stride ({stride}), got {summary!r}")
+    return Fixed(stride, summary, offset)
+
+
+def fixed(n: int, stride: int, summary: int = 1, *, device=None) -> Tensor:
+    """``[n, n]`` :func:`fixed_mod`. ``fixed(12, 4, summary=1)``::
+
+        >>> print(picture(fixed(12, 4, summary=1)))
+        #...........
+        ##..........
+        ###.........
+        ####........
+        ...##.......
+        ...###......
+        ...####.....
+        ...#####....
+        ...#...##...
+        ...#...###..
+        ...#...####.
+        ...#...#####
+    """
+    q, kv = _grid(n, n, device)
+    return fixed_mod(stride, summary)(None, None, q, kv)
+
+
+def block_sparse_mod(layout: Tensor, block: int) -> BlockSparse:
     """Attend by blocks: query ``i`` may see key ``j`` when ``layout[i // block, j // block]``
     (``layout``: bool ``[query blocks, key blocks]``, e.g. :func:`bigbird_layout`)."""
-    if not isinstance(layout, Tensor) or layout.dtype != torch.bool or layout.dim() != 2:
-        raise ValueError(f"layout must be a 2-D bool tensor [query blocks, key blocks], got {describe(layout)}")
-    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
-
-    def mod(b, h, q_idx, kv_idx):
-        return layout[(q_idx // block).clamp(max=layout.shape[0] - 1), (kv_idx // block).clamp(max=layout.shape[1] - 1)]
-
-    return mod
+    if not isinstance(layout, Tensor) or layout.dtype != torch.bool or layout.dim() != 2 or 0 in layout.shape:
+        raise ValueError(f"layout must be a 2-D bool tensor [query blocks, key blocks], non-empty, "
+                         f"got {describe(layout)}")
+    _check_positive("block", block)
+    return BlockSparse(layout, block)
 
 
 def block_sparse(layout: Tensor, block: int, *, device=None) -> Tensor:
@@ -571,6 +906,11 @@ def _membership(idx: Tensor) -> Tensor:
     out = torch.zeros(int(idx.max()) + 2 if idx.numel() else 1, dtype=torch.bool)
     out[idx] = True
     return out
+
+
+def _check_positive(name: str, n) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{name} must be a positive int, got {n!r}")
 
 
 def _check_len(name: str, n) -> None:
