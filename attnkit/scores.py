@@ -7,8 +7,10 @@ gradients into what a score_mod captures. Positions: query ``i`` sits at ``i + o
 A score_mod that adds a bias depending only on the head and ``kv_idx - q_idx`` (ALiBi, relative
 position tables, T5 buckets; the library's helpers or a user's own) runs on the banded kernel as a
 table ``[1 or H, q_len + kv_len - 1]`` (column ``kv_idx - q_idx + q_len - 1``), which
-:func:`diagonal_bias` finds: the helpers here say theirs (``attnkit_diagonal``), and any other
-score_mod is probed (see there for what is recognised and how it is checked).
+:func:`diagonal_bias` finds: the helpers here are typed (:class:`DiagonalBias`, whose
+:meth:`DiagonalBias.diagonal` is the table), and any other score_mod is probed (see there for what is
+recognised and how it is checked). :func:`softcap` is typed too (:class:`SoftCap`), and
+:func:`parts` reads a composed "bias, then cap" as ``(bias, cap)`` for kernels that do both.
 
 One dtype rule, on every backend: scores are computed in the inputs' compute dtype (float32 for
 half types), and a score_mod's captured tensors are used in that dtype. The helpers here cast
@@ -30,7 +32,7 @@ from torch import Tensor
 from .request import ScoreMod
 
 __all__ = ["alibi_slopes", "alibi", "relative_position_bias", "softcap", "compose", "like_score", "apply",
-           "diagonal_bias"]
+           "diagonal_bias", "parts", "DiagonalBias", "SoftCap", "Composed"]
 
 #: Sampled tiles (``PROBE_TILE`` x ``PROBE_TILE`` cells, every head) on which a probed diagonal bias is
 #: checked against the score_mod itself, besides the grid's four corners.
@@ -66,28 +68,103 @@ def alibi_slopes(num_heads: int, *, device=None, dtype=torch.float32) -> Tensor:
     return torch.tensor(slopes, device=device, dtype=dtype)
 
 
-def alibi(slopes: Tensor, *, offset: int = 0) -> ScoreMod:
+class DiagonalBias:
+    """A score_mod that adds a bias depending only on the head and the diagonal ``kv_idx - q_idx``
+    (ALiBi, relative position tables): ``score + bias[h, kv_idx - q_idx + Lq - 1]``.
+
+    It is a sum of terms, each a pair of functions: ``bias(dtype, b, h, q_idx, kv_idx)``, the term on
+    broadcasting index tensors in the scores' dtype (what the mod adds, cell by cell), and
+    ``table(heads, q_len, kv_len, dtype)``, the same term as ``[1 or H, Lq + Lk - 1]`` or None when it
+    has no table for those sizes. :meth:`diagonal` is what the banded kernel adds instead of calling
+    the mod; :func:`compose` of diagonal biases is one (the terms side by side).
+    """
+
+    def __init__(self, *terms: tuple):
+        self.terms = terms
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        for bias, _ in self.terms:
+            score = score + like_score(bias(score.dtype, b, h, q_idx, kv_idx), score.dtype)
+        return score
+
+    def diagonal(self, heads: int, q_len: int, kv_len: int, dtype=None) -> Tensor | None:
+        """The bias as ``[1 or heads, q_len + kv_len - 1]`` (column ``kv_idx - q_idx + q_len - 1``) in
+        ``dtype`` (default: the captured tensors' own), differentiable in what it captures; None
+        when a term has no table for these sizes."""
+        tables = [table(heads, q_len, kv_len, dtype) for _, table in self.terms]
+        if not tables or any(t is None for t in tables):
+            return None
+        return sum(tables[1:], tables[0])
+
+    def attnkit_diagonal(self, heads: int, q_len: int, kv_len: int, dtype=None) -> Tensor | None:
+        """The old name of :meth:`diagonal`, kept until every reader uses the typed form."""
+        return self.diagonal(heads, q_len, kv_len, dtype=dtype)
+
+    def parts(self) -> tuple[DiagonalBias | None, float | None]:
+        """``(self, None)``: a bias and no cap (see :func:`parts`)."""
+        return self, None
+
+
+class SoftCap:
+    """Tanh soft-capping, ``cap * tanh(score / cap)``, with its ``cap`` readable (so a kernel can cap
+    the scores itself instead of calling the mod)."""
+
+    def __init__(self, cap: float):
+        self.cap = cap
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.cap * torch.tanh(score / self.cap)
+
+    def parts(self) -> tuple[DiagonalBias | None, float | None]:
+        """``(None, cap)``: no bias, then the cap (see :func:`parts`)."""
+        return None, self.cap
+
+    def __repr__(self) -> str:
+        return f"SoftCap({self.cap!r})"
+
+
+class Composed:
+    """Score_mods applied left to right (what :func:`compose` returns unless every part is a diagonal
+    bias)."""
+
+    def __init__(self, *mods: ScoreMod):
+        self.mods = mods
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        for m in self.mods:
+            score = apply(m, score, b, h, q_idx, kv_idx)
+        return score
+
+    def parts(self) -> tuple[DiagonalBias | None, float | None] | None:
+        """``(bias, cap)`` when the parts are diagonal biases followed by at most one soft cap (bias
+        or cap None where absent), else None (see :func:`parts`)."""
+        mods = list(self.mods)
+        cap = mods.pop().cap if mods and isinstance(mods[-1], SoftCap) else None
+        if not all(isinstance(m, DiagonalBias) for m in mods):
+            return None
+        return (compose(*mods) if mods else None), cap
+
+
+def alibi(slopes: Tensor, *, offset: int = 0) -> DiagonalBias:
     """ALiBi: ``score - slopes[h] * |q_pos - kv_pos|``.
 
     With a causal mask this is the paper's ``-m * (i - j)``; without one it is the symmetric
     variant used for encoders.
     """
 
-    def mod(score, b, h, q_idx, kv_idx):
-        dist = (q_idx + offset - kv_idx).abs()
-        return score - like_score(slopes, score.dtype)[h] * dist
+    def bias(dtype, b, h, q_idx, kv_idx):
+        return -like_score(slopes, dtype)[h] * (q_idx + offset - kv_idx).abs()
 
-    def diagonal(heads, q_len, kv_len, dtype=None):  # the mod reads slopes[h]: the first `heads` slopes
+    def table(heads, q_len, kv_len, dtype=None):  # the mod reads slopes[h]: the first `heads` slopes
         if slopes.dim() != 1 or slopes.numel() < heads:
             return None
         own = like_score(slopes[:heads, None], dtype or slopes.dtype)
         return -own * (offset - _diagonals(q_len, kv_len, slopes.device)).abs()
 
-    mod.attnkit_diagonal = diagonal
-    return mod
+    return DiagonalBias((bias, table))
 
 
-def relative_position_bias(table: Tensor, max_distance: int, *, offset: int = 0) -> ScoreMod:
+def relative_position_bias(table: Tensor, max_distance: int, *, offset: int = 0) -> DiagonalBias:
     """A learned bias per head and clipped relative distance (Shaw et al. 2018, as a bias).
 
     Args:
@@ -99,44 +176,42 @@ def relative_position_bias(table: Tensor, max_distance: int, *, offset: int = 0)
         raise ValueError(f"table must be [H, 2 * max_distance + 1] = [H, {2 * max_distance + 1}], "
                          f"got {tuple(table.shape)}")
 
-    def mod(score, b, h, q_idx, kv_idx):
+    def bias(dtype, b, h, q_idx, kv_idx):
         d = (kv_idx - (q_idx + offset)).clamp(-max_distance, max_distance) + max_distance
-        return score + like_score(table, score.dtype)[h, d]
+        return like_score(table, dtype)[h, d]
 
     def diagonal(heads, q_len, kv_len, dtype=None):
         d = (_diagonals(q_len, kv_len, table.device) - offset).clamp(-max_distance, max_distance) + max_distance
         return like_score(table[:heads, d[0]], dtype or table.dtype) if table.shape[0] >= heads else None
 
-    mod.attnkit_diagonal = diagonal
-    return mod
+    return DiagonalBias((bias, diagonal))
 
 
-def softcap(cap: float) -> ScoreMod:
+def softcap(cap: float) -> SoftCap:
     """Tanh soft-capping, ``cap * tanh(score / cap)`` (Gemma 2, Grok): bounds every logit."""
-    if not cap > 0:
-        raise ValueError(f"cap must be > 0, got {cap!r}")
-
-    def mod(score, b, h, q_idx, kv_idx):
-        return cap * torch.tanh(score / cap)
-
-    return mod
+    if isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap!r}; expected a positive number")
+    return SoftCap(cap)
 
 
 def compose(*mods: ScoreMod) -> ScoreMod:
-    """Apply score_mods left to right."""
+    """Apply score_mods left to right. Diagonal biases compose to a :class:`DiagonalBias` (their
+    terms added); anything else gives a :class:`Composed`, whose :meth:`Composed.parts` still
+    recognises "diagonal biases, then one soft cap" as ``(bias, cap)``."""
+    flat = [m for mod in mods for m in (mod.mods if isinstance(mod, Composed) else (mod,))]
+    if flat and all(isinstance(m, DiagonalBias) for m in flat):
+        return DiagonalBias(*(t for m in flat for t in m.terms))
+    return Composed(*flat)
 
-    def mod(score, b, h, q_idx, kv_idx):
-        for m in mods:
-            score = apply(m, score, b, h, q_idx, kv_idx)
-        return score
 
-    def diagonal(heads, q_len, kv_len, dtype=None):  # additive parts add up (in `dtype`, not each part's own)
-        parts = [getattr(m, "attnkit_diagonal", lambda *_, **__: None)(heads, q_len, kv_len, dtype=dtype)
-                 for m in mods]
-        return None if not parts or any(p is None for p in parts) else sum(parts[1:], parts[0])
-
-    mod.attnkit_diagonal = diagonal
-    return mod
+def parts(score_mod: ScoreMod | None) -> tuple[DiagonalBias | None, float | None] | None:
+    """``score_mod`` as ``(bias, cap)``: an additive diagonal bias (or None) followed by tanh soft
+    capping at ``cap`` (or None), the two things a kernel can do without calling the mod; None
+    when the mod is anything else (a plain function, a cap before a bias, two caps). ``None``
+    itself is ``(None, None)``."""
+    if score_mod is None:
+        return None, None
+    return score_mod.parts() if isinstance(score_mod, DiagonalBias | SoftCap | Composed) else None
 
 
 def diagonal_bias(score_mod: ScoreMod, *, batch: int, heads: int, q_len: int, kv_len: int, dtype: torch.dtype,
@@ -144,7 +219,8 @@ def diagonal_bias(score_mod: ScoreMod, *, batch: int, heads: int, q_len: int, kv
     """``score_mod`` as an additive bias per head and diagonal, ``[1 or H, Lq + Lk - 1]`` in ``dtype``
     (column ``kv_idx - q_idx + Lq - 1``; differentiable in what the mod captures), or None.
 
-    The helpers of this module say theirs. Any other score_mod is probed: the bias is read from
+    A :class:`DiagonalBias` (the helpers of this module, and :func:`compose` of them) says its own;
+    a soft cap, alone or after a bias, is none. Any other score_mod is probed: the bias is read from
     ``score_mod(0, ...)`` on the grid's first row and first column (together they cover every
     diagonal), then checked against the score_mod itself, on every head and a few batch elements, at
     the grid's corners and on :data:`PROBE_TILES` tiles drawn with a fixed seed, with a random score
@@ -156,9 +232,11 @@ def diagonal_bias(score_mod: ScoreMod, *, batch: int, heads: int, q_len: int, kv
     is diagonal everywhere except on a few cells no sample covers; write such an exception as a
     mask, or force ``backend="tiles"``.
     """
-    diagonal = getattr(score_mod, "attnkit_diagonal", None)
-    if diagonal is not None:
-        table = diagonal(heads, q_len, kv_len, dtype=dtype)
+    if isinstance(score_mod, DiagonalBias):
+        table = score_mod.diagonal(heads, q_len, kv_len, dtype=dtype)
+    elif isinstance(score_mod, SoftCap) or (isinstance(score_mod, Composed) and parts(score_mod) is not None
+                                            and parts(score_mod)[1] is not None):
+        return None  # a capped score is not the score plus a bias
     else:
         table = _probe(score_mod, batch, heads, q_len, kv_len, dtype, device)
     width = q_len + kv_len - 1
