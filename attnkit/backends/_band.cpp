@@ -90,6 +90,15 @@ inline at::vec::Vectorized<T> vexp(at::vec::Vectorized<T> x) {
   }
 }
 
+// t -> cap * tanh(t / cap) over t[0:n). Kept out of line, like capped_probabilities, so that the
+// uncapped loops around the calls compile as they would without capping.
+template <typename T>
+__attribute__((noinline)) void cap_row(T* t, Index n, T cap) {
+  using Vec = at::vec::Vectorized<T>;
+  const Vec vc(cap), inv(T(1) / cap);
+  at::vec::map([=](Vec x) { return vc * (x * inv).tanh(); }, t, t, n);
+}
+
 // Raw scores s[0:n) -> s * scale (+ bias[j], one fused multiply-add), then cap * tanh(t / cap)
 // when cap > 0: the one place a score is rounded, shared by the forward and both backward passes
 // so that they see the same numbers.
@@ -102,10 +111,7 @@ void score_row(T* s, Index n, T scale, const T* bias, T cap) {
   } else {
     at::vec::map([=](Vec x) { return x * vs; }, s, s, n);
   }
-  if (cap > T(0)) {
-    const Vec vc(cap), inv(T(1) / cap);
-    at::vec::map([=](Vec x) { return vc * (x * inv).tanh(); }, s, s, n);
-  }
+  if (cap > T(0)) cap_row<T>(s, n, cap);
 }
 
 struct Shape {
@@ -155,15 +161,19 @@ struct Rows {
 
 // The keys rows [i0, i0 + rows) see, as few segments: the union of their intervals, with gaps
 // shorter than `gap` closed (a window that moves by one key per row stays one segment, exactly
-// [first row's start, last row's end) as in a one-interval band).
-std::vector<std::pair<Index, Index>> segments(const Rows& R, Index b, Index i0, Index rows, Index gap) {
-  std::vector<std::pair<Index, Index>> iv;
+// [first row's start, last row's end) as in a one-interval band). iv and out: the caller's
+// buffers, reused from block to block (no allocation per block; no sort when rows come in order).
+const std::vector<std::pair<Index, Index>>& segments(const Rows& R, Index b, Index i0, Index rows, Index gap,
+                                                     std::vector<std::pair<Index, Index>>& iv,
+                                                     std::vector<std::pair<Index, Index>>& out) {
+  iv.clear();
+  out.clear();
   for (Index r = 0; r < rows; ++r) {
     const Index o = R.at(b, i0 + r);
     for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) iv.emplace_back(R.s[o + k], R.e[o + k]);
   }
-  std::sort(iv.begin(), iv.end());
-  std::vector<std::pair<Index, Index>> out;
+  const auto by_start = [](const auto& x, const auto& y) { return x.first < y.first; };
+  if (!std::is_sorted(iv.begin(), iv.end(), by_start)) std::sort(iv.begin(), iv.end(), by_start);
   for (const auto& x : iv) {
     if (!out.empty() && x.first <= out.back().second + gap) {
       out.back().second = std::max(out.back().second, x.second);
@@ -259,6 +269,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     T* const acc = scratch<T>(acc_buf, q_rows * d.Ev);
     std::vector<T> m(q_rows), l(q_rows);
     std::vector<Index> rg(2 * K);
+    std::vector<std::pair<Index, Index>> iv, segs;
     for (Index it = begin; it < end; ++it) {
       const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
       const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
@@ -269,7 +280,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       std::fill(l.begin(), l.end(), T(0));
       const T* qp = row_ptr<T>(q, b, h, i0);
       bool first = true;
-      for (const auto& seg : segments(R, b, i0, rows, q_rows)) {
+      for (const auto& seg : segments(R, b, i0, rows, q_rows, iv, segs)) {
         for (Index c0 = seg.first; c0 < seg.second; c0 += kv_chunk) {
           const Index kc = std::min(kv_chunk, seg.second - c0);
           gemm<T>(false, true, rows, kc, d.E, T(1), qp, q.stride(2), row_ptr<T>(k, b, h / G, c0), k.stride(2), T(0),
@@ -303,6 +314,20 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   });
 }
 
+// p = exp((t - m) - log l) and dp -> p * (dp - delta) * (1 - (t / cap)^2) over [0, n) of capped
+// scores t in p, in one pass (p overwrites the t that dS needs).
+template <typename T>
+__attribute__((noinline)) void capped_probabilities(T* p, T* dp, Index n, T cap, T m, T ll, T dl) {
+  using Vec = at::vec::Vectorized<T>;
+  const Vec mm(m), l(ll), dd(dl), inv(T(1) / cap), one(T(1));
+  for (Index j = 0; j < n; j += Vec::size()) {
+    const int w = static_cast<int>(std::min<Index>(Vec::size(), n - j));
+    const Vec t = Vec::loadu(p + j, w), u = t * inv, pp = vexp<T>((t - mm) - l);
+    pp.store(p + j, w);
+    (pp * (Vec::loadu(dp + j, w) - dd) * (one - u * u)).store(dp + j, w);
+  }
+}
+
 // Probabilities and dS of one row of raw scores over its visible ranges, in place: p = exp((t - m)
 // - log l) with t = score_row(s), dp -> p * (dp - delta), times 1 - (t / cap)^2 (the tanh's
 // derivative) when capped; zeros elsewhere. m, ll, delta: the row's.
@@ -317,17 +342,11 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
     std::fill(dp + at, dp + a, T(0));
     at = e;
     score_row<T>(p + a, e - a, scale, bias != nullptr ? bias + a : nullptr, cap);
-    const Vec mm(m), l(ll), dd(dl);
-    if (cap > T(0)) {  // dS needs t, which p overwrites: both in one pass
-      const Vec inv(T(1) / cap), one(T(1));
-      for (Index j = a; j < e; j += Vec::size()) {
-        const int w = static_cast<int>(std::min<Index>(Vec::size(), e - j));
-        const Vec t = Vec::loadu(p + j, w), u = t * inv, pp = vexp<T>((t - mm) - l);
-        pp.store(p + j, w);
-        (pp * (Vec::loadu(dp + j, w) - dd) * (one - u * u)).store(dp + j, w);
-      }
+    if (cap > T(0)) {
+      capped_probabilities<T>(p + a, dp + a, e - a, cap, m, ll, dl);
       continue;
     }
+    const Vec mm(m), l(ll), dd(dl);
     at::vec::map([=](Vec x) { return vexp<T>((x - mm) - l); }, p + a, p + a, e - a);
     at::vec::map2([=](Vec pp, Vec d) { return pp * (d - dd); }, dp + a, p + a, dp + a, e - a);
   }
@@ -407,6 +426,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     T* const p = scratch<T>(p_buf, kv_rows * q_chunk);
     T* const ds = scratch<T>(ds_buf, kv_rows * q_chunk);
     std::vector<Index> rg(2 * R.K);
+    std::vector<std::pair<Index, Index>> iv, segs;
     for (Index it = begin; it < end; ++it) {
       const Index blk = interleaved(it % q_blocks, q_blocks), h = (it / q_blocks) % d.H, b = it / (q_blocks * d.H);
       const Index i0 = blk * kv_rows, rows = std::min(kv_rows, d.L - i0);
@@ -414,7 +434,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       const T* qp = row_ptr<T>(q, b, h, i0);
       const T* dop = row_ptr<T>(dout, b, h, i0);
       T* dqp = dq.data_ptr<T>() + row0 * d.E;
-      for (const auto& seg : segments(R, b, i0, rows, kv_rows)) {
+      for (const auto& seg : segments(R, b, i0, rows, kv_rows, iv, segs)) {
         for (Index c0 = seg.first; c0 < seg.second; c0 += q_chunk) {
           const Index kc = std::min(q_chunk, seg.second - c0);
           const T* kp = row_ptr<T>(k, b, h / G, c0);
