@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
@@ -119,3 +119,104 @@ def test_row_intervals_agree_with_their_predicates(lq, lk, offset, cut, left, ri
         from_rows = ((j >= plan.starts[..., None]) & (j < plan.ends[..., None])).any(-2)  # [1|B, Lq, Lk]
         dense = masks.materialize(mod, 2, 1, lq, lk)[:, 0]
         assert torch.equal(*torch.broadcast_tensors(from_rows, dense))
+
+
+# --------------------------------------------------------------------------------------------
+# Typed masks: intervals in the shared convention, and the interval algebra
+# --------------------------------------------------------------------------------------------
+
+
+def covered(starts: torch.Tensor, ends: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The bool grid ``[Bp, Lq, Lk]`` that intervals describe, cell by cell."""
+    j = torch.arange(kv_len)
+    return ((j >= starts[..., None]) & (j < ends[..., None])).any(-2)
+
+
+def assert_shared_form(starts: torch.Tensor, ends: torch.Tensor, q_len: int, kv_len: int) -> None:
+    """The convention every kernel reads: int64 ``[Bp, Lq, K]``, ``0 <= start <= end <= Lk``, non-empty
+    intervals sorted and disjoint (not even touching: merged), empties ``(Lk, Lk)`` after them."""
+    assert starts.dtype == ends.dtype == torch.int64 and starts.shape == ends.shape
+    assert starts.dim() == 3 and starts.shape[1] == q_len and starts.shape[2] >= 1
+    assert ((0 <= starts) & (starts <= ends) & (ends <= kv_len)).all()
+    full = starts < ends
+    assert ((starts == kv_len) & (ends == kv_len) | full).all()
+    assert (full[..., :-1] | ~full[..., 1:]).all()  # no non-empty one after an empty one
+    both = full[..., :-1] & full[..., 1:]
+    assert (ends[..., :-1][both] < starts[..., 1:][both]).all()
+
+
+def assert_exact(mod, batch: int, q_len: int, kv_len: int) -> None:
+    starts, ends = mod.intervals(batch, q_len, kv_len)
+    assert_shared_form(starts, ends, q_len, kv_len)
+    assert starts.shape[0] in (1, batch)
+    dense = masks.materialize(mod, batch, 1, q_len, kv_len)[:, 0]
+    assert torch.equal(*torch.broadcast_tensors(covered(starts, ends, kv_len), dense))
+
+
+def random_intervals(gen: torch.Generator, batch: int, q_len: int, kv_len: int, k: int):
+    """Unsorted, overlapping, empty and out-of-range intervals: what normalize must clean up."""
+    a = torch.randint(-3, kv_len + 4, (batch, q_len, k), generator=gen)
+    b = torch.randint(-3, kv_len + 4, (batch, q_len, k), generator=gen)
+    return a, b
+
+
+@settings(deadline=None, max_examples=60)
+@given(batch=st.sampled_from([1, 2]), lq=st.integers(0, 12), lk=st.integers(0, 15), k=st.integers(1, 5),
+       k2=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_interval_algebra_against_dense_grids(batch, lq, lk, k, k2, seed):
+    gen = torch.Generator().manual_seed(seed)
+    s1, e1 = random_intervals(gen, batch, lq, lk, k)
+    s2, e2 = random_intervals(gen, 1, lq, lk, k2)
+    a, b = masks.normalize(s1, e1, lk), masks.normalize(s2, e2, lk)
+    for (s, e), raw in ((a, (s1, e1)), (b, (s2, e2))):
+        assert_shared_form(s, e, lq, lk)
+        assert torch.equal(covered(s, e, lk), covered(raw[0].clamp(0, lk), raw[1].clamp(0, lk), lk))
+        assert s.shape[-1] == max(1, int((s < e).sum(-1).max()) if s.numel() else 1)  # compacted
+    both = masks.intersect_intervals(a, b, lk)
+    either = masks.union_intervals(a, b, lk)
+    for got in (both, either):
+        assert_shared_form(*got, lq, lk)
+        assert got[0].shape[0] == batch
+    assert torch.equal(covered(*both, lk), covered(*a, lk) & covered(*b, lk))
+    assert torch.equal(covered(*either, lk), covered(*a, lk) | covered(*b, lk))
+
+
+def test_normalize_merges_touching_and_overlapping_intervals():
+    starts = torch.tensor([[[5, 0, 3, 9, 7]]])
+    ends = torch.tensor([[[7, 3, 4, 9, 8]]])  # [0,3) [3,4) touch, [5,7) [7,8) touch, [9,9) empty
+    s, e = masks.normalize(starts, ends, 10)
+    assert s.tolist() == [[[0, 5]]] and e.tolist() == [[[4, 8]]]
+
+
+@settings(deadline=None, max_examples=60)
+@given(lq=st.integers(0, 20), lk=st.integers(0, 20), offset=st.integers(-8, 8), cut=st.integers(0, 25),
+       left=st.one_of(st.none(), st.integers(0, 6)), right=st.one_of(st.none(), st.integers(0, 6)),
+       seed=st.integers(0, 2**16))
+def test_typed_masks_give_their_intervals_exactly(lq, lk, offset, cut, left, right, seed):
+    gen = torch.Generator().manual_seed(seed)
+    docs_q, docs_k = torch.randint(0, 3, (lq,), generator=gen), torch.randint(0, 3, (lk,), generator=gen)
+    causal_, window_ = masks.causal_mod(offset), masks.window_mod(left, right, offset=offset)
+    prefix = masks.prefix_lm_mod(torch.tensor([cut, 2]), offset=offset)
+    pad = masks.padding_mod(torch.tensor([cut, lk]))
+    docs = masks.document_mod(docs_q, docs_k)  # documents in pieces: several runs per id
+    batched = masks.document_mod(torch.randint(0, 2, (2, lq), generator=gen),
+                                 torch.randint(0, 2, (2, lk), generator=gen))
+    for mod in (causal_, window_, masks.prefix_lm_mod(cut, offset=offset), prefix, pad, docs, batched,
+                masks.and_masks(docs, causal_), masks.and_masks(window_, pad, prefix),
+                masks.or_masks(causal_, masks.window_mod(0, 1, offset=offset)), masks.or_masks(docs, pad),
+                masks.or_masks(masks.and_masks(batched, window_), prefix)):
+        assert isinstance(mod, masks.Mask)
+        assert_exact(mod, 2, lq, lk)
+
+
+def test_a_plain_function_in_a_combination_has_no_intervals():
+    def mine(b, h, q_idx, kv_idx):
+        return kv_idx != q_idx
+
+    assert masks.and_masks(masks.causal_mod(), mine).intervals(1, 4, 4) is None
+    assert masks.or_masks(mine, masks.causal_mod()).intervals(1, 4, 4) is None
+    assert masks.Mask().intervals(1, 4, 4) is None
+    both = masks.and_masks(masks.causal_mod(), mine)  # still a predicate, whatever its intervals
+    assert torch.equal(masks.materialize(both, 1, 1, 4, 4)[0, 0], torch.ones(4, 4, dtype=torch.bool).tril(-1))
+    assert repr(masks.window_mod(2, 0)) == "Window(left=2, right=0, offset=0)"
+    assert masks.prefix_lm_mod(torch.tensor([3]), 0).intervals(2, 4, 4) is None  # one prefix, two batch elements
