@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
+from tests import oracle
+from tests.test_masks import assert_exact
 from tests.tolerances import close
 
 
@@ -102,3 +104,96 @@ def test_bad_arguments_name_what_came():
         masks.bigbird_layout(4, random_blocks=-2)
     with pytest.raises(ValueError, match="mask must be a 2-D tensor"):
         masks.picture(torch.ones(2, 2, 2))
+
+
+# --------------------------------------------------------------------------------------------
+# Typed forms: exact intervals for any sizes and offsets, the variants, end to end
+# --------------------------------------------------------------------------------------------
+
+
+def variant_rules(window, dilation, stride, summary, glob):
+    """The variants cell by cell in plain Python: an asymmetric Longformer window, the symmetric
+    strided pattern and the Sparse Transformer's fixed pattern."""
+    left, right = window, window + 1
+    return {
+        "global_tokens (left, right)": (masks.global_tokens_mod((left, right), glob),
+                                        lambda p, j: -left <= j - p <= right or j in glob or p in glob),
+        "strided both ways": (masks.strided_mod(stride, causal=False),
+                              lambda p, j: abs(p - j) < stride or (p - j) % stride == 0),
+        "fixed": (masks.fixed_mod(stride, summary=summary),
+                  lambda p, j: j <= p and (p // stride == j // stride or j % stride >= stride - summary)),
+    }
+
+
+@settings(deadline=None, max_examples=40)
+@given(n=st.integers(1, 20), window=st.integers(0, 3), dilation=st.integers(1, 4), stride=st.integers(1, 6),
+       summary=st.integers(1, 6), glob=st.lists(st.integers(0, 25), max_size=3))
+def test_the_variants_match_their_definitions(n, window, dilation, stride, summary, glob):
+    summary = min(summary, stride)
+    for name, (mod, rule) in variant_rules(window, dilation, stride, summary, glob).items():
+        want = torch.tensor([[rule(p, k) for k in range(n)] for p in range(n)], dtype=torch.bool).view(n, n)
+        assert torch.equal(masks.materialize(mod, 1, 1, n, n).expand(1, 1, n, n)[0, 0], want), name
+    assert torch.equal(masks.fixed(n, stride, summary), variant_rules(window, dilation, stride, summary, glob)
+                       ["fixed"][0](None, None, torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)))
+    assert torch.equal(masks.strided(n, stride, causal=False),
+                       masks.materialize(masks.strided_mod(stride, causal=False), 1, 1, n, n)[0, 0])
+    assert torch.equal(masks.global_tokens(n, (window, window + 1), glob),
+                       masks.materialize(masks.global_tokens_mod((window, window + 1), glob), 1, 1, n, n)[0, 0])
+
+
+@settings(deadline=None, max_examples=60)
+@given(lq=st.integers(0, 20), lk=st.integers(0, 24), offset=st.integers(-6, 10), window=st.integers(0, 4),
+       dilation=st.integers(1, 4), stride=st.integers(1, 6), summary=st.integers(1, 6),
+       glob=st.lists(st.integers(0, 30), max_size=3), block=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_intervals_are_the_predicates_cell_by_cell(lq, lk, offset, window, dilation, stride, summary, glob, block,
+                                                   seed):
+    """Every sparse pattern's own intervals (no evaluation of the predicate), in the shared form, at
+    any sizes and offsets (Lq != Lk, keys past a layout's edge), alone and combined."""
+    layout = torch.rand(max(1, -(-lq // block)), max(1, -(-lk // block) - 1),
+                        generator=torch.Generator().manual_seed(seed)) > 0.5
+    mods = [masks.global_tokens_mod(window, glob, offset), masks.global_tokens_mod((window, 1), glob, offset),
+            masks.dilated_window_mod(window, dilation, offset), masks.dilated_window_mod(window, dilation, offset,
+                                                                                         causal=True),
+            masks.strided_mod(stride, offset), masks.strided_mod(stride, offset, causal=False),
+            masks.fixed_mod(stride, min(summary, stride), offset), masks.block_sparse_mod(layout, block)]
+    mods += [masks.and_masks(mods[2], masks.causal_mod(offset)), masks.or_masks(mods[4], mods[7]),
+             masks.and_masks(masks.or_masks(mods[0], mods[6]), masks.padding_mod(torch.tensor([lk // 2, lk])))]
+    for mod in mods:
+        assert_exact(mod, 2, lq, lk)
+    strided_k = mods[4].intervals(1, lq, lk)[0].shape[-1]
+    assert strided_k <= lk // stride + 2  # K: about Lk / stride + 1, as its docstring says
+
+
+@pytest.mark.parametrize("name", ["fixed", "strided both ways", "global (left, right)", "dilated and causal",
+                                  "strided or blocks"])
+def test_attention_with_the_new_mods_matches_the_float64_reference(name):
+    g = torch.Generator().manual_seed(2)
+    lq, lk = 21, 26
+    q = torch.randn(2, 3, lq, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 3, lk, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    off = lk - lq
+    mod = {"fixed": masks.fixed_mod(4, summary=2, offset=off),
+           "strided both ways": masks.strided_mod(4, off, causal=False),
+           "global (left, right)": masks.global_tokens_mod((3, 1), [0, 9], offset=off),
+           "dilated and causal": masks.and_masks(masks.dilated_window_mod(3, 3, off), masks.causal_mod(off)),
+           "strided or blocks": masks.or_masks(masks.strided_mod(5, off),
+                                               masks.block_sparse_mod(torch.rand(6, 7, generator=g) > 0.5, 4))}[name]
+    allowed = masks.materialize(mod, 2, 3, lq, lk).expand(2, 3, lq, lk)
+    want, _ = oracle.attention(q, k, v, allowed=allowed)
+    close(attnkit.attention(q, k, v, mask_mod=mod), want)
+    close(attnkit.attention(q, k, v, mask_mod=mod, backend="reference"), want)
+
+
+def test_bad_arguments_of_the_variants_name_what_came():
+    with pytest.raises(ValueError, match="summary must be <= stride \\(4\\), got 5"):
+        masks.fixed_mod(4, summary=5)
+    with pytest.raises(ValueError, match="summary must be a positive int, got 0"):
+        masks.fixed_mod(4, summary=0)
+    with pytest.raises(ValueError, match="stride must be a positive int, got 2.0"):
+        masks.fixed_mod(2.0)
+    with pytest.raises(ValueError, match="window must be an int >= 0 or a pair of them, got \\(None, 2\\)"):
+        masks.global_tokens_mod((None, 2), [0])
+    with pytest.raises(ValueError, match="window window must be None or a non-negative int, got -1"):
+        masks.global_tokens_mod((-1, 2), [0])
+    with pytest.raises(ValueError, match="layout must be a 2-D bool tensor .* non-empty"):
+        masks.block_sparse_mod(torch.ones(0, 3, dtype=torch.bool), 2)
