@@ -89,7 +89,7 @@ def test_softcap_gradient_matches_closed_form():
 
 @given(lq=st.integers(1, 30), lk=st.integers(1, 30), offset=st.integers(-8, 8), dist=st.integers(0, 6))
 def test_diagonal_biases_agree_with_their_score_mods(lq, lk, offset, dist):
-    """``attnkit_diagonal`` (what the banded kernel adds) against the score_mod itself, cell by cell."""
+    """``diagonal`` (what the banded kernel adds) against the score_mod itself, cell by cell."""
     heads = 3
     slopes, table = scores.alibi_slopes(heads), torch.randn(heads, 2 * dist + 1)
     mods = [scores.alibi(slopes, offset=offset), scores.relative_position_bias(table, dist, offset=offset),
@@ -97,8 +97,10 @@ def test_diagonal_biases_agree_with_their_score_mods(lq, lk, offset, dist):
     h, i, j = torch.arange(heads).view(-1, 1, 1), torch.arange(lq).view(1, -1, 1), torch.arange(lk).view(1, 1, -1)
     for mod in mods:
         want = mod(torch.zeros(heads, lq, lk), 0, h, i, j)
-        diag = mod.attnkit_diagonal(heads, lq, lk)
+        assert isinstance(mod, scores.DiagonalBias)
+        diag = mod.diagonal(heads, lq, lk)
         close(diag[:, j[0] - i[0] + lq - 1], want)
+        assert torch.equal(mod.attnkit_diagonal(heads, lq, lk), diag)  # the old name, same table
 
 
 @pytest.mark.parametrize("own, score", [(torch.float32, torch.float64), (torch.float64, torch.float32)])
@@ -117,3 +119,41 @@ def test_captured_tensors_are_used_in_the_score_dtype(own, score):
     cols = torch.arange(6) - torch.arange(5).view(-1, 1) + 4  # column kv - q + Lq - 1
     close(diag[:, cols], out[0])
     assert scores.apply(lambda x, *_: x.double() * 2, s, *grid(4, 5, 6)).dtype == score  # any mod's result
+
+
+def test_bias_then_cap_is_recognised_and_anything_else_is_not():
+    slopes, table = scores.alibi_slopes(2, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
+    a, r, cap = scores.alibi(slopes), scores.relative_position_bias(table, 2), scores.softcap(3.0)
+
+    def by_hand(score, b, h, q_idx, kv_idx):  # a diagonal bias the library did not build
+        return score + 0.5 * (kv_idx - q_idx)
+
+    both = scores.compose(a, r)
+    assert isinstance(both, scores.DiagonalBias) and both.parts() == (both, None)
+    assert isinstance(scores.compose(both, a), scores.DiagonalBias)  # terms flatten
+    capped = scores.compose(a, r, cap)
+    bias, c = scores.parts(capped)
+    assert c == 3.0 and isinstance(bias, scores.DiagonalBias)
+    s, g = torch.randn(1, 2, 4, 6, dtype=torch.float64) * 5, grid(2, 4, 6)
+    close(capped(s, *g), 3.0 * torch.tanh(both(s, *g) / 3.0))
+    close(bias(s, *g), both(s, *g))
+    assert scores.parts(cap) == (None, 3.0) and cap.cap == 3.0
+    assert scores.parts(None) == (None, None)
+    for other in (by_hand, scores.compose(cap, a), scores.compose(a, cap, cap), scores.compose(a, by_hand)):
+        assert scores.parts(other) is None
+    sizes = dict(batch=1, heads=2, q_len=4, kv_len=6, dtype=torch.float64)
+    assert scores.diagonal_bias(capped, **sizes) is None and scores.diagonal_bias(cap, **sizes) is None
+    mixed = scores.diagonal_bias(scores.compose(a, by_hand), **sizes)  # probed: still a diagonal bias
+    cols = torch.arange(6) - torch.arange(4).view(-1, 1) + 3
+    close(mixed[:, cols], scores.compose(a, by_hand)(torch.zeros(1, 2, 4, 6, dtype=torch.float64), *g)[0])
+    with pytest.raises(ValueError, match="cap must be > 0, got True"):
+        scores.softcap(True)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_bias_then_cap_through_attention_matches_the_float64_oracle(backend):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mod = scores.compose(scores.alibi(scores.alibi_slopes(4, dtype=torch.float64)), scores.softcap(0.7))
+    want, _ = oracle.attention(q, k, v, score_mod=mod)
+    close(attnkit.attention(q, k, v, score_mod=mod, backend=backend), want)
