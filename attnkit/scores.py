@@ -96,6 +96,9 @@ class DiagonalBias:
             return None
         return sum(tables[1:], tables[0])
 
+    def __repr__(self) -> str:
+        return f"DiagonalBias({len(self.terms)} term(s))"
+
     def attnkit_diagonal(self, heads: int, q_len: int, kv_len: int, dtype=None) -> Tensor | None:
         """The old name of :meth:`diagonal`, kept until every reader uses the typed form."""
         return self.diagonal(heads, q_len, kv_len, dtype=dtype)
@@ -134,6 +137,9 @@ class Composed:
         for m in self.mods:
             score = apply(m, score, b, h, q_idx, kv_idx)
         return score
+
+    def __repr__(self) -> str:
+        return f"Composed{self.mods!r}"
 
     def parts(self) -> tuple[DiagonalBias | None, float | None] | None:
         """``(bias, cap)`` when the parts are diagonal biases followed by at most one soft cap (bias
