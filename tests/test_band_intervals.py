@@ -246,3 +246,19 @@ def test_bad_intervals_are_refused(starts, ends, words):
     q, k, v, _ = inputs(1, 1, 1, 4, 4, 4, 4, 0, torch.float64, 0)
     with pytest.raises((ValueError, RuntimeError), match=words):
         _band.run(q, k, v, starts, ends, None, 1.0)
+
+
+def test_intervals_out_of_order_do_not_crash():
+    """Sortedness and disjointness are the caller's (the plan's) to guarantee; the kernel checks only
+    bounds, and intervals out of order or overlapping must not make it read or write out of bounds."""
+    q, k, v, _ = inputs(1, 2, 1, 70, 90, 8, 8, 0, torch.float64, 0)
+    starts = torch.tensor([[[50, 0, 10], [0, 5, 90]] * 35])
+    ends = torch.tensor([[[90, 20, 60], [40, 30, 90]] * 35])
+    for det in (False, True):
+        torch.use_deterministic_algorithms(det)
+        try:
+            out = _band.run(q, k, v, starts, ends, None, 0.5, 1.0)
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert out.shape == (1, 2, 70, 8)

@@ -220,8 +220,9 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
   using Vec = at::vec::Vectorized<T>;
   Index at = 0;
   for (Index c = 0; c < count; ++c) {
-    std::fill(s + at, s + rg[2 * c], T(0));
-    at = rg[2 * c + 1];
+    // max(): intervals out of order or overlapping (the caller's error) give wrong sums, never a reversed range
+    std::fill(s + at, s + std::max(at, rg[2 * c]), T(0));
+    at = std::max(at, rg[2 * c + 1]);
   }
   std::fill(s + at, s + n, T(0));
   if (count == 0) return T(1);
@@ -338,9 +339,9 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
   Index at = 0;
   for (Index c = 0; c < count; ++c) {
     const Index a = rg[2 * c], e = rg[2 * c + 1];
-    std::fill(p + at, p + a, T(0));
-    std::fill(dp + at, dp + a, T(0));
-    at = e;
+    std::fill(p + at, p + std::max(at, a), T(0));  // max(): as in online_softmax_row
+    std::fill(dp + at, dp + std::max(at, a), T(0));
+    at = std::max(at, e);
     score_row<T>(p + a, e - a, scale, bias != nullptr ? bias + a : nullptr, cap);
     if (cap > T(0)) {
       capped_probabilities<T>(p + a, dp + a, e - a, cap, m, ll, dl);
