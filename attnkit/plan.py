@@ -165,8 +165,13 @@ def _dense_predicate(mask: Tensor):
 def _build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> MaskPlan:
     rows = row_bounds(q_len, kv_len, is_causal, window)
     if mask_mod is not None:
-        derived = _derive(mask_mod, batch, heads, q_len, kv_len, device)
-        rows = None if derived is None else _intersect(rows, derived, kv_len)
+        # A typed mask of attnkit.masks says its rows; any other predicate is evaluated once.
+        derived = mask_mod.intervals(batch, q_len, kv_len) if isinstance(mask_mod, _masks.Mask) else None
+        if derived is None:
+            derived = _derive(mask_mod, batch, heads, q_len, kv_len, device)
+        if derived is not None and derived[0].shape[-1] > MAX_INTERVALS:
+            derived = None
+        rows = None if derived is None else _masks.intersect_intervals(rows, derived, kv_len)
     parts = []
     if is_causal:
         parts.append(_masks.causal_mod(kv_len - q_len))
@@ -190,8 +195,7 @@ def row_bounds(q_len: int, kv_len: int, is_causal: bool = False, window=None) ->
         left, right = window
         lo = lo if left is None else torch.maximum(lo, pos - left)
         hi = hi if right is None else torch.minimum(hi, pos + right + 1)
-    lo, hi = lo.clamp(0, kv_len), hi.clamp(0, kv_len)
-    return _normalize(lo.view(1, -1, 1), hi.view(1, -1, 1), kv_len)
+    return _masks.normalize(lo.view(1, -1, 1), hi.view(1, -1, 1), kv_len)
 
 
 def _cache_key(mask_mod, dense: Tensor | None, *sizes) -> tuple | None:
@@ -213,30 +217,9 @@ def _everything(b, h, q_idx, kv_idx) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Interval arithmetic (the convention of attnkit.masks: [P, Lq, K], sorted, disjoint, empties last
-# as (Lk, Lk)) and what follows from intervals without looking at a cell.
+# Intervals from a predicate, and what follows from intervals without looking at a cell (the
+# interval algebra itself is attnkit.masks': normalize, intersect_intervals, union_intervals).
 # --------------------------------------------------------------------------------------------
-
-
-def _normalize(starts: Tensor, ends: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-    """Sort each row's intervals by start with the empty ones last as ``(Lk, Lk)``, and drop
-    the columns no row needs (at least one is kept)."""
-    empty = ends <= starts
-    starts = starts.masked_fill(empty, kv_len)
-    ends = ends.masked_fill(empty, kv_len)
-    order = starts.argsort(dim=-1, stable=True)
-    starts, ends = starts.gather(-1, order), ends.gather(-1, order)
-    k = max(1, int((~empty).sum(-1).max())) if starts.numel() else 1
-    return starts[..., :k].contiguous(), ends[..., :k].contiguous()
-
-
-def _intersect(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], kv_len: int) -> tuple[Tensor, Tensor]:
-    """Each row's intervals of ``a`` intersected with those of ``b`` (every pair; disjoint inputs
-    give disjoint pairs)."""
-    (sa, ea), (sb, eb) = a, b
-    starts = torch.maximum(sa.unsqueeze(-1), sb.unsqueeze(-2)).flatten(-2)
-    ends = torch.minimum(ea.unsqueeze(-1), eb.unsqueeze(-2)).flatten(-2)
-    return _normalize(starts, ends, kv_len)
 
 
 def _runs(rows: Tensor, buf: Tensor) -> tuple[Tensor, Tensor]:

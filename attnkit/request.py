@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from . import elementwise
 from . import masks as _masks
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -198,8 +199,14 @@ def build_request(
             if query.dim() != 4:
                 raise ValueError(f"{name} needs 4-D inputs [B, H, L, E], got query shape {tuple(query.shape)}")
     unchecked = None if is_plan(mask_mod) else mask_mod  # a plan's predicate was checked when it was built
-    if unchecked is not None or score_mod is not None:
-        _probe_mods(unchecked, score_mod, target, query)
+    if (unchecked is not None or score_mod is not None) and 0 not in target:
+        sample = _probe_indices(target, query.device)
+        if unchecked is not None:
+            unchecked = mask_mod = elementwise.evaluator(mask_mod, "mask_mod", sample)
+        if score_mod is not None:
+            grid = torch.broadcast_shapes(*(t.shape for t in sample))
+            score_mod = elementwise.evaluator(score_mod, "score_mod", (query.new_zeros(grid), *sample))
+        _probe_mods(unchecked, score_mod, sample, query)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
@@ -250,21 +257,25 @@ def _check_not_per_batch_3d(name: str, t: Tensor | None, ndim: int, heads: int) 
                      f"{name} per batch element, or {name}[None] ([1, H, Lq, Lk]) for one per head")
 
 
-def _probe_mods(mask_mod, score_mod, target: torch.Size, query: Tensor) -> None:
-    """Call each mod once on a few in-range indices and check what it returns.
+def _probe_indices(target: torch.Size, device) -> tuple[Tensor, ...]:
+    """A few in-range indices of each axis (first, middle, last; the keys also the second, so that
+    a wrong shape cannot pass for a square grid), broadcasting like the backends'
+    (``b [n,1,1,1]``, ``h [1,n,1,1]``, ``q_idx [1,1,n,1]``, ``kv_idx [1,1,1,n]``)."""
+    picks = [{0, n // 2, n - 1} | ({min(1, n - 1)} if i == 3 else set()) for i, n in enumerate(target)]
+    return tuple(torch.tensor(sorted(p), device=device).view([-1 if d == i else 1 for d in range(4)])
+                 for i, p in enumerate(picks))
+
+
+def _probe_mods(mask_mod, score_mod, sample: tuple[Tensor, ...], query: Tensor) -> None:
+    """Call each mod once on ``sample`` (:func:`_probe_indices`) and check what it returns.
 
     A wrong return would otherwise surface deep in a backend as an unrelated error (a float
     ``&``, ``None.to``), or not at all (a scalar score broadcast over the tile: uniform
-    attention). The indices broadcast like the backends' (``b [n,1,1,1]``, ``h [1,n,1,1]``,
-    ``q_idx [1,1,n,1]``, ``kv_idx [1,1,1,n]``) and stay in range, so mods that index captured
-    tensors with them (document ids, per-batch lengths) work. Under ``no_grad``: the probe is
-    not part of the computation and must not touch the autograd graph of captured parameters.
+    attention). The indices stay in range, so mods that index captured tensors with them
+    (document ids, per-batch lengths) work. Under ``no_grad``: the probe is not part of the
+    computation and must not touch the autograd graph of captured parameters.
     """
-    if 0 in target:
-        return  # no index is in range; nothing will call the mods either
-    dev = query.device
-    b, h, q, kv = (torch.arange(0, n, max(n - 1, 1), device=dev).view([-1 if d == i else 1 for d in range(4)])
-                   for i, n in enumerate(target))  # first and last of each axis
+    b, h, q, kv = sample
     grid = (b.shape[0], h.shape[1], q.shape[2], kv.shape[3])
     try:
         with torch.no_grad():

@@ -265,7 +265,7 @@ def _probe(score_mod, batch, heads, q_len, kv_len, dtype, device) -> Tensor | No
         return None
     row, col = (torch.broadcast_to(t, (heads,) + t.shape[1:]) for t in (row, col))
     table = torch.cat([col[:, 1:, 0].flip(-1), row[:, 0, :]], dim=-1)  # [H, Lq - 1 + Lk]
-    if table.requires_grad and not _adds_the_score(score_mod, heads, dtype, device):
+    if table.requires_grad and not _adds_the_score(score_mod, heads, q_len, kv_len, dtype, device):
         return None
     key = _verified_key(score_mod, table, batch, heads, q_len, kv_len, dtype, device)
     if key is None or key not in _verified:
@@ -295,16 +295,21 @@ def _verified_key(score_mod, table, *sizes) -> tuple | None:
     return (score_mod, tuple((id(t), t.data_ptr(), t._version) for t in found), table.detach().sum().item(), *sizes)
 
 
-def _adds_the_score(score_mod, heads, dtype, device) -> bool:
+def _adds_the_score(score_mod, heads, q_len, kv_len, dtype, device) -> bool:
     """Whether the mod's derivative in the score is a constant that nothing learned feeds: the
     gradients its captured tensors get through the table are then theirs (``score * w[h]`` with
     ``w`` all ones passes the value checks, but ``w``'s gradient depends on the score)."""
-    score = torch.randn(1, heads, 2, 2, dtype=dtype, device=device, requires_grad=True)
-    idx = torch.arange(2, device=device)
-    with torch.enable_grad():
-        out = score_mod(score, idx.new_zeros(()), torch.arange(heads, device=device).view(1, -1, 1, 1),
-                        idx.view(1, 1, -1, 1), idx.view(1, 1, 1, -1))
-        (slope,) = torch.autograd.grad(out.sum(), score, create_graph=True, allow_unused=True)
+    nq, nk = min(2, q_len), min(2, kv_len)
+    score = torch.randn(1, heads, nq, nk, dtype=dtype, device=device, requires_grad=True)
+    try:
+        with torch.enable_grad():
+            out = score_mod(score, torch.zeros((), dtype=torch.long, device=device),
+                            torch.arange(heads, device=device).view(1, -1, 1, 1),
+                            torch.arange(nq, device=device).view(1, 1, -1, 1),
+                            torch.arange(nk, device=device).view(1, 1, 1, -1))
+            (slope,) = torch.autograd.grad(out.sum(), score, create_graph=True, allow_unused=True)
+    except Exception:  # noqa: BLE001 - a mod that cannot be called this way is not read as a diagonal bias
+        return False
     return slope is not None and not slope.requires_grad
 
 

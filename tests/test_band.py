@@ -278,12 +278,14 @@ def test_alibi_and_relative_position_bias_with_gradients_into_their_parameters(c
 
 def test_score_mods_that_are_not_a_diagonal_bias_take_the_tile_plan():
     q, k, v = qkv(1, 4, 4, 20, 20)
-    for mod in (scores.softcap(5.0), scores.compose(scores.alibi(scores.alibi_slopes(4)), scores.softcap(5.0)),
+    for mod in (scores.compose(scores.softcap(5.0), scores.alibi(scores.alibi_slopes(4))),  # a cap before a bias
                 scores.alibi(scores.alibi_slopes(3)),  # three slopes for four heads
                 lambda s, b, h, i, j: s + (i * j)):  # a bias, not a function of j - i
         assert BAND.not_supported_reasons(build_request(q, k, v, window=(3, 3), score_mod=mod))
     diagonal = lambda s, b, h, i, j: s + (i == j)  # noqa: E731 - a bias on one diagonal, written by hand
-    assert not BAND.not_supported_reasons(build_request(q, k, v, window=(3, 3), score_mod=diagonal))
+    for served in (diagonal, scores.softcap(5.0), scores.compose(scores.alibi(scores.alibi_slopes(4)),
+                                                                 scores.softcap(5.0))):  # a bias, then a cap
+        assert not BAND.not_supported_reasons(build_request(q, k, v, window=(3, 3), score_mod=served))
 
 
 def test_gradcheck_with_a_learned_table():

@@ -331,7 +331,8 @@ def test_auto_selection_and_refusals():
     assert attnkit.which_backend(q, k, v) == "sdpa"
     assert attnkit.which_backend(q, k, v, window=(1, 1)) == "band"
     assert attnkit.which_backend(q, k, v, mask_mod=checkerboard) == "fused_tiles"  # depends on the head
-    assert attnkit.which_backend(q, k, v, score_mod=scores.softcap(2.0)) == "tiles"
+    assert attnkit.which_backend(q, k, v, score_mod=scores.softcap(2.0)) == "band"  # the kernel caps too
+    assert attnkit.which_backend(q, k, v, score_mod=lambda s, b, h, i, j: s * 2) == "tiles"
     assert attnkit.which_backend(q, k, v, window=(1, 1), backend="blockwise") == "band"  # a family: its first fit
     assert attnkit.which_backend(q, k, v, window=(1, 1), return_weights=True) == "reference"
     assert attnkit.which_backend(q, k, v, window=(1, 1), dropout_p=0.1) == "reference"
@@ -339,6 +340,8 @@ def test_auto_selection_and_refusals():
         attnkit.attention(q, k, v, window=(1, 1), return_weights=True, backend="blockwise")
     with pytest.raises(ValueError, match="backend 'fused_tiles' cannot serve this call: PyTorch's fused CPU kernel"):
         attnkit.attention(q, k, v, score_mod=scores.softcap(2.0), backend="fused_tiles")
+    with pytest.raises(ValueError, match="backend 'band' cannot serve this call: the score_mod is not an additive"):
+        attnkit.attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 2, backend="band")
     with pytest.raises(ValueError, match="q_tile must be a positive int or None, got 0"):
         TilesBackend(fused=False, q_tile=0)
     with pytest.raises(TypeError, match="fused must be True or False, got None"):

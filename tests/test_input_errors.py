@@ -125,8 +125,8 @@ def rows_only(b, h, q_idx, kv_idx):
     (float_causal, TypeError, r"mask_mod 'float_causal' returned a torch.float32 tensor; expected a bool tensor"),
     (int_causal, TypeError, r"mask_mod 'int_causal' returned a torch.int64 tensor; expected a bool tensor"),
     (lambda b, h, q, kv: None, TypeError, r"mask_mod '<lambda>' returned NoneType; expected a bool tensor"),
-    (rows_only, ValueError, r"mask_mod 'rows_only' returned shape \(2, 3\) for indices broadcasting to "
-                            r"\(2, 2, 2, 2\)"),
+    (rows_only, ValueError, r"mask_mod 'rows_only' returned shape \(3, 3\) for indices broadcasting to "
+                            r"\(2, 2, 3, 4\)"),
 ])
 def test_mask_mod_returning_the_wrong_thing(backend, mod, exc, pattern):
     q, k, v = _qkv()
@@ -143,9 +143,9 @@ def scalar_score(score, b, h, q_idx, kv_idx):
     (lambda s, b, h, q, kv: None, TypeError, r"score_mod '<lambda>' returned NoneType; expected a floating-point"),
     (lambda s, b, h, q, kv: 0.5, TypeError, r"score_mod '<lambda>' returned float; expected a floating-point tensor"),
     (lambda s, b, h, q, kv: s > 0, TypeError, r"returned a torch.bool tensor; expected a floating-point tensor"),
-    (scalar_score, ValueError, r"score_mod 'scalar_score' returned shape \(\) for scores of shape \(2, 2, 2, 2\); "
+    (scalar_score, ValueError, r"score_mod 'scalar_score' returned shape \(\) for scores of shape \(2, 2, 3, 4\); "
                                r"expected the score's shape"),
-    (lambda s, b, h, q, kv: s[..., :1], ValueError, r"returned shape \(2, 2, 2, 1\)"),
+    (lambda s, b, h, q, kv: s[..., :1], ValueError, r"returned shape \(2, 2, 3, 1\)"),
 ])
 def test_score_mod_returning_the_wrong_thing(backend, mod, exc, pattern):
     q, k, v = _qkv()

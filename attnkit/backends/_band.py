@@ -68,21 +68,6 @@ class Plan(NamedTuple):
     softcap: float = 0.0
 
 
-def diagonal_bias(req: Request) -> Tensor | None:
-    """The score_mod's bias ``[1 or H, Lq + Lk - 1]`` (column ``kv_idx - q_idx + Lq - 1``), with
-    autograd, when the score_mod is a bias per head and diagonal of :mod:`attnkit.scores`; else None."""
-    diagonal = getattr(req.score_mod, "attnkit_diagonal", None)
-    if diagonal is None:
-        return None
-    # In the scores' compute dtype (the attnkit.scores dtype rule), so float32 tables add up in float64 for float64
-    # inputs; _BandFn sends the gradient back in each captured tensor's own dtype.
-    bias = diagonal(req.heads, req.q_len, req.kv_len, dtype=compute_dtype(req.query.dtype))
-    width = req.q_len + req.kv_len - 1
-    if bias is None or bias.dim() != 2 or bias.shape[0] not in (1, req.heads) or bias.shape[1] != width:
-        return None
-    return bias
-
-
 def available() -> bool:
     """Whether the kernel is built (building it now if needed) and passed its self-check."""
     return _checked() is not None

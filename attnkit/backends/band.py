@@ -1,11 +1,12 @@
 """The ``"band"`` backend: the banded C++ kernel (:mod:`._band`) for masks whose rows are intervals.
 
 It serves a call when the request's mask plan (:mod:`attnkit.plan`) gives each query row its keys
-as intervals the kernel takes (causal, window, prefix-LM, padding, packed documents, or any
-predicate or dense bool mask whose plan finds that form), there is no dense ``bias``, the ``score_mod``, if
-any, is an additive bias per head and diagonal (``attnkit.scores``' ALiBi and relative-position
-tables), on CPU in float32/float64 (half types computed in float32), once the kernel is built and
-has passed its self-check.
+as intervals (causal, window, prefix-LM, padding, packed documents, the sparse patterns, or any
+predicate or dense bool mask whose plan finds that form), there is no dense ``bias``, the
+``score_mod``, if any, is an additive bias per head and diagonal (ALiBi, relative-position tables;
+``attnkit.scores``' or a user's own, see :func:`attnkit.scores.diagonal_bias`) and/or tanh
+soft-capping, on CPU in float32/float64 (half types computed in float32), once the kernel is built
+and has passed its self-check.
 """
 
 from __future__ import annotations
@@ -56,23 +57,30 @@ def _kernel_plan(req: Request) -> tuple[_band.Plan | None, str | None]:
 
 
 def _work_out(req: Request) -> tuple[_band.Plan | None, str | None]:
-    bias = None
+    bias, cap = None, 0.0
     if req.score_mod is not None:
         # In the scores' compute dtype (the attnkit.scores dtype rule), so float32 tables add up in float64 for
         # float64 inputs; the kernel sends the gradient back in each captured tensor's own dtype.
-        bias = scores.diagonal_bias(req.score_mod, batch=math.prod(req.batch_shape), heads=req.heads,
-                                    q_len=req.q_len, kv_len=req.kv_len, dtype=compute_dtype(req.query.dtype),
-                                    device=req.query.device)
-        if bias is None:
+        dtype = compute_dtype(req.query.dtype)
+        typed = scores.parts(req.score_mod)  # attnkit.scores' own forms: a diagonal bias, then a soft cap
+        if typed is not None:
+            bias_mod, cap = typed[0], typed[1] or 0.0
+            bias = None if bias_mod is None else bias_mod.diagonal(req.heads, req.q_len, req.kv_len, dtype=dtype)
+            found = bias_mod is None or bias is not None
+        else:
+            bias = scores.diagonal_bias(req.score_mod, batch=math.prod(req.batch_shape), heads=req.heads,
+                                        q_len=req.q_len, kv_len=req.kv_len, dtype=dtype, device=req.query.device)
+            found = bias is not None
+        if not found:
             return None, ("the score_mod is not an additive bias per head and diagonal (ALiBi, relative positions "
-                          "and the like, written by hand or with attnkit.scores)")
+                          "and the like, written by hand or with attnkit.scores), nor soft-capping after one")
     plan = req.plan
     if plan is None and req.mask is not None:
         return None, "a dense mask has an interval form only with 4-D inputs [B, H, L, E]"
     if plan is None:  # no mask: every row sees every key
         from ..plan import row_bounds  # the plan module builds on the backends
 
-        return _band.Plan(*row_bounds(req.q_len, req.kv_len), bias), None
+        return _band.Plan(*row_bounds(req.q_len, req.kv_len), bias, cap), None
     if plan.starts is None:
         return None, "the mask has no interval form (it depends on the head, or a row has too many runs of keys)"
-    return _band.Plan(plan.starts, plan.ends, bias), None
+    return _band.Plan(plan.starts, plan.ends, bias, cap), None

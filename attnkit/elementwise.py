@@ -1,0 +1,79 @@
+"""FlexAttention's per-element semantics for ``mask_mod``/``score_mod``, on attnkit's broadcasting calls.
+
+FlexAttention defines a mod per cell (it is vmapped over scalar indices); attnkit calls it once
+on broadcasting index tensors (``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q_idx [1,1,Lq,1]``,
+``kv_idx [1,1,1,Lk]``), which is much faster and gives the same values for every mod written with
+elementwise operations and tensor indexing. Mods that index with their arguments in ways that do
+not broadcast (Flamingo-style ``intervals[image[q_idx]][0]``, an MLA-style
+``torch.dot(q_rope[b, h, q_idx], k_rope[b, h, kv_idx])``) raise or compute something else that
+way. :func:`evaluator` finds out once per mod, on a small grid, by comparing the broadcasting call
+with per-element calls through ``torch.vmap``; when they differ (or the broadcasting call fails)
+it returns a wrapper that evaluates the mod per element, in chunks, with the broadcasting
+signature every backend uses. Exceptions: a mod that ``torch.vmap`` cannot run either (Python
+control flow on a tensor's value, ``.item()``) is used as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+#: Most cells one vmapped call evaluates (bounded memory for per-element evaluation).
+CHUNK = 1 << 18
+
+_decided: OrderedDict = OrderedDict()  # the mod (held) -> what to call instead
+
+
+def evaluator(mod, kind: str, sample: tuple[Tensor, ...]):
+    """``mod`` itself when broadcasting calls agree with per-element calls on ``sample`` (the
+    arguments of one broadcasting call: ``(b, h, q_idx, kv_idx)``, with the score first for a
+    score_mod), else a per-element wrapper with the same signature. Decided once per mod."""
+    try:
+        hit = _decided.get(mod)
+    except TypeError:  # unhashable callable: decide every time
+        return _decide(mod, kind, sample)
+    if hit is None:
+        hit = _decide(mod, kind, sample)
+        _decided[mod] = hit
+        while len(_decided) > 64:
+            _decided.popitem(last=False)
+    return hit
+
+
+def _decide(mod, kind: str, sample: tuple[Tensor, ...]):
+    wrapped = per_element(mod)
+    try:
+        with torch.no_grad():
+            want = wrapped(*sample)
+    except Exception:  # noqa: BLE001 - vmap cannot run it: broadcasting is the only way there is
+        return mod
+    try:
+        with torch.no_grad():
+            got = mod(*sample)
+        same = isinstance(got, Tensor) and torch.broadcast_shapes(got.shape, want.shape) == want.shape and bool(
+            (torch.broadcast_to(got, want.shape) == want).all() if got.dtype == torch.bool
+            else torch.allclose(torch.broadcast_to(got, want.shape).to(want.dtype), want, equal_nan=True))
+    except Exception:  # noqa: BLE001 - the broadcasting call fails: per element it is
+        same = False
+    return mod if same else wrapped
+
+
+def per_element(mod):
+    """``mod`` evaluated cell by cell through ``torch.vmap`` (scalar indices, as FlexAttention calls
+    it), with broadcasting arguments in and a broadcast result out."""
+
+    @functools.wraps(mod)
+    def wrapper(*args):
+        shape = torch.broadcast_shapes(*(a.shape for a in args))
+        flat = [torch.broadcast_to(a, shape).reshape(-1) for a in args]
+        fn = torch.vmap(mod)
+        n = flat[0].numel()
+        if n == 0:  # a mask_mod's result is bool, a score_mod's has the score's dtype (its first argument)
+            return torch.zeros(shape, dtype=args[0].dtype if args[0].is_floating_point() else torch.bool)
+        parts = [fn(*(a[i:i + CHUNK] for a in flat)) for i in range(0, n, CHUNK)]
+        return torch.cat(parts).reshape(shape)
+
+    return wrapper
