@@ -1,0 +1,198 @@
+"""Structure read from a user's mask_mod or score_mod itself, exactly, or not at all.
+
+What and why: the engine builds a plan once per mod. This module is its analysis half:
+pure functions that look at the mod's values (never at attributes attnkit attached) and
+say what structure they have, or return None so the engine takes its general exact path.
+
+- ``evaluator(mod, kind)``: the mod with attnkit's broadcasting convention, giving the values
+  FlexAttention's per-element (vmapped) semantics give. Decided once per mod (weak cache):
+  the broadcasting call is used when, on a small grid taken from the first call's indices,
+  it neither raises, nor returns a wrong shape, nor disagrees with per-element calls through
+  torch.vmap; otherwise every call goes through torch.vmap over the cells, in chunks.
+- ``mask_intervals``: each query row's runs of True, evaluated on the whole grid in row chunks
+  (exact, cell by cell), in the shared Intervals convention; None when the mask depends on the
+  head or a row has more than ``max_intervals`` runs.
+- ``tile_kinds``: EMPTY/FULL/PARTIAL per (query tile, key block) from intervals alone.
+- ``score_structure``: recognises exactly ``score + bias(h, kv - q)``, ``cap * tanh(score / cap)``
+  and ``cap * tanh((score + bias(h, kv - q)) / cap)``. The bias table is read from the first row
+  and first column (which meet every diagonal) with the score at zero, after checking
+  additivity at two score tensors; the cap is read at a large score. The result is then
+  verified against the mod: on the whole grid when it has at most 2^22 cells, otherwise on
+  fixed-seed 64x64 tiles plus the four corners, for several batch and head indices, with
+  scores spanning the tanh curve. Any mismatch beyond a tight tolerance, a batch-dependent
+  bias, or a mod whose values change between calls gives None. The table is built with
+  autograd on, so it is differentiable w.r.t. tensors the mod captures (ALiBi slopes as an
+  nn.Parameter): it is the mod's own output at zero score, not a copy.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+EMPTY, FULL, PARTIAL = 0, 1, 2
+_CHUNK_CELLS = 1 << 24
+_VMAP_CELLS = 1 << 16
+_KINDS = ("mask_mod", "score_mod")
+_broadcast_ok: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class ScoreStructure:
+    """A score_mod read as ``softcap(score + table[h, kv - q + Lq - 1])``; either part may be None."""
+
+    table: Tensor | None
+    softcap: float | None
+
+
+# ---------------------------------------------------------------- semantics
+
+def evaluator(mod, kind: str):
+    """The mod in attnkit's broadcasting convention with FlexAttention's per-element values."""
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+    if not callable(mod):
+        raise TypeError(f"mod must be callable, got {type(mod).__name__}")
+
+    def call(*args):
+        ok = _broadcast_ok.get(mod)
+        if ok is None:
+            ok = _decide(mod, args)
+            try:
+                _broadcast_ok[mod] = ok
+            except TypeError:
+                pass
+        if ok:
+            return _broadcast(mod, args)
+        return _per_element(mod, args)
+    return call
+
+
+def _broadcast(mod, args):
+    out = mod(*args)
+    return torch.as_tensor(out).expand(torch.broadcast_shapes(*(a.shape for a in args)))
+
+
+def _decide(mod, args) -> bool:
+    """True when the broadcasting call matches per-element calls on a small sub-grid of args."""
+    shape = torch.broadcast_shapes(*(a.shape for a in args))
+    picks = [_pick(n) for n in shape]
+    small = []
+    for a in args:
+        for d, p in enumerate(picks):
+            if a.shape[d] != 1:
+                a = a.index_select(d, p)
+        small.append(a)
+    try:
+        fast = mod(*small)
+        want = torch.broadcast_shapes(*(a.shape for a in small))
+        if not isinstance(fast, Tensor) or torch.broadcast_shapes(fast.shape, want) != want:
+            return False
+        fast = fast.expand(want)
+    except Exception:
+        return False
+    slow = _per_element(mod, small)
+    return fast.dtype == slow.dtype and bool(torch.equal(fast, slow))
+
+
+def _pick(n: int) -> Tensor:
+    return torch.tensor(sorted({0, n // 2, n - 1, min(1, n - 1)}))
+
+
+def _per_element(mod, args):
+    """Per-element values through torch.vmap over the cells, in chunks of bounded size."""
+    shape = torch.broadcast_shapes(*(a.shape for a in args))
+    flat = [a.expand(shape).reshape(-1) for a in args]
+    f = torch.vmap(lambda *xs: torch.as_tensor(mod(*xs)))
+    n = flat[0].numel()
+    parts = [f(*(x[i:i + _VMAP_CELLS] for x in flat)) for i in range(0, n, _VMAP_CELLS)]
+    return torch.cat(parts).reshape(shape)
+
+
+def check_bool(out: Tensor, mod=None) -> Tensor:
+    """The predicate's output, or ValueError when it is not bool."""
+    if out.dtype != torch.bool:
+        name = getattr(mod, "__name__", repr(mod))
+        raise ValueError(f"mask_mod {name} returned dtype {out.dtype}; expected torch.bool")
+    return out
+
+
+# ---------------------------------------------------------------- mask intervals
+
+def _grid(batch, heads, q, kv_len, device):
+    return (torch.arange(batch, device=device).view(-1, 1, 1, 1),
+            torch.arange(heads, device=device).view(1, -1, 1, 1),
+            q.view(1, 1, -1, 1),
+            torch.arange(kv_len, device=device).view(1, 1, 1, -1))
+
+
+def mask_intervals(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, device="cpu",
+                   max_intervals: int = 64, row_chunk: int | None = None) -> tuple[Tensor, Tensor] | None:
+    """Each row's runs of True as (starts, ends) int64 [1 or batch, q_len, K], exact; None if head-dependent
+    or some row has more than max_intervals runs."""
+    for name, v in (("batch", batch), ("heads", heads), ("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    f = evaluator(mask_mod, "mask_mod")
+    rows = row_chunk or max(1, _CHUNK_CELLS // max(1, kv_len * batch * heads))
+    pieces, bp = [], 1
+    for q0 in range(0, q_len, rows):
+        q = torch.arange(q0, min(q_len, q0 + rows), device=device)
+        out = check_bool(torch.as_tensor(f(*_grid(batch, heads, q, kv_len, device))), mask_mod)
+        if out.shape[1] > 1 and not bool((out == out[:, :1]).all()):
+            return None
+        out = out[:, 0]
+        if out.shape[0] > 1 and bool((out == out[:1]).all()):
+            out = out[:1]
+        pieces.append(out.expand(out.shape[0], q.numel(), kv_len))
+        bp = max(bp, out.shape[0])
+    grid = torch.cat([p.expand(bp, -1, -1) for p in pieces], dim=1).cpu()
+    return _runs(grid, max_intervals)
+
+
+def _runs(grid: Tensor, max_intervals: int) -> tuple[Tensor, Tensor] | None:
+    bp, lq, lk = grid.shape
+    pad = torch.zeros(bp, lq, 1, dtype=torch.int8)
+    d = torch.diff(torch.cat([pad, grid.to(torch.int8), pad], dim=2), dim=2)
+    sb, sq, sk = (d == 1).nonzero(as_tuple=True)
+    ek = (d == -1).nonzero(as_tuple=True)[2]
+    row = sb * lq + sq
+    counts = torch.bincount(row, minlength=bp * lq)
+    k = int(counts.max()) if counts.numel() else 0
+    if k > max_intervals:
+        return None
+    k = max(k, 1)
+    first = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(row.numel()) - first[row]
+    starts = torch.full((bp * lq, k), lk, dtype=torch.int64)
+    ends = starts.clone()
+    starts[row, slot] = sk
+    ends[row, slot] = ek
+    return starts.view(bp, lq, k), ends.view(bp, lq, k)
+
+
+def tile_kinds(starts: Tensor, ends: Tensor, q_len: int, kv_len: int, q_tile: int, kv_block: int) -> Tensor:
+    """int8 [tiles, blocks]: FULL when every real row attends every key of a whole block, EMPTY when none
+    attends any, PARTIAL otherwise; from intervals via covered-key counts (no per-cell work)."""
+    nb = -(-kv_len // kv_block)
+    edges = torch.arange(nb + 1, dtype=torch.int64) * kv_block
+    edges = edges.clamp(max=kv_len)
+    width = (ends - starts).unsqueeze(-1)
+    below = (edges.view(1, 1, 1, -1) - starts.unsqueeze(-1)).clamp(min=0)
+    covered = torch.minimum(below, width).sum(2)  # [Bp, Lq, nb + 1]: keys < edge attended
+    cov = covered[..., 1:] - covered[..., :-1]
+    whole = torch.full((nb,), kv_block, dtype=torch.int64)
+    full_row = cov == whole
+    empty_row = cov == 0
+    nt = -(-q_len // q_tile)
+    padn = nt * q_tile - q_len
+    full_row = torch.nn.functional.pad(full_row, (0, 0, 0, padn), value=True)
+    empty_row = torch.nn.functional.pad(empty_row, (0, 0, 0, padn), value=True)
+    full = full_row.view(full_row.shape[0], nt, q_tile, nb).all(2).all(0)
+    empty = empty_row.view(empty_row.shape[0], nt, q_tile, nb).all(2).all(0)
+    kinds = torch.full((nt, nb), PARTIAL, dtype=torch.int8)
+    kinds[full] = FULL
+    kinds[empty] = EMPTY
+    return kinds
