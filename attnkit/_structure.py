@@ -196,3 +196,128 @@ def tile_kinds(starts: Tensor, ends: Tensor, q_len: int, kv_len: int, q_tile: in
     kinds[full] = FULL
     kinds[empty] = EMPTY
     return kinds
+
+
+# ---------------------------------------------------------------- score structure
+
+def score_structure(score_mod, batch: int, heads: int, q_len: int, kv_len: int, *, dtype: torch.dtype,
+                    device="cpu") -> ScoreStructure | None:
+    """The score_mod as a diagonal bias and/or a soft cap, verified against the mod; None otherwise."""
+    f = evaluator(score_mod, "score_mod")
+    work = _working_dtype(f, device, dtype)
+    if work is None:
+        return None
+    try:
+        found = _read_and_verify(f, batch, heads, q_len, kv_len, work, device)
+    except Exception:
+        return None
+    if found is None or found.table is None:
+        return found
+    return ScoreStructure(table=found.table.to(dtype), softcap=found.softcap)
+
+
+def _working_dtype(f, device, dtype):
+    """float64 when the mod accepts it (tight checks), else the requested dtype, else None."""
+    for d in (torch.float64, dtype):
+        one = torch.zeros(1, 1, 1, 1, dtype=d, device=device)
+        idx = torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=device)
+        try:
+            if torch.as_tensor(f(one, idx, idx, idx, idx)).dtype == d:
+                return d
+        except Exception:
+            continue
+    return None
+
+
+def _edge(f, score_fill, batch, heads, q_len, kv_len, dtype, device):
+    """The mod on the first column (q = Lq-1..1, kv = 0) and first row (q = 0) as [B, H, Lq + Lk - 1]."""
+    b, h = torch.arange(batch, device=device), torch.arange(heads, device=device)
+    q = torch.cat([torch.arange(q_len - 1, 0, -1), torch.zeros(kv_len, dtype=torch.int64)]).to(device)
+    kv = torch.cat([torch.zeros(q_len - 1, dtype=torch.int64), torch.arange(kv_len)]).to(device)
+    shape = (batch, heads, 1, q.numel())
+    s = torch.as_tensor(score_fill, dtype=dtype, device=device).expand(shape)
+    out = f(s, b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), q.view(1, 1, 1, -1), kv.view(1, 1, 1, -1))
+    return out.expand(shape)[:, :, 0]
+
+
+def _read_and_verify(f, batch, heads, q_len, kv_len, dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    n = q_len + kv_len - 1
+    zero = _edge(f, 0.0, batch, heads, q_len, kv_len, dtype, device)
+    t = (torch.rand(batch, heads, n, generator=gen, dtype=torch.float64) * 6 - 3).to(dtype)
+    moved = _edge_with(f, t, batch, heads, q_len, kv_len, dtype, device)
+    tol = _tol(dtype)
+    cap = None
+    if _close(moved - zero, t, tol):
+        bias = zero
+    else:
+        big = _edge(f, 1e6, batch, heads, q_len, kv_len, dtype, device).detach()
+        cap = float(big.flatten()[0])
+        if not (cap > 0 and _close(big, torch.full_like(big, cap), tol)):
+            return None
+        ratio = (zero / cap).clamp(-1, 1)
+        if bool((ratio.detach().abs() >= 1 - 1e-6).any()):
+            return None
+        bias = cap * torch.atanh(ratio)
+    if not bool((bias.detach() == bias.detach()[:1]).all()):
+        return None  # the bias depends on the batch element
+    table = bias[0]
+    if heads > 1 and bool((table.detach() == table.detach()[:1]).all()):
+        table = table[:1]
+    if cap is not None and bool((table.detach() == 0).all()):
+        table = None
+    if not _verify(f, table, cap, batch, heads, q_len, kv_len, dtype, device, gen, tol):
+        return None
+    return ScoreStructure(table=table, softcap=cap)
+
+
+def _edge_with(f, t, batch, heads, q_len, kv_len, dtype, device):
+    b, h = torch.arange(batch, device=device), torch.arange(heads, device=device)
+    q = torch.cat([torch.arange(q_len - 1, 0, -1), torch.zeros(kv_len, dtype=torch.int64)]).to(device)
+    kv = torch.cat([torch.zeros(q_len - 1, dtype=torch.int64), torch.arange(kv_len)]).to(device)
+    s = t.to(device).unsqueeze(2)
+    out = f(s, b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), q.view(1, 1, 1, -1), kv.view(1, 1, 1, -1))
+    return out.expand(s.shape)[:, :, 0]
+
+
+def _tol(dtype) -> float:
+    return 1e-9 if dtype == torch.float64 else 8 * torch.finfo(dtype).eps
+
+
+def _close(a: Tensor, b: Tensor, tol: float) -> bool:
+    a, b = a.detach().double(), b.detach().double()
+    return bool(((a - b).abs() <= tol * (1 + b.abs())).all())
+
+
+def _verify(f, table, cap, batch, heads, q_len, kv_len, dtype, device, gen, tol) -> bool:
+    """The structure against the mod on the whole grid (<= 2^22 cells) or on sampled tiles and corners."""
+    if q_len * kv_len <= 1 << 22:
+        tiles = [(torch.arange(q_len), torch.arange(kv_len))]
+    else:
+        tiles = [(torch.arange(q_len)[q0:q0 + 64], torch.arange(kv_len)[k0:k0 + 64])
+                 for q0 in (0, max(0, q_len - 64)) for k0 in (0, max(0, kv_len - 64))]
+        for _ in range(8):
+            q0 = int(torch.randint(0, max(1, q_len - 63), (1,), generator=gen))
+            k0 = int(torch.randint(0, max(1, kv_len - 63), (1,), generator=gen))
+            tiles.append((torch.arange(q0, min(q_len, q0 + 64)), torch.arange(k0, min(kv_len, k0 + 64))))
+    bs = sorted({0, batch - 1, batch // 2})
+    hs = sorted({0, heads - 1, heads // 2})
+    span = 3 * cap if cap is not None else 10.0
+    for q, kv in tiles:
+        for bi in bs:
+            b = torch.tensor([bi]).view(1, 1, 1, 1)
+            h = torch.tensor(hs).view(1, -1, 1, 1)
+            s = (torch.rand(1, len(hs), q.numel(), kv.numel(), generator=gen, dtype=torch.float64) * 2 - 1) * span
+            s = s.to(dtype)
+            got = f(s.to(device), b.to(device), h.to(device), q.view(1, 1, -1, 1).to(device),
+                    kv.view(1, 1, 1, -1).to(device)).expand(s.shape).detach().cpu()
+            want = s.double()
+            if table is not None:
+                rows = table.detach().cpu().double()
+                rows = rows[h.view(-1) if rows.shape[0] > 1 else torch.zeros(len(hs), dtype=torch.int64)]
+                want = want + rows[:, (kv.view(1, -1) - q.view(-1, 1) + q_len - 1)].unsqueeze(0)
+            if cap is not None:
+                want = cap * torch.tanh(want / cap)
+            if not _close(got, want, max(tol, 1e-12) * (1 + span)):
+                return False
+    return True
