@@ -264,7 +264,7 @@ def _read_and_verify(f, batch, heads, q_len, kv_len, dtype, device):
     table = bias[0]
     if heads > 1 and bool((table.detach() == table.detach()[:1]).all()):
         table = table[:1]
-    if cap is not None and bool((table.detach() == 0).all()):
+    if bool((table.detach() == 0).all()):
         table = None
     if not _verify(f, table, cap, batch, heads, q_len, kv_len, dtype, device, gen, tol):
         return None
