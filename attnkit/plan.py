@@ -1,6 +1,6 @@
 """The mask plan: which keys each query row may attend, worked out once and used by every kernel.
 
-A :class:`MaskPlan` holds a mask (``is_causal``, ``window`` and/or a ``mask_mod``) for fixed
+A :class:`MaskPlan` holds a mask (``is_causal``, ``window``, a ``mask_mod``, a dense bool mask) for fixed
 lengths and batch, in the form each kernel wants:
 
 * each query row's allowed keys as a few sorted, disjoint intervals (``starts``/``ends``
@@ -13,11 +13,11 @@ lengths and batch, in the form each kernel wants:
 
 Build it with :func:`mask_plan` and pass it as ``attnkit.attention(..., mask=plan)``, to
 ``MultiHeadAttention`` or to a model, and reuse it across layers and steps: FlexAttention's
-``create_block_mask`` -> ``BlockMask``, for attnkit's kernels. The structure of a predicate,
-the library's or a user's own, is found by evaluating it once on every cell (vectorised, in
-cache-sized row chunks: about 50-100 ms at n = 8192 on this machine), not by asking for
-annotations; ``is_causal`` and ``window`` are worked out analytically (:func:`row_bounds`, the
-one place that says which keys they allow).
+``create_block_mask`` -> ``BlockMask``, for attnkit's kernels. ``is_causal`` and ``window`` are
+worked out analytically (:func:`row_bounds`, the one place that says which keys they allow), the
+typed masks of :mod:`attnkit.masks` say their own intervals, and any other predicate, a user's
+own, is evaluated once on every cell (vectorised, in cache-sized row chunks: 0.05-1 s at
+n = 8192 on this machine, depending on the predicate), not annotated by hand.
 
 ``attnkit.attention(..., mask_mod=fn)`` builds the plan itself and keeps the last few plans it
 built, keyed on the predicate object, the lengths, the batch, the device and the version counters
@@ -34,9 +34,10 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
+from . import elementwise
 from . import masks as _masks
 from .backends import _captured
-from .request import check_window
+from .request import check_window, probe_indices
 
 #: How many automatically built plans ``attnkit.attention`` keeps.
 CACHE_SIZE = 16
@@ -51,8 +52,8 @@ class MaskPlan:
 
     Callable as a predicate (``plan(b, h, q_idx, kv_idx) -> bool``). Attributes: ``q_len``,
     ``kv_len``, ``batch`` (the batch it was built for, all batch dims flattened; intervals may be
-    shared, ``[1, Lq, K]``), ``device``,
-    ``starts``/``ends`` (None when the mask has no interval form) and ``predicate``.
+    shared, ``[1, Lq, K]``), ``device``, ``starts``/``ends`` (None when the mask has no interval
+    form) and ``predicate``.
     """
 
     def __init__(self, predicate, *, q_len: int, kv_len: int, batch: int, device: torch.device,
@@ -118,6 +119,9 @@ def mask_plan(mask_mod=None, *, q_len: int, kv_len: int | None = None, batch: in
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if mask_mod is not None and not callable(mask_mod):
         raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
+    if mask_mod is not None and not isinstance(mask_mod, _masks.Mask) and q_len and kv_len:
+        # FlexAttention's per-element semantics, as attnkit.attention gives them
+        mask_mod = elementwise.evaluator(mask_mod, "mask_mod", probe_indices((batch, heads, q_len, kv_len), device))
     return _build(mask_mod, q_len, kv_len, batch, heads, is_causal, check_window(window), torch.device(device))
 
 

@@ -200,7 +200,7 @@ def build_request(
                 raise ValueError(f"{name} needs 4-D inputs [B, H, L, E], got query shape {tuple(query.shape)}")
     unchecked = None if is_plan(mask_mod) else mask_mod  # a plan's predicate was checked when it was built
     if (unchecked is not None or score_mod is not None) and 0 not in target:
-        sample = _probe_indices(target, query.device)
+        sample = probe_indices(target, query.device)
         if unchecked is not None:
             unchecked = mask_mod = elementwise.evaluator(mask_mod, "mask_mod", sample)
         if score_mod is not None:
@@ -257,7 +257,7 @@ def _check_not_per_batch_3d(name: str, t: Tensor | None, ndim: int, heads: int) 
                      f"{name} per batch element, or {name}[None] ([1, H, Lq, Lk]) for one per head")
 
 
-def _probe_indices(target: torch.Size, device) -> tuple[Tensor, ...]:
+def probe_indices(target: torch.Size, device) -> tuple[Tensor, ...]:
     """A few in-range indices of each axis (first, middle, last; the keys also the second, so that
     a wrong shape cannot pass for a square grid), broadcasting like the backends'
     (``b [n,1,1,1]``, ``h [1,n,1,1]``, ``q_idx [1,1,n,1]``, ``kv_idx [1,1,1,n]``)."""
@@ -267,7 +267,7 @@ def _probe_indices(target: torch.Size, device) -> tuple[Tensor, ...]:
 
 
 def _probe_mods(mask_mod, score_mod, sample: tuple[Tensor, ...], query: Tensor) -> None:
-    """Call each mod once on ``sample`` (:func:`_probe_indices`) and check what it returns.
+    """Call each mod once on ``sample`` (:func:`probe_indices`) and check what it returns.
 
     A wrong return would otherwise surface deep in a backend as an unrelated error (a float
     ``&``, ``None.to``), or not at all (a scalar score broadcast over the tile: uniform

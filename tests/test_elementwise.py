@@ -103,3 +103,11 @@ def test_per_element_wrapper_keeps_shapes_and_dtypes():
     assert torch.equal(out[0, 0], (i - j)[0, 0].float())
     empty = wrapped(torch.zeros(0, 1, 3, 4), torch.zeros(()), torch.zeros(()), i, j)
     assert empty.shape == (0, 1, 3, 4)
+
+
+def test_a_plan_built_by_hand_reads_a_per_element_mod_the_same_way():
+    g = torch.Generator().manual_seed(2)
+    flamingo, _ = flexattention_mods(g)
+    plan = attnkit.mask_plan(flamingo, q_len=L, kv_len=S, batch=B, heads=H)
+    q, k, v = (torch.randn(B, H, n, E, generator=g, dtype=torch.float64) for n in (L, S, S))
+    close(attnkit.attention(q, k, v, mask=plan), loop_oracle(q, k, v, mask_mod=flamingo))
