@@ -155,6 +155,8 @@ def dense_bias(mod, heads, lq, lk):
 
 
 def table_to_dense(table, heads, lq, lk):
+    if table is None:  # no bias
+        return torch.zeros(heads, lq, lk, dtype=torch.float64)
     d = torch.arange(lk).view(1, -1) - torch.arange(lq).view(-1, 1) + lq - 1
     return table.double()[:, d].expand(heads, lq, lk)
 
@@ -198,7 +200,7 @@ def test_softcap_recognised_with_its_cap(cap, lq, lk):
     found = score_structure(capped, 1, 1, lq, lk, dtype=torch.float64)
     assert found is not None and found.softcap == pytest.approx(cap, rel=1e-12)
     want = (0.1 * (torch.arange(lk).view(1, -1) - torch.arange(lq).view(-1, 1))).double()  # as the mod computes it
-    got = torch.zeros(lq, lk, dtype=torch.float64) if found.table is None else table_to_dense(found.table, 1, lq, lk)[0]
+    got = table_to_dense(found.table, 1, lq, lk)[0]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
