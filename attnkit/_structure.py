@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 EMPTY, FULL, PARTIAL = 0, 1, 2
-_CHUNK_CELLS = 1 << 24
+_CHUNK_CELLS = 1 << 21
 _VMAP_CELLS = 1 << 16
 _KINDS = ("mask_mod", "score_mod")
 _broadcast_ok: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -137,7 +137,8 @@ def mask_intervals(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *,
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     f = evaluator(mask_mod, "mask_mod")
     rows = row_chunk or max(1, _CHUNK_CELLS // max(1, kv_len * batch * heads))
-    pieces, bp = [], 1
+    found = []  # (batch index, row, start, end) per run, chunk by chunk
+    bp = 1
     for q0 in range(0, q_len, rows):
         q = torch.arange(q0, min(q_len, q0 + rows), device=device)
         out = check_bool(torch.as_tensor(f(*_grid(batch, heads, q, kv_len, device))), mask_mod)
@@ -146,31 +147,44 @@ def mask_intervals(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *,
         out = out[:, 0]
         if out.shape[0] > 1 and bool((out == out[:1]).all()):
             out = out[:1]
-        pieces.append(out.expand(out.shape[0], q.numel(), kv_len))
         bp = max(bp, out.shape[0])
-    grid = torch.cat([p.expand(bp, -1, -1) for p in pieces], dim=1).cpu()
-    return _runs(grid, max_intervals)
+        found.append((out.shape[0], q0, _chunk_runs(out.expand(out.shape[0], q.numel(), kv_len).cpu())))
+    return _assemble(found, bp, q_len, kv_len, max_intervals)
 
 
-def _runs(grid: Tensor, max_intervals: int) -> tuple[Tensor, Tensor] | None:
-    bp, lq, lk = grid.shape
-    pad = torch.zeros(bp, lq, 1, dtype=torch.int8)
-    d = torch.diff(torch.cat([pad, grid.to(torch.int8), pad], dim=2), dim=2)
-    sb, sq, sk = (d == 1).nonzero(as_tuple=True)
-    ek = (d == -1).nonzero(as_tuple=True)[2]
-    row = sb * lq + sq
-    counts = torch.bincount(row, minlength=bp * lq)
+def _chunk_runs(out: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Runs of True in a bool [b, rows, Lk] block: one nonzero over the edges, which alternate start, end."""
+    pad = torch.zeros(out.shape[0], out.shape[1], 1, dtype=torch.bool)
+    padded = torch.cat([pad, out, pad], dim=2)
+    bi, qi, pos = (padded[..., 1:] ^ padded[..., :-1]).nonzero(as_tuple=True)
+    return bi[0::2], qi[0::2], pos[0::2], pos[1::2]
+
+
+def _assemble(found, bp: int, q_len: int, kv_len: int, max_intervals: int) -> tuple[Tensor, Tensor] | None:
+    bis, rows, sk, ek = [], [], [], []
+    for nb, q0, (bi, qi, s, e) in found:
+        reps = bp if nb == 1 else 1  # a batch-independent chunk stands for every batch element
+        for r in range(reps):
+            bis.append(bi + r)
+            rows.append(qi + q0)
+            sk.append(s)
+            ek.append(e)
+    row = torch.cat(bis) * q_len + torch.cat(rows)
+    sk, ek = torch.cat(sk), torch.cat(ek)
+    order = torch.argsort(row, stable=True)
+    row, sk, ek = row[order], sk[order], ek[order]
+    counts = torch.bincount(row, minlength=bp * q_len)
     k = int(counts.max()) if counts.numel() else 0
     if k > max_intervals:
         return None
     k = max(k, 1)
     first = torch.cumsum(counts, 0) - counts
     slot = torch.arange(row.numel()) - first[row]
-    starts = torch.full((bp * lq, k), lk, dtype=torch.int64)
+    starts = torch.full((bp * q_len, k), kv_len, dtype=torch.int64)
     ends = starts.clone()
     starts[row, slot] = sk
     ends[row, slot] = ek
-    return starts.view(bp, lq, k), ends.view(bp, lq, k)
+    return starts.view(bp, q_len, k), ends.view(bp, q_len, k)
 
 
 def tile_kinds(starts: Tensor, ends: Tensor, q_len: int, kv_len: int, q_tile: int, kv_block: int) -> Tensor:
