@@ -1,0 +1,1 @@
+"""Adapters that let attnkit run inside libraries people already use (Hugging Face transformers)."""

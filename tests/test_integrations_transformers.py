@@ -1,0 +1,131 @@
+"""attnkit as transformers' "attnkit" attention: parity with transformers' own implementations.
+
+transformers' eager attention takes its softmax in float32 even for float64 models, so the
+float64 check (1e-10) is against "sdpa"; eager is checked at float32 (1e-5), which also covers
+Gemma 2's soft-capping, which sdpa refuses.
+"""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import attnkit.integrations.transformers as hf  # noqa: E402
+
+V = 97
+
+
+def _configs():
+    small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=64)
+    return {
+        "llama": (transformers.LlamaConfig(num_key_value_heads=2, **small), transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig(num_key_value_heads=2, sliding_window=5, **small),
+                    transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config(num_key_value_heads=2, **small), transformers.Qwen2ForCausalLM),
+        "gpt2": (transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+                 transformers.GPT2LMHeadModel),
+        "bert": (transformers.BertConfig(**{**small, "max_position_embeddings": 64}), transformers.BertModel),
+    }
+
+
+def _run(model, impl, ids, mask):
+    model.set_attn_implementation(impl)
+    out = model(input_ids=ids, attention_mask=mask)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0  # right padding on one row
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2", "bert"])
+def test_float64_parity_with_sdpa(name):
+    torch.manual_seed(0)
+    config, cls = _configs()[name]
+    model = cls(config).double().eval()
+    ids, mask = _inputs()
+    with torch.no_grad():
+        want = _run(model, "sdpa", ids, mask)
+        got = _run(model, "attnkit", ids, mask)
+    keep = mask.bool()
+    assert (got[keep] - want[keep]).abs().max().item() < 1e-10
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2"])
+def test_float32_parity_with_eager(name):
+    torch.manual_seed(0)
+    config, cls = _configs()[name]
+    model = cls(config).eval()
+    ids, mask = _inputs()
+    with torch.no_grad():
+        want = _run(model, "eager", ids, mask)
+        got = _run(model, "attnkit", ids, mask)
+    keep = mask.bool()
+    assert (got[keep] - want[keep]).abs().max().item() < 1e-5
+
+
+def test_gemma2_softcap_float32_parity_with_eager():
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=5.0,
+        max_position_embeddings=64)
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    ids, mask = _inputs()
+    with torch.no_grad():
+        want = _run(model, "eager", ids, mask)
+        got = _run(model, "attnkit", ids, mask)
+    keep = mask.bool()
+    assert (got[keep] - want[keep]).abs().max().item() < 1e-5
+
+
+def test_greedy_generation_matches_sdpa():
+    torch.manual_seed(0)
+    config, cls = _configs()["mistral"]
+    model = cls(config).double().eval()
+    ids = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(1))
+    tokens = {}
+    for impl in ("sdpa", "attnkit"):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens["sdpa"], tokens["attnkit"])
+
+
+def test_output_attentions_match_eager_weights():
+    torch.manual_seed(0)
+    config, cls = _configs()["llama"]
+    model = cls(config).eval()
+    ids, mask = _inputs()
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        want = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+        model.set_attn_implementation("attnkit")
+        got = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    for w, g in zip(want, got, strict=True):
+        assert (w - g).abs().max().item() < 1e-5
+
+
+def test_register_is_idempotent_and_config_route_works():
+    hf.register()
+    hf.register()
+    config, cls = _configs()["llama"]
+    config._attn_implementation = "attnkit"
+    model = cls(config)
+    assert model.config._attn_implementation == "attnkit"
+
+
+def test_sinks_are_refused_naming_model_class_and_argument():
+    class Probe(torch.nn.Module):
+        pass
+
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"Probe.*'s_aux'"):
+        hf.attnkit_attention_forward(Probe(), q, q, q, None, s_aux=torch.zeros(2))
