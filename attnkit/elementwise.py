@@ -16,7 +16,7 @@ control flow on a tensor's value, ``.item()``) is used as it is.
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
+import weakref
 
 import torch
 from torch import Tensor
@@ -24,32 +24,34 @@ from torch import Tensor
 #: Most cells one vmapped call evaluates (bounded memory for per-element evaluation).
 CHUNK = 1 << 18
 
-_decided: OrderedDict = OrderedDict()  # the mod (held) -> what to call instead
+#: mod -> whether it must be called per element. Weak: a mod (and the tensors it captures, which
+#: may be a training step's activations) is not kept alive by having been asked about once.
+_per_element: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def evaluator(mod, kind: str, sample: tuple[Tensor, ...]):
+def evaluator(mod, sample: tuple[Tensor, ...]):
     """``mod`` itself when broadcasting calls agree with per-element calls on ``sample`` (the
     arguments of one broadcasting call: ``(b, h, q_idx, kv_idx)``, with the score first for a
     score_mod), else a per-element wrapper with the same signature. Decided once per mod."""
     try:
-        hit = _decided.get(mod)
-    except TypeError:  # unhashable callable: decide every time
-        return _decide(mod, kind, sample)
-    if hit is None:
-        hit = _decide(mod, kind, sample)
-        _decided[mod] = hit
-        while len(_decided) > 64:
-            _decided.popitem(last=False)
-    return hit
+        needed = _per_element.get(mod)
+    except TypeError:  # cannot be weakly referenced or hashed: decide every time
+        needed = None
+    if needed is None:
+        needed = _needs_per_element(mod, sample)
+        try:
+            _per_element[mod] = needed
+        except TypeError:
+            pass
+    return per_element(mod) if needed else mod
 
 
-def _decide(mod, kind: str, sample: tuple[Tensor, ...]):
-    wrapped = per_element(mod)
+def _needs_per_element(mod, sample: tuple[Tensor, ...]) -> bool:
     try:
         with torch.no_grad():
-            want = wrapped(*sample)
+            want = per_element(mod)(*sample)
     except Exception:  # noqa: BLE001 - vmap cannot run it: broadcasting is the only way there is
-        return mod
+        return False
     try:
         with torch.no_grad():
             got = mod(*sample)
@@ -58,12 +60,12 @@ def _decide(mod, kind: str, sample: tuple[Tensor, ...]):
             else torch.allclose(torch.broadcast_to(got, want.shape).to(want.dtype), want, equal_nan=True))
     except Exception:  # noqa: BLE001 - the broadcasting call fails: per element it is
         same = False
-    return mod if same else wrapped
+    return not same
 
 
 def per_element(mod):
     """``mod`` evaluated cell by cell through ``torch.vmap`` (scalar indices, as FlexAttention calls
-    it), with broadcasting arguments in and a broadcast result out."""
+    it), with broadcasting arguments in and a broadcast result out (``__wrapped__`` is ``mod``)."""
 
     @functools.wraps(mod)
     def wrapper(*args):

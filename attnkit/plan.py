@@ -121,7 +121,7 @@ def mask_plan(mask_mod=None, *, q_len: int, kv_len: int | None = None, batch: in
         raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
     if mask_mod is not None and not isinstance(mask_mod, _masks.Mask) and q_len and kv_len:
         # FlexAttention's per-element semantics, as attnkit.attention gives them
-        mask_mod = elementwise.evaluator(mask_mod, "mask_mod", probe_indices((batch, heads, q_len, kv_len), device))
+        mask_mod = elementwise.evaluator(mask_mod, probe_indices((batch, heads, q_len, kv_len), device))
     return _build(mask_mod, q_len, kv_len, batch, heads, is_causal, check_window(window), torch.device(device))
 
 
@@ -207,6 +207,7 @@ def _cache_key(mask_mod, dense: Tensor | None, *sizes) -> tuple | None:
     reaches and the dense mask (by address, version counter and shape; the cached plan holds the
     dense mask, so its address is not reused while the entry lives), and the sizes; None when
     the predicate cannot be a dict key."""
+    mask_mod = getattr(mask_mod, "__wrapped__", mask_mod)  # a per-element wrapper, made per call: its mod
     try:
         hash(mask_mod)
     except TypeError:

@@ -202,10 +202,10 @@ def build_request(
     if (unchecked is not None or score_mod is not None) and 0 not in target:
         sample = probe_indices(target, query.device)
         if unchecked is not None:
-            unchecked = mask_mod = elementwise.evaluator(mask_mod, "mask_mod", sample)
+            unchecked = mask_mod = elementwise.evaluator(mask_mod, sample)
         if score_mod is not None:
             grid = torch.broadcast_shapes(*(t.shape for t in sample))
-            score_mod = elementwise.evaluator(score_mod, "score_mod", (query.new_zeros(grid), *sample))
+            score_mod = elementwise.evaluator(score_mod, (query.new_zeros(grid), *sample))
         _probe_mods(unchecked, score_mod, sample, query)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0

@@ -85,15 +85,15 @@ def test_broadcasting_mods_are_called_as_they_are_and_the_decision_is_made_once(
         return kv_idx <= q_idx
 
     sample = tuple(torch.arange(3).view([-1 if d == i else 1 for d in range(4)]) for i in range(4))
-    assert elementwise.evaluator(causal, "mask_mod", sample) is causal
+    assert elementwise.evaluator(causal, sample) is causal
     made = len(calls)
-    assert elementwise.evaluator(causal, "mask_mod", sample) is causal
+    assert elementwise.evaluator(causal, sample) is causal
     assert len(calls) == made  # decided once per mod
 
     def branchy(b, h, q_idx, kv_idx):  # Python control flow on a value: vmap cannot run it
         return kv_idx <= q_idx if bool((q_idx >= 0).all()) else kv_idx < 0
 
-    assert elementwise.evaluator(branchy, "mask_mod", sample) is branchy
+    assert elementwise.evaluator(branchy, sample) is branchy
 
 
 def test_per_element_wrapper_keeps_shapes_and_dtypes():
@@ -113,3 +113,20 @@ def test_a_plan_built_by_hand_reads_a_per_element_mod_the_same_way():
     plan = attnkit.mask_plan(flamingo, q_len=L, kv_len=S, batch=B, heads=H)
     q, k, v = (torch.randn(B, H, n, E, generator=g, dtype=torch.float64) for n in (L, S, S))
     close(attnkit.attention(q, k, v, mask=plan), loop_oracle(q, k, v, mask_mod=flamingo))
+
+
+def test_asking_about_a_mod_does_not_keep_it_or_its_tensors_alive():
+    import gc
+    import weakref
+
+    def make():
+        big = torch.zeros(1000)
+        return (lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + big[0].long()), weakref.ref(big)
+
+    mod, tensor_gone = make()
+    sample = tuple(torch.arange(3).view([-1 if d == i else 1 for d in range(4)]) for i in range(4))
+    elementwise.evaluator(mod, sample)
+    gone = weakref.ref(mod)
+    del mod
+    gc.collect()
+    assert gone() is None and tensor_gone() is None
