@@ -19,16 +19,17 @@ typed masks of :mod:`attnkit.masks` say their own intervals, and any other predi
 own, is evaluated once on every cell (vectorised, in cache-sized row chunks: 0.05-1 s at
 n = 8192 on this machine, depending on the predicate), not annotated by hand.
 
-``attnkit.attention(..., mask_mod=fn)`` builds the plan itself and keeps the last few plans it
-built, keyed on the predicate object, the lengths, the batch, the device and the version counters
-of the tensors the predicate captures (an in-place change to captured document ids makes a new
-plan). A predicate that reads anything else that changes between calls (a global, a Python list)
-should be given a fresh plan, or a fresh function, when it changes.
+``attnkit.attention(..., mask_mod=fn)`` builds the plan itself and keeps it, with the predicate
+(weakly: nothing is kept alive by the cache), keyed on the lengths, the batch, the device and the
+version counters of the tensors the predicate captures (an in-place change to captured document
+ids makes a new plan). A predicate that reads anything else that changes between calls (a
+global, a Python list) should be given a fresh plan, or a fresh function, when it changes.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -39,12 +40,12 @@ from . import masks as _masks
 from .backends import _captured
 from .request import check_window, probe_indices
 
-#: How many automatically built plans ``attnkit.attention`` keeps.
-CACHE_SIZE = 16
+#: How many automatically built plans ``attnkit.attention`` keeps per predicate (sizes, tensor versions).
+PLANS_PER_PREDICATE = 8
 #: Rows with more intervals than this are not worth the band kernel's per-row bookkeeping.
 MAX_INTERVALS = 256
 
-_cache: OrderedDict = OrderedDict()
+_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # predicate -> {key: plan}
 
 
 class MaskPlan:
@@ -61,7 +62,6 @@ class MaskPlan:
         self.predicate = predicate
         self.q_len, self.kv_len, self.batch, self.device = q_len, kv_len, batch, device
         self.starts, self.ends = starts, ends
-        self.dense: Tensor | None = None
         self._kinds: dict[tuple[int, int], Tensor] = {}
 
     def __call__(self, b, h, q_idx, kv_idx):
@@ -127,8 +127,13 @@ def mask_plan(mask_mod=None, *, q_len: int, kv_len: int | None = None, batch: in
 
 def for_request(req) -> MaskPlan | None:
     """The plan of a validated request's ``is_causal``/``window``/``mask_mod`` and dense ``mask``
-    (None when it has none, or a dense mask with other than 4-D inputs), from the request itself,
-    from the cache, or built now and cached."""
+    (None when it has none, or a dense mask with other than 4-D inputs): the request's own
+    :class:`MaskPlan`, a cached one, or one built now.
+
+    Plans built here keep no predicate (the request has it) and are cached per predicate, weakly:
+    the cache does not keep a predicate, or the tensors it captures, alive. Plans of a dense mask
+    are not cached (the mask may be large, and a freed mask's address may come back).
+    """
     dense = req.mask if req.mask is not None and req.query.dim() == 4 else None
     if req.mask_mod is None and not req.is_causal and req.window is None and dense is None:
         return None
@@ -142,17 +147,19 @@ def for_request(req) -> MaskPlan | None:
     mod = req.mask_mod
     if dense is not None:
         mod = _dense_predicate(dense) if mod is None else _masks.and_masks(mod, _dense_predicate(dense))
-    key = _cache_key(req.mask_mod, dense, req.q_len, req.kv_len, batch, req.heads, req.is_causal, req.window, dev)
-    plan = _cache.get(key) if key is not None else None
-    if plan is None:
-        plan = _build(mod, req.q_len, req.kv_len, batch, req.heads, req.is_causal, req.window, dev)
-        plan.dense = dense  # keeps the mask's address from being reused while the plan is cached
-        if key is not None:
-            _cache[key] = plan
-            while len(_cache) > CACHE_SIZE:
-                _cache.popitem(last=False)
-    else:
-        _cache.move_to_end(key)
+    sizes = (req.q_len, req.kv_len, batch, req.heads, req.is_causal, req.window, dev)
+    owner, key = _cache_key(req.mask_mod, sizes) if dense is None else (None, None)
+    plans = _cache.get(owner) if owner is not None else None
+    if plans is not None and key in plans:
+        plans.move_to_end(key)
+        return plans[key]
+    plan = _build(mod, req.q_len, req.kv_len, batch, req.heads, req.is_causal, req.window, dev)
+    plan.predicate = None
+    if owner is not None:
+        plans = _cache.setdefault(owner, OrderedDict())
+        plans[key] = plan
+        while len(plans) > PLANS_PER_PREDICATE:
+            plans.popitem(last=False)
     return plan
 
 
@@ -202,19 +209,28 @@ def row_bounds(q_len: int, kv_len: int, is_causal: bool = False, window=None) ->
     return _masks.normalize(lo.view(1, -1, 1), hi.view(1, -1, 1), kv_len)
 
 
-def _cache_key(mask_mod, dense: Tensor | None, *sizes) -> tuple | None:
-    """What a cached plan depends on: the predicate object (held by the key), the tensors it
-    reaches and the dense mask (by address, version counter and shape; the cached plan holds the
-    dense mask, so its address is not reused while the entry lives), and the sizes; None when
-    the predicate cannot be a dict key."""
+def _cache_key(mask_mod, sizes: tuple) -> tuple:
+    """``(owner, key)``: the object the cached plans hang on (the predicate, or ``_NO_MOD`` for
+    is_causal/window alone; None when it cannot be weakly referenced) and what a plan depends on
+    besides it: the sizes and the address and version counter of every tensor the predicate
+    reaches (an in-place change to captured document ids makes a new plan)."""
     mask_mod = getattr(mask_mod, "__wrapped__", mask_mod)  # a per-element wrapper, made per call: its mod
+    if mask_mod is None:
+        return _NO_MOD, sizes
     try:
+        weakref.ref(mask_mod)
         hash(mask_mod)
     except TypeError:
-        return None
-    found = _captured.captured_tensors(mask_mod, requiring_grad=False) + ([dense] if dense is not None else [])
-    versions = tuple((id(t), t.data_ptr(), t._version, tuple(t.shape)) for t in found)
-    return (mask_mod, versions, *sizes)
+        return None, None
+    found = _captured.captured_tensors(mask_mod, requiring_grad=False)
+    return mask_mod, (tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in found), *sizes)
+
+
+class _NoMod:
+    """Stands for "no predicate" as a weak-dict key (is_causal/window plans)."""
+
+
+_NO_MOD = _NoMod()
 
 
 def _everything(b, h, q_idx, kv_idx) -> Tensor:

@@ -155,3 +155,21 @@ def test_rows_with_nothing_to_attend_between_others_give_zeros_and_zero_gradient
     for a, b in zip(got, ref, strict=True):
         close(a, b)
     assert (got[0][:, :, 3] == 0).all()
+
+
+def test_the_plan_cache_keeps_nothing_alive():
+    import gc
+    import weakref
+
+    def make():
+        docs = torch.arange(16) // 4
+        return (lambda b, h, i, j: docs[i] == docs[j]), weakref.ref(docs)
+
+    mod, docs_gone = make()
+    q = torch.randn(1, 2, 16, 4)
+    attnkit.attention(q, q, q, mask_mod=mod)
+    assert mod in plan._cache  # cached while the predicate lives
+    gone = weakref.ref(mod)
+    del mod
+    gc.collect()
+    assert gone() is None and docs_gone() is None
