@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import weakref
 
 import torch
 from torch import Tensor
@@ -267,32 +268,36 @@ def _probe(score_mod, batch, heads, q_len, kv_len, dtype, device) -> Tensor | No
     table = torch.cat([col[:, 1:, 0].flip(-1), row[:, 0, :]], dim=-1)  # [H, Lq - 1 + Lk]
     if table.requires_grad and not _adds_the_score(score_mod, heads, q_len, kv_len, dtype, device):
         return None
-    key = _verified_key(score_mod, table, batch, heads, q_len, kv_len, dtype, device)
-    if key is None or key not in _verified:
+    owner = getattr(score_mod, "__wrapped__", score_mod)  # a per-element wrapper, made per call: its mod
+    key = _verified_key(owner, table, batch, heads, q_len, kv_len, dtype, device)
+    if key is None or key not in _verified.get(owner, ()):
         with torch.no_grad():
             if not _agrees(score_mod, table.detach(), batch, heads, q_len, kv_len, dtype, device):
                 return None
         if key is not None:
-            _verified[key] = True
-            while len(_verified) > 16:
-                _verified.popitem(last=False)
+            passed = _verified.setdefault(owner, collections.OrderedDict())
+            passed[key] = True
+            while len(passed) > 8:
+                passed.popitem(last=False)
     return table
 
 
-#: Probes that passed, keyed on the mod (held), the sizes and the captured tensors' versions: a mod
-#: whose tensors have not changed is not checked again (its table is still read on every call).
-_verified: collections.OrderedDict = collections.OrderedDict()
+#: Probes that passed, per mod (weakly: nothing is kept alive), keyed on the sizes, the captured
+#: tensors' versions and the table's sum: a mod whose tensors have not changed is not checked again
+#: (its table is still read on every call).
+_verified: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _verified_key(score_mod, table, *sizes) -> tuple | None:
     from .backends._captured import captured_tensors  # the backends build on this module
 
     try:
+        weakref.ref(score_mod)
         hash(score_mod)
     except TypeError:
         return None
     found = captured_tensors(score_mod, requiring_grad=False)
-    return (score_mod, tuple((id(t), t.data_ptr(), t._version) for t in found), table.detach().sum().item(), *sizes)
+    return (tuple((t.data_ptr(), t._version) for t in found), table.detach().sum().item(), *sizes)
 
 
 def _adds_the_score(score_mod, heads, q_len, kv_len, dtype, device) -> bool:
