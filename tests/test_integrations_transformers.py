@@ -1,7 +1,7 @@
 """attnkit as transformers' "attnkit" attention: parity with transformers' own implementations.
 
 transformers' eager attention takes its softmax in float32 even for float64 models, so the
-float64 check (1e-10) is against "sdpa"; eager is checked at float32 (1e-5), which also covers
+float64 check is against "sdpa"; eager is checked at float32, which also covers
 Gemma 2's soft-capping, which sdpa refuses.
 """
 
@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 import attnkit.integrations.transformers as hf  # noqa: E402
+from tests.tolerances import MODEL_PARITY, close  # noqa: E402
 
 V = 97
 
@@ -46,17 +47,24 @@ def _inputs():
     return ids, mask
 
 
+def _parity(model, anchor: str, dtype: torch.dtype, ids=None, mask=None) -> None:
+    """The model's hidden states or logits under "attnkit" against ``anchor``, on the real tokens,
+    within the tolerance table's model-parity row for ``dtype``."""
+    if ids is None:
+        ids, mask = _inputs()
+    with torch.no_grad():
+        want = _run(model, anchor, ids, mask)
+        got = _run(model, "attnkit", ids, mask)
+    keep = mask.bool()
+    close(got[keep], want[keep], dtype, **MODEL_PARITY[dtype])
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2", "bert"])
 def test_float64_parity_with_sdpa(name):
     torch.manual_seed(0)
     config, cls = _configs()[name]
     model = cls(config).double().eval()
-    ids, mask = _inputs()
-    with torch.no_grad():
-        want = _run(model, "sdpa", ids, mask)
-        got = _run(model, "attnkit", ids, mask)
-    keep = mask.bool()
-    assert (got[keep] - want[keep]).abs().max().item() < 1e-10
+    _parity(model, "sdpa", torch.float64)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "gpt2"])
@@ -64,12 +72,7 @@ def test_float32_parity_with_eager(name):
     torch.manual_seed(0)
     config, cls = _configs()[name]
     model = cls(config).eval()
-    ids, mask = _inputs()
-    with torch.no_grad():
-        want = _run(model, "eager", ids, mask)
-        got = _run(model, "attnkit", ids, mask)
-    keep = mask.bool()
-    assert (got[keep] - want[keep]).abs().max().item() < 1e-5
+    _parity(model, "eager", torch.float32)
 
 
 def test_gemma2_softcap_float32_parity_with_eager():
@@ -79,12 +82,7 @@ def test_gemma2_softcap_float32_parity_with_eager():
         num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=5.0,
         max_position_embeddings=64)
     model = transformers.Gemma2ForCausalLM(config).eval()
-    ids, mask = _inputs()
-    with torch.no_grad():
-        want = _run(model, "eager", ids, mask)
-        got = _run(model, "attnkit", ids, mask)
-    keep = mask.bool()
-    assert (got[keep] - want[keep]).abs().max().item() < 1e-5
+    _parity(model, "eager", torch.float32)
 
 
 def test_greedy_generation_matches_sdpa():
@@ -110,7 +108,7 @@ def test_output_attentions_match_eager_weights():
         model.set_attn_implementation("attnkit")
         got = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
     for w, g in zip(want, got, strict=True):
-        assert (w - g).abs().max().item() < 1e-5
+        close(g, w, torch.float32)
 
 
 def test_register_is_idempotent_and_config_route_works():
@@ -136,9 +134,4 @@ def test_bundled_minilm_real_weights_match_eager():
     path = os.path.join(os.path.dirname(package.__file__), "model")
     model = transformers.AutoModel.from_pretrained(path, attn_implementation="attnkit").eval()
     assert model.config._attn_implementation == "attnkit"
-    ids, mask = _inputs()
-    with torch.no_grad():
-        got = _run(model, "attnkit", ids, mask)
-        want = _run(model, "eager", ids, mask)
-    keep = mask.bool()
-    assert (got[keep] - want[keep]).abs().max().item() < 1e-5
+    _parity(model, "eager", torch.float32)
