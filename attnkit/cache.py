@@ -11,12 +11,28 @@ head sizes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import Tensor, nn
 
 from ._text import describe
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "make_caches"]
+
+
+def make_caches(attentions: Iterable[nn.Module], batch_size: int, max_len: int, *, dtype=None,
+                device=None) -> list[KVCache]:
+    """One empty :class:`KVCache` per :class:`~attnkit.MultiHeadAttention`, sized from it.
+
+    ``dtype``/``device`` default to each module's parameters'.
+    """
+    caches = []
+    for a in attentions:
+        w = a.q_proj.weight
+        caches.append(KVCache(batch_size, max_len, a.num_kv_heads, a.head_dim, a.v_head_dim,
+                              dtype=dtype or w.dtype, device=device or w.device))
+    return caches
 
 
 class KVCache(nn.Module):

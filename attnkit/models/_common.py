@@ -1,24 +1,14 @@
-"""Pieces the model files share: activations by config name, backend checks, weights on demand."""
+"""Pieces the model files share: activations by config name, padding, the backend choice."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends as _backends
 from ..modules import MultiHeadAttention
+from ..modules.transformer import ACTIVATIONS
 
-#: Hugging Face ``hidden_act`` / ``activation_function`` names -> functions.
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
+__all__ = ["ACTIVATIONS", "BackendChoice", "check_backend", "real_tokens", "weights_backend"]
 
 
 def real_tokens(attention_mask, b: int, n: int, what: str = "[B, L]") -> Tensor | None:
@@ -43,18 +33,32 @@ def check_backend(backend: str) -> None:
         _backends.get(backend)  # raises ValueError listing the registered names
 
 
-@contextmanager
-def weights_backend(attn: MultiHeadAttention) -> Iterator[None]:
-    """Within the block, ``attn`` runs on a backend that returns weights.
+def weights_backend(need_weights: bool) -> str | None:
+    """The per-call backend of a pass: ``"reference"`` when weights are asked for, else ``None``.
 
-    Only the reference backend returns attention weights: ``"auto"`` already finds it when weights
-    are asked for, while a forced fused backend (``"sdpa"``) would refuse the call, so for that
-    call the layer is switched to ``"reference"`` and switched back afterwards.
+    Only the reference backend returns attention weights: ``"auto"`` would find it, but a
+    model-wide fused choice (``"sdpa"``) would refuse the call. ``None`` keeps each layer's own
+    backend; nothing on the modules changes either way.
     """
-    saved = attn.backend
-    if saved != "auto":
-        attn.backend = "reference"
-    try:
-        yield
-    finally:
-        attn.backend = saved
+    return "reference" if need_weights else None
+
+
+class BackendChoice:
+    """``set_backend`` / ``backend`` for a model whose attention modules all run one backend."""
+
+    def set_backend(self, backend: str):
+        """Run every attention module on ``backend`` (``"auto"`` or a registered name); returns self.
+
+        With ``output_attentions=True`` a pass calls the reference backend instead, since fused
+        kernels do not return weights (see :func:`weights_backend`).
+        """
+        check_backend(backend)
+        for m in self.modules():
+            if isinstance(m, MultiHeadAttention):
+                m.backend = backend
+        return self
+
+    @property
+    def backend(self) -> str:
+        """The attention backend of the first attention module (``"auto"`` when there is none)."""
+        return next((m.backend for m in self.modules() if isinstance(m, MultiHeadAttention)), "auto")

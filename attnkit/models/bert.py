@@ -1,8 +1,10 @@
 """BERT (Devlin et al. 2019) on attnkit's attention, loading Hugging Face BERT-format folders.
 
-The model is built from :class:`attnkit.MultiHeadAttention` (its ``q/k/v/out_proj`` hold BERT's
-``query/key/value/attention.output.dense``) and calls :func:`attnkit.attention`, so any registered
-backend runs it. Numbers equal ``transformers``' ``BertModel`` (eager attention) in float32.
+The layers are :class:`attnkit.modules.TransformerEncoderLayer` blocks, post-norm (their
+``self_attn.q/k/v/out_proj`` hold BERT's ``query/key/value/attention.output.dense``, ``ff`` its
+intermediate and output dense layers, ``norm1``/``norm2`` its two LayerNorms; the names are mapped
+when a checkpoint is read), so any registered backend runs them. Numbers equal
+``transformers``' ``BertModel`` (eager attention) in float32.
 
 Shape notation: ``B`` batch, ``L`` tokens, ``E`` hidden size, ``H`` heads.
 """
@@ -20,9 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._text import describe
-from ..modules import MultiHeadAttention
+from ..modules import TransformerEncoderLayer
 from . import checkpoint as ckpt
-from ._common import ACTIVATIONS, check_backend, real_tokens, weights_backend
+from ._common import ACTIVATIONS, BackendChoice, check_backend, real_tokens, weights_backend
 
 
 @dataclass(frozen=True)
@@ -124,34 +126,15 @@ class BertEmbeddings(nn.Module):
         return self.dropout(self.norm(x))
 
 
-class BertLayer(nn.Module):
-    """Post-norm encoder layer: ``x = LN(x + Attn(x)); x = LN(x + FFN(x))``."""
-
-    def __init__(self, cfg: BertConfig, backend: str) -> None:
-        super().__init__()
-        e = cfg.hidden_size
-        self.attn = MultiHeadAttention(e, cfg.num_attention_heads, dropout=cfg.attention_probs_dropout_prob,
-                                       backend=backend)
-        self.attn_norm = nn.LayerNorm(e, eps=cfg.layer_norm_eps)
-        self.ff_in = nn.Linear(e, cfg.intermediate_size)
-        self.ff_out = nn.Linear(cfg.intermediate_size, e)
-        self.ff_norm = nn.LayerNorm(e, eps=cfg.layer_norm_eps)
-        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
-        self.act = ACTIVATIONS[cfg.hidden_act]
-
-    def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool) -> tuple[Tensor, Tensor | None]:
-        """``x [B, L, E]``, ``mask`` bool ``[B, 1, 1, L]`` (True = real key) -> ``(x, weights)``."""
-        if need_weights:
-            with weights_backend(self.attn):
-                a, w = self.attn(x, mask=mask, need_weights=True)
-        else:
-            a, w = self.attn(x, mask=mask), None
-        x = self.attn_norm(x + self.dropout(a))
-        h = self.ff_out(self.act(self.ff_in(x)))
-        return self.ff_norm(x + self.dropout(h)), w
+def bert_layer(cfg: BertConfig, backend: str) -> TransformerEncoderLayer:
+    """BERT's post-norm encoder layer: ``x = LN(x + Attn(x)); x = LN(x + FFN(x))``."""
+    return TransformerEncoderLayer(
+        cfg.hidden_size, cfg.num_attention_heads, ffn_dim=cfg.intermediate_size, dropout=cfg.hidden_dropout_prob,
+        attn_dropout=cfg.attention_probs_dropout_prob, ffn_dropout=0.0, activation=cfg.hidden_act,
+        norm_first=False, layer_norm_eps=cfg.layer_norm_eps, backend=backend)
 
 
-class Bert(nn.Module):
+class Bert(BackendChoice, nn.Module):
     """The BERT encoder (``transformers``' ``BertModel``) on attnkit attention.
 
     Build it with :meth:`from_pretrained`; ``Bert(config)`` gives random weights.
@@ -168,7 +151,7 @@ class Bert(nn.Module):
         check_backend(backend)
         self.config = config
         self.embeddings = BertEmbeddings(config)
-        self.layers = nn.ModuleList(BertLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(bert_layer(config, backend) for _ in range(config.num_hidden_layers))
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if with_pooler else None
         self.pooling = "mean"
         self.normalize = True
@@ -267,22 +250,7 @@ class Bert(nn.Module):
         if modules_file.is_file():
             self.normalize = "sentence_transformers.models.Normalize" in ckpt.read_text(modules_file)
 
-    # ------------------------------------------------------------------ backends
-
-    def set_backend(self, backend: str) -> Bert:
-        """Run every layer's attention on ``backend`` (``"auto"`` or a registered name).
-
-        With ``output_attentions=True`` the layers call the reference backend for that pass,
-        since fused kernels do not return weights; otherwise the chosen backend runs.
-        """
-        check_backend(backend)
-        for layer in self.layers:
-            layer.attn.backend = backend
-        return self
-
-    @property
-    def backend(self) -> str:
-        return self.layers[0].attn.backend if len(self.layers) else "auto"
+    # ------------------------------------------------------------------ approximate attention
 
     def with_attention(self, kind: str | None, *, layers: Iterable[int] | None = None, **kind_args) -> Bert:
         """A copy of this model whose chosen layers attend by an approximate method, without retraining.
@@ -353,8 +321,10 @@ class Bert(nn.Module):
             self._check_aux("position_ids", position_ids, b, n, self.config.max_position_embeddings)
         x = self.embeddings(input_ids, token_type_ids, position_ids)  # (B, L, E)
         hidden, attns = [x], []
+        backend = weights_backend(output_attentions)
         for layer in self.layers:
-            x, w = layer(x, mask, output_attentions)
+            res = layer(x, mask=mask, need_weights=output_attentions, backend=backend)
+            x, w = res if output_attentions else (res, None)
             hidden.append(x)
             attns.append(w)
         pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None
@@ -434,15 +404,13 @@ def _hf_layout(cfg: BertConfig, layers: Iterable[int], with_pooler: bool) -> Ite
         ("embeddings.norm.weight", "embeddings.LayerNorm.weight", (e,)),
         ("embeddings.norm.bias", "embeddings.LayerNorm.bias", (e,)),
     )
-    # ours -> (theirs, weight shape); every bias is the weight's first dimension.
-    parts = {"attn.q_proj": ("attention.self.query", (e, e)), "attn.k_proj": ("attention.self.key", (e, e)),
-             "attn.v_proj": ("attention.self.value", (e, e)), "attn.out_proj": ("attention.output.dense", (e, e)),
-             "attn_norm": ("attention.output.LayerNorm", (e,)), "ff_in": ("intermediate.dense", (f, e)),
-             "ff_out": ("output.dense", (e, f)), "ff_norm": ("output.LayerNorm", (e,))}
-    for i in layers:
-        for ours, (theirs, shape) in parts.items():
-            yield f"layers.{i}.{ours}.weight", f"encoder.layer.{i}.{theirs}.weight", shape
-            yield f"layers.{i}.{ours}.bias", f"encoder.layer.{i}.{theirs}.bias", shape[:1]
+    # The layer block's names -> (BERT's, weight shape); every bias is the weight's first dimension.
+    parts = {"self_attn.q_proj": ("attention.self.query", (e, e)), "self_attn.k_proj": ("attention.self.key", (e, e)),
+             "self_attn.v_proj": ("attention.self.value", (e, e)),
+             "self_attn.out_proj": ("attention.output.dense", (e, e)), "norm1": ("attention.output.LayerNorm", (e,)),
+             "ff.linear1": ("intermediate.dense", (f, e)), "ff.linear2": ("output.dense", (e, f)),
+             "norm2": ("output.LayerNorm", (e,))}
+    yield from ckpt.per_layer(layers, "layers.{}", "encoder.layer.{}", parts, bias_dim=0)
     if with_pooler:
         yield "pooler.weight", "pooler.dense.weight", (e, e)
         yield "pooler.bias", "pooler.dense.bias", (e,)

@@ -17,7 +17,7 @@ import importlib.util
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
@@ -343,6 +343,28 @@ def assign(
             target = own[name]
             _check_one(key, t.shape, str(t.dtype), t.is_floating_point(), f, target.shape)
             target.copy_(t.to(target.dtype))
+
+
+def per_layer(layers: Iterable[int], ours: str, theirs: str, parts: Mapping[str, tuple[str, tuple[int, ...]]],
+              *, bias_dim: int) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """``(our name, checkpoint key, stored shape)`` of every weight and bias of ``layers``, in order.
+
+    This is where a checkpoint's layer names meet attnkit's layer blocks
+    (:class:`~attnkit.modules.TransformerEncoderLayer`: ``self_attn.q_proj``, ``norm1``,
+    ``ff.linear1``, ...), at load time; the model keeps the blocks' own names.
+
+    Args:
+        layers: layer indices, in the order to list them.
+        ours, theirs: the per-layer name templates, e.g. ``"layers.{}"`` and ``"encoder.layer.{}"``.
+        parts: our sublayer name -> (theirs, the stored weight's shape).
+        bias_dim: which dimension of the stored weight the bias has (0 for ``nn.Linear``'s
+            ``[out, in]``, -1 for GPT-2's Conv1D ``[in, out]``).
+    """
+    for i in layers:
+        head, tail = ours.format(i), theirs.format(i)
+        for name, (key, shape) in parts.items():
+            yield f"{head}.{name}.weight", f"{tail}.{key}.weight", shape
+            yield f"{head}.{name}.bias", f"{tail}.{key}.bias", (shape[bias_dim],)
 
 
 def key_prefix(tensors: Mapping[str, object], probe: str, prefixes: tuple[str, ...]) -> str:

@@ -1,10 +1,11 @@
 """GPT-2 (Radford et al. 2019) on attnkit's attention, with generation on a static KV cache.
 
-Each block is pre-norm: ``x = x + Attn(LN(x)); x = x + MLP(LN(x))``, with causal
-:class:`attnkit.MultiHeadAttention`; the LM head shares the token embedding. Weights come from a
-``transformers`` ``GPT2LMHeadModel`` (:meth:`GPT2.from_hf`) or a local Hugging Face GPT-2 folder
-(:meth:`GPT2.from_pretrained`, safetensors only). GPT-2's fused ``c_attn`` Conv1D (``[E, 3E]``,
-input-major) is split and transposed into the module's ``q/k/v_proj``.
+Each block is a pre-norm :class:`attnkit.modules.TransformerEncoderLayer` run causally:
+``x = x + Attn(LN(x)); x = x + MLP(LN(x))``; the LM head shares the token embedding. Weights come
+from a ``transformers`` ``GPT2LMHeadModel`` (:meth:`GPT2.from_hf`) or a local Hugging Face GPT-2
+folder (:meth:`GPT2.from_pretrained`, safetensors only); their names are mapped to the block's at
+load time (``ln_1`` -> ``norm1``, ``mlp.c_fc`` -> ``ff.linear1``, ...), and GPT-2's fused ``c_attn``
+Conv1D (``[E, 3E]``, input-major) is split and transposed into ``self_attn.q/k/v_proj``.
 
 Shape notation: ``B`` batch, ``L`` new tokens, ``T`` tokens seen so far (cache included),
 ``E`` width, ``H`` heads, ``V`` vocabulary.
@@ -20,10 +21,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..cache import KVCache
-from ..modules import MultiHeadAttention
+from ..cache import KVCache, make_caches
+from ..modules import TransformerEncoderLayer
 from . import checkpoint as ckpt
-from ._common import ACTIVATIONS, check_backend, real_tokens, weights_backend
+from ._common import ACTIVATIONS, BackendChoice, check_backend, real_tokens, weights_backend
 
 
 @dataclass(frozen=True)
@@ -100,36 +101,18 @@ class GPT2Output:
     attentions: tuple[Tensor, ...] | None = None
 
 
-class GPT2Block(nn.Module):
-    """Pre-norm decoder block: causal self-attention and a GELU MLP, each with a residual."""
-
-    def __init__(self, cfg: GPT2Config, layer_idx: int, backend: str) -> None:
-        super().__init__()
-        e = cfg.n_embd
-        scale = (e // cfg.n_head) ** -0.5 if cfg.scale_attn_weights else 1.0
-        if cfg.scale_attn_by_inverse_layer_idx:
-            scale /= layer_idx + 1
-        self.ln_1 = nn.LayerNorm(e, eps=cfg.layer_norm_epsilon)
-        self.attn = MultiHeadAttention(e, cfg.n_head, dropout=cfg.attn_pdrop, backend=backend, scale=scale)
-        self.ln_2 = nn.LayerNorm(e, eps=cfg.layer_norm_epsilon)
-        self.fc_in = nn.Linear(e, cfg.n_inner or 4 * e)
-        self.fc_out = nn.Linear(cfg.n_inner or 4 * e, e)
-        self.act = ACTIVATIONS[cfg.activation_function]
-        self.dropout = nn.Dropout(cfg.resid_pdrop)
-
-    def forward(self, x: Tensor, key_mask: Tensor | None, cache: KVCache | None,
-                need_weights: bool) -> tuple[Tensor, Tensor | None]:
-        h = self.ln_1(x)
-        if need_weights:
-            with weights_backend(self.attn):
-                a, w = self.attn(h, key_mask=key_mask, is_causal=True, cache=cache, need_weights=True)
-        else:
-            a, w = self.attn(h, key_mask=key_mask, is_causal=True, cache=cache), None
-        x = x + self.dropout(a)
-        return x + self.dropout(self.fc_out(self.act(self.fc_in(self.ln_2(x))))), w
+def gpt2_block(cfg: GPT2Config, layer_idx: int, backend: str) -> TransformerEncoderLayer:
+    """GPT-2's pre-norm block (run with ``is_causal=True``): causal self-attention and an MLP."""
+    scale = (cfg.n_embd // cfg.n_head) ** -0.5 if cfg.scale_attn_weights else 1.0
+    if cfg.scale_attn_by_inverse_layer_idx:
+        scale /= layer_idx + 1
+    return TransformerEncoderLayer(
+        cfg.n_embd, cfg.n_head, ffn_dim=cfg.n_inner or 4 * cfg.n_embd, dropout=cfg.resid_pdrop,
+        attn_dropout=cfg.attn_pdrop, ffn_dropout=0.0, activation=cfg.activation_function, norm_first=True,
+        layer_norm_eps=cfg.layer_norm_epsilon, scale=scale, backend=backend)
 
 
-class GPT2(nn.Module):
+class GPT2(BackendChoice, nn.Module):
     """GPT-2 language model (``transformers``' ``GPT2LMHeadModel``) on attnkit attention.
 
     Args:
@@ -144,7 +127,7 @@ class GPT2(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.dropout = nn.Dropout(config.embd_pdrop)
-        self.blocks = nn.ModuleList(GPT2Block(config, i, backend) for i in range(config.n_layer))
+        self.blocks = nn.ModuleList(gpt2_block(config, i, backend) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
     # ------------------------------------------------------------------ loading
@@ -200,7 +183,7 @@ class GPT2(nn.Module):
         which = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 
         def transform(name: str, t: Tensor) -> Tensor:
-            if name.startswith("blocks.") and not name.split(".")[2].startswith("ln_"):
+            if name.startswith("blocks.") and not name.split(".")[2].startswith("norm"):
                 is_w = name.endswith("weight")
                 # Conv1D stores [in, out]; nn.Linear wants [out, in]. A wrong rank is left for
                 # assign's shape check to report.
@@ -215,21 +198,12 @@ class GPT2(nn.Module):
 
     # ------------------------------------------------------------------ running
 
-    def set_backend(self, backend: str) -> GPT2:
-        """Run every layer's attention on ``backend`` (weights, when asked for, use the reference)."""
-        check_backend(backend)
-        for block in self.blocks:
-            block.attn.backend = backend
-        return self
-
     def make_cache(self, batch_size: int, max_len: int) -> list[KVCache]:
         """One preallocated :class:`~attnkit.cache.KVCache` per layer, for ``max_len`` tokens."""
         if not isinstance(max_len, int) or not 0 < max_len <= self.config.n_positions:
             raise ValueError(f"max_len must be an int in [1, n_positions={self.config.n_positions}], got "
                              f"{max_len!r}")
-        w = self.wte.weight
-        return [KVCache(batch_size, max_len, b.attn.num_kv_heads, b.attn.head_dim, dtype=w.dtype, device=w.device)
-                for b in self.blocks]
+        return make_caches([b.self_attn for b in self.blocks], batch_size, max_len)
 
     def forward(
         self,
@@ -287,9 +261,11 @@ class GPT2(nn.Module):
                                  f"[{int(position_ids.min())}, {int(position_ids.max())}]")
             pos = position_ids
         x = self.dropout(self.wte(input_ids) + self.wpe(pos))  # (B, L, E)
-        attns = []
+        attns, backend = [], weights_backend(output_attentions)
         for i, block in enumerate(self.blocks):
-            x, w = block(x, key_mask, None if cache is None else cache[i], output_attentions)
+            res = block(x, key_mask=key_mask, is_causal=True, cache=None if cache is None else cache[i],
+                        need_weights=output_attentions, backend=backend)
+            x, w = res if output_attentions else (res, None)
             attns.append(w)
         x = self.ln_f(x)
         logits = x @ self.wte.weight.t()  # (B, L, V): the LM head is tied to the embedding
@@ -389,15 +365,12 @@ def _hf_layout(cfg: GPT2Config, layers: Iterable[int]) -> Iterator[tuple[str, st
     e, inner = cfg.n_embd, cfg.n_inner or 4 * cfg.n_embd
     yield from (("wte.weight", "wte.weight", (cfg.vocab_size, e)), ("wpe.weight", "wpe.weight", (cfg.n_positions, e)),
                 ("ln_f.weight", "ln_f.weight", (e,)), ("ln_f.bias", "ln_f.bias", (e,)))
-    # ours -> (theirs, stored weight shape); every bias is the weight's output (last) dimension.
-    parts = {"ln_1": ("ln_1", (e,)), "ln_2": ("ln_2", (e,)), "attn.q_proj": ("attn.c_attn", (e, 3 * e)),
-             "attn.k_proj": ("attn.c_attn", (e, 3 * e)), "attn.v_proj": ("attn.c_attn", (e, 3 * e)),
-             "attn.out_proj": ("attn.c_proj", (e, e)), "fc_in": ("mlp.c_fc", (e, inner)),
-             "fc_out": ("mlp.c_proj", (inner, e))}
-    for i in layers:
-        for ours, (theirs, shape) in parts.items():
-            yield f"blocks.{i}.{ours}.weight", f"h.{i}.{theirs}.weight", shape
-            yield f"blocks.{i}.{ours}.bias", f"h.{i}.{theirs}.bias", shape[-1:]
+    # The block's names -> (GPT-2's, stored weight shape); every bias is the weight's output (last) dimension.
+    parts = {"norm1": ("ln_1", (e,)), "norm2": ("ln_2", (e,)), "self_attn.q_proj": ("attn.c_attn", (e, 3 * e)),
+             "self_attn.k_proj": ("attn.c_attn", (e, 3 * e)), "self_attn.v_proj": ("attn.c_attn", (e, 3 * e)),
+             "self_attn.out_proj": ("attn.c_proj", (e, e)), "ff.linear1": ("mlp.c_fc", (e, inner)),
+             "ff.linear2": ("mlp.c_proj", (inner, e))}
+    yield from ckpt.per_layer(layers, "blocks.{}", "h.{}", parts, bias_dim=-1)
 
 
 def positions_from_mask(attention_mask: Tensor) -> Tensor:

@@ -11,7 +11,12 @@ outputs agree. What differs is attnkit's conventions:
   :func:`attnkit.masks.from_key_padding_mask` convert PyTorch's opposite conventions;
 * the decoder's self-attention is causal by default and accepts a :class:`~attnkit.cache.KVCache`
   per layer, so generation appends one token at a time (causal masks align bottom-right);
-* positional encodings plug into the self-attention (``rotary=``, ``position_bias=``).
+* positional encodings plug into the self-attention (``rotary=``, ``position_bias=``);
+* what pretrained models need is a constructor argument, not a subclass: activations by their
+  Hugging Face names (:data:`ACTIVATIONS`), separate dropout rates for the attention weights and
+  the feed-forward hidden layer, a score ``scale``; and an encoder layer with ``is_causal`` and a
+  ``cache`` is a decoder-only (GPT-style) block. :mod:`attnkit.models` builds BERT and GPT-2 from
+  these layers.
 
 Post-norm (``norm_first=False``, the paper, BERT, most tutorials) is ``x = LayerNorm(x + Dropout(Sublayer(x)))``;
 pre-norm (GPT-2 and most modern models) is ``x = x + Dropout(Sublayer(LayerNorm(x)))``.
@@ -32,6 +37,7 @@ if TYPE_CHECKING:
     from ..cache import KVCache
 
 __all__ = [
+    "ACTIVATIONS",
     "FeedForward",
     "TransformerEncoderLayer",
     "TransformerDecoderLayer",
@@ -40,14 +46,28 @@ __all__ = [
     "Transformer",
 ]
 
-_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu}
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """GELU by its tanh approximation (GPT-2's ``gelu_new``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+#: Activations by name: PyTorch's (``relu``, ``gelu``) and Hugging Face's ``hidden_act`` /
+#: ``activation_function`` names, so a model's config names its layers' activation directly.
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
+}
 
 
 def _activation(activation) -> Callable[[Tensor], Tensor]:
     if isinstance(activation, str):
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)} or a callable, got {activation!r}")
-        return _ACTIVATIONS[activation]
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)} or a callable, got {activation!r}")
+        return ACTIVATIONS[activation]
     if not callable(activation):
         raise TypeError(f"activation must be a name or a callable, got {type(activation).__name__}")
     return activation
@@ -59,7 +79,7 @@ class FeedForward(nn.Module):
     Args:
         embed_dim: ``E``, in and out.
         ffn_dim: the hidden width (``dim_feedforward`` in PyTorch; 4E in the paper).
-        activation: ``"relu"``, ``"gelu"`` or a callable.
+        activation: a name from :data:`ACTIVATIONS` or a callable.
         dropout: on the hidden activations, while training.
         bias: biases in both linears.
     """
@@ -82,13 +102,27 @@ class _Layer(nn.Module):
     norm_first: bool
 
     def _residual(self, x: Tensor, norm: nn.Module, dropout: nn.Module, sublayer: Callable[[Tensor], Tensor]):
-        if self.norm_first:
-            return x + dropout(sublayer(norm(x)))
-        return norm(x + dropout(sublayer(x)))
+        return self._add(x, norm, dropout(sublayer(self._input(x, norm))))
+
+    def _input(self, x: Tensor, norm: nn.Module) -> Tensor:
+        """What a sublayer reads: ``norm(x)`` in pre-norm, ``x`` in post-norm."""
+        return norm(x) if self.norm_first else x
+
+    def _add(self, x: Tensor, norm: nn.Module, branch: Tensor) -> Tensor:
+        """The residual sum: ``x + branch`` in pre-norm, ``norm(x + branch)`` in post-norm."""
+        return x + branch if self.norm_first else norm(x + branch)
+
+
+def _dropouts(dropout: float, attn_dropout: float | None, ffn_dropout: float | None) -> tuple[float, float]:
+    """The attention-weight and feed-forward-hidden rates; ``None`` means ``dropout`` (PyTorch's one rate)."""
+    return (dropout if attn_dropout is None else attn_dropout), (dropout if ffn_dropout is None else ffn_dropout)
 
 
 class TransformerEncoderLayer(_Layer):
     """Self-attention and feed-forward, each wrapped in residual + LayerNorm.
+
+    With ``is_causal=True`` (and a :class:`~attnkit.cache.KVCache` when decoding) it is also the
+    block of a decoder-only model: GPT-2 is a stack of these with ``norm_first=True``.
 
     Shape notation: ``B`` batch, ``L`` length, ``E`` = ``embed_dim``, ``H`` heads.
 
@@ -96,46 +130,68 @@ class TransformerEncoderLayer(_Layer):
         embed_dim: ``E``.
         num_heads: ``H``.
         ffn_dim: feed-forward width (2048 as in PyTorch).
-        dropout: on the attention weights, the FFN hidden layer and both residual branches.
-        activation: ``"relu"``, ``"gelu"`` or a callable.
+        dropout: on both residual branches, and on the attention weights and the FFN hidden
+            layer unless ``attn_dropout`` / ``ffn_dropout`` say otherwise.
+        attn_dropout: on the attention weights (BERT's ``attention_probs_dropout_prob``).
+        ffn_dropout: on the FFN hidden layer (``0.0`` in BERT and GPT-2).
+        activation: a name from :data:`ACTIVATIONS` (``"relu"``, ``"gelu"``, ``"gelu_new"``, ...)
+            or a callable.
         norm_first: pre-norm when ``True``, post-norm (the paper's) when ``False``.
         layer_norm_eps: LayerNorm epsilon.
         bias: biases in the linears and LayerNorms.
+        scale: the attention's score scale (default ``1 / sqrt(head_dim)``).
         rotary, position_bias: positional encodings of the self-attention (see
             :class:`MultiHeadAttention`).
         backend: attention backend.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, ffn_dim: int = 2048, dropout: float = 0.1,
-                 activation="relu", norm_first: bool = False, layer_norm_eps: float = 1e-5, bias: bool = True,
-                 rotary=None, position_bias=None, backend: str = "auto", device=None, dtype=None) -> None:
+                 attn_dropout: float | None = None, ffn_dropout: float | None = None, activation="relu",
+                 norm_first: bool = False, layer_norm_eps: float = 1e-5, bias: bool = True,
+                 scale: float | None = None, rotary=None, position_bias=None, backend: str = "auto",
+                 device=None, dtype=None) -> None:
         super().__init__()
         fk = {"device": device, "dtype": dtype}
+        attn_p, ffn_p = _dropouts(dropout, attn_dropout, ffn_dropout)
         self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(embed_dim, num_heads, dropout=dropout, bias=bias, rotary=rotary,
-                                            position_bias=position_bias, backend=backend, **fk)
-        self.ff = FeedForward(embed_dim, ffn_dim, activation=activation, dropout=dropout, bias=bias, **fk)
+        self.self_attn = MultiHeadAttention(embed_dim, num_heads, dropout=attn_p, bias=bias, scale=scale,
+                                            rotary=rotary, position_bias=position_bias, backend=backend, **fk)
+        self.ff = FeedForward(embed_dim, ffn_dim, activation=activation, dropout=ffn_p, bias=bias, **fk)
         self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias, **fk)
         self.norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias, **fk)
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
 
+    @property
+    def attn(self) -> MultiHeadAttention:
+        """The self-attention (``self_attn``, PyTorch's name), under the name the models' users know."""
+        return self.self_attn
+
     def forward(self, x: Tensor, *, mask: Tensor | None = None, key_mask: Tensor | None = None,
-                bias: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        """``x [B, L, E] -> [B, L, E]``.
+                bias: Tensor | None = None, is_causal: bool = False, mask_mod=None, need_weights: bool = False,
+                cache: KVCache | None = None, backend: str | None = None):
+        """``x [B, L, E] -> [B, L, E]``, or ``(x, weights)`` with ``need_weights``.
 
         Args:
-            x: ``[B, L, E]``.
-            mask: bool, ``True`` = may attend: ``[L, L]``, ``[B, L, L]`` or ``[B, H, L, L]``.
+            x: ``[B, L, E]`` (only the new tokens when ``cache`` is given).
+            mask: bool, ``True`` = may attend: ``[L, L]``, ``[B, L, L]`` or ``[B, H, L, L]``; or an
+                :class:`attnkit.MaskPlan`.
             key_mask: ``[B, L]`` bool, ``True`` = real token.
             bias: float added to the scores, shapes as ``mask``.
-            is_causal: look-ahead masking.
+            is_causal: look-ahead masking (aligned bottom-right).
+            mask_mod: a predicate on ``(b, h, q_idx, kv_idx)``, e.g. ``attnkit.masks.padding_mod(lengths)``,
+                which interval-reading backends ("band") serve without a dense mask.
+            need_weights: also return the self-attention's weights ``[B, H, L, Lk]``.
+            cache: a :class:`~attnkit.cache.KVCache` for the self-attention (decoding).
+            backend: this call's attention backend instead of the module's (nothing on it changes).
         """
-        def attend(h):
-            return self.self_attn(h, mask=mask, key_mask=key_mask, bias=bias, is_causal=is_causal)
-
-        x = self._residual(x, self.norm1, self.dropout1, attend)
-        return self._residual(x, self.norm2, self.dropout2, self.ff)
+        res = self.self_attn(self._input(x, self.norm1), mask=mask, key_mask=key_mask, bias=bias,
+                             is_causal=is_causal, mask_mod=mask_mod, need_weights=need_weights, cache=cache,
+                             backend=backend)
+        a, w = res if need_weights else (res, None)
+        x = self._add(x, self.norm1, self.dropout1(a))
+        x = self._residual(x, self.norm2, self.dropout2, self.ff)
+        return (x, w) if need_weights else x
 
     @classmethod
     def from_torch(cls, m: nn.TransformerEncoderLayer) -> TransformerEncoderLayer:
@@ -153,16 +209,19 @@ class TransformerDecoderLayer(_Layer):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, ffn_dim: int = 2048, dropout: float = 0.1,
-                 activation="relu", norm_first: bool = False, layer_norm_eps: float = 1e-5, bias: bool = True,
-                 rotary=None, position_bias=None, backend: str = "auto", device=None, dtype=None) -> None:
+                 attn_dropout: float | None = None, ffn_dropout: float | None = None, activation="relu",
+                 norm_first: bool = False, layer_norm_eps: float = 1e-5, bias: bool = True,
+                 scale: float | None = None, rotary=None, position_bias=None, backend: str = "auto",
+                 device=None, dtype=None) -> None:
         super().__init__()
         fk = {"device": device, "dtype": dtype}
+        attn_p, ffn_p = _dropouts(dropout, attn_dropout, ffn_dropout)
         self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(embed_dim, num_heads, dropout=dropout, bias=bias, rotary=rotary,
-                                            position_bias=position_bias, backend=backend, **fk)
-        self.cross_attn = MultiHeadAttention(embed_dim, num_heads, dropout=dropout, bias=bias, backend=backend,
-                                             **fk)
-        self.ff = FeedForward(embed_dim, ffn_dim, activation=activation, dropout=dropout, bias=bias, **fk)
+        self.self_attn = MultiHeadAttention(embed_dim, num_heads, dropout=attn_p, bias=bias, scale=scale,
+                                            rotary=rotary, position_bias=position_bias, backend=backend, **fk)
+        self.cross_attn = MultiHeadAttention(embed_dim, num_heads, dropout=attn_p, bias=bias, scale=scale,
+                                             backend=backend, **fk)
+        self.ff = FeedForward(embed_dim, ffn_dim, activation=activation, dropout=ffn_p, bias=bias, **fk)
         self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias, **fk)
         self.norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias, **fk)
         self.norm3 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias, **fk)
@@ -249,15 +308,10 @@ class TransformerDecoder(nn.Module):
 
         ``dtype``/``device`` default to the layer's parameters'.
         """
-        from ..cache import KVCache
+        from ..cache import make_caches
 
-        caches = []
-        for layer in self.layers:
-            a = layer.self_attn
-            w = a.q_proj.weight
-            caches.append(KVCache(batch_size, max_len, a.num_kv_heads, a.head_dim, a.v_head_dim,
-                                  dtype=dtype or w.dtype, device=device or w.device))
-        return caches
+        return make_caches([layer.self_attn for layer in self.layers], batch_size, max_len, dtype=dtype,
+                           device=device)
 
     def forward(self, x: Tensor, memory: Tensor, *, mask: Tensor | None = None, key_mask: Tensor | None = None,
                 bias: Tensor | None = None, is_causal: bool = True, memory_mask: Tensor | None = None,
