@@ -135,6 +135,33 @@ def test_every_backend_model_wide(backend, model_dir, pair64, batch):
     _parity(ow.attentions[-1], r.attentions[-1])
 
 
+@torch.no_grad()
+def test_right_padding_reaches_the_band_kernel_as_intervals(model_dir, pair64, batch, monkeypatch):
+    """Right padding goes as padding_mod (no dense mask) where the backend reads mask_mods; the
+    lengths it carries are the batch's; other masks, and auto/sdpa, stay dense."""
+    from attnkit.backends.band import BandBackend
+    from attnkit.masks import Padding
+
+    _, theirs = pair64
+    seen = []
+    real_band = BandBackend.__call__
+
+    def spy(self, req):
+        seen.append((req.mask, req.mask_mod))
+        return real_band(self, req)
+
+    monkeypatch.setattr(BandBackend, "__call__", spy)
+    bert = Bert.from_pretrained(model_dir, backend="band", dtype=torch.float64)
+    _parity(bert(**batch).last_hidden_state, theirs(**batch).last_hidden_state)
+    assert len(seen) == 6 and all(mask is None and isinstance(mod, Padding) for mask, mod in seen)
+    assert torch.equal(seen[0][1].lengths, batch.attention_mask.sum(1))
+    seen.clear()
+    left = batch.attention_mask.flip(1)  # left padding: no prefix, so a dense mask
+    ids = batch.input_ids.flip(1)
+    _parity(bert(ids, left).last_hidden_state, theirs(ids, attention_mask=left).last_hidden_state)
+    assert len(seen) == 6 and all(mask is not None and mod is None for mask, mod in seen)
+
+
 def test_set_backend_validates_and_applies(ours):
     with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
         ours.set_backend("no-such-backend")

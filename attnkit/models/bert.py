@@ -3,7 +3,10 @@
 The layers are :class:`attnkit.modules.TransformerEncoderLayer` blocks, post-norm (their
 ``self_attn.q/k/v/out_proj`` hold BERT's ``query/key/value/attention.output.dense``, ``ff`` its
 intermediate and output dense layers, ``norm1``/``norm2`` its two LayerNorms; the names are mapped
-when a checkpoint is read), so any registered backend runs them. Numbers equal
+when a checkpoint is read), so any registered backend runs them. A right-padded batch reaches the
+attention as :func:`attnkit.masks.padding_mod` (one interval of keys per row, which the banded
+kernel serves without a dense mask) on every backend that takes a mask_mod; other attention masks,
+and the ``"auto"``/``"sdpa"`` choices (PyTorch's fused kernel takes dense masks only), stay dense. Numbers equal
 ``transformers``' ``BertModel`` (eager attention) in float32.
 
 Shape notation: ``B`` batch, ``L`` tokens, ``E`` hidden size, ``H`` heads.
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._text import describe
+from ..masks import padding_mod
 from ..modules import TransformerEncoderLayer
 from . import checkpoint as ckpt
 from ._common import ACTIVATIONS, BackendChoice, check_backend, real_tokens, weights_backend
@@ -132,6 +136,37 @@ def bert_layer(cfg: BertConfig, backend: str) -> TransformerEncoderLayer:
         cfg.hidden_size, cfg.num_attention_heads, ffn_dim=cfg.intermediate_size, dropout=cfg.hidden_dropout_prob,
         attn_dropout=cfg.attention_probs_dropout_prob, ffn_dropout=0.0, activation=cfg.hidden_act,
         norm_first=False, layer_norm_eps=cfg.layer_norm_eps, backend=backend)
+
+
+def padding_masks(keep: Tensor | None) -> tuple[Tensor | None, object | None]:
+    """Real tokens ``[B, L]`` -> ``(dense, structured)`` masks over the keys.
+
+    ``dense`` is bool ``[B, 1, 1, L]`` (over heads and queries); ``structured`` is
+    :func:`attnkit.masks.padding_mod` of the lengths when the batch is right-padded (each row's
+    real tokens a non-empty prefix), else ``None``.
+    """
+    if keep is None:
+        return None, None
+    lengths = keep.sum(-1)  # (B,)
+    prefix = torch.arange(keep.shape[-1], device=keep.device) < lengths[:, None]
+    right_padded = bool((lengths > 0).all()) and torch.equal(keep, prefix)
+    return keep[:, None, None, :], (padding_mod(lengths) if right_padded else None)
+
+
+#: Backends given padding as a dense mask: SDPA takes no mask_mod, and "auto" then picks SDPA, the
+#: fastest at BERT's sizes on CPU (4 x 24 tokens: 0.17 ms against 0.23 ms on the banded kernel).
+DENSE_PADDING = ("auto", "sdpa")
+
+
+def layer_masking(layer: TransformerEncoderLayer, backend: str | None, dense: Tensor | None,
+                  structured) -> dict:
+    """The padding keyword for one layer's call: ``mask_mod=`` (structured) where the layer's
+    backend for this call reads mask_mods, ``mask=`` (dense) where not or where no structured form
+    exists; approximate layers (:meth:`Bert.with_attention`) take dense masks only."""
+    chosen = layer.attn.backend if backend is None else backend
+    if structured is None or chosen in DENSE_PADDING or layer.attn.approx is not None:
+        return {"mask": dense}
+    return {"mask_mod": structured}
 
 
 class Bert(BackendChoice, nn.Module):
@@ -309,8 +344,7 @@ class Bert(BackendChoice, nn.Module):
         """
         b, n = self._check_ids(input_ids)
         dev = input_ids.device
-        keep = real_tokens(attention_mask, b, n)
-        mask = None if keep is None else keep[:, None, None, :]  # (B, 1, 1, L): over heads and queries
+        dense, structured = padding_masks(real_tokens(attention_mask, b, n))
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         else:
@@ -323,7 +357,8 @@ class Bert(BackendChoice, nn.Module):
         hidden, attns = [x], []
         backend = weights_backend(output_attentions)
         for layer in self.layers:
-            res = layer(x, mask=mask, need_weights=output_attentions, backend=backend)
+            res = layer(x, **layer_masking(layer, backend, dense, structured), need_weights=output_attentions,
+                        backend=backend)
             x, w = res if output_attentions else (res, None)
             hidden.append(x)
             attns.append(w)
