@@ -1,9 +1,20 @@
 """A static key/value cache for incremental (token-by-token) decoding.
 
 The buffers are allocated once, at their full size ``max_len``; each step writes the new keys and
-values in place and hands back views of the filled prefix. Nothing is reallocated per token, so
-the memory footprint is known up front and the cache is friendly to ``torch.compile`` and CUDA
-graphs (the torchtune layout: ``cache_pos`` is a 0-d tensor advanced in place).
+values in place, at the positions the tensor ``cache_pos`` holds (``index_copy_``), and hands back
+the whole buffers with the written length as a tensor. Every step therefore sees the same shapes
+(``[B, Hkv, max_len, D]``) and the same storage, whatever the position; what the attention must not
+read (the unwritten tail, and with causal masking the keys after each query) is a bool mask built
+from that length on the device (:func:`visible`), which every backend takes.
+
+What this makes friendly to ``torch.compile`` and CUDA graphs, and what not yet:
+
+* fixed: the buffers' shapes and addresses, the write (``index_copy_`` at a position tensor, no
+  host slicing), the returned shapes, and the visibility mask (computed from the length tensor);
+* still on the host: :attr:`KVCache.seq_len`, a Python mirror of ``cache_pos`` that the overflow
+  check, the rotary and relative-position offsets, the width of given masks and the slicing of
+  returned weights read, so a step still specialises on it; and the engine's backend choice
+  and mask plan (a banded kernel reads the mask's rows on the CPU) run in Python on every call.
 
 Shape notation: ``B`` batch, ``Hkv`` key/value heads, ``L`` new tokens, ``D``/``Dv`` key/value
 head sizes.
@@ -12,13 +23,43 @@ head sizes.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from ._text import describe
 
-__all__ = ["KVCache", "make_caches"]
+__all__ = ["KVCache", "Cached", "visible", "make_caches"]
+
+
+class Cached(NamedTuple):
+    """What :meth:`KVCache.update` returns: the whole buffers and how much of them is written."""
+
+    k: Tensor  #: ``[B, Hkv, max_len, D]``
+    v: Tensor  #: ``[B, Hkv, max_len, Dv]``
+    length: Tensor  #: 0-d int64: positions ``0 ... length - 1`` are written (the new tokens included)
+    seq_len: int  #: the same length on the host
+
+
+def visible(cached: Cached, q_len: int, *, causal: bool) -> Tensor:
+    """Bool ``[1, 1, Lq, max_len]``, ``True`` where a call on ``cached`` buffers may attend.
+
+    The ``Lq`` new queries sit at absolute positions ``length - Lq ... length - 1`` (bottom-right
+    alignment to the written length, not to the buffer size). Query ``i`` may attend key ``j`` when
+    ``j < length`` and, with ``causal``, ``j <= length - Lq + i``. Built on the buffers' device from
+    the length tensor, in a shape that depends on ``Lq`` and ``max_len`` only; a dense mask because
+    every backend takes one (SDPA takes no mask_mod), and the banded kernel reads its rows as
+    intervals.
+    """
+    dev = cached.k.device
+    keys = torch.arange(cached.k.shape[-2], device=dev)  # (max_len,)
+    if causal:
+        last = cached.length - q_len + torch.arange(q_len, device=dev)  # (Lq,) each query's own position
+        allowed = keys <= last[:, None]
+    else:
+        allowed = (keys < cached.length).expand(q_len, -1)
+    return allowed[None, None]  # (1, 1, Lq, max_len)
 
 
 def make_caches(attentions: Iterable[nn.Module], batch_size: int, max_len: int, *, dtype=None,
@@ -39,8 +80,9 @@ class KVCache(nn.Module):
     """Preallocated keys ``[B, Hkv, max_len, D]`` and values ``[B, Hkv, max_len, Dv]``.
 
     Pass one per self-attention layer to ``MultiHeadAttention(..., cache=)``: the module projects
-    the new tokens, applies any rotary transform at absolute positions ``seq_len ...``, appends
-    them here and attends over everything cached so far (causal masks align bottom-right).
+    the new tokens, applies any rotary transform at absolute positions ``seq_len ...``, writes
+    them here and attends over the whole buffers, the unwritten tail masked out by
+    :func:`visible` (causal masks align bottom-right to the written length).
 
     Args:
         batch_size: ``B``.
@@ -56,7 +98,7 @@ class KVCache(nn.Module):
     Example::
 
         cache = KVCache(1, 128, num_kv_heads=4, head_dim=16)
-        k_all, v_all = cache.update(k_new, v_new)   # [1, 4, cache.seq_len, 16]
+        k_all, v_all, length, _ = cache.update(k_new, v_new)   # [1, 4, 128, 16]; length = cache.seq_len
     """
 
     def __init__(
@@ -83,9 +125,10 @@ class KVCache(nn.Module):
                                               device=device), persistent=False)
         self.register_buffer("v", torch.zeros(batch_size, num_kv_heads, max_len, v_head_dim, dtype=dtype,
                                               device=device), persistent=False)
+        # The written length, on the buffers' device: where the next write goes.
         self.register_buffer("cache_pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
-        # A host-side mirror of cache_pos: slicing needs a Python int, and reading the tensor would
-        # synchronise with the device on every token.
+        # Its host mirror, for what needs a Python int (the overflow check, position offsets):
+        # reading the tensor would synchronise with the device on every token.
         self._len = 0
 
     @property
@@ -110,21 +153,22 @@ class KVCache(nn.Module):
             raise ValueError(f"index must be an int64 tensor of shape [{b}] (batch_size), got {describe(index)}")
         if bool(((index < 0) | (index >= b)).any()):
             raise ValueError(f"index entries must be in [0, {b}), got {index.tolist()}")
-        n = self._len  # only the filled prefix: stale positions are never read
         index = index.to(self.k.device)
-        self.k[:, :, :n].copy_(self.k[:, :, :n].index_select(0, index))
-        self.v[:, :, :n].copy_(self.v[:, :, :n].index_select(0, index))
+        self.k.copy_(self.k.index_select(0, index))  # whole buffers: the unwritten tail is never read
+        self.v.copy_(self.v.index_select(0, index))
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write ``L`` new positions and return the filled prefix.
+    def update(self, k: Tensor, v: Tensor) -> Cached:
+        """Write ``L`` new positions at ``cache_pos`` and return the whole buffers.
 
         Args:
             k: ``[B, Hkv, L, D]`` new keys (already position-transformed, e.g. rotated).
             v: ``[B, Hkv, L, Dv]`` new values.
 
         Returns:
-            ``(k_all, v_all)``: views ``[B, Hkv, seq_len, D]`` and ``[B, Hkv, seq_len, Dv]`` of the
-            buffers, ``seq_len`` counting the new tokens.
+            :class:`Cached` ``(k, v, length, seq_len)``: the buffers ``[B, Hkv, max_len, D]`` and
+            ``[B, Hkv, max_len, Dv]`` (the same shapes and storage at every step) and the written
+            length counting the new tokens, as a 0-d tensor and as an int. Attend with the mask
+            :func:`visible` gives, so that the unwritten tail is not read.
 
         Raises:
             ValueError: shapes that do not match the cache, or more tokens than ``max_len`` holds.
@@ -145,11 +189,12 @@ class KVCache(nn.Module):
         if pos + n > self.max_len:
             raise ValueError(f"KVCache overflow: {pos} cached + {n} new tokens > max_len {self.max_len}; "
                              "allocate a longer cache or call reset()")
-        self.k[:, :, pos:pos + n].copy_(k)
-        self.v[:, :, pos:pos + n].copy_(v)
-        self._len = pos + n
+        where = self.cache_pos + torch.arange(n, device=self.cache_pos.device)  # (L,) positions to write
+        self.k.index_copy_(2, where, k)
+        self.v.index_copy_(2, where, v)
         self.cache_pos.add_(n)
-        return self.k[:, :, :pos + n], self.v[:, :, :pos + n]
+        self._len = pos + n
+        return Cached(self.k, self.v, self.cache_pos.clone(), self._len)
 
     def extra_repr(self) -> str:
         return (f"batch_size={self.batch_size}, max_len={self.max_len}, num_kv_heads={self.num_kv_heads}, "

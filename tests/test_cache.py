@@ -5,29 +5,60 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from attnkit.backends import available
 from attnkit.cache import KVCache
 from attnkit.modules import MultiHeadAttention
 from attnkit.positional import ALiBi, RelativeKeyEmbedding, RotaryEmbedding, T5RelativeBias
 from tests.tolerances import close
 
 
-def test_update_writes_in_place_and_returns_prefix_views():
+def test_update_writes_in_place_at_cache_pos_and_returns_the_buffers():
     c = KVCache(2, 6, 3, 4, v_head_dim=5)
     k_buf, v_buf = c.k.data_ptr(), c.v.data_ptr()
     k1, v1 = torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2, 5)
-    k, v = c.update(k1, v1)
-    assert (k.shape, v.shape) == ((2, 3, 2, 4), (2, 3, 2, 5))
-    assert c.seq_len == 2 and int(c.cache_pos) == 2 and c.cache_pos.dim() == 0
+    k, v, length, n = c.update(k1, v1)
+    assert (k.shape, v.shape) == ((2, 3, 6, 4), (2, 3, 6, 5))
+    assert c.seq_len == n == 2 and int(c.cache_pos) == int(length) == 2 and c.cache_pos.dim() == 0
     k2, v2 = torch.randn(2, 3, 3, 4), torch.randn(2, 3, 3, 5)
-    k, v = c.update(k2, v2)
-    assert c.seq_len == 5 and int(c.cache_pos) == 5
-    assert torch.equal(k, torch.cat([k1, k2], dim=2)) and torch.equal(v, torch.cat([v1, v2], dim=2))
-    # Static: same storage, and the returned tensors are views of it (no reallocation per token).
-    assert c.k.data_ptr() == k_buf and c.v.data_ptr() == v_buf and k.data_ptr() == k_buf
+    k, v, length, n = c.update(k2, v2)
+    assert c.seq_len == n == 5 and int(c.cache_pos) == int(length) == 5
+    assert torch.equal(k[:, :, :5], torch.cat([k1, k2], dim=2)) and torch.equal(v[:, :, :5], torch.cat([v1, v2], dim=2))
+    assert torch.equal(k[:, :, 5:], torch.zeros(2, 3, 1, 4))  # the tail is not written
+    # Static: same storage, and the returned tensors are the buffers (no reallocation per token).
+    assert c.k.data_ptr() == k_buf and c.v.data_ptr() == v_buf and k.data_ptr() == k_buf and v.data_ptr() == v_buf
     c.reset()
     assert c.seq_len == 0 and int(c.cache_pos) == 0
-    k, _ = c.update(k2, v2)
-    assert torch.equal(k, k2)
+    k, *_ = c.update(k2, v2)
+    assert torch.equal(k[:, :, :3], k2)
+
+
+def test_update_returns_the_same_shapes_at_every_token():
+    """Fixed shapes: what a compiled or graph-captured step sees does not change with the position."""
+    c = KVCache(2, 7, 2, 4, v_head_dim=3, dtype=torch.float64)
+    seen, written = set(), []
+    for step in range(7):
+        k, v = torch.randn(2, 2, 1, 4, dtype=torch.float64), torch.randn(2, 2, 1, 3, dtype=torch.float64)
+        written.append(k)
+        out = c.update(k, v)
+        seen.add((tuple(out.k.shape), tuple(out.v.shape), tuple(out.length.shape), out.k.data_ptr()))
+        assert int(out.length) == out.seq_len == step + 1
+    assert seen == {((2, 2, 7, 4), (2, 2, 7, 3), (), c.k.data_ptr())}
+    assert torch.equal(c.k, torch.cat(written, dim=2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_visible_allows_written_keys_only_aligned_to_the_written_length(causal):
+    from attnkit.cache import visible
+
+    c = KVCache(1, 8, 1, 2)
+    c.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+    cached = c.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))  # queries at positions 3 and 4
+    expected = torch.zeros(2, 8, dtype=torch.bool)
+    expected[:, :5] = True
+    if causal:
+        expected[0, 4] = False  # query at 3 may not see key 4
+    seen = visible(cached, 2, causal=causal)
+    assert seen.shape == (1, 1, 2, 8) and torch.equal(seen[0, 0], expected)
 
 
 def test_overflow_and_bad_shapes_raise_naming_sizes():
@@ -106,6 +137,29 @@ def test_cached_decoding_with_key_mask_and_padding():
     close(torch.cat(outs, 1)[0], full[0])
 
 
+@pytest.mark.parametrize("backend", available())
+def test_cached_decoding_on_every_backend_with_masks_bias_and_window(backend):
+    """The cache's whole buffers with its visibility mask: every backend serves the call, and a
+    dense mask, a bias and a window over the cached keys give the rows of the full pass."""
+    torch.manual_seed(3)
+    b, length, e, h = 2, 7, 16, 2
+    mha = MultiHeadAttention(e, h, rotary=RotaryEmbedding(8), backend=backend).double().eval()
+    x = torch.randn(b, length, e, dtype=torch.float64)
+    key_mask = torch.ones(b, length, dtype=torch.bool)
+    key_mask[1, 3] = False
+    bias = torch.randn(b, h, length, length, dtype=torch.float64) if backend != "band" else None  # band: no dense bias
+    window = (2, 0) if backend != "sdpa" else None  # SDPA takes no window
+    full = mha(x, is_causal=True, key_mask=key_mask, bias=bias, window=window)
+    cache = KVCache(b, 10, h, 8, dtype=torch.float64)  # longer than needed: an unwritten tail throughout
+    outs, start = [], 0
+    for n in (3, 1, 2, 1):
+        stop = start + n
+        outs.append(mha(x[:, start:stop], cache=cache, is_causal=True, key_mask=key_mask[:, :stop],
+                        bias=None if bias is None else bias[:, :, start:stop, :stop], window=window))
+        start = stop
+    close(torch.cat(outs, 1), full)
+
+
 def test_cache_rejects_cross_attention_and_wrong_key_mask():
     mha = MultiHeadAttention(8, 2)
     cache = KVCache(1, 4, 2, 4)
@@ -150,8 +204,9 @@ def test_reorder_gives_each_row_the_cached_keys_of_the_row_it_continues():
     cache.reorder(index)
     assert torch.equal(cache.k[:, :, :4], k[index]) and torch.equal(cache.v[:, :, :4], v[index])
     assert cache.seq_len == 4
-    k_all, _ = cache.update(torch.ones(3, 2, 1, 4), torch.ones(3, 2, 1, 5))  # appending still works after it
-    assert torch.equal(k_all[:, :, :4], k[index]) and k_all.shape[2] == 5
+    k_all, _, length, _ = cache.update(torch.ones(3, 2, 1, 4), torch.ones(3, 2, 1, 5))  # appending still works
+    assert torch.equal(k_all[:, :, :4], k[index]) and torch.equal(k_all[:, :, 4], torch.ones(3, 2, 4))
+    assert int(length) == 5
 
 
 @pytest.mark.parametrize("index", [torch.tensor([0, 1]), torch.tensor([0, 1, 3]), torch.tensor([0.0, 1.0, 2.0]),

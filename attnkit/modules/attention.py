@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import masks as _masks
 from .._text import describe
 from ..functional import attention
-from ..request import is_plan
+from ..request import check_window, is_plan
 from ..scores import compose
 
 if TYPE_CHECKING:
@@ -213,10 +215,12 @@ class MultiHeadAttention(nn.Module):
     ):
         """Attend ``query`` to ``key``/``value`` (self-attention when ``key`` is omitted).
 
-        With ``cache`` (self-attention only) the new tokens' keys and values are appended to the
+        With ``cache`` (self-attention only) the new tokens' keys and values are written to the
         cache and the queries attend to everything cached; masks then cover ``Lk = cache.seq_len``
         after the update, and ``is_causal`` aligns bottom-right so decoding one token at a time
-        gives the rows of the full forward pass.
+        gives the rows of the full forward pass. The attention itself runs on the cache's whole
+        buffers (fixed shapes), with the mask of :func:`attnkit.cache.visible` hiding the unwritten tail
+        and carrying the causal alignment; given masks and biases are widened to match.
 
         Args:
             query: ``[B, Lq, embed_dim]``.
@@ -238,6 +242,10 @@ class MultiHeadAttention(nn.Module):
         """
         if cache is not None and (key is not None or value is not None):
             raise ValueError("cache= is for self-attention: pass only query (the new tokens), not key/value")
+        if cache is not None and is_plan(mask):
+            raise ValueError("a MaskPlan mask cannot be combined with cache=: the plan is built for one key "
+                             "length, a cached call attends over the cache's whole buffers; pass the mask's "
+                             "mask_mod instead")
         key = query if key is None else key
         value = key if value is None else value
         self.check_inputs(query, key, value)
@@ -260,13 +268,19 @@ class MultiHeadAttention(nn.Module):
             q = self.rotary(q, kv_len - q.shape[-2])  # bottom-right: query i at Lk - Lq + i
             k = self.rotary(k, start)
         if cache is not None:
-            k, v = cache.update(k, v)  # (B, Hkv, Lk, D): everything cached so far
+            cached = cache.update(k, v)
+            k, v = cached.k, cached.v  # (B, Hkv, max_len, D): the whole buffers
         if self.approx is not None:
+            if cache is not None:  # approximate methods see the written keys only, as they always have
+                k, v = k[:, :, :kv_len], v[:, :, :kv_len]
             plan = mask if is_plan(mask) else None
             return self._approx_forward(q, k, v, None if plan is not None else mask, is_causal, mask_plan=plan,
                                         bias=bias, window=window, mask_mod=mask_mod,
                                         score_mod=score_mod, position_bias=self.position_bias,
                                         need_weights=need_weights or None)
+        if cache is not None:
+            mask, bias, mask_mod = _on_buffers(cached, q.shape[-2], mask, bias, mask_mod, is_causal, window)
+            is_causal, window = False, None  # now in mask and mask_mod, aligned to the written length
         if self.position_bias is not None:
             pos_mod = self.position_bias.score_mod(q, k, offset=kv_len - q.shape[-2])
             score_mod = pos_mod if score_mod is None else compose(pos_mod, score_mod)
@@ -276,6 +290,8 @@ class MultiHeadAttention(nn.Module):
                         return_weights=need_weights, backend=self.backend if backend is None else backend)
         out, weights = res if need_weights else (res, None)
         out = self.out_proj(merge_heads(out))  # (B, Lq, embed_dim)
+        if weights is not None and cache is not None:
+            weights = weights[..., :kv_len]  # the cached keys, not the unwritten tail
         return (out, weights) if need_weights else out
 
     def _approx_forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
@@ -317,6 +333,31 @@ def merge_heads(x: Tensor) -> Tensor:
     """``[B, H, L, D] -> [B, L, H*D]``."""
     b, h, n, d = x.shape
     return x.transpose(1, 2).reshape(b, n, h * d)  # (B, H, L, D) -> (B, L, H*D)
+
+
+def _on_buffers(cached, q_len: int, mask, bias, mask_mod, is_causal: bool, window):
+    """A cached call's masking, moved onto the cache's whole buffers (``Lk = max_len``).
+
+    Masks and biases over the cached keys get the tail appended (masked, zero) and meet
+    :func:`attnkit.cache.visible`, which hides the tail and, for ``is_causal``, aligns causality to the
+    written length (the engine would align it to the buffer size); a ``window`` becomes a mask_mod
+    aligned the same way.
+    """
+    from ..cache import visible
+
+    tail = cached.k.shape[-2] - cached.seq_len
+    if tail:
+        # A trailing key dim of 1 broadcasts over the buffer; the tail is hidden by visible anyway.
+        if mask is not None and mask.shape[-1] == cached.seq_len:
+            mask = F.pad(mask, (0, tail), value=False)
+        if bias is not None and bias.shape[-1] == cached.seq_len:
+            bias = F.pad(bias, (0, tail), value=0.0)
+    seen = visible(cached, q_len, causal=is_causal)
+    mask = seen if mask is None else mask & seen
+    if window is not None:
+        shifted = _masks.window_mod(*check_window(window), offset=cached.seq_len - q_len)
+        mask_mod = shifted if mask_mod is None else _masks.and_masks(shifted, mask_mod)
+    return mask, bias, mask_mod
 
 
 def _per_head(t: Tensor | None, name: str) -> Tensor | None:
