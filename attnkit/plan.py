@@ -38,7 +38,7 @@ from torch import Tensor
 from . import elementwise
 from . import masks as _masks
 from .backends import _captured
-from .request import check_window, probe_indices
+from .request import check_window, combined_mask_mod, probe_indices
 
 #: How many automatically built plans ``attnkit.attention`` keeps per predicate (sizes, tensor versions).
 PLANS_PER_PREDICATE = 8
@@ -183,13 +183,7 @@ def _build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> 
         if derived is not None and derived[0].shape[-1] > MAX_INTERVALS:
             derived = None
         rows = None if derived is None else _masks.intersect_intervals(rows, derived, kv_len)
-    parts = []
-    if is_causal:
-        parts.append(_masks.causal_mod(kv_len - q_len))
-    if window is not None:
-        parts.append(_masks.window_mod(*window, offset=kv_len - q_len))
-    parts += [mask_mod] if mask_mod is not None else []
-    predicate = parts[0] if len(parts) == 1 else _masks.and_masks(*parts) if parts else _everything
+    predicate = combined_mask_mod(is_causal, window, kv_len - q_len, mask_mod) or _everything
     starts, ends = rows if rows is not None else (None, None)
     return MaskPlan(predicate, q_len=q_len, kv_len=kv_len, batch=batch, device=device, starts=starts, ends=ends)
 

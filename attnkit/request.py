@@ -90,16 +90,7 @@ class Request:
 
     def structured_mask_mod(self) -> _masks.MaskMod | None:
         """``is_causal``, ``window`` and ``mask_mod`` as one predicate (``None`` if none is set)."""
-        mods = []
-        if self.is_causal:
-            mods.append(_masks.causal_mod(self.offset))
-        if self.window is not None:
-            mods.append(_masks.window_mod(*self.window, offset=self.offset))
-        if self.mask_mod is not None:
-            mods.append(self.mask_mod)
-        if not mods:
-            return None
-        return mods[0] if len(mods) == 1 else _masks.and_masks(*mods)
+        return combined_mask_mod(self.is_causal, self.window, self.offset, self.mask_mod)
 
     def dense_mask(self) -> Tensor | None:
         """Everything that masks, materialised: bool broadcastable to ``[..., H, Lq, Lk]``."""
@@ -217,6 +208,21 @@ def build_request(
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
     return Request(query, key, value, mask, bias, is_causal, window, mask_mod, score_mod,
                    float(scale), float(dropout_p), return_weights)
+
+
+def combined_mask_mod(is_causal: bool, window: Window | None, offset: int, mask_mod) -> _masks.MaskMod | None:
+    """``is_causal``, ``window`` (query ``i`` at position ``i + offset``) and ``mask_mod`` as one
+    predicate, ``None`` if none is set."""
+    mods = []
+    if is_causal:
+        mods.append(_masks.causal_mod(offset))
+    if window is not None:
+        mods.append(_masks.window_mod(*window, offset=offset))
+    if mask_mod is not None:
+        mods.append(mask_mod)
+    if not mods:
+        return None
+    return mods[0] if len(mods) == 1 else _masks.and_masks(*mods)
 
 
 def is_plan(mask) -> bool:
