@@ -384,3 +384,32 @@ def test_property_rows_that_see_no_key_are_zero(shape, kind):
     assert not seen[0, :, 0].any()
     close(out[~seen], torch.zeros_like(out[~seen]))
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("block", [1, 7, 1 << 22])  # elements per tanh block: one row, a few rows, all rows
+def test_additive_scores_in_blocks_equal_the_whole_formula(monkeypatch, block):
+    from attnkit.approx import scores
+
+    monkeypatch.setattr(scores, "BLOCK_ELEMENTS", block)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64, requires_grad=True)  # [B, H, Lq, A]
+    k = torch.randn(2, 1, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)  # one key head for all
+    for w in (torch.randn(4, generator=g, dtype=torch.float64), torch.randn(3, 4, generator=g, dtype=torch.float64)):
+        w.requires_grad_()
+        whole = (torch.tanh(q.unsqueeze(-2) + k.unsqueeze(-3)) * w.unsqueeze(-2).unsqueeze(-2)).sum(-1)
+        close(scores.AdditiveScores.apply(q, k, w), whole)
+        assert gradcheck(scores.AdditiveScores.apply, (q, k, w))
+
+
+def test_additive_never_holds_the_whole_tanh_tensor(monkeypatch):
+    """The backward keeps q, k, w and the [Lq, Lk] scores' graph, never a [Lq, Lk, A] tensor."""
+    from attnkit.approx import scores
+
+    monkeypatch.setattr(scores, "BLOCK_ELEMENTS", 64)
+    lq, lk, a = 16, 12, 8
+    q, k, v = (torch.randn(1, 2, n, a, requires_grad=True) for n in (lq, lk, lk))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = approx.attention(q, k, v, kind="additive", score_vector=torch.randn(a))
+    out.sum().backward()
+    assert saved and max(saved) == 2 * lq * lk and q.grad.abs().sum() > 0 and k.grad.abs().sum() > 0
