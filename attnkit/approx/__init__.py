@@ -44,6 +44,7 @@ from .kernel import (
     random_feature_map,
     relu_feature_map,
     scan_step,
+    streamed_attention,
 )
 from .linformer import LinformerProjection, linformer_attention
 from .nystrom import nystrom_attention
@@ -80,6 +81,8 @@ def _kernel(phi_name):
             phi = favor_feature_map(w, scale)
         else:
             phi = elu_feature_map if phi_name == "elu" else relu_feature_map
+            if not is_causal:
+                return streamed_attention(q, k, v, phi, key_column=key_column, chunk_size=chunk_size, eps=eps)
         fq, fk = phi(q), phi(k)
         if key_column is not None:
             fk = fk * key_column
