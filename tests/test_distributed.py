@@ -41,9 +41,23 @@ SPAWN_TIMEOUT = 60.0  # seconds for one group: spawn, rendezvous, every case
 
 
 def _case(layout, *, lq=13, lk=13, heads=4, kv_heads=2, dv=6, is_causal=False, window=None, lengths=None,
-          dtype=torch.float64, batch=2):
+          mod=None, dtype=torch.float64, batch=2):
     return dict(layout=layout, lq=lq, lk=lk, heads=heads, kv_heads=kv_heads, dv=dv, is_causal=is_causal,
-                window=window, lengths=lengths, dtype=dtype, batch=batch)
+                window=window, lengths=lengths, mod=mod, dtype=dtype, batch=batch)
+
+
+def _mask_mod(c):
+    """The case's mask_mod on global positions: padding, or one of the named predicates."""
+    if c["lengths"] is not None:
+        return masks.padding_mod(torch.tensor(c["lengths"]))
+    if c["mod"] == "documents":  # packed documents of 1 to 5 tokens, the same ids for queries and keys
+        ids = torch.arange(max(c["lq"], c["lk"])) // 5 + (torch.arange(max(c["lq"], c["lk"])) % 7 == 3).cumsum(0)
+        return masks.document_mod(ids[:c["lq"]] if c["lq"] == c["lk"] else ids[-c["lq"]:], ids[:c["lk"]])
+    if c["mod"] == "user":  # a plain function: several intervals per row, derived by evaluating it
+        return lambda b, h, q_idx, kv_idx: ((q_idx + kv_idx) % 3 != 1) | (b == 1)
+    if c["mod"] == "heads":  # depends on the head: no interval form, the tiles path
+        return lambda b, h, q_idx, kv_idx: (kv_idx + h) % 2 == 0
+    return None
 
 
 def _grid(layouts=("contiguous", "zigzag")) -> list[dict]:
@@ -57,6 +71,9 @@ def _grid(layouts=("contiguous", "zigzag")) -> list[dict]:
         {"window": (None, 2)},
         {"lengths": [9, 0]},  # batch 1 has no real key: zero rows, zero grads
         {"lengths": [5, 13], "is_causal": True},
+        {"mod": "documents"},
+        {"mod": "user", "is_causal": True},
+        {"mod": "heads", "window": (4, 4)},
     ]
     shapes = [
         {"lq": 13, "lk": 13},  # odd: shards of different lengths
@@ -82,34 +99,40 @@ def _inputs(c, seed):
 
 
 def _describe(c) -> str:
-    keys = ("layout", "lq", "lk", "heads", "kv_heads", "is_causal", "window", "lengths", "dtype")
+    keys = ("layout", "lq", "lk", "heads", "kv_heads", "is_causal", "window", "lengths", "mod", "dtype")
     return ", ".join(f"{k}={c[k]}" for k in keys if c[k] not in (None, False))
 
 
 def _compare_cases(rank, world, cases, group_ranks=None, tile=None):
     """Run every case through ring attention; return the failures, described.
 
-    ``tile`` shrinks the largest score tile a rank computes at once, so that a block splits
-    into several tiles (and empty tiles inside a block are skipped) even at these small sizes.
+    ``tile`` runs the tiles path (the banded kernel switched off) and shrinks the largest score
+    tile a rank computes at once, so that a block splits into several tiles (and empty tiles
+    inside a block are skipped) even at these small sizes.
     """
     group = None if group_ranks is None else _subgroup(rank, group_ranks)
+    kernel_calls = []
     if tile is not None:
         ring_module._TILE = tile
+        ring_module._band.available = lambda: False  # a spawned worker: nothing else runs in it
+    elif ring_module._band.available():  # count the banded kernel's calls: the cases must reach it
+        forward = ring_module._band.partial_forward
+        ring_module._band.partial_forward = lambda *a: kernel_calls.append(1) or forward(*a)
     failures = []
     for i, c in enumerate(cases):
         q, k, v, dout = _inputs(c, seed=i)
-        lengths = None if c["lengths"] is None else torch.tensor(c["lengths"])
-        mask = None if lengths is None else masks.padding(lengths, c["lk"])
+        mask_mod = _mask_mod(c)
         # The reference runs in float64 on the same (rounded) inputs, so a low-precision case
         # measures the ring's own error, which must not grow with the number of ranks.
         ref_in = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v)]
-        ref = attnkit.attention(*ref_in, mask=mask, is_causal=c["is_causal"], window=c["window"])
+        ref = attnkit.attention(*ref_in, mask_mod=mask_mod, is_causal=c["is_causal"], window=c["window"],
+                                backend="reference")
         ref.backward(dout.to(torch.float64))
 
         lay = c["layout"]
         mine = [shard(t, 2, layout=lay, group=group).detach().requires_grad_() for t in (q, k, v)]
         out = ring_attention(*mine, group=group, is_causal=c["is_causal"], window=c["window"], layout=lay,
-                             lengths=lengths)
+                             mask_mod=mask_mod)
         out.backward(shard(dout, 2, layout=lay, group=group))
         got = {"out": out, "dq": mine[0].grad, "dk": mine[1].grad, "dv": mine[2].grad}
         want = {"out": ref, "dq": ref_in[0].grad, "dk": ref_in[1].grad, "dv": ref_in[2].grad}
@@ -124,6 +147,10 @@ def _compare_cases(rank, world, cases, group_ranks=None, tile=None):
                     first = str(e).splitlines()[:3]
                     failures.append(f"rank {rank} [{_describe(c)}, tile={ring_module._TILE}] {name} ({what}): "
                                     f"{' '.join(first)}")
+    if tile is None and ring_module._band.available():
+        ring_module._band.partial_forward = forward
+        if not kernel_calls:
+            failures.append(f"rank {rank}: the banded kernel is available but no case reached it")
     return failures
 
 
@@ -150,7 +177,7 @@ def _check(results):
 @pytest.mark.timeout(90)
 def test_ring_matches_single_process_float64_2_ranks():
     cases = _grid()
-    assert len(cases) == 56
+    assert len(cases) == 80
     _check(run_local(_grid_twice, 2, cases, timeout=SPAWN_TIMEOUT))
 
 
@@ -185,7 +212,7 @@ def _module_case(rank, world):
         mha.zero_grad()
 
         cp = ContextParallelAttention(mha, layout=layout)
-        out = cp(shard(x, 1, layout=layout), lengths=lengths, **kwargs)
+        out = cp(shard(x, 1, layout=layout), mask_mod=masks.padding_mod(lengths), **kwargs)
         out.square().sum().backward()  # this rank's share of the same loss
         sync_grads(cp)
         try:
@@ -209,7 +236,7 @@ def _uneven_contiguous(rank, world):
     kv_rows = slice(0, 8) if rank == 0 else slice(8, 13)
     mine = [q[:, :, q_rows].clone().requires_grad_(), k[:, :, kv_rows].clone().requires_grad_(),
             v[:, :, kv_rows].clone().requires_grad_()]
-    out = ring_attention(*mine, is_causal=True, window=(6, 0), lengths=lengths)
+    out = ring_attention(*mine, is_causal=True, window=(6, 0), mask_mod=masks.padding_mod(lengths))
     full = unshard(out, 2)  # differentiable: the same loss on every rank, each rank its rows
     (full * dout).sum().backward()
     failures = []
@@ -230,7 +257,8 @@ def _gradcheck_singleton(rank, world):
     q = torch.randn(1, 2, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 1, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 1, 4, 2, generator=g, dtype=torch.float64, requires_grad=True)
-    fn = lambda q, k, v: ring_attention(q, k, v, group=group, is_causal=True, lengths=torch.tensor([3]))  # noqa: E731
+    fn = lambda q, k, v: ring_attention(q, k, v, group=group, is_causal=True,  # noqa: E731
+                                        mask_mod=masks.padding_mod(torch.tensor([3])))
     ok = torch.autograd.gradcheck(fn, (q, k, v), raise_exception=False)
     return [] if ok else [f"rank {rank}: gradcheck failed on a one-rank group"]
 
@@ -246,9 +274,10 @@ def test_ring_float32_bfloat16_module_and_gradcheck_2_ranks():
 
 
 def _four_ranks(rank, world, cases, ring_cases):
-    failures = _compare_cases(rank, world, cases, tile=3)
+    failures = _compare_cases(rank, world, cases)
     # Then rings {0, 2} and {1, 3}: group ranks differ from global ranks, two rings run at once.
-    return failures + _compare_cases(rank, world, ring_cases, [[0, 2], [1, 3]])
+    failures += _compare_cases(rank, world, ring_cases, [[0, 2], [1, 3]])
+    return failures + _compare_cases(rank, world, cases, tile=3)  # last: it switches the kernel off
 
 
 @pytest.mark.slow
@@ -275,7 +304,7 @@ def _rank1_fails_mid_ring(rank, world):
 
 @pytest.mark.timeout(60)
 def test_a_failing_rank_fails_the_run_with_its_error():
-    with pytest.raises(RankError, match=r"rank 1 of 2 failed:(.|\n)*v \(torch.float64, cpu\) must match q"):
+    with pytest.raises(RankError, match=r"rank 1 of 2 failed:(.|\n)*value dtype torch.float64 does not match query"):
         run_local(_rank1_fails_mid_ring, 2, timeout=40.0)
 
 
@@ -308,7 +337,8 @@ _MISMATCHES = [
     ("heads", {}, {"heads": 2}, "rank 1 has heads=2 but rank 0 has heads=4"),
     ("batch", {}, {"batch": 1}, "rank 1 has batch=1 but rank 0 has batch=2"),
     ("kv_heads", {}, {"kv_heads": 1}, "rank 1 has kv_heads=1 but rank 0 has kv_heads=2"),
-    ("lengths", {"lengths": [9, 4]}, {"lengths": [9, 3]}, "rank 1 has lengths=a tensor with crc32"),
+    ("padding lengths", {"lengths": [9, 4]}, {"lengths": [9, 3]}, "rank 1 has mask_mod=a predicate with fingerprint"),
+    ("mask_mod given", {"lengths": [9, 4]}, {}, "rank 1 has mask_mod=None but rank 0 has mask_mod=a predicate"),
     ("requires_grad", {"grad": True}, {}, "rank 1 has requires_grad=False but rank 0 has requires_grad=True"),
     # A rank that refuses its own arguments raises its own error; the other is not left waiting.
     ("refused", {}, {"window": (-1, 0)}, (_REFUSED, "window left must be None or a non-negative int")),
@@ -328,7 +358,7 @@ def _mismatched_calls(rank, world, cases):
         lengths = None if "lengths" not in c else torch.tensor(c["lengths"])
         try:
             out = ring_attention(q, k, v, is_causal=c.get("is_causal", False), window=c.get("window"),
-                                 scale=c.get("scale"), lengths=lengths)
+                                 scale=c.get("scale"), mask_mod=None if lengths is None else masks.padding_mod(lengths))
         except (TypeError, ValueError) as e:
             got.append(str(e))
         else:
@@ -400,8 +430,8 @@ def test_zigzag_layout_drawn_in_the_docstring():
     ({"window": (-1, 0)}, ValueError, "window left must be None or a non-negative int"),
     ({"is_causal": 1}, TypeError, "is_causal must be a bool"),
     ({"scale": float("nan")}, ValueError, "scale must be a finite number"),
-    ({"lengths": torch.tensor([1.0, 2.0])}, ValueError, r"lengths must be a \[B\] = \[2\] integer"),
-    ({"lengths": torch.tensor([1])}, ValueError, r"lengths must be a \[B\] = \[2\] integer"),
+    ({"mask_mod": 3}, TypeError, "mask_mod must be callable, got int"),
+    ({"mask_mod": lambda b, h, q, kv: (q - kv).float()}, TypeError, "mask_mod .*returned"),
 ])
 def test_bad_arguments_are_named(kwargs, kind, match):
     q = torch.randn(2, 4, 3, 8)
@@ -410,11 +440,11 @@ def test_bad_arguments_are_named(kwargs, kind, match):
 
 
 @pytest.mark.parametrize("q,k,v,match", [
-    (torch.randn(4, 3, 8), torch.randn(4, 3, 8), torch.randn(4, 3, 8), r"q must be \[B, heads, L_local, dim\]"),
-    (torch.randn(1, 3, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), r"multiple of k/v heads \(2\)"),
-    (torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), "k head size 4 must equal"),
-    (torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), "v must have k's heads and length"),
-    (torch.randn(2, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), "k batch 1 must equal q batch 2"),
+    (torch.randn(4, 3, 8), torch.randn(4, 3, 8), torch.randn(4, 3, 8), r"query must be \[B, heads, L_local, dim\]"),
+    (torch.randn(1, 3, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), r"multiple of key/value heads \(2\)"),
+    (torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), "key head size 4 must equal"),
+    (torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), "value must have the same heads"),
+    (torch.randn(2, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), r"key batch dims \(1,\) must equal"),
 ])
 def test_bad_shapes_are_named(q, k, v, match):
     with pytest.raises(ValueError, match=match):

@@ -143,18 +143,18 @@ def run(quick: bool, out_dir: Path) -> str:
         f"{rounds} interleaved rounds of {repeat} repeats; the memory table is one run each.\n\n"
         + "\n\n".join(sections)
         + "\n\nReading. A rank holds state proportional to its shard length L/P plus a fixed\n"
-        "workspace (one score tile of at most 512 x 512 per head; the allocator's and gloo's own).\n"
+        "workspace (the banded kernel's blocks of 64 query rows; the allocator's and gloo's own).\n"
         "With one rank the shard-sized state is the output, its gradient, dq and the key/value\n"
         "block with its gradient; from two ranks on, a second key/value block and two gradient\n"
         "accumulators are in flight while the rank computes (that is the overlap), roughly twice\n"
         "the buffers. So memory falls as 1/P from P = 2 on ('mem vs 2 ranks', the rest is the\n"
         "fixed workspace), while the step from 1 to 2 ranks buys overlap more than memory. The\n"
         "memory table uses a long sequence (a sliding window keeps its work O(L * window)) so the\n"
-        "L/P part shows; the time tables, at L = 4096, are dominated by the fixed workspace.\n"
-        "Time: 'CPU vs ring P=1' is what splitting costs (communication, smaller blocks, per-tile\n"
-        "mask checks); 'CPU vs 1 process' adds the gap between the unfused tile primitives of\n"
-        "`attnkit.ops.tiles` (scores materialised per tile, recomputed in the backward) and\n"
-        "PyTorch's fused kernel.\n"
+        "L/P part shows. Time: each rank runs the banded C++ kernel of the `band` backend on the\n"
+        "allowed cells of each (query run, key run) of a block, with its rows' mask worked out once\n"
+        "per call as intervals; 'CPU vs 1 process' is that kernel plus the ring's merging against\n"
+        "PyTorch's fused kernel on the whole sequence, and 'CPU vs ring P=1' what splitting costs\n"
+        "(communication, smaller blocks, a zigzag shard's two runs per block).\n"
     )
     cmd = "attnkit bench ring" + (" --quick" if quick else "")
     return write_report(out_dir, "ring", "Ring attention: memory and time against world size", body, cmd)

@@ -1,8 +1,9 @@
 """Sequence (context) parallel attention over ``torch.distributed``: ring attention and sharding.
 
-* :func:`ring_attention` - exact attention over q/k/v sharded along the sequence, forward and
-  backward, with causal, sliding-window and padding masks on global positions, GQA and
-  ``Lq != Lk``; works with gloo (CPU) and NCCL (GPU) and the process group you give it.
+* :func:`ring_attention` - exact attention over query/key/value sharded along the sequence,
+  forward and backward, with ``attnkit.attention``'s arguments: causal, sliding window and any
+  ``mask_mod`` (padding, documents, sparse patterns) on global positions, GQA and ``Lq != Lk``;
+  works with gloo (CPU) and NCCL (GPU) and the process group you give it.
 * :func:`shard` / :func:`unshard` - split a full sequence into this rank's shard and gather it
   back, in the ``"contiguous"`` or load-balanced ``"zigzag"`` layout.
 * :class:`ContextParallelAttention` - a ``MultiHeadAttention`` run sequence-parallel;

@@ -57,7 +57,7 @@ class ContextParallelAttention(nn.Module):
         *,
         is_causal: bool = False,
         window=None,
-        lengths: Tensor | None = None,
+        mask_mod=None,
     ) -> Tensor:
         """Attend this rank's ``query`` shard to the keys of every rank.
 
@@ -66,7 +66,8 @@ class ContextParallelAttention(nn.Module):
             key: ``[B, Lk_local, kdim]``; defaults to ``query`` (self-attention).
             value: ``[B, Lk_local, vdim]``; defaults to ``key``.
             is_causal, window: as in :func:`attnkit.attention`, over global positions.
-            lengths: ``[B]`` int, real keys per batch element over the global sequence.
+            mask_mod: a predicate on global positions, as in :func:`ring_attention` (padding:
+                ``attnkit.masks.padding_mod(lengths)``).
 
         Returns:
             ``[B, Lq_local, embed_dim]``.
@@ -88,7 +89,7 @@ class ContextParallelAttention(nn.Module):
             raise
         q, k, v = attn.project_qkv(query, key, value)  # (B, H, Lq_local, D), (B, Hkv, Lk_local, D)
         out = ring_attention(q, k, v, group=self.group, is_causal=is_causal, window=window,
-                             layout=self.layout, scale=getattr(attn, "scale", None), lengths=lengths)
+                             layout=self.layout, scale=getattr(attn, "scale", None), mask_mod=mask_mod)
         return attn.out_proj(merge_heads(out))  # (B, Lq_local, embed_dim)
 
 

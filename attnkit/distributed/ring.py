@@ -2,21 +2,26 @@
 
 Each rank holds a shard of the queries and of the keys/values (see :mod:`.shard` for the
 layouts). The key/value blocks travel once around the ring; each rank attends its queries to the
-block it holds with :func:`attnkit.ops.tiles.tile_forward` (in tiles of at most 512 x 512
-scores, so a rank's working memory does not grow with its shard lengths) while the next block is
-already in flight, and merges the partial results through their log-sum-exp (Liu, Zaharia & Abbeel 2023,
-"Ring Attention with Blockwise Transformers"; the per-tile maths is FlashAttention's). The
-backward sends the key/value blocks around again, together with an accumulator for their
-gradients (float32 for half inputs), which comes home to its owner after the last step.
+block it holds while the next block is already in flight, and merges the partial results through
+their log-sum-exp (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers"; the
+per-block maths is FlashAttention's). The backward sends the key/value blocks around again,
+together with an accumulator for their gradients (float32 for half inputs), which comes home to
+its owner after the last step.
 
-Masks are evaluated on *global* positions with the :mod:`attnkit.masks` predicates, for each pair
-(this rank's queries, the block in hand), so ``is_causal``, ``window`` and padding mean exactly
-what they mean in :func:`attnkit.attention` on the unsharded sequence. A tile with nothing
-allowed is not computed (a block with nothing allowed is still passed on).
+The call is ``attnkit.attention``'s on the unsharded sequence: the same argument names and checks
+(:func:`attnkit.request.build_request`), the same compute dtype, and every mask (``is_causal``,
+``window``, any ``mask_mod``: padding, documents, the sparse patterns) on *global* positions. The
+mask is worked out once per call as each of this rank's query rows' allowed keys, as intervals
+(:func:`attnkit.mask_plan`); each (query run, key run) of a block then goes through the banded C++
+kernel of the ``"band"`` backend (:func:`attnkit.backends._band.partial_forward`), so a rank
+computes only allowed cells, as one process would. Without the kernel (not built, not CPU) or
+without an interval form (a mask that depends on the head), the block is computed in tiles of at
+most 512 x 512 scores with the predicate evaluated per tile, and empty tiles are skipped.
 
 Every rank must be called alike (apart from its shards): one small ``all_gather`` per call of
 each rank's shard lengths and arguments (:mod:`.agree`) checks that, so a rank called differently
 makes every rank raise the same ``ValueError`` rather than compute wrong rows or die in the ring.
+A ``mask_mod`` is compared by its function and the tensors it captures (document ids, lengths).
 The rest of the communication lives inside one ``autograd.Function``: point-to-point exchanges
 with the ring neighbours in the same order on every rank, forward and backward. Nothing depends
 on the order in which autograd runs other nodes.
@@ -24,10 +29,9 @@ on the order in which autograd runs other nodes.
 
 from __future__ import annotations
 
-import math
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,9 +39,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import masks as _masks
-from .._text import describe
+from ..backends import _band, _captured
 from ..backends._fused import compute_dtype
 from ..ops.tiles import merge_partials, tile_backward, tile_forward
+from ..request import build_request, combined_mask_mod
 from .agree import Field, agree, name_code, name_of, refuse
 from .shard import LAYOUTS, group_info, positions_from_sizes
 
@@ -45,7 +50,7 @@ __all__ = ["ring_attention"]
 
 _SKIP = "skip"  # sentinel: the block has no allowed (query, key) pair
 _KV_TAG, _DKV_TAG = 17, 18
-_TILE = 512  # rows and columns of the largest score tile a rank materialises
+_TILE = 512  # rows and columns of the largest score tile a rank materialises (tiles path)
 
 
 @dataclass(frozen=True)
@@ -60,29 +65,55 @@ class _Plan:
     q_pos: Tensor  # [Lq_local] global positions of this rank's queries
     kv_pos: tuple[Tensor, ...]  # [Lk_r] global positions of rank r's keys
     kv_sizes: tuple[int, ...]
-    mask_mod: _masks.MaskMod | None  # on global positions; None = everything allowed
+    predicate: _masks.MaskMod | None  # the whole mask on global positions; None = everything allowed
+    rows: tuple[Tensor, Tensor] | None  # my query rows' allowed global keys [1|B, Lq_local, K]; None: tiles
     band: tuple[int | None, int | None] | None  # (left, right) of causal/window around p = i + offset
     batch: int
+    heads: int
+    kv_heads: int
     scale: float
     compute_dtype: torch.dtype
+    _jobs: dict = field(default_factory=dict, compare=False, repr=False)
 
     def source(self, step: int) -> int:
         """Which rank's key/value block this rank holds at ``step``."""
         return (self.rank - step) % self.world
 
+    def jobs(self, src: int) -> list[tuple[slice, slice, Tensor, Tensor]]:
+        """``(query rows, block columns, starts, ends)`` for the kernel, one per (run of consecutive
+        query positions, run of consecutive key positions of block ``src``) with an allowed cell;
+        the intervals are the runs', relative to the key run's first position. Worked out once per
+        call and block, for the forward and the backward."""
+        if src not in self._jobs:
+            out = []
+            starts, ends = self.rows
+            for rs, _ in _runs(self.q_pos):
+                for cs, lo in _runs(self.kv_pos[src]):
+                    n = cs.stop - cs.start
+                    st, en = _masks.normalize(starts[:, rs].clamp(lo, lo + n) - lo,
+                                              ends[:, rs].clamp(lo, lo + n) - lo, n)
+                    if bool((st < en).any()):
+                        out.append((rs, cs, st, en))
+            self._jobs[src] = out
+        return self._jobs[src]
+
     def allowed(self, q_pos: Tensor, kv_pos: Tensor):
-        """Mask ``[B|1, 1, 1, Lq, Lk]`` for these positions; None = all allowed; _SKIP = none."""
+        """Mask ``[B|1, Hkv|1, G|1, Lq, Lk]`` for these positions; None = all allowed; _SKIP = none."""
         if q_pos.numel() == 0 or kv_pos.numel() == 0:
             return _SKIP
-        if self.mask_mod is None:
+        if self.predicate is None:
             return None
-        b = torch.arange(self.batch, device=q_pos.device).view(-1, 1, 1)
-        grid = self.mask_mod(b, None, q_pos.view(1, -1, 1), kv_pos.view(1, 1, -1))  # [B|1, Lq, Lk]
+        b = torch.arange(self.batch, device=q_pos.device).view(-1, 1, 1, 1)
+        h = torch.arange(self.heads, device=q_pos.device).view(1, -1, 1, 1)
+        grid = self.predicate(b, h, q_pos.view(1, 1, -1, 1), kv_pos.view(1, 1, 1, -1))
+        grid = grid.reshape((1,) * (4 - grid.dim()) + tuple(grid.shape))  # [B|1, H|1, Lq|1, Lk|1]
         if not bool(grid.any()):
             return _SKIP
         if bool(grid.all()):
             return None
-        return grid[:, None, None]  # broadcast over (Hkv, group) of the grouped layout
+        if grid.shape[1] == 1:
+            return grid.unsqueeze(1)  # the same for every head
+        return grid.unflatten(1, (self.kv_heads, self.heads // self.kv_heads))  # (B, Hkv, G, Lq, Lk)
 
     def tiles(self, src: int):
         """``(rows, cols, allowed)`` for each tile of (my queries, block ``src``) with work in it.
@@ -105,6 +136,15 @@ class _Plan:
                 allowed = self.allowed(self.q_pos[rows], kv_pos[cols])
                 if allowed is not _SKIP:
                     yield rows, cols, allowed
+
+
+def _runs(pos: Tensor) -> list[tuple[slice, int]]:
+    """``(slice, first position)`` of each run of consecutive positions in ``pos`` (a contiguous
+    shard is one run, a zigzag shard two)."""
+    if pos.numel() == 0:
+        return []
+    cuts = [0, *((pos[1:] - pos[:-1]) != 1).nonzero().flatten().add(1).tolist(), pos.numel()]
+    return [(slice(a, b), int(pos[a])) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
 
 def _tile_ranges(pos: Tensor):
@@ -139,14 +179,16 @@ def _grouped(q: Tensor, kv_heads: int) -> Tensor:
 
 
 class _RingAttention(torch.autograd.Function):
+    """Forward and backward around the ring; out, lse and the gradients in the compute dtype."""
+
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:
         bsz, heads, lq, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         cd = plan.compute_dtype
-        qc = _grouped(q.to(cd), hkv)  # (B, Hkv, G, Lq, D)
-        out = qc.new_zeros(qc.shape[:-1] + (dv,))
-        lse = qc.new_full(qc.shape[:-1], float("-inf"))
+        qc = q.to(cd)
+        out = qc.new_zeros(bsz, heads, lq, dv)
+        lse = qc.new_full((bsz, heads, lq), float("-inf"))
         kv = torch.cat([k, v], -1).contiguous()  # one message per step: (B, Hkv, Lk_src, D + Dv)
         for step in range(plan.world):
             src = plan.source(step)
@@ -154,30 +196,25 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < plan.world:
                 nxt = kv.new_empty(bsz, hkv, plan.kv_sizes[plan.source(step + 1)], d + dv)
                 pending = _exchange(plan, kv, nxt, _KV_TAG)
-            kb = kv[..., :d].to(cd).unsqueeze(2)  # (B, Hkv, 1, Lk, D): shared by the G query heads
-            vb = kv[..., d:].to(cd).unsqueeze(2)
-            for rows, cols, allowed in plan.tiles(src):
-                o, l = tile_forward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :], scale=plan.scale,
-                                    allowed=allowed)
+            kb, vb = kv[..., :d].to(cd), kv[..., d:].to(cd)
+            for rows, _, o, l in _block_forward(plan, src, qc, kb, vb):
                 out[..., rows, :], lse[..., rows] = merge_partials(out[..., rows, :], lse[..., rows], o, l)
             _wait(pending)
             if nxt is not None:
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
-        return out.reshape(bsz, heads, lq, dv).to(q.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
-        bsz, _, lq, d = q.shape
+        bsz, _, _, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         cd = plan.compute_dtype
-        qc = _grouped(q.to(cd), hkv)
-        dout = _grouped(grad_out.to(cd), hkv)  # (B, Hkv, G, Lq, Dv)
-        delta = (dout * out).sum(-1)
+        qc, dout = q.to(cd), grad_out.to(cd).contiguous()
         dq = torch.zeros_like(qc)
         kv = torch.cat([k, v], -1).contiguous()
         acc_in, acc_works = None, []  # gradient accumulator of the block in hand, arriving
@@ -187,18 +224,14 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < plan.world:
                 nxt = kv.new_empty(bsz, hkv, plan.kv_sizes[plan.source(step + 1)], d + dv)
                 kv_works = _exchange(plan, kv, nxt, _KV_TAG)
-            kb = kv[..., :d].to(cd).unsqueeze(2)
-            vb = kv[..., d:].to(cd).unsqueeze(2)
+            kb, vb = kv[..., :d].to(cd), kv[..., d:].to(cd)
             local = None  # this rank's share of the block's gradients (B, Hkv, Lk, D + Dv)
-            for rows, cols, allowed in plan.tiles(src):
-                dq_t, dk_t, dv_t, _ = tile_backward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :],
-                                                    dout[..., rows, :], lse[..., rows], delta[..., rows],
-                                                    scale=plan.scale, allowed=allowed)
+            for rows, cols, dq_t, dk_t, dv_t in _block_backward(plan, src, qc, kb, vb, dout, out, lse):
                 dq[..., rows, :] += dq_t
                 if local is None:
                     local = kv.new_zeros(kv.shape, dtype=cd)
-                local[..., cols, :d] += dk_t.sum(2)  # sum over the G query heads
-                local[..., cols, d:] += dv_t.sum(2)
+                local[..., cols, :d] += dk_t
+                local[..., cols, d:] += dv_t
             # The accumulator for this block was sent by the previous rank one step ago; it
             # travelled while we computed.
             _wait(acc_works)
@@ -220,120 +253,112 @@ class _RingAttention(torch.autograd.Function):
             acc_works = _exchange(plan, acc.contiguous(), acc_in, _DKV_TAG)
         _wait(acc_works)
         assert acc_in.shape[-2] == k.shape[-2]
-        dq = dq.reshape(q.shape).to(q.dtype)
-        return dq, acc_in[..., :d].to(k.dtype), acc_in[..., d:].to(v.dtype), None
+        return dq.to(q.dtype), acc_in[..., :d].to(k.dtype), acc_in[..., d:].to(v.dtype), None
+
+
+def _block_forward(plan: _Plan, src: int, q: Tensor, k: Tensor, v: Tensor):
+    """``(query rows, block columns, out, lse)`` of each piece of block ``src`` with work in it."""
+    if plan.rows is not None:
+        for rows, cols, starts, ends in plan.jobs(src):
+            yield (rows, cols, *_band.partial_forward(q[..., rows, :], k[..., cols, :], v[..., cols, :], starts, ends,
+                                                      plan.scale))
+        return
+    hkv = k.shape[1]
+    qg, kg, vg = _grouped(q, hkv), k.unsqueeze(2), v.unsqueeze(2)  # (B, Hkv, G|1, L, D)
+    for rows, cols, allowed in plan.tiles(src):
+        o, l = tile_forward(qg[..., rows, :], kg[..., cols, :], vg[..., cols, :], scale=plan.scale, allowed=allowed)
+        yield rows, cols, o.flatten(1, 2), l.flatten(1, 2)
+
+
+def _block_backward(plan: _Plan, src: int, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor):
+    """``(query rows, block columns, dq, dk, dv)`` of each piece of block ``src`` with work in it,
+    given the merged ``out`` and ``lse`` of every block; dk, dv summed over the query heads of a group."""
+    if plan.rows is not None:
+        for rows, cols, starts, ends in plan.jobs(src):
+            yield (rows, cols, *_band.partial_backward(dout[..., rows, :], q[..., rows, :], k[..., cols, :],
+                                                       v[..., cols, :], out[..., rows, :], lse[..., rows].contiguous(),
+                                                       starts, ends, plan.scale))
+        return
+    hkv = k.shape[1]
+    qg, kg, vg = _grouped(q, hkv), k.unsqueeze(2), v.unsqueeze(2)
+    dg, lg = _grouped(dout, hkv), lse.unflatten(1, (hkv, -1))
+    delta = (dout * out).sum(-1).unflatten(1, (hkv, -1))
+    for rows, cols, allowed in plan.tiles(src):
+        dq_t, dk_t, dv_t, _ = tile_backward(qg[..., rows, :], kg[..., cols, :], vg[..., cols, :], dg[..., rows, :],
+                                            lg[..., rows], delta[..., rows], scale=plan.scale, allowed=allowed)
+        yield rows, cols, dq_t.flatten(1, 2), dk_t.sum(2), dv_t.sum(2)
 
 
 def ring_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
     *,
     group=None,
+    layout: str = "contiguous",
     is_causal: bool = False,
     window: tuple[int | None, int | None] | None = None,
-    layout: str = "contiguous",
+    mask_mod=None,
     scale: float | None = None,
-    lengths: Tensor | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across ``group``; takes and returns this rank's shard.
 
     The result on each rank is its rows of ``attnkit.attention`` on the full, unsharded
-    sequences, and so are the gradients of ``q``, ``k`` and ``v``. Shape notation:
-    ``Lq_local``/``Lk_local`` this rank's shard lengths, ``Lq``/``Lk`` the global lengths (the sums
-    over ranks), ``H % Hkv == 0`` (grouped-query attention).
+    sequences (same arguments, same meaning), and so are the gradients of ``query``, ``key`` and
+    ``value``. Shape notation: ``Lq_local``/``Lk_local`` this rank's shard lengths, ``Lq``/``Lk``
+    the global lengths (the sums over ranks), ``H % Hkv == 0`` (grouped-query attention).
 
     A collective: every rank of ``group`` calls it with the same arguments apart from its shards
     (checked: otherwise every rank raises), and every rank must run the backward when one does (use
     each rank's output in its loss).
 
     Args:
-        q: ``[B, H, Lq_local, E]``, this rank's queries.
-        k: ``[B, Hkv, Lk_local, E]``, this rank's keys.
-        v: ``[B, Hkv, Lk_local, Ev]``, this rank's values.
+        query: ``[B, H, Lq_local, E]``, this rank's queries.
+        key: ``[B, Hkv, Lk_local, E]``, this rank's keys.
+        value: ``[B, Hkv, Lk_local, Ev]``, this rank's values.
         group: the process group (default: the world).
+        layout: how query and key/value were sharded: ``"contiguous"`` (any shard lengths, in rank
+            order) or ``"zigzag"`` (exactly the split :func:`attnkit.distributed.shard` makes).
         is_causal: look-ahead mask over the global positions, aligned bottom-right: query ``i``
             sits at position ``Lk - Lq + i``.
         window: ``(left, right)``: the query at position ``p`` sees keys ``p - left ... p + right``
             (``None`` = unbounded), aligned like ``is_causal``.
-        layout: how q and k/v were sharded: ``"contiguous"`` (any shard lengths, in rank order)
-            or ``"zigzag"`` (exactly the split :func:`attnkit.distributed.shard` makes).
+        mask_mod: ``fn(b, h, q_idx, kv_idx) -> bool`` on *global* query and key indices, as in
+            ``attnkit.attention``: padding (``attnkit.masks.padding_mod(lengths)``), documents,
+            the sparse patterns of :mod:`attnkit.masks`, or your own. The same on every rank.
         scale: defaults to ``1 / sqrt(E)``.
-        lengths: ``[B]`` int, the number of real keys of each batch element over the global
-            sequence; keys at positions ``>= lengths[b]`` are masked.
 
     Returns:
-        ``[B, H, Lq_local, Ev]`` in the dtype of ``q`` (computed in float32 for half inputs, in the
-        input dtype otherwise). Rows with no key to attend are zeros, with zero gradients.
+        ``[B, H, Lq_local, Ev]`` in the dtype of ``query`` (computed in float32 for half inputs, in
+        the input dtype otherwise). Rows with no key to attend are zeros, with zero gradients.
 
     Raises:
-        TypeError, ValueError: bad arguments, naming them; shard lengths that do not fit the layout.
-            Every rank raises when one does: a rank whose arguments differ from rank 0's (dtype,
-            batch, heads, head sizes, layout, ``is_causal``, ``window``, ``scale``, ``lengths``,
-            whether autograd records the call) makes all raise a ``ValueError`` naming that rank
-            and argument, and a rank that refuses its own arguments makes the others raise too.
+        TypeError, ValueError: bad arguments, named as ``attnkit.attention`` names them; shard lengths
+            that do not fit the layout. Every rank raises when one does: a rank whose arguments differ
+            from rank 0's (dtype, batch, heads, head sizes, layout, ``is_causal``, ``window``, ``scale``,
+            ``mask_mod``'s function or captured tensors, whether autograd records the call) makes all
+            raise a ``ValueError`` naming that rank and argument, and a rank that refuses its own
+            arguments makes the others raise too.
         RuntimeError: ``torch.distributed`` is not initialised.
 
     Plain PyTorch on one process, for a reader (``full`` gathers the shards)::
 
-        out = attnkit.attention(full(q), full(k), full(v), is_causal=is_causal, window=window,
-                                mask=attnkit.masks.padding(lengths, Lk))  # then take my rows
+        out = attnkit.attention(full(query), full(key), full(value), is_causal=is_causal, window=window,
+                                mask_mod=mask_mod)  # then take my rows
     """
     try:
-        window, scale, lengths = _check_args(q, k, v, is_causal, window, layout, scale, lengths)
+        req = build_request(query, key, value, is_causal=is_causal, window=window, mask_mod=mask_mod, scale=scale)
+        if query.dim() != 4:
+            raise ValueError(f"query must be [B, heads, L_local, dim], got shape {tuple(query.shape)}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     except (TypeError, ValueError):
         # Take part in the call's one collective, marked as refused, so that the other ranks raise
         # too instead of waiting for this one in the ring.
-        refuse_ring_call(group, q)
+        refuse_ring_call(group, query)
         raise
-    plan = _make_plan(q, k, v, group, is_causal, window, layout, scale, lengths)
-    return _RingAttention.apply(q, k, v, plan)
-
-
-def _check_args(q, k, v, is_causal, window, layout, scale, lengths):
-    """This rank's own checks: ``(window as a pair or None, scale as a float, lengths on q's device)``."""
-    _check_inputs(q, k, v)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if window is not None:
-        if not (isinstance(window, tuple | list) and len(window) == 2):
-            raise ValueError(f"window must be a (left, right) pair, got {window!r}")
-        window = (window[0], window[1])
-        for side, n in zip(("left", "right"), window, strict=True):
-            _masks._check_window_side(side, n)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
-    if lengths is not None:
-        if not isinstance(lengths, Tensor) or lengths.dim() != 1 or lengths.shape[0] != q.shape[0] or \
-                lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-            raise ValueError(f"lengths must be a [B] = [{q.shape[0]}] integer tensor, got {describe(lengths)}")
-        lengths = lengths.to(q.device)
-    return window, float(scale), lengths
-
-
-def _check_inputs(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [B, heads, L_local, dim], got shape {tuple(t.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise TypeError(f"{name} ({t.dtype}, {t.device}) must match q ({q.dtype}, {q.device})")
-        if t.shape[0] != q.shape[0]:
-            raise ValueError(f"{name} batch {t.shape[0]} must equal q batch {q.shape[0]}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k head size {k.shape[-1]} must equal q head size {q.shape[-1]}")
-    if v.shape[1:3] != k.shape[1:3]:
-        raise ValueError(f"v must have k's heads and length: k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
+    plan = _make_plan(req, group, layout)
+    return _RingAttention.apply(req.query, req.key, req.value, plan)
 
 
 def _show_window(code: tuple[int, ...]):
@@ -344,8 +369,20 @@ def _scale_bits(scale: float) -> int:
     return struct.unpack("<q", struct.pack("<d", scale))[0]  # exact: equal bits, equal scale
 
 
-def _show_lengths(code: tuple[int, ...]) -> str:
-    return "None" if not code[0] else f"a tensor with crc32 {code[1]:#010x}"
+def _show_mod(code: tuple[int, ...]) -> str:
+    return "None" if not code[0] else f"a predicate with fingerprint {code[1]:#010x}"
+
+
+def _fingerprint(mask_mod) -> tuple[int, int]:
+    """``(given, crc32)`` of a mask_mod's function (its qualified name) and the tensors it captures
+    (document ids, lengths): equal on ranks given the same predicate."""
+    if mask_mod is None:
+        return (0, 0)
+    inner = getattr(mask_mod, "__wrapped__", mask_mod)  # a per-element wrapper made per call: its mod
+    code = zlib.crc32(f"{type(inner).__qualname__}.{getattr(inner, '__qualname__', '')}".encode())
+    for t in _captured.captured_tensors(inner, requiring_grad=False):
+        code = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), code)
+    return (1, code)
 
 
 # What a rank's call looks like to the others: one int64 row per rank, gathered once per call. Every
@@ -364,26 +401,22 @@ _CALL = (
     Field("is_causal", show=lambda c: bool(c[0])),
     Field("window", 3, show=_show_window),  # (given, left, right), -1 = unbounded
     Field("scale", show=lambda c: struct.unpack("<d", struct.pack("<q", c[0]))[0]),
-    Field("lengths", 2, show=_show_lengths),  # (given, crc32 of the values)
+    Field("mask_mod", 2, show=_show_mod),  # (given, crc32 of its function and captured tensors)
     Field("requires_grad", show=lambda c: bool(c[0])),  # one rank's backward would wait for the others'
 )
 
 
-def _call(q, k, v, is_causal, window, layout, scale, lengths) -> dict[str, tuple[int, ...]]:
+def _call(req, layout: str) -> dict[str, tuple[int, ...]]:
     """This rank's row of :data:`_CALL`."""
-    if lengths is None:
-        lengths_code = (0, 0)
-    else:
-        values = lengths.tolist()
-        lengths_code = (1, zlib.crc32(struct.pack(f"<{len(values)}q", *values)))
+    q, k, v, window = req.query, req.key, req.value, req.window
     return {
         "q_len": (q.shape[2],), "kv_len": (k.shape[2],),
         "dtype": name_code(str(q.dtype).removeprefix("torch."), 3),
         "batch": (q.shape[0],), "heads": (q.shape[1],), "kv_heads": (k.shape[1],),
         "head_dim": (q.shape[3],), "value_dim": (v.shape[3],),
-        "layout": (LAYOUTS.index(layout),), "is_causal": (int(is_causal),),
+        "layout": (LAYOUTS.index(layout),), "is_causal": (int(req.is_causal),),
         "window": (0, -1, -1) if window is None else (1, *(-1 if n is None else n for n in window)),
-        "scale": (_scale_bits(scale),), "lengths": lengths_code,
+        "scale": (_scale_bits(req.scale),), "mask_mod": _fingerprint(req.mask_mod),
         "requires_grad": (int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),),
     }
 
@@ -397,43 +430,64 @@ def refuse_ring_call(group, like) -> None:
     refuse(_CALL, group, like)
 
 
-def _make_plan(q, k, v, group, is_causal, window, layout, scale, lengths) -> _Plan:
+def _make_plan(req, group, layout: str) -> _Plan:
+    q = req.query
     rank, world = group_info(group)
     # One small collective: every rank checks that all ranks were called alike, and learns every
     # shard length, hence the global lengths.
-    calls = agree("ring_attention", _CALL, _call(q, k, v, is_causal, window, layout, scale, lengths), group, q)
+    calls = agree("ring_attention", _CALL, _call(req, layout), group, q)
     q_sizes = [c["q_len"][0] for c in calls]
     kv_sizes = [c["kv_len"][0] for c in calls]
     q_len, kv_len = sum(q_sizes), sum(kv_sizes)
-    q_pos = positions_from_sizes(q_sizes, layout, "q", q.device)[rank]
-    kv_pos = positions_from_sizes(kv_sizes, layout, "k", q.device)
-    if lengths is not None and ((lengths < 0) | (lengths > kv_len)).any():
-        raise ValueError(f"lengths must be in [0, Lk = {kv_len}], got {lengths.tolist()}")
-
+    q_pos = positions_from_sizes(q_sizes, layout, "query", q.device)[rank]
+    kv_pos = positions_from_sizes(kv_sizes, layout, "key", q.device)
     offset = kv_len - q_len  # bottom-right alignment over the global lengths
-    mods = []
-    if is_causal:
-        mods.append(_masks.causal_mod(offset))
-    if window is not None:
-        mods.append(_masks.window_mod(*window, offset=offset))
-    if lengths is not None:
-        mods.append(_masks.padding_mod(lengths))
-    mask_mod = None if not mods else mods[0] if len(mods) == 1 else _masks.and_masks(*mods)
+    cd = compute_dtype(q.dtype)
+    kernel = q.device.type == "cpu" and cd in _band.DTYPES and _band.available()
     band = None
-    if is_causal or window is not None:
-        left, right = window if window is not None else (None, None)
-        if is_causal:
+    if req.is_causal or req.window is not None:
+        left, right = req.window if req.window is not None else (None, None)
+        if req.is_causal:
             right = 0 if right is None else min(right, 0)
         # In query-position terms: key j is allowed only if q - left' <= j <= q + right', with
         # the offset folded in (q is the raw global query index).
         band = (None if left is None else left - offset, None if right is None else right + offset)
-
     return _Plan(
         group=group, rank=rank, world=world,
         next_peer=_global_rank(group, (rank + 1) % world), prev_peer=_global_rank(group, (rank - 1) % world),
-        q_pos=q_pos, kv_pos=tuple(kv_pos), kv_sizes=tuple(kv_sizes), mask_mod=mask_mod, band=band,
-        batch=q.shape[0], scale=scale, compute_dtype=compute_dtype(q.dtype),
+        q_pos=q_pos, kv_pos=tuple(kv_pos), kv_sizes=tuple(kv_sizes),
+        predicate=combined_mask_mod(req.is_causal, req.window, offset, req.mask_mod),
+        rows=_my_rows(req, q_pos, q_len, kv_len) if kernel else None, band=band,
+        batch=q.shape[0], heads=q.shape[1], kv_heads=req.key.shape[1], scale=req.scale, compute_dtype=cd,
     )
+
+
+def _my_rows(req, q_pos: Tensor, q_len: int, kv_len: int) -> tuple[Tensor, Tensor] | None:
+    """This rank's query rows' allowed keys over the global sequence, as intervals ``[1|B, Lq_local, K]``
+    (:func:`attnkit.mask_plan` on global positions), or None when the mask has no interval form.
+
+    ``is_causal``, ``window`` and the typed masks of :mod:`attnkit.masks` give their intervals
+    for the whole sequence without evaluating a cell (then this rank's rows are taken); any other
+    predicate is evaluated on this rank's rows only."""
+    from ..plan import mask_plan  # attnkit.plan builds on this package's imports
+
+    b, h = req.query.shape[0], req.query.shape[1]
+    mod = req.mask_mod
+    if q_pos.numel() == 0 or kv_len == 0:
+        empty = torch.full((1, q_pos.numel(), 1), kv_len, dtype=torch.int64)
+        return empty, empty.clone()
+    if mod is None or isinstance(mod, _masks.Mask):
+        plan = mask_plan(mod, q_len=q_len, kv_len=kv_len, batch=b, heads=h, is_causal=req.is_causal,
+                         window=req.window)
+        rows = q_pos.cpu()
+        return None if plan.starts is None else (plan.starts[:, rows].contiguous(), plan.ends[:, rows].contiguous())
+    whole = combined_mask_mod(req.is_causal, req.window, kv_len - q_len, mod)
+
+    def mine(b, h, q_idx, kv_idx):  # row i of this rank is global query q_pos[i]
+        return whole(b, h, q_pos[q_idx], kv_idx)
+
+    plan = mask_plan(mine, q_len=q_pos.numel(), kv_len=kv_len, batch=b, heads=h)
+    return None if plan.starts is None else (plan.starts, plan.ends)
 
 
 def _global_rank(group, group_rank: int) -> int:
