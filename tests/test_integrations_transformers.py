@@ -13,6 +13,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
+import attnkit  # noqa: E402
 import attnkit.integrations.transformers as hf  # noqa: E402
 from tests.tolerances import MODEL_PARITY, close  # noqa: E402
 
@@ -135,3 +136,73 @@ def test_bundled_minilm_real_weights_match_eager():
     model = transformers.AutoModel.from_pretrained(path, attn_implementation="attnkit").eval()
     assert model.config._attn_implementation == "attnkit"
     _parity(model, "eager", torch.float32)
+
+
+def _from_intervals(plan, batch):
+    """The plan's intervals as a dense [B, Lq, Lk] bool tensor: what the banded kernel attends."""
+    j = torch.arange(plan.kv_len).view(1, 1, 1, -1)
+    cells = (plan.starts.unsqueeze(-1) <= j) & (j < plan.ends.unsqueeze(-1))
+    return cells.any(-2).expand(batch, -1, -1)
+
+
+def _mask_cases():
+    mu = transformers.masking_utils
+    padded = torch.ones(3, 14, dtype=torch.long)
+    padded[0, :4] = 0  # left padding
+    padded[1, -2:] = 0  # right padding
+    packed = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 0, 1, 2, 3]] * 3)
+    return {
+        "causal, padded": dict(mask_function=mu.causal_mask_function, attention_mask=padded),
+        "sliding window 4, padded": dict(mask_function=mu.sliding_window_causal_mask_function(4),
+                                         attention_mask=padded),
+        "bidirectional, padded": dict(mask_function=mu.bidirectional_mask_function, attention_mask=padded),
+        "packed sequences, causal": dict(mask_function=mu.and_masks(
+            mu.causal_mask_function, mu.packed_sequence_mask_function(mu.find_packed_sequence_indices(packed)))),
+        "sliding window 4, decoding 3 queries after 11 keys": dict(
+            mask_function=mu.sliding_window_causal_mask_function(4), attention_mask=padded, q_length=3,
+            q_offset=11),
+        "window bidirectional 3, padded": dict(mask_function=mu.sliding_window_bidirectional_mask_function(3),
+                                               attention_mask=padded),
+    }
+
+
+@pytest.mark.parametrize("case", list(_mask_cases()))
+def test_mask_interface_gives_transformers_mask_as_intervals(case):
+    """attnkit_mask's plan allows exactly the cells of transformers' own dense mask (sdpa_mask)."""
+    args = {"batch_size": 3, "q_length": 14, "kv_length": 14, "allow_is_causal_skip": False, **_mask_cases()[case]}
+    plan = hf.attnkit_mask(**args)
+    assert plan is not None and plan.starts is not None, "no interval form: the banded kernel could not run it"
+    want = transformers.masking_utils.sdpa_mask(**args)[:, 0]
+    assert torch.equal(_from_intervals(plan, 3), want)
+
+
+def test_mask_interface_skips_what_needs_no_mask():
+    mu = transformers.masking_utils
+    ones = torch.ones(2, 9, dtype=torch.long)
+    assert hf.attnkit_mask(2, 9, 9, mask_function=mu.causal_mask_function, attention_mask=ones) is None
+    assert hf.attnkit_mask(2, 1, 9, q_offset=8, mask_function=mu.causal_mask_function) is None  # one cached step
+    assert hf.attnkit_mask(2, 9, 9, mask_function=mu.bidirectional_mask_function, attention_mask=ones,
+                           allow_is_bidirectional_skip=True) is None
+    plan = hf.attnkit_mask(2, 9, 9, mask_function=mu.sliding_window_causal_mask_function(3))
+    q = torch.randn(2, 4, 9, 8)
+    assert attnkit.which_backend(q, q, q, mask=plan) == "band"
+
+
+@pytest.mark.parametrize("padding", ["left", "packed"])
+def test_float64_parity_with_sdpa_left_padding_and_packed_sequences(padding):
+    torch.manual_seed(0)
+    config, cls = _configs()["mistral"]
+    model = cls(config).double().eval()
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(3))
+    if padding == "left":
+        mask = torch.ones_like(ids)
+        mask[1, :4] = 0
+        _parity(model, "sdpa", torch.float64, ids, mask)
+        return
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]] * 2)  # three packed sequences per row
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        want = model(input_ids=ids, position_ids=positions).logits
+        model.set_attn_implementation("attnkit")
+        got = model(input_ids=ids, position_ids=positions).logits
+    close(got, want, torch.float64, **MODEL_PARITY[torch.float64])

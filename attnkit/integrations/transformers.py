@@ -7,12 +7,14 @@ so ``from_pretrained(..., attn_implementation="attnkit")``, ``config._attn_imple
 
 Supported: transformers 5.x (checked on 5.24.0); other versions raise at registration.
 
-Masks: this first version registers transformers' own ``sdpa_mask`` for ``"attnkit"``.
-When that skips the mask (pure causal or no mask) the attention call gets ``is_causal``
-and no tensor; otherwise it gets transformers' exact dense bool mask (True = may attend),
-which attnkit reads back into row intervals for the banded kernel where the mask has that
-form. Reading the mask functions' structure directly (sliding window, padding, packed
-sequences) without the dense tensor is left to do.
+Masks arrive as structure, never as an n x n tensor: transformers hands every mask interface
+the mask *function* it composed for the layer type (causal, a sliding window, Gemma's
+alternating local/global layers, padding, packed sequences whose position ids restart) with the
+query and key offsets. :func:`attnkit_mask` turns it into an :class:`attnkit.MaskPlan` once per
+forward and mask type (each row's allowed keys as intervals, found by evaluating the function once,
+see :mod:`attnkit.plan`), and every layer of that type reuses it: windowed and padded layers run on
+the banded kernel. A plain causal mask without padding, or no mask at all, is passed as
+``is_causal`` (or nothing), as transformers does for SDPA.
 
 Honoured: ``scaling``, ``dropout``, ``softcap`` (Gemma 2, through ``attnkit.scores.softcap``),
 GQA (no ``repeat_kv``), ``output_attentions`` (weights from ``backend="reference"``, as eager).
@@ -26,6 +28,7 @@ import torch
 
 import attnkit
 from attnkit import scores
+from attnkit.plan import MaskPlan
 
 NAME = "attnkit"
 _SUPPORTED_MAJOR = 5
@@ -66,11 +69,14 @@ def attnkit_attention_forward(
     for argument in ("s_aux", "sinks", "position_bias"):
         if kwargs.get(argument) is not None:
             _refuse(module, argument, type(kwargs[argument]).__name__)
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        _refuse(module, "attention_mask", f"dtype {attention_mask.dtype}")
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
+    if isinstance(attention_mask, MaskPlan):  # attnkit_mask's: the layer's whole mask, worked out once
+        causal = False
+    else:
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            _refuse(module, "attention_mask", f"dtype {attention_mask.dtype}")
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
     cap = kwargs.get("softcap")
     want_weights = bool(kwargs.get("output_attentions", False))
     result = attnkit.attention(
@@ -87,14 +93,51 @@ def attnkit_attention_forward(
     return out.transpose(1, 2).contiguous(), weights
 
 
+def attnkit_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function=None, attention_mask: torch.Tensor | None = None, allow_is_causal_skip: bool = True,
+                 allow_is_bidirectional_skip: bool = False, device="cpu", **_) -> MaskPlan | None:
+    """transformers' mask interface for ``"attnkit"``: the layer's mask as a :class:`attnkit.MaskPlan`.
+
+    ``mask_function(b, h, q_idx, kv_idx)`` is transformers' composed predicate on absolute
+    positions (query ``q_offset + i``, key ``kv_offset + j``), ``attention_mask`` the 2-D padding
+    mask. Returns None where no mask is needed (causal without padding, with the queries at the
+    end of the keys, or full attention), as ``sdpa_mask`` does.
+    """
+    from transformers.masking_utils import (
+        and_masks,
+        bidirectional_mask_function,
+        causal_mask_function,
+        padding_mask_function,
+        prepare_padding_mask,
+    )
+
+    mask_function = causal_mask_function if mask_function is None else mask_function
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    padding = None if padding is None else padding.bool()  # models pass bool; a 0/1 mask means the same
+    if padding is not None and bool(padding[:, kv_offset:kv_offset + kv_length].all()):
+        padding = None  # every key real: no padding term
+    if padding is None:
+        aligned = q_offset - kv_offset == kv_length - q_length  # attnkit's bottom-right causal
+        if allow_is_causal_skip and mask_function is causal_mask_function and aligned:
+            return None
+        if allow_is_bidirectional_skip and mask_function is bidirectional_mask_function:
+            return None
+    whole = mask_function if padding is None else and_masks(mask_function, padding_mask_function(padding))
+
+    def at_positions(b, h, q_idx, kv_idx):
+        return whole(b, h, q_idx + q_offset, kv_idx + kv_offset)
+
+    return attnkit.mask_plan(at_positions, q_len=q_length, kv_len=kv_length, batch=batch_size, device=device)
+
+
 def register() -> None:
     """Register ``"attnkit"`` with transformers' attention and mask interfaces (idempotent)."""
     _check_version()
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, attnkit_attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, attnkit_mask)
 
 
 register()
