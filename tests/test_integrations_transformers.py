@@ -31,6 +31,11 @@ def _configs():
         "gpt2": (transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64),
                  transformers.GPT2LMHeadModel),
         "bert": (transformers.BertConfig(**{**small, "max_position_embeddings": 64}), transformers.BertModel),
+        # local window of 6 (3 each side) on layers 1 and 2, global attention on layer 0 and 3
+        "modernbert": (transformers.ModernBertConfig(**{**small, "num_hidden_layers": 4}, local_attention=6,
+                                                     global_attn_every_n_layers=3, pad_token_id=0, bos_token_id=1,
+                                                     eos_token_id=2, cls_token_id=1, sep_token_id=2),
+                       transformers.ModernBertModel),
     }
 
 
@@ -60,7 +65,7 @@ def _parity(model, anchor: str, dtype: torch.dtype, ids=None, mask=None) -> None
     close(got[keep], want[keep], dtype, **MODEL_PARITY[dtype])
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2", "bert"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2", "bert", "modernbert"])
 def test_float64_parity_with_sdpa(name):
     torch.manual_seed(0)
     config, cls = _configs()[name]
