@@ -251,6 +251,41 @@ def diagonal_bias(score_mod: ScoreMod, *, batch: int, heads: int, q_len: int, kv
     return table if ok else None
 
 
+def soft_cap(score_mod: ScoreMod, *, batch: int, heads: int, q_len: int, kv_len: int, dtype: torch.dtype,
+             device="cpu") -> float | None:
+    """The cap ``c`` when ``score_mod`` is tanh soft-capping, ``c * tanh(score / c)`` (Gemma 2's
+    ``attn_logit_softcapping``), however it is written; None otherwise.
+
+    :class:`SoftCap` says its own. Any other mod that captures nothing learned is probed: ``c`` is
+    read as the mod's value on a score of ``1e20`` (where ``tanh`` is 1), then the mod must give
+    ``c * tanh(score / c)`` to the last few ulps on the cells :func:`diagonal_bias` checks, with
+    scores spread over the cap's whole range (saturated ones included); anything else (a bias, a
+    scale, an index or a counter read, a cap learned) fails and the call goes to the tiles.
+    """
+    if isinstance(score_mod, SoftCap):
+        return score_mod.cap
+    if isinstance(score_mod, DiagonalBias | Composed) or q_len == 0 or kv_len == 0:
+        return None
+    from .backends._captured import captured_tensors  # the backends build on this module
+
+    if captured_tensors(score_mod):  # something that requires grad feeds it: not a constant cap
+        return None
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    one = zero.view(1, 1, 1)
+    try:
+        top = _call(score_mod, dtype, zero, one, one, one, 1e20)
+    except Exception:  # noqa: BLE001 - a mod that cannot be called this way is not read as a cap
+        return None
+    cap = None if top is None or top.requires_grad else float(top.reshape(-1)[0])
+    if cap is None or not math.isfinite(cap) or cap <= 0:
+        return None
+    owner = getattr(score_mod, "__wrapped__", score_mod)
+    key = _verified_key(owner, torch.tensor(cap), "soft cap", batch, heads, q_len, kv_len, dtype, device)
+    ok = _check_once(owner, key, lambda: _agrees(score_mod, lambda score, q, kv: cap * torch.tanh(score / cap),
+                                                 batch, heads, q_len, kv_len, dtype, device, spread=2 * cap))
+    return cap if ok else None
+
+
 def _probe(score_mod, batch, heads, q_len, kv_len, dtype, device) -> Tensor | None:
     if q_len == 0 or kv_len == 0:
         return None
@@ -270,15 +305,13 @@ def _probe(score_mod, batch, heads, q_len, kv_len, dtype, device) -> Tensor | No
         return None
     owner = getattr(score_mod, "__wrapped__", score_mod)  # a per-element wrapper, made per call: its mod
     key = _verified_key(owner, table, batch, heads, q_len, kv_len, dtype, device)
-    if key is None or key not in _verified.get(owner, ()):
-        with torch.no_grad():
-            if not _agrees(score_mod, table.detach(), batch, heads, q_len, kv_len, dtype, device):
-                return None
-        if key is not None:
-            passed = _verified.setdefault(owner, collections.OrderedDict())
-            passed[key] = True
-            while len(passed) > 8:
-                passed.popitem(last=False)
+    diagonal = table.detach().double()
+
+    def expect(score, q, kv):
+        return score + diagonal[:, (kv - q + q_len - 1)[0, 0]].unsqueeze(0)
+
+    if not _check_once(owner, key, lambda: _agrees(score_mod, expect, batch, heads, q_len, kv_len, dtype, device)):
+        return None
     return table
 
 
@@ -286,6 +319,22 @@ def _probe(score_mod, batch, heads, q_len, kv_len, dtype, device) -> Tensor | No
 #: tensors' versions and the table's sum: a mod whose tensors have not changed is not checked again
 #: (its table is still read on every call).
 _verified: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_once(owner, key, check) -> bool:
+    """``check()`` under no_grad, unless a check of ``owner`` with ``key`` passed before; remembered
+    when it passes (the last 8 keys per mod)."""
+    if key is not None and key in _verified.get(owner, ()):
+        return True
+    with torch.no_grad():
+        if not check():
+            return False
+    if key is not None:
+        passed = _verified.setdefault(owner, collections.OrderedDict())
+        passed[key] = True
+        while len(passed) > 8:
+            passed.popitem(last=False)
+    return True
 
 
 def _verified_key(score_mod, table, *sizes) -> tuple | None:
@@ -328,8 +377,11 @@ def _call(score_mod, dtype, b, h, q, kv, fill: float):
     return like_score(torch.broadcast_to(out, shape), dtype)
 
 
-def _agrees(score_mod, table, batch, heads, q_len, kv_len, dtype, device) -> bool:
-    """Whether ``score + table[h, kv - q + Lq - 1]`` is what the mod gives on sampled cells."""
+def _agrees(score_mod, expect, batch, heads, q_len, kv_len, dtype, device, spread: float = 4.0) -> bool:
+    """Whether the mod gives ``expect(score, q, kv)`` (float64) on sampled cells: the grid's corners,
+    :data:`PROBE_TILES` tiles drawn with a fixed seed, its last row and last column, every head and a
+    few batch elements, random scores from ``spread / 100`` to ``10^4 spread`` in size; to the last
+    few ulps."""
     gen = torch.Generator().manual_seed(0)
     t = min(PROBE_TILE, q_len), min(PROBE_TILE, kv_len)
     corners = [(0, 0), (0, kv_len - t[1]), (q_len - t[0], 0), (q_len - t[0], kv_len - t[1])]
@@ -344,11 +396,13 @@ def _agrees(score_mod, table, batch, heads, q_len, kv_len, dtype, device) -> boo
         q = torch.arange(q0, q0 + nq, device=device).view(1, 1, -1, 1)
         kv = torch.arange(k0, k0 + nk, device=device).view(1, 1, 1, -1)
         shape = (3, heads, nq, nk)
-        score = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device) * 4
+        # magnitudes over six decades around spread: a clamp or cap far above typical scores shows too
+        size = spread * 10.0 ** (6 * torch.rand(shape, generator=gen, dtype=torch.float64) - 2)
+        score = (torch.randn(shape, generator=gen, dtype=torch.float64) * size).to(dtype=dtype, device=device)
         out = score_mod(score, b, h, q, kv)
         if not isinstance(out, Tensor) or tuple(torch.broadcast_shapes(out.shape, shape)) != shape:
             return False
-        want = score.double() + table.double()[:, (kv - q + q_len - 1)[0, 0]].unsqueeze(0)
+        want = expect(score.double(), q, kv)
         got = out.double()
         tol = 8 * torch.finfo(dtype).eps * (want.abs() + 1)
         if not bool(((got - want).abs() <= tol).all()):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import scores
-from tests.tolerances import close
+from tests.tolerances import PARITY, close
 
 H = 4
 
@@ -122,3 +122,54 @@ def test_float32_and_float64_tables(dtype):
     assert attnkit.which_backend(q, k, v, score_mod=mod) == "band"
     close(attnkit.attention(q, k, v, score_mod=mod), attnkit.attention(q, k, v, score_mod=mod, backend="reference"),
           dtype)
+
+
+def hand_written_caps():
+    """Gemma 2's attn_logit_softcapping, as users write it."""
+
+    def gemma(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / 30.0) * 30.0
+
+    def divided(score, b, h, q_idx, kv_idx):
+        cap = 50.0
+        return cap * (score / cap).tanh()
+
+    return [(gemma, 30.0), (divided, 50.0)]
+
+
+@pytest.mark.parametrize("mod, cap", hand_written_caps())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_hand_written_soft_caps_run_on_the_band_exactly(mod, cap, dtype):
+    """Against the float64 oracle on the same (rounded) inputs, outputs and gradients."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, H, 40, 8, generator=g, dtype=torch.float64).mul(6).to(dtype).requires_grad_()
+               for _ in range(3))  # scores up to a few hundred: the cap saturates
+    assert scores.soft_cap(mod, batch=2, heads=H, q_len=40, kv_len=40, dtype=dtype) == cap
+    kw = {"score_mod": mod, "is_causal": True}
+    assert attnkit.which_backend(q, k, v, **kw) == "band"
+    out = attnkit.attention(q, k, v, **kw)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = attnkit.attention(*exact, backend="reference", **kw)
+    close(out, want, dtype, **PARITY[dtype])
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout.to(dtype)), torch.autograd.grad(want, exact, dout),
+                    strict=True):
+        close(a, b, dtype, **PARITY[dtype])
+
+
+def test_mods_that_only_look_capped_are_refused():
+    learned = torch.tensor(30.0, requires_grad=True)
+    lookalikes = {
+        "hard clamp": lambda s, b, h, i, j: s.clamp(-30.0, 30.0),
+        "cap and scale disagree": lambda s, b, h, i, j: 29.9 * torch.tanh(s / 30.0),
+        "cap plus an index term": lambda s, b, h, i, j: 30.0 * torch.tanh(s / 30.0) + 1e-3 * i,
+        "learned cap": lambda s, b, h, i, j: learned * torch.tanh(s / learned),
+        "per head": lambda s, b, h, i, j: (30.0 + h) * torch.tanh(s / (30.0 + h)),
+    }
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, H, 24, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    for name, mod in lookalikes.items():
+        assert scores.soft_cap(mod, batch=1, heads=H, q_len=24, kv_len=24, dtype=torch.float64) is None, name
+        assert attnkit.which_backend(q, k, v, score_mod=mod) == "tiles", name
+        close(attnkit.attention(q, k, v, score_mod=mod), attnkit.attention(q, k, v, score_mod=mod,
+                                                                            backend="reference"))

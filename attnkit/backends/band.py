@@ -5,7 +5,8 @@ as intervals (causal, window, prefix-LM, padding, packed documents, the sparse p
 predicate or dense bool mask whose plan finds that form), there is no dense ``bias``, the
 ``score_mod``, if any, is an additive bias per head and diagonal (ALiBi, relative-position tables;
 ``attnkit.scores``' or a user's own, see :func:`attnkit.scores.diagonal_bias`) and/or tanh
-soft-capping, on CPU in float32/float64 (half types computed in float32), once the kernel is built
+soft-capping (``attnkit.scores.softcap``, or a user's own alone, see :func:`attnkit.scores.soft_cap`),
+on CPU in float32/float64 (half types computed in float32), once the kernel is built
 and has passed its self-check.
 """
 
@@ -67,13 +68,16 @@ def _work_out(req: Request) -> tuple[_band.Plan | None, str | None]:
             bias_mod, cap = typed[0], typed[1] or 0.0
             bias = None if bias_mod is None else bias_mod.diagonal(req.heads, req.q_len, req.kv_len, dtype=dtype)
             found = bias_mod is None or bias is not None
-        else:
-            bias = scores.diagonal_bias(req.score_mod, batch=math.prod(req.batch_shape), heads=req.heads,
-                                        q_len=req.q_len, kv_len=req.kv_len, dtype=dtype, device=req.query.device)
-            found = bias is not None
+        else:  # a user's own: a bias per head and diagonal, or else a tanh soft cap, found by probing
+            sizes = dict(batch=math.prod(req.batch_shape), heads=req.heads, q_len=req.q_len, kv_len=req.kv_len,
+                         dtype=dtype, device=req.query.device)
+            bias = scores.diagonal_bias(req.score_mod, **sizes)
+            cap = 0.0 if bias is not None else scores.soft_cap(req.score_mod, **sizes) or 0.0
+            found = bias is not None or cap > 0
         if not found:
             return None, ("the score_mod is not an additive bias per head and diagonal (ALiBi, relative positions "
-                          "and the like, written by hand or with attnkit.scores), nor soft-capping after one")
+                          "and the like, written by hand or with attnkit.scores), nor tanh soft-capping "
+                          "c * tanh(score / c) (alone, or after such a bias with attnkit.scores)")
     plan = req.plan
     if plan is None and req.mask is not None:
         return None, "a dense mask has an interval form only with 4-D inputs [B, H, L, E]"
