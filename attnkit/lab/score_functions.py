@@ -27,8 +27,8 @@ class ScoredAttention(nn.Module):
 
     * dot: ``q . k / sqrt(E)``.
     * multiplicative: ``q^T W k / sqrt(E)`` (Luong et al. 2015, "general").
-    * additive: ``w . tanh(q + k)`` with ``q = W_q x``, ``k = W_k x`` (Bahdanau et al. 2015); it
-      builds a ``[B, L, L, E]`` tensor, which is what makes it costly.
+    * additive: ``w . tanh(q + k)`` with ``q = W_q x``, ``k = W_k x`` (Bahdanau et al. 2015); its
+      ``B * L * L * E`` tanh are what make it costly.
     """
 
     def __init__(self, width: int, kind: str) -> None:
@@ -86,7 +86,7 @@ def run(quick: bool, out: Path) -> Finding:
     cheaper = secs["additive"] > secs["dot"]
     as_good = acc["dot"] >= max(acc.values()) - 0.05
     verdict = "supported" if cheaper and as_good else "depends"
-    why = (f"Additive scores took {figures['additive_vs_dot_time']:.1f}x the dot product's time at n = {n} (they "
-           f"build an n x n x d tensor), and after {steps} steps the accuracies are {acc['dot']:.2f} (dot), "
+    why = (f"Additive scores took {figures['additive_vs_dot_time']:.1f}x the dot product's time at n = {n} (a tanh "
+           f"over n x n x d values), and after {steps} steps the accuracies are {acc['dot']:.2f} (dot), "
            f"{acc['multiplicative']:.2f} (multiplicative), {acc['additive']:.2f} (additive).")
     return Finding("score_functions", CLAIM, figures, verdict, why, [pic])
