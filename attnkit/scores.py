@@ -221,6 +221,33 @@ def parts(score_mod: ScoreMod | None) -> tuple[DiagonalBias | None, float | None
     return score_mod.parts() if isinstance(score_mod, DiagonalBias | SoftCap | Composed) else None
 
 
+#: Why :func:`kernel_terms` found nothing, for the backends' messages.
+NOT_KERNEL_TERMS = ("the score_mod is not an additive bias per head and diagonal (ALiBi, relative positions and the "
+                    "like, written by hand or with attnkit.scores), nor tanh soft-capping c * tanh(score / c) "
+                    "(alone, or after such a bias with attnkit.scores)")
+
+
+def kernel_terms(score_mod: ScoreMod, *, batch: int, heads: int, q_len: int, kv_len: int, dtype: torch.dtype,
+                 device="cpu") -> tuple[Tensor | None, float] | None:
+    """``score_mod`` as what the banded kernel applies itself: ``(diagonal bias [1 or H, Lq + Lk - 1] or
+    None, soft cap or 0.0)``, or None when it is neither.
+
+    This module's own forms say theirs (:func:`parts`); any other mod is probed, first as a bias per
+    head and diagonal (:func:`diagonal_bias`), then as a soft cap (:func:`soft_cap`).
+    """
+    typed = parts(score_mod)
+    if typed is not None:
+        bias_mod, cap = typed
+        bias = None if bias_mod is None else bias_mod.diagonal(heads, q_len, kv_len, dtype=dtype)
+        return None if bias_mod is not None and bias is None else (bias, cap or 0.0)
+    sizes = dict(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, dtype=dtype, device=device)
+    bias = diagonal_bias(score_mod, **sizes)
+    if bias is not None:
+        return bias, 0.0
+    cap = soft_cap(score_mod, **sizes)
+    return None if cap is None else (None, cap)
+
+
 def diagonal_bias(score_mod: ScoreMod, *, batch: int, heads: int, q_len: int, kv_len: int, dtype: torch.dtype,
                   device="cpu") -> Tensor | None:
     """``score_mod`` as an additive bias per head and diagonal, ``[1 or H, Lq + Lk - 1]`` in ``dtype``

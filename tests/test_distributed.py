@@ -268,6 +268,67 @@ def test_ring_float32_bfloat16_module_and_gradcheck_2_ranks():
     _check(run_local(_lower_precision_and_module, 2, timeout=SPAWN_TIMEOUT))
 
 
+def _score_mod_cases(rank, world):
+    """Score biases and soft caps on global positions: outputs, input gradients and a learned table's
+    gradient (summed over the ranks) against one process in float64; a score_mod the kernel cannot
+    apply is refused on every rank."""
+    from attnkit import scores
+
+    g = torch.Generator().manual_seed(5)
+    slopes = scores.alibi_slopes(4, dtype=torch.float64)
+    table = torch.randn(4, 9, generator=g, dtype=torch.float64)
+
+    def relative(score, b, h, q_idx, kv_idx):  # hand-written: a learned table, clipped distances
+        return score + table[h, (kv_idx - q_idx).clamp(-4, 4) + 4]
+
+    def capped(score, b, h, q_idx, kv_idx):
+        return 20.0 * torch.tanh(score / 20.0)
+
+    cases = [("zigzag", {"is_causal": True}, scores.alibi(slopes)),
+             ("contiguous", {"window": (3, 2)}, relative),
+             ("zigzag", {"is_causal": True}, capped),
+             ("contiguous", {}, scores.compose(scores.alibi(slopes), scores.softcap(5.0)))]
+    failures = []
+    for i, (layout, kw, mod) in enumerate(cases):
+        c = _case(layout, lq=13, lk=13)
+        q, k, v, dout = _inputs(c, seed=20 + i)
+        q, k, v = (t * 3 for t in (q, k, v))  # scores large enough for the caps to bite
+        table.requires_grad_(mod is relative)
+        ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+        ref = attnkit.attention(*ref_in, score_mod=mod, backend="reference", **kw)
+        ref.backward(dout)
+        want_table = None if table.grad is None else table.grad.clone()
+        table.grad = None
+        mine = [shard(t, 2, layout=layout).detach().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*mine, layout=layout, score_mod=mod, **kw)
+        out.backward(shard(dout, 2, layout=layout))
+        got = {"out": (out, shard(ref, 2, layout=layout))}
+        for name, mine_t, ref_t in zip(("dq", "dk", "dv"), mine, ref_in, strict=True):
+            got[name] = (mine_t.grad, shard(ref_t.grad, 2, layout=layout))
+        if want_table is not None:
+            dist.all_reduce(table.grad)  # each rank holds its query rows' share
+            got["table"] = (table.grad, want_table)
+            table.grad = None
+        for name, (actual, expected) in got.items():
+            try:
+                close(actual, expected)
+            except AssertionError as e:
+                failures.append(f"rank {rank} score_mod case {i} ({layout}, {kw}) {name}: {str(e).splitlines()[:3]}")
+    q, k, v, _ = _inputs(_case("contiguous"), seed=1)
+    try:
+        ring_attention(*(shard(t, 2) for t in (q, k, v)), score_mod=lambda s, b, h, i, j: s * 2)
+        failures.append(f"rank {rank}: a score_mod the kernel cannot apply was not refused")
+    except ValueError as e:
+        if "ring_attention serves a score_mod on the banded kernel only" not in str(e):
+            failures.append(f"rank {rank}: unexpected refusal {e}")
+    return failures
+
+
+@pytest.mark.timeout(90)
+def test_ring_score_biases_and_soft_caps_2_ranks():
+    _check(run_local(_score_mod_cases, 2, timeout=SPAWN_TIMEOUT))
+
+
 # --------------------------------------------------------------------------------------------
 # Four ranks, and rings on subgroups
 # --------------------------------------------------------------------------------------------

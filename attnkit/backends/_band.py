@@ -112,27 +112,33 @@ def run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor,
     return _BandFn.apply(query, key, value, starts.contiguous(), ends.contiguous(), bias, scale, float(softcap))
 
 
-def partial_forward(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def partial_forward(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tensor, scale: float,
+                    bias: Tensor | None = None, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """The kernel's forward on one block of keys, for callers that merge blocks (ring attention).
 
     ``q [B, H, Lq, E]``, ``k [B, Hkv, Lk, E]``, ``v [B, Hkv, Lk, Ev]`` already in a kernel dtype
-    (:data:`DTYPES`); ``starts``/``ends`` as in :func:`run`. Returns ``(out, lse)``: the block's
-    normalised output and each row's log-sum-exp (``-inf`` for a row with no key), no autograd.
+    (:data:`DTYPES`); ``starts``/``ends``, ``bias`` (this block's diagonals) and ``softcap`` as in
+    :func:`run`. Returns ``(out, lse)``: the block's normalised output and each row's log-sum-exp
+    (``-inf`` for a row with no key), no autograd.
     """
     q, k, v = (_as_4d(t, t.dtype) for t in (q, k, v))
-    out, stats = _module().forward(q, k, v, starts, ends, q.new_empty(0, 0), scale, 0.0, Q_ROWS, KV_CHUNK)
+    bias = q.new_empty(0, 0) if bias is None else bias.detach().to(q.dtype).contiguous()
+    out, stats = _module().forward(q, k, v, starts, ends, bias, scale, softcap, Q_ROWS, KV_CHUNK)
     return out, stats[0] + stats[1]
 
 
 def partial_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, starts: Tensor,
-                     ends: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of one block of keys given the rows' *merged* ``out`` and ``lse`` (all blocks):
-    each block's share of the gradients of attention over all of them (FlashAttention's backward)."""
+                     ends: Tensor, scale: float, bias: Tensor | None = None,
+                     softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(dq, dk, dv, dbias)`` of one block of keys given the rows' *merged* ``out`` and ``lse`` (all
+    blocks): each block's share of the gradients of attention over all of them (FlashAttention's
+    backward); ``dbias`` is None without a bias."""
     q, k, v, dout, out = (_as_4d(t, t.dtype) for t in (q, k, v, dout, out))
     stats = torch.stack([lse, torch.zeros_like(lse)]).contiguous()  # row "maximum" lse, log of row sum 0
-    dq, dk, dv, _ = _module().backward(dout, q, k, v, out, stats, starts, ends, q.new_empty(0, 0), scale, 0.0,
-                                       KV_ROWS, Q_CHUNK, torch.are_deterministic_algorithms_enabled())
-    return dq, dk, dv
+    table = q.new_empty(0, 0) if bias is None else bias.detach().to(q.dtype).contiguous()
+    dq, dk, dv, dbias = _module().backward(dout, q, k, v, out, stats, starts, ends, table, scale, softcap,
+                                           KV_ROWS, Q_CHUNK, torch.are_deterministic_algorithms_enabled())
+    return dq, dk, dv, None if bias is None else dbias
 
 
 def _as_4d(x: Tensor, dtype: torch.dtype) -> Tensor:

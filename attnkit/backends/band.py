@@ -62,22 +62,12 @@ def _work_out(req: Request) -> tuple[_band.Plan | None, str | None]:
     if req.score_mod is not None:
         # In the scores' compute dtype (the attnkit.scores dtype rule), so float32 tables add up in float64 for
         # float64 inputs; the kernel sends the gradient back in each captured tensor's own dtype.
-        dtype = compute_dtype(req.query.dtype)
-        typed = scores.parts(req.score_mod)  # attnkit.scores' own forms: a diagonal bias, then a soft cap
-        if typed is not None:
-            bias_mod, cap = typed[0], typed[1] or 0.0
-            bias = None if bias_mod is None else bias_mod.diagonal(req.heads, req.q_len, req.kv_len, dtype=dtype)
-            found = bias_mod is None or bias is not None
-        else:  # a user's own: a bias per head and diagonal, or else a tanh soft cap, found by probing
-            sizes = dict(batch=math.prod(req.batch_shape), heads=req.heads, q_len=req.q_len, kv_len=req.kv_len,
-                         dtype=dtype, device=req.query.device)
-            bias = scores.diagonal_bias(req.score_mod, **sizes)
-            cap = 0.0 if bias is not None else scores.soft_cap(req.score_mod, **sizes) or 0.0
-            found = bias is not None or cap > 0
-        if not found:
-            return None, ("the score_mod is not an additive bias per head and diagonal (ALiBi, relative positions "
-                          "and the like, written by hand or with attnkit.scores), nor tanh soft-capping "
-                          "c * tanh(score / c) (alone, or after such a bias with attnkit.scores)")
+        terms = scores.kernel_terms(req.score_mod, batch=math.prod(req.batch_shape), heads=req.heads,
+                                    q_len=req.q_len, kv_len=req.kv_len, dtype=compute_dtype(req.query.dtype),
+                                    device=req.query.device)
+        if terms is None:
+            return None, scores.NOT_KERNEL_TERMS
+        bias, cap = terms
     plan = req.plan
     if plan is None and req.mask is not None:
         return None, "a dense mask has an interval form only with 4-D inputs [B, H, L, E]"

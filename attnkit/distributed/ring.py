@@ -9,8 +9,9 @@ together with an accumulator for their gradients (float32 for half inputs), whic
 its owner after the last step.
 
 The call is ``attnkit.attention``'s on the unsharded sequence: the same argument names and checks
-(:func:`attnkit.request.build_request`), the same compute dtype, and every mask (``is_causal``,
-``window``, any ``mask_mod``: padding, documents, the sparse patterns) on *global* positions. The
+(:func:`attnkit.request.build_request`), the same compute dtype, every mask (``is_causal``,
+``window``, any ``mask_mod``: padding, documents, the sparse patterns) and the score_mods the banded
+kernel applies (a bias per head and diagonal, tanh soft-capping) on *global* positions. The
 mask is worked out once per call as each of this rank's query rows' allowed keys, as intervals
 (:func:`attnkit.mask_plan`); each (query run, key run) of a block then goes through the banded C++
 kernel of the ``"band"`` backend (:func:`attnkit.backends._band.partial_forward`), so a rank
@@ -39,6 +40,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import masks as _masks
+from .. import scores
 from ..backends import _band, _captured
 from ..backends._fused import compute_dtype
 from ..ops.tiles import merge_partials, tile_backward, tile_forward
@@ -67,6 +69,8 @@ class _Plan:
     kv_sizes: tuple[int, ...]
     predicate: _masks.MaskMod | None  # the whole mask on global positions; None = everything allowed
     rows: tuple[Tensor, Tensor] | None  # my query rows' allowed global keys [1|B, Lq_local, K]; None: tiles
+    q_len: int  # global lengths
+    cap: float  # the score_mod's tanh soft cap (0: none); its diagonal bias is the autograd input `table`
     band: tuple[int | None, int | None] | None  # (left, right) of causal/window around p = i + offset
     batch: int
     heads: int
@@ -79,21 +83,26 @@ class _Plan:
         """Which rank's key/value block this rank holds at ``step``."""
         return (self.rank - step) % self.world
 
-    def jobs(self, src: int) -> list[tuple[slice, slice, Tensor, Tensor]]:
-        """``(query rows, block columns, starts, ends)`` for the kernel, one per (run of consecutive
-        query positions, run of consecutive key positions of block ``src``) with an allowed cell;
-        the intervals are the runs', relative to the key run's first position. Worked out once per
-        call and block, for the forward and the backward."""
+    def jobs(self, src: int) -> list[tuple[slice, slice, Tensor, Tensor, slice]]:
+        """``(query rows, block columns, starts, ends, diagonals)`` for the kernel, one per (run of
+        consecutive query positions, run of consecutive key positions of block ``src``) with an
+        allowed cell; the intervals are the runs', relative to the key run's first position, and
+        ``diagonals`` the columns of the global diagonal bias table ``[H, Lq + Lk - 1]`` that the
+        run pair covers, in the kernel's order. Worked out once per call and block, for the forward
+        and the backward."""
         if src not in self._jobs:
             out = []
             starts, ends = self.rows
-            for rs, _ in _runs(self.q_pos):
+            for rs, q0 in _runs(self.q_pos):
+                r = rs.stop - rs.start
                 for cs, lo in _runs(self.kv_pos[src]):
                     n = cs.stop - cs.start
                     st, en = _masks.normalize(starts[:, rs].clamp(lo, lo + n) - lo,
                                               ends[:, rs].clamp(lo, lo + n) - lo, n)
                     if bool((st < en).any()):
-                        out.append((rs, cs, st, en))
+                        # block column j - i + r - 1 is global diagonal (lo + j) - (q0 + i), column + Lq - 1
+                        first = lo - q0 + self.q_len - r
+                        out.append((rs, cs, st, en, slice(first, first + r + n - 1)))
             self._jobs[src] = out
         return self._jobs[src]
 
@@ -182,7 +191,7 @@ class _RingAttention(torch.autograd.Function):
     """Forward and backward around the ring; out, lse and the gradients in the compute dtype."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, table: Tensor | None, plan: _Plan) -> Tensor:
         bsz, heads, lq, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         cd = plan.compute_dtype
@@ -197,25 +206,26 @@ class _RingAttention(torch.autograd.Function):
                 nxt = kv.new_empty(bsz, hkv, plan.kv_sizes[plan.source(step + 1)], d + dv)
                 pending = _exchange(plan, kv, nxt, _KV_TAG)
             kb, vb = kv[..., :d].to(cd), kv[..., d:].to(cd)
-            for rows, _, o, l in _block_forward(plan, src, qc, kb, vb):
+            for rows, _, o, l in _block_forward(plan, src, qc, kb, vb, table):
                 out[..., rows, :], lse[..., rows] = merge_partials(out[..., rows, :], lse[..., rows], o, l)
             _wait(pending)
             if nxt is not None:
                 kv = nxt
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, table)
         ctx.plan = plan
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, table = ctx.saved_tensors
         plan: _Plan = ctx.plan
         bsz, _, _, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         cd = plan.compute_dtype
         qc, dout = q.to(cd), grad_out.to(cd).contiguous()
         dq = torch.zeros_like(qc)
+        dtable = None if table is None else table.new_zeros(table.shape, dtype=cd)  # this rank's rows' share
         kv = torch.cat([k, v], -1).contiguous()
         acc_in, acc_works = None, []  # gradient accumulator of the block in hand, arriving
         for step in range(plan.world):
@@ -226,8 +236,11 @@ class _RingAttention(torch.autograd.Function):
                 kv_works = _exchange(plan, kv, nxt, _KV_TAG)
             kb, vb = kv[..., :d].to(cd), kv[..., d:].to(cd)
             local = None  # this rank's share of the block's gradients (B, Hkv, Lk, D + Dv)
-            for rows, cols, dq_t, dk_t, dv_t in _block_backward(plan, src, qc, kb, vb, dout, out, lse):
+            for rows, cols, dq_t, dk_t, dv_t, diagonals, db in _block_backward(plan, src, qc, kb, vb, dout, out,
+                                                                               lse, table):
                 dq[..., rows, :] += dq_t
+                if db is not None:
+                    dtable[:, diagonals] += db
                 if local is None:
                     local = kv.new_zeros(kv.shape, dtype=cd)
                 local[..., cols, :d] += dk_t
@@ -253,15 +266,17 @@ class _RingAttention(torch.autograd.Function):
             acc_works = _exchange(plan, acc.contiguous(), acc_in, _DKV_TAG)
         _wait(acc_works)
         assert acc_in.shape[-2] == k.shape[-2]
-        return dq.to(q.dtype), acc_in[..., :d].to(k.dtype), acc_in[..., d:].to(v.dtype), None
+        dtable = None if dtable is None else dtable.to(table.dtype)
+        return dq.to(q.dtype), acc_in[..., :d].to(k.dtype), acc_in[..., d:].to(v.dtype), dtable, None
 
 
-def _block_forward(plan: _Plan, src: int, q: Tensor, k: Tensor, v: Tensor):
+def _block_forward(plan: _Plan, src: int, q: Tensor, k: Tensor, v: Tensor, table: Tensor | None):
     """``(query rows, block columns, out, lse)`` of each piece of block ``src`` with work in it."""
     if plan.rows is not None:
-        for rows, cols, starts, ends in plan.jobs(src):
+        for rows, cols, starts, ends, diagonals in plan.jobs(src):
+            bias = None if table is None else table[:, diagonals]
             yield (rows, cols, *_band.partial_forward(q[..., rows, :], k[..., cols, :], v[..., cols, :], starts, ends,
-                                                      plan.scale))
+                                                      plan.scale, bias, plan.cap))
         return
     hkv = k.shape[1]
     qg, kg, vg = _grouped(q, hkv), k.unsqueeze(2), v.unsqueeze(2)  # (B, Hkv, G|1, L, D)
@@ -270,14 +285,18 @@ def _block_forward(plan: _Plan, src: int, q: Tensor, k: Tensor, v: Tensor):
         yield rows, cols, o.flatten(1, 2), l.flatten(1, 2)
 
 
-def _block_backward(plan: _Plan, src: int, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor):
-    """``(query rows, block columns, dq, dk, dv)`` of each piece of block ``src`` with work in it,
-    given the merged ``out`` and ``lse`` of every block; dk, dv summed over the query heads of a group."""
+def _block_backward(plan: _Plan, src: int, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor,
+                    table: Tensor | None):
+    """``(query rows, block columns, dq, dk, dv, diagonals, dbias)`` of each piece of block ``src`` with work
+    in it, given the merged ``out`` and ``lse`` of every block; dk, dv summed over the query heads of a
+    group; dbias (None without a bias) for the columns ``diagonals`` of the table."""
     if plan.rows is not None:
-        for rows, cols, starts, ends in plan.jobs(src):
-            yield (rows, cols, *_band.partial_backward(dout[..., rows, :], q[..., rows, :], k[..., cols, :],
-                                                       v[..., cols, :], out[..., rows, :], lse[..., rows].contiguous(),
-                                                       starts, ends, plan.scale))
+        for rows, cols, starts, ends, diagonals in plan.jobs(src):
+            bias = None if table is None else table[:, diagonals]
+            dq, dk, dv, db = _band.partial_backward(dout[..., rows, :], q[..., rows, :], k[..., cols, :],
+                                                    v[..., cols, :], out[..., rows, :], lse[..., rows].contiguous(),
+                                                    starts, ends, plan.scale, bias, plan.cap)
+            yield rows, cols, dq, dk, dv, diagonals, db
         return
     hkv = k.shape[1]
     qg, kg, vg = _grouped(q, hkv), k.unsqueeze(2), v.unsqueeze(2)
@@ -286,7 +305,7 @@ def _block_backward(plan: _Plan, src: int, q: Tensor, k: Tensor, v: Tensor, dout
     for rows, cols, allowed in plan.tiles(src):
         dq_t, dk_t, dv_t, _ = tile_backward(qg[..., rows, :], kg[..., cols, :], vg[..., cols, :], dg[..., rows, :],
                                             lg[..., rows], delta[..., rows], scale=plan.scale, allowed=allowed)
-        yield rows, cols, dq_t.flatten(1, 2), dk_t.sum(2), dv_t.sum(2)
+        yield rows, cols, dq_t.flatten(1, 2), dk_t.sum(2), dv_t.sum(2), None, None
 
 
 def ring_attention(
@@ -299,6 +318,7 @@ def ring_attention(
     is_causal: bool = False,
     window: tuple[int | None, int | None] | None = None,
     mask_mod=None,
+    score_mod=None,
     scale: float | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across ``group``; takes and returns this rank's shard.
@@ -326,6 +346,11 @@ def ring_attention(
         mask_mod: ``fn(b, h, q_idx, kv_idx) -> bool`` on *global* query and key indices, as in
             ``attnkit.attention``: padding (``attnkit.masks.padding_mod(lengths)``), documents,
             the sparse patterns of :mod:`attnkit.masks`, or your own. The same on every rank.
+        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` on global indices, as in
+            ``attnkit.attention``, where the banded kernel can apply it: an additive bias per head
+            and diagonal (ALiBi, relative positions; ``attnkit.scores``' or your own, probed by
+            :func:`attnkit.scores.kernel_terms`) and/or tanh soft-capping. A bias's learned tensors
+            get this rank's share of their gradient: sum it over the ranks (``sync_grads``).
         scale: defaults to ``1 / sqrt(E)``.
 
     Returns:
@@ -336,7 +361,8 @@ def ring_attention(
         TypeError, ValueError: bad arguments, named as ``attnkit.attention`` names them; shard lengths
             that do not fit the layout. Every rank raises when one does: a rank whose arguments differ
             from rank 0's (dtype, batch, heads, head sizes, layout, ``is_causal``, ``window``, ``scale``,
-            ``mask_mod``'s function or captured tensors, whether autograd records the call) makes all
+            ``mask_mod``'s or ``score_mod``'s function or captured tensors, whether autograd records the
+            call) makes all
             raise a ``ValueError`` naming that rank and argument, and a rank that refuses its own
             arguments makes the others raise too.
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -347,7 +373,8 @@ def ring_attention(
                                 mask_mod=mask_mod)  # then take my rows
     """
     try:
-        req = build_request(query, key, value, is_causal=is_causal, window=window, mask_mod=mask_mod, scale=scale)
+        req = build_request(query, key, value, is_causal=is_causal, window=window, mask_mod=mask_mod,
+                            score_mod=score_mod, scale=scale)
         if query.dim() != 4:
             raise ValueError(f"query must be [B, heads, L_local, dim], got shape {tuple(query.shape)}")
         if layout not in LAYOUTS:
@@ -357,8 +384,8 @@ def ring_attention(
         # too instead of waiting for this one in the ring.
         refuse_ring_call(group, query)
         raise
-    plan = _make_plan(req, group, layout)
-    return _RingAttention.apply(req.query, req.key, req.value, plan)
+    plan, table = _make_plan(req, group, layout)
+    return _RingAttention.apply(req.query, req.key, req.value, table, plan)
 
 
 def _show_window(code: tuple[int, ...]):
@@ -402,6 +429,7 @@ _CALL = (
     Field("window", 3, show=_show_window),  # (given, left, right), -1 = unbounded
     Field("scale", show=lambda c: struct.unpack("<d", struct.pack("<q", c[0]))[0]),
     Field("mask_mod", 2, show=_show_mod),  # (given, crc32 of its function and captured tensors)
+    Field("score_mod", 2, show=_show_mod),
     Field("requires_grad", show=lambda c: bool(c[0])),  # one rank's backward would wait for the others'
 )
 
@@ -417,6 +445,7 @@ def _call(req, layout: str) -> dict[str, tuple[int, ...]]:
         "layout": (LAYOUTS.index(layout),), "is_causal": (int(req.is_causal),),
         "window": (0, -1, -1) if window is None else (1, *(-1 if n is None else n for n in window)),
         "scale": (_scale_bits(req.scale),), "mask_mod": _fingerprint(req.mask_mod),
+        "score_mod": _fingerprint(req.score_mod),
         "requires_grad": (int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),),
     }
 
@@ -430,7 +459,7 @@ def refuse_ring_call(group, like) -> None:
     refuse(_CALL, group, like)
 
 
-def _make_plan(req, group, layout: str) -> _Plan:
+def _make_plan(req, group, layout: str) -> tuple[_Plan, Tensor | None]:
     q = req.query
     rank, world = group_info(group)
     # One small collective: every rank checks that all ranks were called alike, and learns every
@@ -452,14 +481,25 @@ def _make_plan(req, group, layout: str) -> _Plan:
         # In query-position terms: key j is allowed only if q - left' <= j <= q + right', with
         # the offset folded in (q is the raw global query index).
         band = (None if left is None else left - offset, None if right is None else right + offset)
-    return _Plan(
+    rows = _my_rows(req, q_pos, q_len, kv_len) if kernel else None
+    table, cap = None, 0.0
+    if req.score_mod is not None and q_len and kv_len:  # decided from global sizes alike on every rank
+        terms = scores.kernel_terms(req.score_mod, batch=q.shape[0], heads=q.shape[1], q_len=q_len, kv_len=kv_len,
+                                    dtype=cd, device=q.device) if rows is not None else None
+        if terms is None:
+            why = scores.NOT_KERNEL_TERMS if rows is not None else (
+                "the banded kernel cannot run this call (not built, not on CPU, or a mask without an interval form)")
+            raise ValueError(f"ring_attention serves a score_mod on the banded kernel only, and here {why}")
+        table, cap = terms
+    plan = _Plan(
         group=group, rank=rank, world=world,
         next_peer=_global_rank(group, (rank + 1) % world), prev_peer=_global_rank(group, (rank - 1) % world),
         q_pos=q_pos, kv_pos=tuple(kv_pos), kv_sizes=tuple(kv_sizes),
         predicate=combined_mask_mod(req.is_causal, req.window, offset, req.mask_mod),
-        rows=_my_rows(req, q_pos, q_len, kv_len) if kernel else None, band=band,
+        rows=rows, q_len=q_len, cap=cap, band=band,
         batch=q.shape[0], heads=q.shape[1], kv_heads=req.key.shape[1], scale=req.scale, compute_dtype=cd,
     )
+    return plan, table
 
 
 def _my_rows(req, q_pos: Tensor, q_len: int, kv_len: int) -> tuple[Tensor, Tensor] | None:
