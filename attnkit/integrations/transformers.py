@@ -5,7 +5,7 @@ Importing this module (or calling :func:`register`, which is idempotent) registe
 so ``from_pretrained(..., attn_implementation="attnkit")``, ``config._attn_implementation =
 "attnkit"`` and ``model.set_attn_implementation("attnkit")`` all work.
 
-Supported: transformers 5.x (checked on 5.24.0); other versions raise at registration.
+Supported: transformers 5.x (tested on 5.0.0 and 5.24.0); other versions raise at registration.
 
 Masks arrive as structure, never as an n x n tensor: transformers hands every mask interface
 the mask *function* it composed for the layer type (causal, a sliding window, Gemma's
@@ -93,15 +93,17 @@ def attnkit_attention_forward(
     return out.transpose(1, 2).contiguous(), weights
 
 
-def attnkit_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                 mask_function=None, attention_mask: torch.Tensor | None = None, allow_is_causal_skip: bool = True,
-                 allow_is_bidirectional_skip: bool = False, device="cpu", **_) -> MaskPlan | None:
+def attnkit_mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None, q_offset: int = 0,
+                 kv_offset: int = 0, mask_function=None, attention_mask: torch.Tensor | None = None,
+                 allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: bool = False, device="cpu",
+                 cache_position: torch.Tensor | None = None, **_) -> MaskPlan | None:
     """transformers' mask interface for ``"attnkit"``: the layer's mask as a :class:`attnkit.MaskPlan`.
 
     ``mask_function(b, h, q_idx, kv_idx)`` is transformers' composed predicate on absolute
-    positions (query ``q_offset + i``, key ``kv_offset + j``), ``attention_mask`` the 2-D padding
-    mask. Returns None where no mask is needed (causal without padding, with the queries at the
-    end of the keys, or full attention), as ``sdpa_mask`` does.
+    positions (query ``q_offset + i``, or ``cache_position[i]`` as transformers before 5.x's later
+    releases passes them; key ``kv_offset + j``), ``attention_mask`` the 2-D padding mask. Returns
+    None where no mask is needed (causal without padding, with the queries at the end of the keys,
+    or full attention), as ``sdpa_mask`` does.
     """
     from transformers.masking_utils import (
         and_masks,
@@ -111,12 +113,18 @@ def attnkit_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
         prepare_padding_mask,
     )
 
+    if cache_position is not None:  # the query positions themselves
+        q_length, device = cache_position.numel(), cache_position.device
+        q_offset = int(cache_position[0]) if q_length else 0
+        contiguous = torch.equal(cache_position, torch.arange(q_offset, q_offset + q_length, device=device))
+    else:
+        contiguous = True
     mask_function = causal_mask_function if mask_function is None else mask_function
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     padding = None if padding is None else padding.bool()  # models pass bool; a 0/1 mask means the same
     if padding is not None and bool(padding[:, kv_offset:kv_offset + kv_length].all()):
         padding = None  # every key real: no padding term
-    if padding is None:
+    if padding is None and contiguous:
         aligned = q_offset - kv_offset == kv_length - q_length  # attnkit's bottom-right causal
         if allow_is_causal_skip and mask_function is causal_mask_function and aligned:
             return None
@@ -125,7 +133,8 @@ def attnkit_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     whole = mask_function if padding is None else and_masks(mask_function, padding_mask_function(padding))
 
     def at_positions(b, h, q_idx, kv_idx):
-        return whole(b, h, q_idx + q_offset, kv_idx + kv_offset)
+        q_pos = q_idx + q_offset if contiguous else cache_position[q_idx]
+        return whole(b, h, q_pos, kv_idx + kv_offset)
 
     return attnkit.mask_plan(at_positions, q_len=q_length, kv_len=kv_length, batch=batch_size, device=device)
 
