@@ -207,7 +207,8 @@ def _cache_key(mask_mod, sizes: tuple) -> tuple:
     """``(owner, key)``: the object the cached plans hang on (the predicate, or ``_NO_MOD`` for
     is_causal/window alone; None when it cannot be weakly referenced) and what a plan depends on
     besides it: the sizes and the address and version counter of every tensor the predicate
-    reaches (an in-place change to captured document ids makes a new plan)."""
+    reaches (an in-place change to captured document ids makes a new plan). Inference tensors
+    (made under ``torch.inference_mode``) keep no version counter: such a predicate is not cached."""
     mask_mod = getattr(mask_mod, "__wrapped__", mask_mod)  # a per-element wrapper, made per call: its mod
     if mask_mod is None:
         return _NO_MOD, sizes
@@ -217,6 +218,8 @@ def _cache_key(mask_mod, sizes: tuple) -> tuple:
     except TypeError:
         return None, None
     found = _captured.captured_tensors(mask_mod, requiring_grad=False)
+    if any(t.is_inference() for t in found):  # no version counter: an in-place change would go unseen
+        return None, None
     return mask_mod, (tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in found), *sizes)
 
 

@@ -373,6 +373,8 @@ def _verified_key(score_mod, table, *sizes) -> tuple | None:
     except TypeError:
         return None
     found = captured_tensors(score_mod, requiring_grad=False)
+    if any(t.is_inference() for t in found):  # no version counter (torch.inference_mode): check every call
+        return None
     return (tuple((t.data_ptr(), t._version) for t in found), table.detach().sum().item(), *sizes)
 
 

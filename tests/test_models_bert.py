@@ -313,3 +313,18 @@ def test_padding_tokens_never_reach_real_tokens(tiny, lengths, seed):
     for wa, wb in zip(a.attentions, b.attentions, strict=True):
         rows = real[:, None, :, None] & real[:, None, None, :]  # real query x real key
         close(wb.masked_select(rows), wa.masked_select(rows))
+
+
+def test_encode_sorts_by_length_and_returns_the_input_order(pair64, capsys):
+    """Batches of similar length (longest first) give each sentence what it gets alone, in order."""
+    ours64 = pair64[0]
+    texts = [SENTENCES[0], "a", " ".join(["word"] * 40), SENTENCES[1], "two words", SENTENCES[2]]
+    together = ours64.encode(texts, batch_size=2, show_progress=True)
+    alone = torch.cat([ours64.encode(t) for t in texts])
+    _parity(together, alone)
+    assert "encode" in capsys.readouterr().err  # the progress bar, on stderr
+    assert ours64.encode([], batch_size=2).shape == (0, 384)
+    with pytest.raises(TypeError, match="show_progress must be a bool or None, got str"):
+        ours64.encode(texts, show_progress="yes")
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got True"):
+        ours64.encode(texts, batch_size=True)

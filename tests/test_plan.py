@@ -173,3 +173,16 @@ def test_the_plan_cache_keeps_nothing_alive():
     del mod
     gc.collect()
     assert gone() is None and docs_gone() is None
+
+
+def test_predicates_over_inference_tensors_work_and_are_not_cached():
+    """Under torch.inference_mode captured tensors keep no version counter: the plan is built per call."""
+    with torch.inference_mode():
+        doc = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+        q = torch.randn(1, 2, 8, 4)
+        mod = masks.document_mod(doc)
+        out = attnkit.attention(q, q, q, mask_mod=mod)
+        want = attnkit.attention(q, q, q, mask_mod=mod, backend="reference")
+        close(out, want)
+        doc[5:] = 1  # in place: the next call must see it
+        close(attnkit.attention(q, q, q, mask_mod=mod), attnkit.attention(q, q, q, mask_mod=mod, backend="reference"))

@@ -15,6 +15,7 @@ Shape notation: ``B`` batch, ``L`` tokens, ``E`` hidden size, ``H`` heads.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -391,17 +392,21 @@ class Bert(BackendChoice, nn.Module):
 
     @torch.no_grad()
     def encode(self, sentences: str | list[str], *, batch_size: int = 32, normalize: bool | None = None,
-               tokenizer=None) -> Tensor:
+               tokenizer=None, show_progress: bool | None = None) -> Tensor:
         """Sentence embeddings, as sentence-transformers computes them for this model.
 
         Tokenise (truncating to ``max_seq_length``), encode, pool the real tokens (mean by
-        default, or what ``1_Pooling/config.json`` says) and L2-normalise.
+        default, or what ``1_Pooling/config.json`` says) and L2-normalise. Sentences are encoded
+        longest first in batches of similar length (as sentence-transformers does), so a batch
+        pads to its own longest sentence, not the corpus's; the result is in the input order.
 
         Args:
             sentences: a string or a list of strings.
             batch_size: sentences per forward pass.
             normalize: L2-normalise (default: as the folder's ``modules.json`` says, else True).
             tokenizer: a :class:`~attnkit.models.Tokenizer` (default: the folder's).
+            show_progress: a progress bar on stderr (tqdm); default: when there are more than
+                :data:`PROGRESS_BATCHES` batches and stderr is a terminal.
 
         Returns:
             ``[N, E]`` float tensor.
@@ -413,18 +418,33 @@ class Bert(BackendChoice, nn.Module):
         items = [sentences] if single else sentences
         if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
             raise TypeError(f"sentences must be a str or a list of str, got {type(sentences).__name__}")
-        if not isinstance(batch_size, int) or batch_size <= 0:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if show_progress is not None and not isinstance(show_progress, bool):
+            raise TypeError(f"show_progress must be a bool or None, got {type(show_progress).__name__}")
         normalize = self.normalize if normalize is None else normalize
-        dev = self.embeddings.word_embeddings.weight.device
-        chunks = []
-        for i in range(0, len(items), batch_size):
-            enc = tok(list(items[i:i + batch_size]), max_length=self.max_length)
-            ids, am = enc.input_ids.to(dev), enc.attention_mask.to(dev)
-            h = self(ids, am, enc.token_type_ids.to(dev)).last_hidden_state  # (B, L, E)
-            chunks.append(pool(h, am, self.pooling))
-        emb = torch.cat(chunks) if chunks else torch.empty(0, self.config.hidden_size, device=dev)
+        weight = self.embeddings.word_embeddings.weight
+        dev = weight.device
+        emb = torch.empty(len(items), self.config.hidden_size, device=dev, dtype=weight.dtype)
+        if not items:
+            return emb
+        enc = tok(list(items), max_length=self.max_length)  # every sentence once, to sort by token count
+        order = enc.attention_mask.sum(1).argsort(descending=True, stable=True)
+        batches = order.split(batch_size)
+        if show_progress is None:
+            show_progress = len(batches) > PROGRESS_BATCHES and sys.stderr.isatty()
+        from tqdm.auto import tqdm
+
+        for idx in tqdm(batches, desc="encode", unit="batch", disable=not show_progress, leave=False):
+            am = enc.attention_mask[idx]
+            n = int(am.sum(1).max())  # this batch's longest sentence
+            ids, am, types = enc.input_ids[idx, :n].to(dev), am[:, :n].to(dev), enc.token_type_ids[idx, :n].to(dev)
+            emb[idx.to(dev)] = pool(self(ids, am, types).last_hidden_state, am, self.pooling)
         return F.normalize(emb, p=2, dim=1) if normalize else emb
+
+
+#: ``Bert.encode`` draws a progress bar by default past this many batches (on a terminal).
+PROGRESS_BATCHES = 8
 
 
 def _hf_layout(cfg: BertConfig, layers: Iterable[int], with_pooler: bool) -> Iterator[tuple[str, str, tuple]]:
