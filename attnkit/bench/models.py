@@ -5,6 +5,10 @@
   with and without padding; and with attention weights against ``BertModel`` eager.
 * GPT-2 (a random 4-layer, 256-wide model): greedy generation with the static KV cache against
   the uncached loop and ``transformers``' ``generate``.
+* Sentence embeddings of a corpus: ``Bert.encode`` against ``SentenceTransformer.encode`` on the
+  same MiniLM, 2,000 sentences of real prose of real, mixed lengths: the docstrings of Python's
+  standard library (:func:`docstring_sentences`, shipped with Python; target: >= 1.5x its
+  sentences per second, cosine >= 0.99999 per sentence).
 
 Candidates and anchors are timed interleaved (one call each per round, median over rounds), so
 load from other processes hits both alike. The machine's matmul throughput is the physical anchor.
@@ -97,6 +101,68 @@ def _gpt2_rows(quick: bool) -> tuple[list[list[object]], list[str]]:
     return rows, [f"GPT-2 greedy tokens identical to transformers' generate: {same}."]
 
 
+#: Standard-library modules whose docstrings make the corpus (those that import here, in this order).
+CORPUS_MODULES = (
+    "json os re collections functools itertools pathlib subprocess typing argparse logging email http urllib "
+    "unittest asyncio datetime decimal fractions statistics random string textwrap threading socket sqlite3 csv "
+    "zipfile tarfile shutil tempfile pickle copy heapq bisect enum dataclasses contextlib abc io codecs locale "
+    "gettext calendar time math operator inspect ast dis tokenize pdb timeit trace gc weakref types queue sched "
+    "selectors signal hashlib hmac secrets base64 struct pprint reprlib difflib html configparser platform "
+    "sysconfig warnings traceback linecache glob fnmatch filecmp uuid ipaddress mailbox mimetypes smtplib "
+    "imaplib ftplib wave colorsys doctest runpy importlib pkgutil modulefinder compileall keyword token "
+    "symtable code codeop shelve gzip bz2 lzma zlib optparse getopt fileinput numbers graphlib "
+    "concurrent.futures multiprocessing").split()
+
+
+def docstring_sentences(n: int) -> list[str]:
+    """``n`` distinct sentences (3 words or more) from the docstrings of :data:`CORPUS_MODULES` and
+    their public functions and classes, in a fixed order: English prose of the lengths people write."""
+    import importlib
+    import inspect
+    import re
+
+    out: list[str] = []
+    seen: set[str] = set()
+    for name in CORPUS_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for obj in [module] + [getattr(module, a, None) for a in sorted(dir(module)) if not a.startswith("_")]:
+            if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.ismodule(obj)):
+                continue
+            for sentence in re.split(r"(?<=[.!?])\s+", " ".join((inspect.getdoc(obj) or "").split())):
+                if len(sentence.split()) >= 3 and sentence not in seen and not sentence.startswith(">>>"):
+                    seen.add(sentence)
+                    out.append(sentence)
+                    if len(out) == n:
+                        return out
+    return out
+
+
+def _encode_rows(quick: bool) -> tuple[list[list[object]], list[str]]:
+    from sentence_transformers import SentenceTransformer
+
+    from ..models import Bert, bundled_model_dir
+
+    texts = docstring_sentences(200 if quick else 2000)
+    ours = Bert.from_pretrained()
+    theirs = SentenceTransformer(str(bundled_model_dir()), device="cpu")
+    with torch.inference_mode():
+        t = _interleaved({"ours": lambda: ours.encode(texts, show_progress=False),
+                          "theirs": lambda: theirs.encode(texts, batch_size=32, convert_to_tensor=True,
+                                                          show_progress_bar=False)}, 1 if quick else 3)
+        cos = (ours.encode(texts, show_progress=False) * theirs.encode(texts, batch_size=32, convert_to_tensor=True,
+                                                                        show_progress_bar=False)).sum(-1)
+    words = sorted(len(x.split()) for x in texts)
+    rows = [[f"Bert.encode, {len(texts)} sentences of the standard library's docstrings",
+             "SentenceTransformer.encode (batch 32)", t["ours"] * 1e3, t["theirs"] * 1e3, t["ours"] / t["theirs"], ""]]
+    rate, anchor = len(texts) / t["ours"], len(texts) / t["theirs"]
+    return rows, [f"Sentence embeddings: {rate:.0f} sentences/s against {anchor:.0f} "
+                  f"({t['theirs'] / t['ours']:.2f}x); lowest cosine {cos.min().item():.7f}; words per sentence: "
+                  f"median {words[len(words) // 2]}, max {words[-1]}."]
+
+
 def run(quick: bool, out_dir: Path) -> str:
     """Measure, print and write ``out_dir/models.md``; return the report."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -107,17 +173,19 @@ def run(quick: bool, out_dir: Path) -> str:
     bert_rows, notes = _bert_rows(quick)
     say("GPT-2 greedy generation against transformers' generate")
     gpt_rows, gpt_notes = _gpt2_rows(quick)
+    say("sentence embeddings against sentence-transformers")
+    enc_rows, enc_notes = _encode_rows(quick)
     peak_after = matmul_gflops()
     header = ["case", "anchor", "attnkit ms (median)", "anchor ms (median)", "ratio (attnkit / anchor)",
               "attnkit GFLOP/s"]
     body = (
-        markdown_table(header, bert_rows + gpt_rows)
+        markdown_table(header, bert_rows + gpt_rows + enc_rows)
         + f"\n\nMatmul anchor (float32, 2048^2): {peak_before:.0f} GFLOP/s before the run, {peak_after:.0f} "
         "after; when the two differ, other processes were loading the machine, which is why only "
         "ratios of interleaved timings are meaningful here. Ratio < 1 means attnkit is faster; the BERT "
         "target is <= 1.1x transformers' SDPA path. Timings are medians of interleaved rounds (one call "
         "of each per round), float32, inference mode, same weights.\n\n"
-        + "\n".join(f"- {n}" for n in notes + gpt_notes)
+        + "\n".join(f"- {n}" for n in notes + gpt_notes + enc_notes)
     )
     cmd = "attnkit bench models" + (" --quick" if quick else "")
     return write_report(out_dir, "models", "Real models: attnkit against transformers", body, cmd)
