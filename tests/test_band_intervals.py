@@ -262,3 +262,21 @@ def test_intervals_out_of_order_do_not_crash():
         finally:
             torch.use_deterministic_algorithms(False)
     assert out.shape == (1, 2, 70, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_nan_key_in_a_dilated_rows_gap_stays_out_of_it(dtype):
+    """Rows with many short intervals are computed over their whole span, the gaps masked: a NaN key
+    in a gap must not reach the row; rows that see it are NaN, as everywhere."""
+    n = 40
+    i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+    grid = ((i - j).abs() <= 12) & ((i - j) % 2 == 0)  # up to 7 one-key intervals per row
+    starts, ends = _band._intervals(grid[None])
+    q, k, v, _ = inputs(1, 2, 2, n, n, 8, 8, 0, dtype, 5)
+    k = k.detach().clone()
+    k[0, :, 7] = float("nan")  # odd key: in the gaps of every even row
+    out = _band.run(q.detach(), k, v.detach(), starts, ends, None, 0.3, 0.0)
+    sees = grid[:, 7]
+    assert torch.isnan(out[0, :, sees]).all() and torch.isfinite(out[0, :, ~sees]).all()
+    want = formula(q.detach().double(), k.double(), v.detach().double(), grid[None, None], None, 0.3, 0.0)
+    close(out[0, :, ~sees], want[0, :, ~sees], dtype)

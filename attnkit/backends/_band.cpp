@@ -211,6 +211,39 @@ std::vector<std::vector<std::vector<std::pair<Index, Index>>>> key_block_rows(co
   return out;
 }
 
+// Whether a row's ranges are many, in order, and cover at least a quarter of their span: then one
+// vectorised pass over the span with the gaps masked beats a pass per range (a dilated window's
+// ranges are one key long: per range, the vector loops never fill a register).
+inline bool dense_span(const Index* rg, Index count) {
+  if (count < 4) return false;
+  Index covered = 0;
+  for (Index c = 0; c < count; ++c) {
+    if (rg[2 * c] > rg[2 * c + 1] || (c > 0 && rg[2 * c] < rg[2 * c - 1])) return false;
+    covered += rg[2 * c + 1] - rg[2 * c];
+  }
+  return rg[2 * count - 1] - rg[0] <= 4 * covered;
+}
+
+// online_softmax_row over the span [first start, last end) of in-order ranges: the same scores
+// (score_row is elementwise), the gaps -inf for the maximum and 0 after the exponential.
+template <typename T>
+T span_softmax_row(T* s, const Index* rg, Index count, T scale, const T* bias, T cap, T& m, T& l) {
+  using Vec = at::vec::Vectorized<T>;
+  const Index a = rg[0], z = rg[2 * count - 1];
+  const T ninf = -std::numeric_limits<T>::infinity();
+  score_row<T>(s + a, z - a, scale, bias != nullptr ? bias + a : nullptr, cap);
+  for (Index c = 1; c < count; ++c) std::fill(s + rg[2 * c - 1], s + rg[2 * c], ninf);
+  const T mx = at::vec::reduce_all<T>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, s + a, z - a);
+  const T m_new = std::isnan(mx) ? mx : std::max(m, mx);
+  const T factor = m == ninf ? T(0) : std::exp(m - m_new);
+  const Vec vm(m_new);
+  at::vec::map([=](Vec x) { return vexp<T>(x - vm); }, s + a, s + a, z - a);
+  for (Index c = 1; c < count; ++c) std::fill(s + rg[2 * c - 1], s + rg[2 * c], T(0));  // exp(-inf) exactly 0
+  l = l * factor + at::vec::reduce_all<T>([](Vec x, Vec y) { return x + y; }, s + a, z - a);
+  m = m_new;
+  return factor;
+}
+
 // One row of raw scores s[0:n) whose visible columns are the `count` ranges in rg: scale (and bias)
 // them, zero the rest, and fold them into the running max m and sum l (online softmax); returns the
 // factor for the row's accumulator. A NaN score makes m (and so the row's output) NaN: exp_u20
@@ -226,6 +259,7 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
   }
   std::fill(s + at, s + n, T(0));
   if (count == 0) return T(1);
+  if (dense_span(rg, count)) return span_softmax_row<T>(s, rg, count, scale, bias, cap, m, l);
   T mx = -std::numeric_limits<T>::infinity();
   for (Index c = 0; c < count; ++c) {
     const Index a = rg[2 * c], e = rg[2 * c + 1];
