@@ -44,6 +44,7 @@ from .. import scores
 from ..backends import _band, _captured
 from ..backends._fused import compute_dtype
 from ..ops.tiles import merge_partials, tile_backward, tile_forward
+from ..plan import mask_plan, row_bounds
 from ..request import build_request, combined_mask_mod
 from .agree import Field, agree, name_code, name_of, refuse
 from .shard import LAYOUTS, group_info, positions_from_sizes
@@ -71,7 +72,7 @@ class _Plan:
     rows: tuple[Tensor, Tensor] | None  # my query rows' allowed global keys [1|B, Lq_local, K]; None: tiles
     q_len: int  # global lengths
     cap: float  # the score_mod's tanh soft cap (0: none); its diagonal bias is the autograd input `table`
-    band: tuple[int | None, int | None] | None  # (left, right) of causal/window around p = i + offset
+    bounds: tuple[Tensor, Tensor]  # [Lq_local] each query row's causal/window keys [lo, hi) (plan.row_bounds)
     batch: int
     heads: int
     kv_heads: int
@@ -129,19 +130,17 @@ class _Plan:
 
         Tiles of at most ``_TILE`` x ``_TILE`` bound the working memory of a rank by the tile,
         not by ``Lq_local x Lk_local``, and let a causal or window mask skip empty tiles inside
-        a block too. Tiles outside the causal/window band are skipped from their position
+        a block too. Tiles outside the rows' causal/window bounds are skipped from their position
         ranges alone, so a sliding window costs O(L * window), mask checks included.
         """
         kv_pos = self.kv_pos[src]
         kv_tiles = _tile_ranges(kv_pos)
-        for rows, q_lo, q_hi in _tile_ranges(self.q_pos):
+        lo, hi = self.bounds
+        for rows, _, _ in _tile_ranges(self.q_pos):
+            first, end = int(lo[rows].min()), int(hi[rows].max())  # the keys any row of the tile may see
             for cols, kv_lo, kv_hi in kv_tiles:
-                if self.band is not None:
-                    left, right = self.band  # key j allowed only if p - left <= j <= p + right
-                    if right is not None and kv_lo > q_hi + right:
-                        continue
-                    if left is not None and kv_hi < q_lo - left:
-                        continue
+                if kv_hi < first or kv_lo >= end:
+                    continue
                 allowed = self.allowed(self.q_pos[rows], kv_pos[cols])
                 if allowed is not _SKIP:
                     yield rows, cols, allowed
@@ -362,9 +361,8 @@ def ring_attention(
             that do not fit the layout. Every rank raises when one does: a rank whose arguments differ
             from rank 0's (dtype, batch, heads, head sizes, layout, ``is_causal``, ``window``, ``scale``,
             ``mask_mod``'s or ``score_mod``'s function or captured tensors, whether autograd records the
-            call) makes all
-            raise a ``ValueError`` naming that rank and argument, and a rank that refuses its own
-            arguments makes the others raise too.
+            call) makes all raise a ``ValueError`` naming that rank and argument, and a rank that
+            refuses its own arguments makes the others raise too.
         RuntimeError: ``torch.distributed`` is not initialised.
 
     Plain PyTorch on one process, for a reader (``full`` gathers the shards)::
@@ -473,14 +471,8 @@ def _make_plan(req, group, layout: str) -> tuple[_Plan, Tensor | None]:
     offset = kv_len - q_len  # bottom-right alignment over the global lengths
     cd = compute_dtype(q.dtype)
     kernel = q.device.type == "cpu" and cd in _band.DTYPES and _band.available()
-    band = None
-    if req.is_causal or req.window is not None:
-        left, right = req.window if req.window is not None else (None, None)
-        if req.is_causal:
-            right = 0 if right is None else min(right, 0)
-        # In query-position terms: key j is allowed only if q - left' <= j <= q + right', with
-        # the offset folded in (q is the raw global query index).
-        band = (None if left is None else left - offset, None if right is None else right + offset)
+    lo, hi = (t[0, q_pos.cpu(), 0] for t in row_bounds(q_len, kv_len, req.is_causal, req.window))
+    bounds = (lo, hi.masked_fill(lo >= hi, 0))  # an empty row widens no tile's bounds
     rows = _my_rows(req, q_pos, q_len, kv_len) if kernel else None
     table, cap = None, 0.0
     if req.score_mod is not None and q_len and kv_len:  # decided from global sizes alike on every rank
@@ -496,7 +488,7 @@ def _make_plan(req, group, layout: str) -> tuple[_Plan, Tensor | None]:
         next_peer=_global_rank(group, (rank + 1) % world), prev_peer=_global_rank(group, (rank - 1) % world),
         q_pos=q_pos, kv_pos=tuple(kv_pos), kv_sizes=tuple(kv_sizes),
         predicate=combined_mask_mod(req.is_causal, req.window, offset, req.mask_mod),
-        rows=rows, q_len=q_len, cap=cap, band=band,
+        rows=rows, q_len=q_len, cap=cap, bounds=bounds,
         batch=q.shape[0], heads=q.shape[1], kv_heads=req.key.shape[1], scale=req.scale, compute_dtype=cd,
     )
     return plan, table
@@ -509,8 +501,6 @@ def _my_rows(req, q_pos: Tensor, q_len: int, kv_len: int) -> tuple[Tensor, Tenso
     ``is_causal``, ``window`` and the typed masks of :mod:`attnkit.masks` give their intervals
     for the whole sequence without evaluating a cell (then this rank's rows are taken); any other
     predicate is evaluated on this rank's rows only."""
-    from ..plan import mask_plan  # attnkit.plan builds on this package's imports
-
     b, h = req.query.shape[0], req.query.shape[1]
     mod = req.mask_mod
     if q_pos.numel() == 0 or kv_len == 0:
