@@ -150,12 +150,8 @@ def favor_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, *,
     def exponent(x: Tensor) -> Tensor:
         return x @ wt - 0.5 * scale * (x * x).sum(-1, keepdim=True)  # [..., c, m]
 
-    # split, not slices: a slice's backward writes its gradient into a zero tensor of the full length,
-    # n / chunk_size times over; split's backward concatenates once
-    columns = [key_column] * math.ceil(k.shape[-2] / chunk_size) if key_column is None or key_column.shape[-2] == 1 \
-        else key_column.split(chunk_size, dim=-2)
     kv = z = top = None
-    for k_c, v_c, col in zip(k.split(chunk_size, dim=-2), v.split(chunk_size, dim=-2), columns, strict=True):
+    for k_c, v_c, col in _key_chunks(k, v, key_column, chunk_size):
         p = exponent(k_c)
         peak = p.detach().amax((-2, -1))  # [...]: this chunk's largest exponent per head
         if top is not None:
@@ -190,10 +186,8 @@ def streamed_attention(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, *, key_
     """
     if not q.shape[-2] or not k.shape[-2]:
         return q.new_zeros(q.shape[:-1] + v.shape[-1:])
-    columns = [key_column] * math.ceil(k.shape[-2] / chunk_size) if key_column is None or key_column.shape[-2] == 1 \
-        else key_column.split(chunk_size, dim=-2)
     kv = z = None
-    for k_c, v_c, col in zip(k.split(chunk_size, dim=-2), v.split(chunk_size, dim=-2), columns, strict=True):
+    for k_c, v_c, col in _key_chunks(k, v, key_column, chunk_size):
         f = phi(k_c) if col is None else phi(k_c) * col
         kv = f.transpose(-2, -1) @ v_c if kv is None else kv + f.transpose(-2, -1) @ v_c
         z = f.sum(-2) if z is None else z + f.sum(-2)
@@ -202,6 +196,19 @@ def streamed_attention(q: Tensor, k: Tensor, v: Tensor, phi: FeatureMap, *, key_
         fq = phi(q_c)
         outs.append(normalise(fq @ kv, fq @ z.unsqueeze(-1), eps))
     return torch.cat(outs, dim=-2)
+
+
+def _key_chunks(k: Tensor, v: Tensor, key_column: Tensor | None, chunk_size: int):
+    """``(keys, values, key_column)`` of each run of ``chunk_size`` keys; the column is None, or the
+    same ``[..., 1, 1]`` for every chunk, or the chunk's rows of ``[..., Lk, 1]``.
+
+    split, not slices: a slice's backward writes its gradient into a zero tensor of the full length,
+    n / chunk_size times over; split's backward concatenates once.
+    """
+    keys, values = k.split(chunk_size, dim=-2), v.split(chunk_size, dim=-2)
+    shared = key_column is None or key_column.shape[-2] == 1
+    columns = [key_column] * len(keys) if shared else key_column.split(chunk_size, dim=-2)
+    return zip(keys, values, columns, strict=True)
 
 
 def normalise(num: Tensor, den: Tensor, eps: float) -> Tensor:
