@@ -122,8 +122,7 @@ def partial_forward(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tenso
     (``-inf`` for a row with no key), no autograd.
     """
     q, k, v = (_as_4d(t, t.dtype) for t in (q, k, v))
-    bias = q.new_empty(0, 0) if bias is None else bias.detach().to(q.dtype).contiguous()
-    out, stats = _module().forward(q, k, v, starts, ends, bias, scale, softcap, Q_ROWS, KV_CHUNK)
+    out, stats = _module().forward(q, k, v, starts, ends, _table(bias, q), scale, softcap, Q_ROWS, KV_CHUNK)
     return out, stats[0] + stats[1]
 
 
@@ -135,10 +134,14 @@ def partial_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     backward); ``dbias`` is None without a bias."""
     q, k, v, dout, out = (_as_4d(t, t.dtype) for t in (q, k, v, dout, out))
     stats = torch.stack([lse, torch.zeros_like(lse)]).contiguous()  # row "maximum" lse, log of row sum 0
-    table = q.new_empty(0, 0) if bias is None else bias.detach().to(q.dtype).contiguous()
-    dq, dk, dv, dbias = _module().backward(dout, q, k, v, out, stats, starts, ends, table, scale, softcap,
+    dq, dk, dv, dbias = _module().backward(dout, q, k, v, out, stats, starts, ends, _table(bias, q), scale, softcap,
                                            KV_ROWS, Q_CHUNK, torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv, None if bias is None else dbias
+
+
+def _table(bias: Tensor | None, like: Tensor) -> Tensor:
+    """A diagonal bias as the kernel reads it: contiguous in ``like``'s dtype, no autograd; none is ``[0, 0]``."""
+    return like.new_empty(0, 0) if bias is None else bias.detach().to(like.dtype).contiguous()
 
 
 def _as_4d(x: Tensor, dtype: torch.dtype) -> Tensor:
