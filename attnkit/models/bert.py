@@ -429,16 +429,16 @@ class Bert(BackendChoice, nn.Module):
         if not items:
             return emb
         enc = tok(list(items), max_length=self.max_length)  # every sentence once, to sort by token count
-        order = enc.attention_mask.sum(1).argsort(descending=True, stable=True)
+        lengths = enc.attention_mask.sum(1)
+        order = lengths.argsort(descending=True, stable=True)
         batches = order.split(batch_size)
         if show_progress is None:
             show_progress = len(batches) > PROGRESS_BATCHES and sys.stderr.isatty()
         from tqdm.auto import tqdm
 
         for idx in tqdm(batches, desc="encode", unit="batch", disable=not show_progress, leave=False):
-            am = enc.attention_mask[idx]
-            n = int(am.sum(1).max())  # this batch's longest sentence
-            ids, am, types = enc.input_ids[idx, :n].to(dev), am[:, :n].to(dev), enc.token_type_ids[idx, :n].to(dev)
+            n = int(lengths[idx[0]])  # this batch's longest sentence: sorted, its first
+            ids, am, types = (t[idx, :n].to(dev) for t in (enc.input_ids, enc.attention_mask, enc.token_type_ids))
             emb[idx.to(dev)] = pool(self(ids, am, types).last_hidden_state, am, self.pooling)
         return F.normalize(emb, p=2, dim=1) if normalize else emb
 
