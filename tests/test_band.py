@@ -147,7 +147,7 @@ def test_double_backward_is_refused_not_wrong():
     q, k, v = qkv(1, 1, 1, 6, 6, d=4)
     out = BAND(build_request(q, k, v, window=(1, 1)))[0]
     (gq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|no autograd formula"):
         gq.sum().backward()
 
 

@@ -47,9 +47,9 @@ def check_against_oracle(backend, q, k, v, allowed=None, **kw):
 @pytest.fixture
 def fresh_self_check():
     """Re-run the once-per-process self-check around a test that changes the kernel."""
-    _fused.available.cache_clear()
+    _fused._checked.cache_clear()
     yield
-    _fused.available.cache_clear()
+    _fused._checked.cache_clear()
 
 
 def test_the_kernel_passes_its_self_check_and_serves_mask_only_calls():
@@ -170,7 +170,7 @@ def test_self_check_tolerates_nan_dead_rows_but_refuses_a_wrong_lse(monkeypatch,
         return out, lse + 1.0
 
     monkeypatch.setattr(_fused, "_FWD", wrong_lse)
-    _fused.available.cache_clear()
+    _fused._checked.cache_clear()
     assert not _fused.available()
 
 

@@ -34,11 +34,10 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ..request import Request
 from . import _build
-from ._fused import compute_dtype
+from ._fused import compute_dtype, real_tensors
 
 SOURCE = Path(__file__).with_name("_band.cpp")
 #: Forward: query rows per block and most keys per chunk. Backward: keys per block and most
@@ -68,6 +67,7 @@ class Plan(NamedTuple):
     softcap: float = 0.0
 
 
+@torch.compiler.assume_constant_result  # asked once while tracing, not traced (it builds and self-checks)
 def available() -> bool:
     """Whether the kernel is built (building it now if needed) and passed its self-check."""
     return _checked() is not None
@@ -108,8 +108,11 @@ def run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor,
         if not isinstance(t, Tensor) or t.dtype != torch.int64 or t.dim() != 3 or t.device.type != "cpu":
             got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name} must be an int64 CPU tensor [1 or B, Lq, K], got {got}")
-    bias = bias if bias is not None else query.new_empty(0, 0)
-    return _BandFn.apply(query, key, value, starts.contiguous(), ends.contiguous(), bias, scale, float(softcap))
+    compute = compute_dtype(query.dtype)
+    q, k, v = (t.to(compute).reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in (query, key, value))
+    table = query.new_empty(0, 0, dtype=compute) if bias is None else bias.to(compute)
+    out, _ = torch.ops.attnkit.band_forward(q, k, v, starts, ends, table, float(scale), float(softcap))
+    return out.view(*query.shape[:-1], value.shape[-1]).to(query.dtype)
 
 
 def partial_forward(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tensor, scale: float,
@@ -121,8 +124,7 @@ def partial_forward(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tenso
     :func:`run`. Returns ``(out, lse)``: the block's normalised output and each row's log-sum-exp
     (``-inf`` for a row with no key), no autograd.
     """
-    q, k, v = (_as_4d(t, t.dtype) for t in (q, k, v))
-    out, stats = _module().forward(q, k, v, starts, ends, _table(bias, q), scale, softcap, Q_ROWS, KV_CHUNK)
+    out, stats = _forward_impl(q, k, v, starts, ends, _table(bias, q), scale, softcap)
     return out, stats[0] + stats[1]
 
 
@@ -132,55 +134,74 @@ def partial_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     """``(dq, dk, dv, dbias)`` of one block of keys given the rows' *merged* ``out`` and ``lse`` (all
     blocks): each block's share of the gradients of attention over all of them (FlashAttention's
     backward); ``dbias`` is None without a bias."""
-    q, k, v, dout, out = (_as_4d(t, t.dtype) for t in (q, k, v, dout, out))
-    stats = torch.stack([lse, torch.zeros_like(lse)]).contiguous()  # row "maximum" lse, log of row sum 0
-    dq, dk, dv, dbias = _module().backward(dout, q, k, v, out, stats, starts, ends, _table(bias, q), scale, softcap,
-                                           KV_ROWS, Q_CHUNK, torch.are_deterministic_algorithms_enabled())
+    stats = torch.stack([lse, torch.zeros_like(lse)])  # row "maximum" lse, log of row sum 0
+    dq, dk, dv, dbias = _backward_impl(dout, q, k, v, out, stats, starts, ends, _table(bias, q), scale, softcap,
+                                       torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv, None if bias is None else dbias
 
 
 def _table(bias: Tensor | None, like: Tensor) -> Tensor:
-    """A diagonal bias as the kernel reads it: contiguous in ``like``'s dtype, no autograd; none is ``[0, 0]``."""
-    return like.new_empty(0, 0) if bias is None else bias.detach().to(like.dtype).contiguous()
+    """A diagonal bias as the kernel reads it: in ``like``'s dtype, no autograd; none is ``[0, 0]``."""
+    return like.new_empty(0, 0) if bias is None else bias.detach().to(like.dtype)
 
 
-def _as_4d(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``[B, H, L, E]`` with rows the BLAS can read: unit stride along E, rows at least E apart."""
-    x = x.to(dtype).reshape(math.prod(x.shape[:-3]), *x.shape[-3:])
+def _rows(x: Tensor) -> Tensor:
+    """``x [B, H, L, E]`` with rows the BLAS can read: unit stride along E, rows at least E apart."""
     return x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous()
 
 
-class _BandFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor, bias: Tensor,
-                scale: float, softcap: float) -> Tensor:
-        compute = compute_dtype(query.dtype)
-        q, k, v = (_as_4d(t, compute) for t in (query, key, value))
-        ctx.bias_dtype = bias.dtype
-        bias = bias.to(compute).contiguous()
-        # Nothing to compute (and empty views may have any strides, which the BLAS would refuse).
-        ctx.empty = q.numel() == 0 or k.numel() == 0 or v.numel() == 0
-        if ctx.empty:
-            out, stats = q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full((2, *q.shape[:-1]), float("-inf"))
-        else:
-            out, stats = _module().forward(q, k, v, starts, ends, bias, scale, softcap, Q_ROWS, KV_CHUNK)
-        ctx.args = (starts, ends, bias, scale, softcap)
-        ctx.shapes = (query.shape, key.shape, value.shape)
-        ctx.save_for_backward(q, k, v, out, stats)
-        return out.view(*query.shape[:-1], value.shape[-1]).to(query.dtype)
+# The kernel as two PyTorch operators (``torch.ops.attnkit.band_forward`` / ``band_backward``): a
+# shape-only ("fake") version of each lets torch.compile and torch.export trace through a call
+# without running it, and the forward's gradient is the backward operator, registered with autograd.
+# Inputs: ``q [B, H, Lq, E]``, ``k [B, Hkv, Lk, E]``, ``v [B, Hkv, Lk, Ev]`` in one kernel dtype,
+# ``starts``/``ends`` as in :func:`run`, ``bias`` ``[1 or H, Lq + Lk - 1]`` or ``[0, 0]`` for none.
+# Outputs: ``out [B, H, Lq, Ev]`` and ``stats [2, B, H, Lq]`` (each row's maximum and log row sum).
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout: Tensor):
-        q, k, v, out, stats = ctx.saved_tensors
-        bias = ctx.args[2]
-        if ctx.empty:
-            dq, dk, dv, dbias = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), torch.zeros_like(bias)
-        else:
-            dq, dk, dv, dbias = _module().backward(_as_4d(dout, q.dtype), q, k, v, out, stats, *ctx.args, KV_ROWS,
-                                                   Q_CHUNK, torch.are_deterministic_algorithms_enabled())
-        qs, ks, vs = ctx.shapes
-        return dq.view(qs), dk.view(ks), dv.view(vs), None, None, dbias.to(ctx.bias_dtype), None, None
+@torch.library.custom_op("attnkit::band_forward", mutates_args=(), device_types="cpu")
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tensor, bias: Tensor, scale: float,
+                  softcap: float) -> tuple[Tensor, Tensor]:
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:  # nothing to compute; empty views may have any strides
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full((2, *q.shape[:-1]), float("-inf"))
+    out, stats = _module().forward(_rows(q), _rows(k), _rows(v), starts.contiguous(), ends.contiguous(),
+                                   bias.contiguous(), scale, softcap, Q_ROWS, KV_CHUNK)
+    return out, stats
+
+
+@_forward_impl.register_fake
+def _(q, k, v, starts, ends, bias, scale, softcap):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(2, *q.shape[:-1])
+
+
+@torch.library.custom_op("attnkit::band_backward", mutates_args=(), device_types="cpu")
+def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor, starts: Tensor,
+                   ends: Tensor, bias: Tensor, scale: float, softcap: float,
+                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), bias.new_zeros(bias.shape)
+    return tuple(_module().backward(_rows(dout), _rows(q), _rows(k), _rows(v), out.contiguous(), stats.contiguous(),
+                                    starts.contiguous(), ends.contiguous(), bias.contiguous(), scale, softcap,
+                                    KV_ROWS, Q_CHUNK, deterministic))
+
+
+@_backward_impl.register_fake
+def _(dout, q, k, v, out, stats, starts, ends, bias, scale, softcap, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), bias.new_empty(bias.shape)  # contiguous
+
+
+def _save_for_backward(ctx, inputs, output):
+    q, k, v, starts, ends, bias, scale, softcap = inputs
+    ctx.save_for_backward(q, k, v, *output, starts, ends, bias)
+    ctx.scale, ctx.softcap = scale, softcap
+
+
+def _gradient(ctx, dout, _dstats):
+    q, k, v, out, stats, starts, ends, bias = ctx.saved_tensors
+    dq, dk, dv, dbias = torch.ops.attnkit.band_backward(dout, q, k, v, out, stats, starts, ends, bias, ctx.scale,
+                                                         ctx.softcap, torch.are_deterministic_algorithms_enabled())
+    return dq, dk, dv, None, None, dbias, None, None
+
+
+_forward_impl.register_autograd(_gradient, setup_context=_save_for_backward)
 
 
 @functools.cache
@@ -196,7 +217,7 @@ def _checked():
     if not mod.has_blas():
         _reason = "this torch does not export the BLAS functions (sgemm_/dgemm_) the kernel calls"
         return None
-    with torch.inference_mode(False), torch.enable_grad():  # the first caller may be under no_grad
+    with real_tensors(), torch.inference_mode(False), torch.enable_grad():  # the first caller may be under no_grad
         err = _self_check(mod)
     if err is not None:
         _reason = f"self-check against the formula failed: {err}"

@@ -22,6 +22,7 @@ gives log-sum-exp 0 from the kernel (torch 2.13); callers pass ``dead`` rows and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -84,13 +85,30 @@ def dead_rows(mask: Tensor | None) -> Tensor | None:
     return dead if bool(dead.any()) else None
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # asked once while tracing, not traced (it runs a self-check)
 def available() -> bool:
     """True when this torch has the kernel and it agrees with the formula (checked once)."""
+    return _checked()
+
+
+@contextlib.contextmanager
+def real_tensors():
+    """Real tensors inside, even while torch.compile or torch.export traces the caller (whose fake
+    tensors cannot be compared with a formula): for the kernels' one-time self-checks."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield
+
+
+@functools.cache
+def _checked() -> bool:
     if _FWD is None or _BWD is None:
         return False
     try:
-        return _self_check()
+        with real_tensors():
+            return _self_check()
     except Exception:  # noqa: BLE001 - any failure of a private op means: use the plain path
         return False
 
