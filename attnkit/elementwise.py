@@ -32,7 +32,17 @@ _per_element: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def evaluator(mod, sample: tuple[Tensor, ...]):
     """``mod`` itself when broadcasting calls agree with per-element calls on ``sample`` (the
     arguments of one broadcasting call: ``(b, h, q_idx, kv_idx)``, with the score first for a
-    score_mod), else a per-element wrapper with the same signature. Decided once per mod."""
+    score_mod), else a per-element wrapper with the same signature. Decided once per mod.
+
+    attnkit's own mods (those whose ``broadcasts`` attribute is True: :mod:`attnkit.masks`' typed
+    masks, :mod:`attnkit.scores`' forms, built of such parts) are written to broadcast and used as
+    they are. Under ``torch.compile`` nothing can be decided on values while tracing: any other mod
+    is evaluated per element there (exact whichever way it is written).
+    """
+    if broadcasts(mod):
+        return mod
+    if torch.compiler.is_compiling():
+        return per_element(mod)
     try:
         needed = _per_element.get(mod)
     except TypeError:  # cannot be weakly referenced or hashed: decide every time
@@ -44,6 +54,11 @@ def evaluator(mod, sample: tuple[Tensor, ...]):
         except TypeError:
             pass
     return per_element(mod) if needed else mod
+
+
+def broadcasts(mod) -> bool:
+    """Whether ``mod`` says it is written to broadcast (its ``broadcasts`` attribute is True)."""
+    return getattr(mod, "broadcasts", False) is True
 
 
 def _needs_per_element(mod, sample: tuple[Tensor, ...]) -> bool:

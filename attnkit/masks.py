@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from . import elementwise
 from ._text import describe
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -90,7 +91,8 @@ def normalize(starts: Tensor, ends: Tensor, kv_len: int) -> Intervals:
     """Any intervals ``[Bp, Lq, K]`` (overlapping, unsorted, empty, out of ``[0, kv_len]``) in the
     shared form: clipped to ``[0, kv_len]``, sorted by start, overlapping or adjacent ones merged,
     empties written ``(kv_len, kv_len)`` after the others, and ``K`` cut to the most non-empty
-    intervals any row has (at least 1). Vectorised: a sort, a running maximum and a scatter."""
+    intervals any row has (at least 1; under ``torch.compile`` it stays as given, since a shape
+    there may not depend on the data). Vectorised: a sort, a running maximum and a scatter."""
     starts, ends = torch.broadcast_tensors(starts.long().clamp(0, kv_len), ends.long().clamp(0, kv_len))
     empty = starts >= ends
     starts = starts.masked_fill(empty, kv_len)
@@ -107,6 +109,8 @@ def normalize(starts: Tensor, ends: Tensor, kv_len: int) -> Intervals:
     out_e = out_s.clone()
     out_s = out_s.scatter_reduce(-1, slot, starts, "amin", include_self=True)
     out_e = out_e.scatter_reduce(-1, slot, ends, "amax", include_self=False)
+    if torch.compiler.is_compiling():  # shapes must not depend on data: keep K slots, empties last
+        return out_s[..., :max(k, 1)].contiguous(), out_e[..., :max(k, 1)].contiguous()
     width = max(1, int(fresh.sum(-1).max())) if fresh.numel() else 1
     return out_s[..., :width].contiguous(), out_e[..., :width].contiguous()
 
@@ -147,7 +151,10 @@ class Mask:
     """A mask_mod that knows its shape: callable as FlexAttention's ``mask(b, h, q_idx, kv_idx) ->
     bool tensor`` (broadcasting index tensors), and :meth:`intervals` gives each row's keys exactly,
     so the engine need not evaluate the predicate cell by cell. Subclasses define both; equality and
-    hashing are by identity (plans are cached per mask object)."""
+    hashing are by identity (plans are cached per mask object). ``broadcasts``: written to broadcast
+    (:func:`attnkit.elementwise.broadcasts`), so calls skip the per-element comparison."""
+
+    broadcasts = True
 
     def __call__(self, b, h, q_idx, kv_idx) -> Tensor:
         raise NotImplementedError
@@ -247,18 +254,41 @@ class Document(Mask):
         kv_ids = kv_ids[:batch, :kv_len].detach().cpu()
         if kv_len == 0:
             return normalize(torch.zeros(len(q_ids), q_len, 1), torch.zeros(len(q_ids), q_len, 1), 0)
-        new = torch.ones_like(kv_ids, dtype=torch.bool)
-        new[:, 1:] = kv_ids[:, 1:] != kv_ids[:, :-1]  # where a run of one id begins
-        runs = int(new.sum(-1).max())
-        if q_len * runs > 1 << 24:
+        if torch.compiler.is_compiling():  # how many runs there are is data: one operator, its K unknown
+            return normalize(*torch.ops.attnkit.document_runs(q_ids, kv_ids), kv_len)
+        if q_len * _runs(kv_ids) > 1 << 24:
             return None  # too many runs to list: the engine reads the predicate instead
-        slot = new.long().cumsum(-1) - 1
-        j = torch.arange(kv_len).expand_as(kv_ids)
-        first = torch.full((len(kv_ids), runs), kv_len).scatter_reduce(-1, slot, j, "amin")
-        last = torch.full((len(kv_ids), runs), -1).scatter_reduce(-1, slot, j, "amax")
-        run_id = torch.zeros(len(kv_ids), runs, dtype=kv_ids.dtype).scatter(-1, slot, kv_ids)
-        hit = (q_ids[:, :, None] == run_id[:, None, :]) & (last >= 0)[:, None, :]
-        return normalize(torch.where(hit, first[:, None], kv_len), torch.where(hit, last[:, None] + 1, kv_len), kv_len)
+        return normalize(*_document_runs(q_ids, kv_ids), kv_len)
+
+
+def _runs(ids: Tensor) -> int:
+    """The most runs of one id any row of ``ids [P, L]`` has."""
+    return int(((ids[:, 1:] != ids[:, :-1]).sum(-1) + 1).max())
+
+
+@torch.library.custom_op("attnkit::document_runs", mutates_args=(), device_types="cpu")
+def _document_runs(q_ids: Tensor, kv_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Each query's keys of its own document, ``q_ids [P, Lq]`` and ``kv_ids [P, Lk]`` (``Lk >= 1``):
+    ``(starts, ends)`` ``[P, Lq, R]``, one slot per run of one id in the keys (``R`` the most runs
+    any row has), ``(Lk, Lk)`` where the run is another document's. An operator, so that
+    torch.compile traces it with ``R`` as a size known only when it runs."""
+    kv_len, runs = kv_ids.shape[-1], _runs(kv_ids)
+    new = torch.ones_like(kv_ids, dtype=torch.bool)
+    new[:, 1:] = kv_ids[:, 1:] != kv_ids[:, :-1]  # where a run of one id begins
+    slot = new.long().cumsum(-1) - 1
+    j = torch.arange(kv_len).expand_as(kv_ids)
+    first = torch.full((len(kv_ids), runs), kv_len).scatter_reduce(-1, slot, j, "amin")
+    last = torch.full((len(kv_ids), runs), -1).scatter_reduce(-1, slot, j, "amax")
+    run_id = torch.zeros(len(kv_ids), runs, dtype=kv_ids.dtype).scatter(-1, slot, kv_ids)
+    hit = (q_ids[:, :, None] == run_id[:, None, :]) & (last >= 0)[:, None, :]
+    return torch.where(hit, first[:, None], kv_len), torch.where(hit, last[:, None] + 1, kv_len)
+
+
+@_document_runs.register_fake
+def _(q_ids, kv_ids):
+    runs = torch.library.get_ctx().new_dynamic_size(min=1)
+    return q_ids.new_empty(len(q_ids), q_ids.shape[-1], runs, dtype=torch.int64), \
+        q_ids.new_empty(len(q_ids), q_ids.shape[-1], runs, dtype=torch.int64)
 
 
 class Padding(Mask):
@@ -290,6 +320,10 @@ class And(Mask):
             out = out & m(b, h, q_idx, kv_idx)
         return out
 
+    @property
+    def broadcasts(self) -> bool:
+        return _all_broadcast(self.parts)
+
     def intervals(self, batch, q_len, kv_len):
         return _fold(self.parts, intersect_intervals, batch, q_len, kv_len)
 
@@ -306,8 +340,17 @@ class Or(Mask):
             out = out | m(b, h, q_idx, kv_idx)
         return out
 
+    @property
+    def broadcasts(self) -> bool:
+        return _all_broadcast(self.parts)
+
     def intervals(self, batch, q_len, kv_len):
         return _fold(self.parts, union_intervals, batch, q_len, kv_len)
+
+
+def _all_broadcast(parts) -> bool:
+    """Whether every part is written to broadcast (a user's own part may not be: it is checked)."""
+    return all(elementwise.broadcasts(m) for m in parts)
 
 
 def _fold(parts, combine, batch, q_len, kv_len) -> Intervals | None:
@@ -694,7 +737,7 @@ class BlockSparse(Mask):
         rows, cols = layout.shape
         starts = torch.arange(cols) * self.block
         ends = starts + self.block
-        ends[-1] = max(int(ends[-1]), kv_len)  # the last key block reaches every key past the layout
+        ends[-1] = max(cols * self.block, kv_len)  # the last key block reaches every key past the layout
         row = (torch.arange(q_len) // self.block).clamp(max=rows - 1)
         on = layout[row][None]  # [1, Lq, cols]
         return normalize(torch.where(on, starts, kv_len), torch.where(on, ends, kv_len), kv_len)

@@ -148,7 +148,9 @@ def for_request(req) -> MaskPlan | None:
     if dense is not None:
         mod = _dense_predicate(dense) if mod is None else _masks.and_masks(mod, _dense_predicate(dense))
     sizes = (req.q_len, req.kv_len, batch, req.heads, req.is_causal, req.window, dev)
-    owner, key = _cache_key(req.mask_mod, sizes) if dense is None else (None, None)
+    # Under torch.compile the plan is part of the traced graph (computed in it, per call): no cache.
+    cached = dense is None and not torch.compiler.is_compiling()
+    owner, key = _cache_key(req.mask_mod, sizes) if cached else (None, None)
     plans = _cache.get(owner) if owner is not None else None
     if plans is not None and key in plans:
         plans.move_to_end(key)
@@ -176,11 +178,13 @@ def _dense_predicate(mask: Tensor):
 def _build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> MaskPlan:
     rows = row_bounds(q_len, kv_len, is_causal, window)
     if mask_mod is not None:
-        # A typed mask of attnkit.masks says its rows; any other predicate is evaluated once.
+        # A typed mask of attnkit.masks says its rows; any other predicate is evaluated once (under
+        # torch.compile on every call, in the graph: a plan built outside saves that).
+        compiling = torch.compiler.is_compiling()
         derived = mask_mod.intervals(batch, q_len, kv_len) if isinstance(mask_mod, _masks.Mask) else None
         if derived is None:
-            derived = _derive(mask_mod, batch, heads, q_len, kv_len, device)
-        if derived is not None and derived[0].shape[-1] > MAX_INTERVALS:
+            derived = (_traced_derive if compiling else _derive)(mask_mod, batch, heads, q_len, kv_len, device)
+        if derived is not None and not compiling and derived[0].shape[-1] > MAX_INTERVALS:
             derived = None
         rows = None if derived is None else _masks.intersect_intervals(rows, derived, kv_len)
     predicate = combined_mask_mod(is_causal, window, kv_len - q_len, mask_mod) or _everything
@@ -283,9 +287,45 @@ def _derive(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tup
     return _assemble(pieces, batch if per_batch else 1, q_len, kv_len)
 
 
-def _assemble(pieces: list, p: int, q_len: int, kv_len: int) -> tuple[Tensor, Tensor] | None:
+def _traced_derive(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor] | None:
+    """:func:`_derive` in a graph torch.compile traces: ``mod`` on the whole grid at once, its runs
+    read by one operator whose ``K`` is known only when it runs. None (no interval form) when the
+    result varies along the head axis; a result that does not vary along the rows (key padding) is
+    read once and shared by every row."""
+    grid = (batch, heads, q_len, kv_len)
+    b, h, q, kv = (torch.arange(n, device=device).view([-1 if d == i else 1 for d in range(4)])
+                   for i, n in enumerate(grid))
+    out = mod(b, h, q, kv)
+    _masks.check_mask_mod_output(mod, out, grid)
+    out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
+    if out.shape[1] > 1:
+        return None
+    rows = out.shape[2]
+    starts, ends = torch.ops.attnkit.mask_runs(out[:, 0].expand(out.shape[0], rows, kv_len).contiguous())
+    return starts.expand(-1, q_len, -1), ends.expand(-1, q_len, -1)
+
+
+@torch.library.custom_op("attnkit::mask_runs", mutates_args=(), device_types="cpu")
+def _mask_runs(allowed: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's runs of True in a bool ``[P, R, Lk]``, as ``(starts, ends)`` ``[P, R, K]`` (``K`` the
+    most runs a row has, at least 1; empty slots ``(Lk, Lk)``)."""
+    p, r, lk = allowed.shape
+    buf = torch.zeros(p * r, lk + 2, dtype=torch.bool)
+    starts, ends = _runs(allowed.reshape(-1, lk), buf)
+    return _assemble([(0, p, r, starts, ends)], p, r, lk, most=None)
+
+
+@_mask_runs.register_fake
+def _(allowed):
+    k = torch.library.get_ctx().new_dynamic_size(min=1)
+    return (allowed.new_empty(*allowed.shape[:2], k, dtype=torch.int64),
+            allowed.new_empty(*allowed.shape[:2], k, dtype=torch.int64))
+
+
+def _assemble(pieces: list, p: int, q_len: int, kv_len: int,
+              most: int | None = MAX_INTERVALS) -> tuple[Tensor, Tensor] | None:
     """``[p, Lq, K]`` intervals from the chunks' runs (a chunk with one row set per batch
-    element, or one shared by all)."""
+    element, or one shared by all); None when a row has more than ``most`` runs."""
     rows, firsts, lasts = [], [], []
     for r0, pb, n, starts, ends in pieces:
         bi, ri = starts[:, 0] // n, starts[:, 0] % n
@@ -296,7 +336,7 @@ def _assemble(pieces: list, p: int, q_len: int, kv_len: int) -> tuple[Tensor, Te
     row = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
     counts = torch.bincount(row, minlength=p * q_len)
     k = int(counts.max()) if row.numel() else 0
-    if k > MAX_INTERVALS:
+    if most is not None and k > most:
         return None
     k = max(k, 1)
     order = row.argsort(stable=True)  # each row's runs in column order (chunks keep it)

@@ -10,10 +10,8 @@ backends never re-validate user input. Shape notation (used throughout attnkit):
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -80,13 +78,17 @@ class Request:
     def scores_shape(self) -> torch.Size:
         return self.batch_shape + (self.heads, self.q_len, self.kv_len)
 
-    @functools.cached_property
+    @property
     def plan(self):
         """The :class:`attnkit.plan.MaskPlan` of ``is_causal``/``window``/``mask_mod`` (None when
-        none is set), worked out on first use and cached (see :func:`attnkit.plan.for_request`)."""
-        from . import plan
+        none is set), worked out on first use and kept in :attr:`memo` (see
+        :func:`attnkit.plan.for_request`). Not a ``functools.cached_property``: its lock (Python
+        3.11) is a context manager torch.compile cannot trace."""
+        if "plan" not in self.memo:
+            from . import plan
 
-        return plan.for_request(self)
+            self.memo["plan"] = plan.for_request(self)
+        return self.memo["plan"]
 
     def structured_mask_mod(self) -> _masks.MaskMod | None:
         """``is_causal``, ``window`` and ``mask_mod`` as one predicate (``None`` if none is set)."""
@@ -227,8 +229,9 @@ def combined_mask_mod(is_causal: bool, window: Window | None, offset: int, mask_
 
 def is_plan(mask) -> bool:
     """Whether ``mask`` is an :class:`attnkit.MaskPlan`."""
-    plan = sys.modules.get("attnkit.plan")  # not loaded: no MaskPlan exists (and it builds on this module)
-    return plan is not None and isinstance(mask, plan.MaskPlan)
+    from .plan import MaskPlan  # here: the plan module builds on this one
+
+    return isinstance(mask, MaskPlan)
 
 
 def check_window(window) -> Window | None:

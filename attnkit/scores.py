@@ -30,6 +30,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from . import elementwise
 from .request import ScoreMod
 
 __all__ = ["alibi_slopes", "alibi", "relative_position_bias", "softcap", "compose", "like_score", "apply",
@@ -80,6 +81,8 @@ class DiagonalBias:
     the mod; :func:`compose` of diagonal biases is one (the terms side by side).
     """
 
+    broadcasts = True  # written to broadcast (attnkit.elementwise.broadcasts)
+
     def __init__(self, *terms: tuple):
         self.terms = terms
 
@@ -113,6 +116,8 @@ class SoftCap:
     """Tanh soft-capping, ``cap * tanh(score / cap)``, with its ``cap`` readable (so a kernel can cap
     the scores itself instead of calling the mod)."""
 
+    broadcasts = True
+
     def __init__(self, cap: float):
         self.cap = cap
 
@@ -133,6 +138,10 @@ class Composed:
 
     def __init__(self, *mods: ScoreMod):
         self.mods = mods
+
+    @property
+    def broadcasts(self) -> bool:
+        return all(elementwise.broadcasts(m) for m in self.mods)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         for m in self.mods:
@@ -233,13 +242,16 @@ def kernel_terms(score_mod: ScoreMod, *, batch: int, heads: int, q_len: int, kv_
     None, soft cap or 0.0)``, or None when it is neither.
 
     This module's own forms say theirs (:func:`parts`); any other mod is probed, first as a bias per
-    head and diagonal (:func:`diagonal_bias`), then as a soft cap (:func:`soft_cap`).
+    head and diagonal (:func:`diagonal_bias`), then as a soft cap (:func:`soft_cap`), except under
+    ``torch.compile`` (None: the backends that call the mod serve it there).
     """
     typed = parts(score_mod)
     if typed is not None:
         bias_mod, cap = typed
         bias = None if bias_mod is None else bias_mod.diagonal(heads, q_len, kv_len, dtype=dtype)
         return None if bias_mod is not None and bias is None else (bias, cap or 0.0)
+    if torch.compiler.is_compiling():  # probing decides on values, which a traced graph cannot: not a kernel term
+        return None
     sizes = dict(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, dtype=dtype, device=device)
     bias = diagonal_bias(score_mod, **sizes)
     if bias is not None:

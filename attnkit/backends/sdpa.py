@@ -41,8 +41,7 @@ class SDPABackend:
             k, v = expand_kv(k, req.heads), expand_kv(v, req.heads)
         mask = req.mask
         is_causal = req.is_causal
-        if is_causal and (mask is not None or req.bias is not None or req.q_len != req.kv_len
-                          or _has_nan(req.query, req.key, req.value)):
+        if is_causal and (mask is not None or req.bias is not None or req.q_len != req.kv_len):
             causal = masks.causal(req.q_len, req.kv_len, device=q.device)
             mask = causal if mask is None else mask & causal
             is_causal = False
@@ -63,9 +62,9 @@ class SDPABackend:
                                              is_causal=is_causal, scale=req.scale)
         if dead is not None:
             out = out.masked_fill(dead, 0.0)
+        if is_causal and q.device.type == "cpu":
+            # PyTorch's CPU causal kernel returns 0, not NaN, for a query row holding a NaN (a NaN key or
+            # value does reach the rows that see it); NaN in, NaN out, in one pass and without a sync
+            out = out.masked_fill(q.isnan().any(-1, keepdim=True), float("nan"))
         return out, None
 
-
-def _has_nan(*tensors: Tensor) -> bool:
-    """Whether a CPU input holds a NaN (one cheap pass; on other devices it would cost a sync, so False)."""
-    return any(t.device.type == "cpu" and bool(torch.isnan(t).any()) for t in tensors)

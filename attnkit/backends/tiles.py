@@ -111,6 +111,10 @@ class TilesBackend:
 
     def not_supported_reasons(self, req: Request) -> list[str]:
         reasons = []
+        if torch.compiler.is_compiling():
+            reasons.append(f"the {self.name} backend plans its tiles on the host, from the mask's values, which "
+                           "torch.compile cannot trace (build an attnkit.mask_plan outside the compiled code for the "
+                           "banded kernel)")
         if req.return_weights:
             reasons.append(f"the {self.name} backend never forms the weights (use backend='reference')")
         if req.dropout_p > 0:
