@@ -11,10 +11,12 @@ What this makes friendly to ``torch.compile`` and CUDA graphs, and what not yet:
 
 * fixed: the buffers' shapes and addresses, the write (``index_copy_`` at a position tensor, no
   host slicing), the returned shapes, and the visibility mask (computed from the length tensor);
-* still on the host: :attr:`KVCache.seq_len`, a Python mirror of ``cache_pos`` that the overflow
-  check, the rotary and relative-position offsets, the width of given masks and the slicing of
-  returned weights read, so a step still specialises on it; and the engine's backend choice
-  and mask plan (a banded kernel reads the mask's rows on the CPU) run in Python on every call.
+* on the host in eager code only: :attr:`KVCache.seq_len`, a Python mirror of ``cache_pos`` for
+  the overflow check, position offsets and the slicing of returned weights. Under
+  ``torch.compile`` a step reads the length as a tensor (:meth:`KVCache.position`: rotary
+  offsets, the visibility mask) and leaves the mirror to be read back once afterwards, so one
+  compiled graph serves every token; what needs the length as a number there (returned weights,
+  a ``key_mask``, a relative-position bias) is refused with a clear error.
 
 Shape notation: ``B`` batch, ``Hkv`` key/value heads, ``L`` new tokens, ``D``/``Dv`` key/value
 head sizes.
@@ -28,6 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from . import masks as _masks
 from ._text import describe
 
 __all__ = ["KVCache", "Cached", "visible", "make_caches"]
@@ -39,27 +42,30 @@ class Cached(NamedTuple):
     k: Tensor  #: ``[B, Hkv, max_len, D]``
     v: Tensor  #: ``[B, Hkv, max_len, Dv]``
     length: Tensor  #: 0-d int64: positions ``0 ... length - 1`` are written (the new tokens included)
-    seq_len: int  #: the same length on the host
+    seq_len: int | None  #: the same length on the host (None under ``torch.compile``: see :meth:`KVCache.position`)
 
 
-def visible(cached: Cached, q_len: int, *, causal: bool) -> Tensor:
+def visible(cached: Cached, q_len: int, *, causal: bool, window=None) -> Tensor:
     """Bool ``[1, 1, Lq, max_len]``, ``True`` where a call on ``cached`` buffers may attend.
 
     The ``Lq`` new queries sit at absolute positions ``length - Lq ... length - 1`` (bottom-right
     alignment to the written length, not to the buffer size). Query ``i`` may attend key ``j`` when
-    ``j < length`` and, with ``causal``, ``j <= length - Lq + i``. Built on the buffers' device from
-    the length tensor, in a shape that depends on ``Lq`` and ``max_len`` only; a dense mask because
-    every backend takes one (SDPA takes no mask_mod), and the banded kernel reads its rows as
-    intervals.
+    ``j < length`` and what ``causal`` and ``window`` (``(left, right)``, checked) allow at that
+    offset, as :mod:`attnkit.masks`' causal and window predicates say. Built on the buffers' device
+    from the length tensor, in a shape that depends on ``Lq`` and ``max_len`` only (a compiled decode
+    step does not specialise on the length); a dense mask because every backend takes one (SDPA
+    takes no mask_mod), and the banded kernel reads its rows as intervals.
     """
     dev = cached.k.device
-    keys = torch.arange(cached.k.shape[-2], device=dev)  # (max_len,)
+    q_idx = torch.arange(q_len, device=dev).view(1, 1, -1, 1)
+    kv_idx = torch.arange(cached.k.shape[-2], device=dev).view(1, 1, 1, -1)  # the whole buffer
+    offset = cached.length - q_len  # 0-d: position of query 0
+    allowed = (kv_idx < cached.length).expand(1, 1, q_len, -1)
     if causal:
-        last = cached.length - q_len + torch.arange(q_len, device=dev)  # (Lq,) each query's own position
-        allowed = keys <= last[:, None]
-    else:
-        allowed = (keys < cached.length).expand(q_len, -1)
-    return allowed[None, None]  # (1, 1, Lq, max_len)
+        allowed = allowed & _masks.causal_mod(offset)(None, None, q_idx, kv_idx)
+    if window is not None:
+        allowed = allowed & _masks.window_mod(*window, offset=offset)(None, None, q_idx, kv_idx)
+    return allowed  # (1, 1, Lq, max_len)
 
 
 def make_caches(attentions: Iterable[nn.Module], batch_size: int, max_len: int, *, dtype=None,
@@ -134,7 +140,15 @@ class KVCache(nn.Module):
     @property
     def seq_len(self) -> int:
         """How many positions are filled (the absolute position of the next token)."""
+        if self._len is None:  # compiled steps wrote the tensor only: read it once
+            self._len = int(self.cache_pos)
         return self._len
+
+    def position(self) -> int | Tensor:
+        """The absolute position of the next token: :attr:`seq_len`, except under ``torch.compile``,
+        where it is a copy of the 0-d tensor ``cache_pos``, so that a compiled step does not
+        specialise on the length (one graph serves every token)."""
+        return self.cache_pos.clone() if torch.compiler.is_compiling() else self.seq_len
 
     def reset(self) -> None:
         """Forget everything cached (the buffers keep their memory; stale entries are never read)."""
@@ -185,15 +199,20 @@ class KVCache(nn.Module):
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"k and v must hold the same number of new tokens, got k {tuple(k.shape)}, "
                              f"v {tuple(v.shape)}")
-        pos, n = self._len, k.shape[2]
-        if pos + n > self.max_len:
-            raise ValueError(f"KVCache overflow: {pos} cached + {n} new tokens > max_len {self.max_len}; "
-                             "allocate a longer cache or call reset()")
+        n = k.shape[2]
+        if torch.compiler.is_compiling():
+            # The length stays a tensor; a write past the end fails in index_copy_'s bounds check.
+            self._len = None
+        else:
+            pos = self.seq_len
+            if pos + n > self.max_len:
+                raise ValueError(f"KVCache overflow: {pos} cached + {n} new tokens > max_len {self.max_len}; "
+                                 "allocate a longer cache or call reset()")
+            self._len = pos + n
         where = self.cache_pos + torch.arange(n, device=self.cache_pos.device)  # (L,) positions to write
         self.k.index_copy_(2, where, k)
         self.v.index_copy_(2, where, v)
         self.cache_pos.add_(n)
-        self._len = pos + n
         return Cached(self.k, self.v, self.cache_pos.clone(), self._len)
 
     def extra_repr(self) -> str:

@@ -45,6 +45,9 @@ def _check_pos_int(name: str, val) -> None:
 
 
 def _check_start(start) -> None:
+    """A non-negative int, or a 0-d integer tensor (a compiled decode step's position: not read here)."""
+    if isinstance(start, Tensor) and start.dim() == 0 and not start.is_floating_point() and start.dtype != torch.bool:
+        return
     if not isinstance(start, int) or isinstance(start, bool) or start < 0:
         raise ValueError(f"start must be a non-negative int (absolute position of x[:, 0]), got {start!r}")
 
@@ -75,7 +78,7 @@ def sinusoidal_table(num_positions: int, dim: int, *, start: int = 0, base: floa
         raise ValueError(f"num_positions must be a non-negative int, got {num_positions!r}")
     _check_pos_int("dim", dim)
     _check_start(start)
-    pos = torch.arange(start, start + num_positions, dtype=torch.float64, device=device)[:, None]
+    pos = (torch.arange(num_positions, dtype=torch.float64, device=device) + start)[:, None]
     two_i = torch.arange(0, dim, 2, dtype=torch.float64, device=device)  # 2i
     angle = pos / base ** (two_i / dim)  # (L, ceil(dim/2))
     pe = torch.empty(num_positions, dim, dtype=torch.float64, device=device)
@@ -197,7 +200,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / self.base ** (two_i / self.rotary_dim)
         else:
             inv_freq = self.inv_freq.to(device=device)
-        pos = torch.arange(start, start + length, device=device, dtype=inv_freq.dtype)
+        pos = (torch.arange(length, device=device) + start).to(inv_freq.dtype)  # exact: whole numbers below 2^24
         angle = pos[:, None] * inv_freq[None, :]  # (L, R/2)
         return angle.cos().to(dtype), angle.sin().to(dtype)
 

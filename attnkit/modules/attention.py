@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import masks as _masks
 from .._text import describe
 from ..functional import attention
 from ..request import check_window, is_plan
@@ -249,7 +248,10 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         self.check_inputs(query, key, value)
-        start = 0 if cache is None else cache.seq_len  # absolute position of the first new key
+        if cache is not None and torch.compiler.is_compiling():
+            _check_compiled_step(need_weights, key_mask, self.position_bias)
+        # Absolute position of the first new key: an int, or a 0-d tensor in a compiled cached step
+        start = 0 if cache is None else cache.position()
         kv_len = start + key.shape[1]
         mask = _per_head(mask, "mask")
         bias = _per_head(bias, "bias")
@@ -345,19 +347,30 @@ def _on_buffers(cached, q_len: int, mask, bias, mask_mod, is_causal: bool, windo
     """
     from ..cache import visible
 
-    tail = cached.k.shape[-2] - cached.seq_len
-    if tail:
+    buffer = cached.k.shape[-2]
+    widened = []
+    for name, t, fill in (("mask", mask, False), ("bias", bias, 0.0)):
         # A trailing key dim of 1 broadcasts over the buffer; the tail is hidden by visible anyway.
-        if mask is not None and mask.shape[-1] == cached.seq_len:
-            mask = F.pad(mask, (0, tail), value=False)
-        if bias is not None and bias.shape[-1] == cached.seq_len:
-            bias = F.pad(bias, (0, tail), value=0.0)
-    seen = visible(cached, q_len, causal=is_causal)
+        if t is not None and t.shape[-1] not in (1, buffer):
+            if cached.seq_len is not None and t.shape[-1] != cached.seq_len:  # (unknown in a compiled step)
+                raise ValueError(f"{name} must cover the {cached.seq_len} cached keys (new ones included) or "
+                                 f"the whole cache ({buffer}) along its last dim, got shape {tuple(t.shape)}")
+            t = F.pad(t, (0, buffer - t.shape[-1]), value=fill)
+        widened.append(t)
+    mask, bias = widened
+    seen = visible(cached, q_len, causal=is_causal, window=None if window is None else check_window(window))
     mask = seen if mask is None else mask & seen
-    if window is not None:
-        shifted = _masks.window_mod(*check_window(window), offset=cached.seq_len - q_len)
-        mask_mod = shifted if mask_mod is None else _masks.and_masks(shifted, mask_mod)
     return mask, bias, mask_mod
+
+
+def _check_compiled_step(need_weights: bool, key_mask, position_bias) -> None:
+    """What a cached step under torch.compile cannot do: it knows the cached length as a tensor only."""
+    refused = [what for what, given in (("need_weights=True", need_weights), ("key_mask", key_mask is not None),
+                                        ("a position_bias", position_bias is not None)) if given]
+    if refused:
+        raise ValueError(f"a cached step under torch.compile knows the cached length only as a tensor, which "
+                         f"{', '.join(refused)} would need as a number: run such steps eagerly, or pass padding "
+                         "as a mask over the whole cache")
 
 
 def _per_head(t: Tensor | None, name: str) -> Tensor | None:
