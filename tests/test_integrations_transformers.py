@@ -217,3 +217,32 @@ def test_float64_parity_with_sdpa_left_padding_and_packed_sequences(padding):
         model.set_attn_implementation("attnkit")
         got = model(input_ids=ids, position_ids=positions).logits
     close(got, want, torch.float64, **MODEL_PARITY[torch.float64])
+
+
+@pytest.mark.parametrize("name", ["mistral", "modernbert"])
+def test_a_compiled_model_is_one_graph_and_gives_the_eager_outputs(name):
+    """torch.compile(fullgraph=True) of a whole model on "attnkit", padded: the mask interface and the
+    attention trace (the mask's intervals come from one operator whose size is data, which
+    fullgraph=True keeps in the graph), and the outputs are eager "attnkit"'s and "sdpa"'s."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    config, cls = _configs()[name]
+    model = cls(config).double().eval()
+    ids, mask = _inputs()
+    mask[1, :2] = 0  # and left padding on the other row
+    model.set_attn_implementation("attnkit")
+    run = lambda ids, mask: model(input_ids=ids, attention_mask=mask)[0]  # noqa: E731
+    torch._dynamo.reset()
+    with torch.no_grad():
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            explained = torch._dynamo.explain(run)(ids, mask)
+        assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+        got = torch.compile(run, fullgraph=True, backend="aot_eager")(ids, mask)
+        want = run(ids, mask)
+        model.set_attn_implementation("sdpa")
+        anchor = run(ids, mask)
+    torch._dynamo.reset()
+    keep = mask.bool()
+    close(got[keep], want[keep], torch.float64)
+    close(got[keep], anchor[keep], torch.float64, **MODEL_PARITY[torch.float64])

@@ -96,7 +96,7 @@ def attnkit_attention_forward(
 def attnkit_mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None, q_offset: int = 0,
                  kv_offset: int = 0, mask_function=None, attention_mask: torch.Tensor | None = None,
                  allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: bool = False, device="cpu",
-                 cache_position: torch.Tensor | None = None, **_) -> MaskPlan | None:
+                 cache_position: torch.Tensor | None = None, use_vmap: bool = False, **_) -> MaskPlan | None:
     """transformers' mask interface for ``"attnkit"``: the layer's mask as a :class:`attnkit.MaskPlan`.
 
     ``mask_function(b, h, q_idx, kv_idx)`` is transformers' composed predicate on absolute
@@ -113,16 +113,20 @@ def attnkit_mask(batch_size: int, q_length: int | None = None, kv_length: int | 
         prepare_padding_mask,
     )
 
+    # Under torch.compile nothing is decided on values (a graph cannot branch on them): the positions
+    # are read through cache_position and a padding term is kept even where every key is real.
+    compiling = torch.compiler.is_compiling()
     if cache_position is not None:  # the query positions themselves
         q_length, device = cache_position.numel(), cache_position.device
-        q_offset = int(cache_position[0]) if q_length else 0
-        contiguous = torch.equal(cache_position, torch.arange(q_offset, q_offset + q_length, device=device))
+        q_offset = int(cache_position[0]) if q_length and not compiling else 0
+        contiguous = not compiling and torch.equal(
+            cache_position, torch.arange(q_offset, q_offset + q_length, device=device))
     else:
         contiguous = True
     mask_function = causal_mask_function if mask_function is None else mask_function
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     padding = None if padding is None else padding.bool()  # models pass bool; a 0/1 mask means the same
-    if padding is not None and bool(padding[:, kv_offset:kv_offset + kv_length].all()):
+    if padding is not None and not compiling and bool(padding[:, kv_offset:kv_offset + kv_length].all()):
         padding = None  # every key real: no padding term
     if padding is None and contiguous:
         aligned = q_offset - kv_offset == kv_length - q_length  # attnkit's bottom-right causal
@@ -135,6 +139,9 @@ def attnkit_mask(batch_size: int, q_length: int | None = None, kv_length: int | 
     def at_positions(b, h, q_idx, kv_idx):
         q_pos = q_idx + q_offset if contiguous else cache_position[q_idx]
         return whole(b, h, q_pos, kv_idx + kv_offset)
+
+    # transformers evaluates its mask functions on broadcasting indices unless told to vmap them
+    at_positions.broadcasts = not use_vmap
 
     return attnkit.mask_plan(at_positions, q_len=q_length, kv_len=kv_length, batch=batch_size, device=device)
 
