@@ -56,9 +56,9 @@ def evaluator(mod, sample: tuple[Tensor, ...]):
     return per_element(mod) if needed else mod
 
 
-def broadcasts(mod) -> bool:
-    """Whether ``mod`` says it is written to broadcast (its ``broadcasts`` attribute is True)."""
-    return getattr(mod, "broadcasts", False) is True
+def broadcasts(*mods) -> bool:
+    """Whether every mod says it is written to broadcast (its ``broadcasts`` attribute is True)."""
+    return all(getattr(mod, "broadcasts", False) is True for mod in mods)
 
 
 def _needs_per_element(mod, sample: tuple[Tensor, ...]) -> bool:

@@ -256,12 +256,12 @@ class Document(Mask):
             return normalize(torch.zeros(len(q_ids), q_len, 1), torch.zeros(len(q_ids), q_len, 1), 0)
         if torch.compiler.is_compiling():  # how many runs there are is data: one operator, its K unknown
             return normalize(*torch.ops.attnkit.document_runs(q_ids, kv_ids), kv_len)
-        if q_len * _runs(kv_ids) > 1 << 24:
+        if q_len * _most_runs(kv_ids) > 1 << 24:
             return None  # too many runs to list: the engine reads the predicate instead
         return normalize(*_document_runs(q_ids, kv_ids), kv_len)
 
 
-def _runs(ids: Tensor) -> int:
+def _most_runs(ids: Tensor) -> int:
     """The most runs of one id any row of ``ids [P, L]`` has."""
     return int(((ids[:, 1:] != ids[:, :-1]).sum(-1) + 1).max())
 
@@ -272,7 +272,7 @@ def _document_runs(q_ids: Tensor, kv_ids: Tensor) -> tuple[Tensor, Tensor]:
     ``(starts, ends)`` ``[P, Lq, R]``, one slot per run of one id in the keys (``R`` the most runs
     any row has), ``(Lk, Lk)`` where the run is another document's. An operator, so that
     torch.compile traces it with ``R`` as a size known only when it runs."""
-    kv_len, runs = kv_ids.shape[-1], _runs(kv_ids)
+    kv_len, runs = kv_ids.shape[-1], _most_runs(kv_ids)
     new = torch.ones_like(kv_ids, dtype=torch.bool)
     new[:, 1:] = kv_ids[:, 1:] != kv_ids[:, :-1]  # where a run of one id begins
     slot = new.long().cumsum(-1) - 1
@@ -308,11 +308,20 @@ class Padding(Mask):
         return normalize(torch.zeros_like(hi), hi, kv_len)
 
 
-class And(Mask):
-    """A cell is allowed when every part allows it; intervals intersect (None if a part has none)."""
+class _Parts(Mask):
+    """A mask made of other mask_mods (``parts``); it broadcasts when every part does (a user's own
+    part may not: it is checked)."""
 
     def __init__(self, *parts: MaskMod):
         self.parts = parts
+
+    @property
+    def broadcasts(self) -> bool:
+        return elementwise.broadcasts(*self.parts)
+
+
+class And(_Parts):
+    """A cell is allowed when every part allows it; intervals intersect (None if a part has none)."""
 
     def __call__(self, b, h, q_idx, kv_idx):
         out = self.parts[0](b, h, q_idx, kv_idx)
@@ -320,19 +329,12 @@ class And(Mask):
             out = out & m(b, h, q_idx, kv_idx)
         return out
 
-    @property
-    def broadcasts(self) -> bool:
-        return _all_broadcast(self.parts)
-
     def intervals(self, batch, q_len, kv_len):
         return _fold(self.parts, intersect_intervals, batch, q_len, kv_len)
 
 
-class Or(Mask):
+class Or(_Parts):
     """A cell is allowed when any part allows it; intervals unite (None if a part has none)."""
-
-    def __init__(self, *parts: MaskMod):
-        self.parts = parts
 
     def __call__(self, b, h, q_idx, kv_idx):
         out = self.parts[0](b, h, q_idx, kv_idx)
@@ -340,17 +342,8 @@ class Or(Mask):
             out = out | m(b, h, q_idx, kv_idx)
         return out
 
-    @property
-    def broadcasts(self) -> bool:
-        return _all_broadcast(self.parts)
-
     def intervals(self, batch, q_len, kv_len):
         return _fold(self.parts, union_intervals, batch, q_len, kv_len)
-
-
-def _all_broadcast(parts) -> bool:
-    """Whether every part is written to broadcast (a user's own part may not be: it is checked)."""
-    return all(elementwise.broadcasts(m) for m in parts)
 
 
 def _fold(parts, combine, batch, q_len, kv_len) -> Intervals | None:

@@ -141,7 +141,7 @@ class Composed:
 
     @property
     def broadcasts(self) -> bool:
-        return all(elementwise.broadcasts(m) for m in self.mods)
+        return elementwise.broadcasts(*self.mods)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         for m in self.mods:

@@ -96,6 +96,28 @@ def test_broadcasting_mods_are_called_as_they_are_and_the_decision_is_made_once(
     assert elementwise.evaluator(branchy, sample) is branchy
 
 
+def test_attnkit_own_mods_are_used_as_they_are_and_a_users_part_inside_them_is_still_checked():
+    from attnkit import masks, scores
+
+    sample = tuple(torch.arange(3).view([-1 if d == i else 1 for d in range(4)]) for i in range(4))
+    own = masks.and_masks(masks.causal_mod(), masks.window_mod(2, 0))
+    assert elementwise.broadcasts(own) and elementwise.evaluator(own, sample) is own
+    alibi = scores.alibi(scores.alibi_slopes(2))
+    assert elementwise.evaluator(alibi, (torch.zeros(3, 3, 3, 3), *sample)) is alibi
+    # a per-element (Flamingo-style) part makes the combination one to check: it is still exact
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, H, L, E, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, H, S, E, generator=g, dtype=torch.float64) for _ in range(2))
+    flamingo, mla = flexattention_mods(g)
+    mixed = masks.and_masks(flamingo, masks.window_mod(None, 3, offset=S - L))
+    assert not elementwise.broadcasts(mixed)
+    score = scores.compose(alibi, mla)
+    assert not elementwise.broadcasts(score)
+    for backend in ("auto", "reference"):
+        close(attnkit.attention(q, k, v, mask_mod=mixed, score_mod=score, backend=backend),
+              loop_oracle(q, k, v, mask_mod=mixed, score_mod=score))
+
+
 def test_per_element_wrapper_keeps_shapes_and_dtypes():
     wrapped = elementwise.per_element(lambda s, b, h, i, j: s + (i - j))
     s = torch.zeros(2, 1, 3, 4, dtype=torch.float32)

@@ -249,7 +249,7 @@ class MultiHeadAttention(nn.Module):
         value = key if value is None else value
         self.check_inputs(query, key, value)
         if cache is not None and torch.compiler.is_compiling():
-            _check_compiled_step(need_weights, key_mask, self.position_bias)
+            _check_compiled_step(need_weights, key_mask, self.position_bias, self.approx)
         # Absolute position of the first new key: an int, or a 0-d tensor in a compiled cached step
         start = 0 if cache is None else cache.position()
         kv_len = start + key.shape[1]
@@ -363,10 +363,11 @@ def _on_buffers(cached, q_len: int, mask, bias, mask_mod, is_causal: bool, windo
     return mask, bias, mask_mod
 
 
-def _check_compiled_step(need_weights: bool, key_mask, position_bias) -> None:
+def _check_compiled_step(need_weights: bool, key_mask, position_bias, approx) -> None:
     """What a cached step under torch.compile cannot do: it knows the cached length as a tensor only."""
     refused = [what for what, given in (("need_weights=True", need_weights), ("key_mask", key_mask is not None),
-                                        ("a position_bias", position_bias is not None)) if given]
+                                        ("a position_bias", position_bias is not None),
+                                        ("an approximate kind", approx is not None)) if given]
     if refused:
         raise ValueError(f"a cached step under torch.compile knows the cached length only as a tensor, which "
                          f"{', '.join(refused)} would need as a number: run such steps eagerly, or pass padding "
