@@ -308,7 +308,8 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     for (Index it = begin; it < end; ++it) {
       const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
       const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
-      T* o = out.data_ptr<T>() + ((b * d.H + h) * d.L + i0) * d.Ev;
+      T* o = const_cast<T*>(row_ptr<T>(out, b, h, i0));  // rows os apart: out is [B, L, H, Ev] in memory
+      const Index os = out.stride(2);
       T* ms = stats.data_ptr<T>() + (b * d.H + h) * d.L + i0;  // the row maximum, then log of the row sum
       T* ls = ms + d.B * d.H * d.L;
       std::fill(m.begin(), m.end(), ninf);
@@ -336,12 +337,12 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       }
       for (Index r = 0; r < rows; ++r) {
         if (l[r] == T(0)) {  // nothing visible: zeros, like every other backend
-          std::fill(o + r * d.Ev, o + (r + 1) * d.Ev, T(0));
+          std::fill(o + r * os, o + r * os + d.Ev, T(0));
           ms[r] = ls[r] = ninf;
           continue;
         }
         const T inv = T(1) / l[r];
-        for (Index j = 0; j < d.Ev; ++j) o[r * d.Ev + j] = acc[r * d.Ev + j] * inv;
+        for (Index j = 0; j < d.Ev; ++j) o[r * os + j] = acc[r * d.Ev + j] * inv;
         ms[r] = m[r];
         ls[r] = std::log(l[r]);
       }
@@ -387,6 +388,28 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
   }
   std::fill(p + at, p + n, T(0));
   std::fill(dp + at, dp + n, T(0));
+}
+
+// delta[b, h, i] = dout[b, h, i, :] . out[b, h, i, :] (FlashAttention's D), in one pass over both
+// (no [B, H, L, Ev] product in memory); rows may be strided, entries along a row contiguous.
+template <typename T>
+void row_dots(const Tensor& x, const Tensor& y, Tensor& delta) {
+  using Vec = at::vec::Vectorized<T>;
+  const Index H = x.size(1), L = x.size(2), E = x.size(3);
+  T* const dl = delta.data_ptr<T>();
+  at::parallel_for(0, x.size(0) * H * L, 2048, [&](Index begin, Index end) {
+    for (Index r = begin; r < end; ++r) {
+      const Index b = r / (H * L), h = (r / L) % H, i = r % L;
+      const T* a = row_ptr<T>(x, b, h, i);
+      const T* c = row_ptr<T>(y, b, h, i);
+      Vec acc(T(0));
+      Index j = 0;
+      for (; j + Vec::size() <= E; j += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(c + j), acc);
+      T sum = at::vec::vec_reduce_all<T>([](Vec u, Vec w) { return u + w; }, acc);
+      for (; j < E; ++j) sum += a[j] * c[j];
+      dl[r] = sum;
+    }
+  });
 }
 
 template <typename T>
@@ -530,7 +553,9 @@ std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor&
   check_softcap(softcap);
   check_rows(q, k, starts, ends);
   check_bias(q, k, bias);
-  Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  // [B, H, L, Ev] laid out as [B, L, H, Ev], as PyTorch's CPU flash kernel does: merging the heads
+  // after attention (what every model does next) is then a view, not a copy
+  Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
   Tensor stats = at::empty({2, q.size(0), q.size(1), q.size(2)}, q.options());  // row maximum, log of row sum
   const Rows R(starts, ends);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_forward", [&] {
@@ -549,13 +574,15 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
   check_rows(q, k, starts, ends);
   check_bias(q, k, bias);
   Tensor dbias = at::zeros({bias.numel() > 0 ? at::get_num_threads() : 0, bias.size(0), bias.size(1)}, q.options());
-  TORCH_CHECK(dout.stride(3) == 1 && stats.is_contiguous() && stats.dim() == 4 && stats.size(0) == 2,
-              "band kernel: dout rows must be contiguous and stats the forward's [2, B, H, L]");
-  Tensor delta = (dout * out).sum(-1).contiguous();
+  TORCH_CHECK(dout.stride(3) == 1 && out.stride(3) == 1 && out.sizes() == dout.sizes() && stats.is_contiguous() &&
+                  stats.dim() == 4 && stats.size(0) == 2,
+              "band kernel: dout and out rows must be contiguous and stats the forward's [2, B, H, L]");
+  Tensor delta = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
   Tensor dv = at::zeros(v.sizes(), v.options());
   const Rows R(starts, ends);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
+    row_dots<scalar_t>(dout, out, delta);
     backward_impl<scalar_t>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, static_cast<scalar_t>(scale),
                             static_cast<scalar_t>(softcap), kv_rows, q_chunk, deterministic);
   });

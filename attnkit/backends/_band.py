@@ -155,13 +155,14 @@ def _rows(x: Tensor) -> Tensor:
 # without running it, and the forward's gradient is the backward operator, registered with autograd.
 # Inputs: ``q [B, H, Lq, E]``, ``k [B, Hkv, Lk, E]``, ``v [B, Hkv, Lk, Ev]`` in one kernel dtype,
 # ``starts``/``ends`` as in :func:`run`, ``bias`` ``[1 or H, Lq + Lk - 1]`` or ``[0, 0]`` for none.
-# Outputs: ``out [B, H, Lq, Ev]`` and ``stats [2, B, H, Lq]`` (each row's maximum and log row sum).
+# Outputs: ``out [B, H, Lq, Ev]`` (laid out as ``[B, Lq, H, Ev]``: merging heads after it is a view)
+# and ``stats [2, B, H, Lq]`` (each row's maximum and log row sum).
 
 @torch.library.custom_op("attnkit::band_forward", mutates_args=(), device_types="cpu")
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tensor, bias: Tensor, scale: float,
                   softcap: float) -> tuple[Tensor, Tensor]:
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:  # nothing to compute; empty views may have any strides
-        return q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full((2, *q.shape[:-1]), float("-inf"))
+        return _new_out(q, v).zero_(), q.new_full((2, *q.shape[:-1]), float("-inf"))
     out, stats = _module().forward(_rows(q), _rows(k), _rows(v), starts.contiguous(), ends.contiguous(),
                                    bias.contiguous(), scale, softcap, Q_ROWS, KV_CHUNK)
     return out, stats
@@ -169,7 +170,13 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tensor,
 
 @_forward_impl.register_fake
 def _(q, k, v, starts, ends, bias, scale, softcap):
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(2, *q.shape[:-1])
+    return _new_out(q, v), q.new_empty(2, *q.shape[:-1])
+
+
+def _new_out(q: Tensor, v: Tensor) -> Tensor:
+    """An uninitialised output ``[B, H, Lq, Ev]`` laid out as ``[B, Lq, H, Ev]``, as the kernel writes it."""
+    b, h, lq, _ = q.shape
+    return q.new_empty(b, lq, h, v.shape[-1]).transpose(1, 2)
 
 
 @torch.library.custom_op("attnkit::band_backward", mutates_args=(), device_types="cpu")
@@ -178,7 +185,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, s
                    deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), bias.new_zeros(bias.shape)
-    return tuple(_module().backward(_rows(dout), _rows(q), _rows(k), _rows(v), out.contiguous(), stats.contiguous(),
+    return tuple(_module().backward(_rows(dout), _rows(q), _rows(k), _rows(v), _rows(out), stats.contiguous(),
                                     starts.contiguous(), ends.contiguous(), bias.contiguous(), scale, softcap,
                                     KV_ROWS, Q_CHUNK, deterministic))
 
