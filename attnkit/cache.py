@@ -16,7 +16,8 @@ What this makes friendly to ``torch.compile`` and CUDA graphs, and what not yet:
   ``torch.compile`` a step reads the length as a tensor (:meth:`KVCache.position`: rotary
   offsets, the visibility mask) and leaves the mirror to be read back once afterwards, so one
   compiled graph serves every token; what needs the length as a number there (returned weights,
-  a ``key_mask``, a relative-position bias) is refused with a clear error.
+  a ``key_mask``, a relative-position bias, an approximate kind) is refused with a clear error, and
+  a write past ``max_len`` fails in the write's bounds check instead of the overflow check.
 
 Shape notation: ``B`` batch, ``Hkv`` key/value heads, ``L`` new tokens, ``D``/``Dv`` key/value
 head sizes.

@@ -168,6 +168,18 @@ def test_a_compiled_cached_step_refuses_what_needs_the_length_as_a_number():
     assert "torch.compile knows the cached length only as a tensor" in str(info.value)
 
 
+def test_a_compiled_step_past_the_end_of_the_cache_fails_instead_of_writing_out_of_bounds():
+    m = MultiHeadAttention(16, 2).eval()
+    cache = KVCache(1, 3, m.num_kv_heads, m.head_dim)
+    step = torch.compile(lambda x: m(x, cache=cache, is_causal=True), backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            step(torch.randn(1, 1, 16))
+        with pytest.raises((RuntimeError, IndexError), match="(?i)out of (bounds|range)"):
+            step(torch.randn(1, 1, 16))
+    assert cache.seq_len == 3
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_an_exported_encoder_layer_runs_the_banded_kernel(strict):
     torch.manual_seed(0)
