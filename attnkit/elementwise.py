@@ -21,6 +21,8 @@ import weakref
 import torch
 from torch import Tensor
 
+from . import _tracing
+
 #: Most cells one vmapped call evaluates (bounded memory for per-element evaluation).
 CHUNK = 1 << 18
 
@@ -29,30 +31,20 @@ CHUNK = 1 << 18
 _per_element: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def evaluator(mod, sample: tuple[Tensor, ...]):
-    """``mod`` itself when broadcasting calls agree with per-element calls on ``sample`` (the
-    arguments of one broadcasting call: ``(b, h, q_idx, kv_idx)``, with the score first for a
-    score_mod), else a per-element wrapper with the same signature. Decided once per mod.
+def evaluator(mod, grid: tuple[int, ...], device, score_dtype: torch.dtype | None = None):
+    """``mod`` itself when broadcasting calls agree with per-element calls on :func:`probe_indices`
+    of ``grid`` (``(B, H, Lq, Lk)``; a score_mod gets a zero score of ``score_dtype`` first), else a
+    per-element wrapper with the same signature. Decided once per mod.
 
     attnkit's own mods (those whose ``broadcasts`` attribute is True: :mod:`attnkit.masks`' typed
     masks, :mod:`attnkit.scores`' forms, built of such parts) are written to broadcast and used as
-    they are. Under ``torch.compile`` nothing can be decided on values while tracing: any other mod
-    is evaluated per element there (exact whichever way it is written).
+    they are. Under ``torch.compile`` the decision is made once while tracing, on real tensors, and
+    is a constant of the graph; a mod over tensors made inside the traced code cannot be tried
+    there and is evaluated per element (exact whichever way it is written).
     """
     if broadcasts(mod):
         return mod
-    if torch.compiler.is_compiling():
-        return per_element(mod)
-    try:
-        needed = _per_element.get(mod)
-    except TypeError:  # cannot be weakly referenced or hashed: decide every time
-        needed = None
-    if needed is None:
-        needed = _needs_per_element(mod, sample)
-        try:
-            _per_element[mod] = needed
-        except TypeError:
-            pass
+    needed = _needs_per_element(mod, tuple(int(n) for n in grid), torch.device(device), score_dtype)
     return per_element(mod) if needed else mod
 
 
@@ -61,7 +53,41 @@ def broadcasts(*mods) -> bool:
     return all(getattr(mod, "broadcasts", False) is True for mod in mods)
 
 
-def _needs_per_element(mod, sample: tuple[Tensor, ...]) -> bool:
+def probe_indices(grid: tuple[int, ...], device) -> tuple[Tensor, ...]:
+    """A few in-range indices of each axis (first, middle, last; the keys also the second, so that
+    a wrong shape cannot pass for a square grid), broadcasting like the backends'
+    (``b [n,1,1,1]``, ``h [1,n,1,1]``, ``q_idx [1,1,n,1]``, ``kv_idx [1,1,1,n]``)."""
+    picks = [{0, n // 2, n - 1} | ({min(1, n - 1)} if i == 3 else set()) for i, n in enumerate(grid)]
+    return tuple(torch.tensor(sorted(p), device=device).view([-1 if d == i else 1 for d in range(4)])
+                 for i, p in enumerate(picks))
+
+
+@torch.compiler.assume_constant_result  # while tracing: decided on real tensors, a constant of the graph
+def _needs_per_element(mod, grid: tuple[int, ...], device: torch.device, score_dtype) -> bool:
+    try:
+        needed = _per_element.get(mod)
+    except TypeError:  # cannot be weakly referenced or hashed: decide every time
+        needed = None
+    if needed is None:
+        from .backends._captured import captured_tensors  # the backends build on this module
+
+        with _tracing.real_tensors():
+            if any(_tracing.is_fake(t) for t in captured_tensors(mod, requiring_grad=False)):
+                return True  # made inside traced code: nothing real to try it on
+            sample = probe_indices(grid, device)
+            if score_dtype is not None:
+                sample = (torch.zeros(torch.broadcast_shapes(*(t.shape for t in sample)), dtype=score_dtype,
+                                      device=device), *sample)
+            needed = _differs(mod, sample)
+        try:
+            _per_element[mod] = needed
+        except TypeError:
+            pass
+    return needed
+
+
+def _differs(mod, sample: tuple[Tensor, ...]) -> bool:
+    """Whether the broadcasting call of ``mod`` on ``sample`` fails or differs from per-element calls."""
     try:
         with torch.no_grad():
             want = per_element(mod)(*sample)

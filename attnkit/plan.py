@@ -38,7 +38,7 @@ from torch import Tensor
 from . import elementwise
 from . import masks as _masks
 from .backends import _captured
-from .request import check_window, combined_mask_mod, probe_indices
+from .request import check_window, combined_mask_mod
 
 #: How many automatically built plans ``attnkit.attention`` keeps per predicate (sizes, tensor versions).
 PLANS_PER_PREDICATE = 8
@@ -121,7 +121,7 @@ def mask_plan(mask_mod=None, *, q_len: int, kv_len: int | None = None, batch: in
         raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
     if mask_mod is not None and not isinstance(mask_mod, _masks.Mask) and q_len and kv_len:
         # FlexAttention's per-element semantics, as attnkit.attention gives them
-        mask_mod = elementwise.evaluator(mask_mod, probe_indices((batch, heads, q_len, kv_len), device))
+        mask_mod = elementwise.evaluator(mask_mod, (batch, heads, q_len, kv_len), device)
     return _build(mask_mod, q_len, kv_len, batch, heads, is_causal, check_window(window), torch.device(device))
 
 

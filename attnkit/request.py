@@ -193,13 +193,11 @@ def build_request(
                 raise ValueError(f"{name} needs 4-D inputs [B, H, L, E], got query shape {tuple(query.shape)}")
     unchecked = None if is_plan(mask_mod) else mask_mod  # a plan's predicate was checked when it was built
     if (unchecked is not None or score_mod is not None) and 0 not in target:
-        sample = probe_indices(target, query.device)
         if unchecked is not None:
-            unchecked = mask_mod = elementwise.evaluator(mask_mod, sample)
+            unchecked = mask_mod = elementwise.evaluator(mask_mod, target, query.device)
         if score_mod is not None:
-            grid = torch.broadcast_shapes(*(t.shape for t in sample))
-            score_mod = elementwise.evaluator(score_mod, (query.new_zeros(grid), *sample))
-        _probe_mods(unchecked, score_mod, sample, query)
+            score_mod = elementwise.evaluator(score_mod, target, query.device, query.dtype)
+        _probe_mods(unchecked, score_mod, elementwise.probe_indices(target, query.device), query)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
@@ -266,17 +264,8 @@ def _check_not_per_batch_3d(name: str, t: Tensor | None, ndim: int, heads: int) 
                      f"{name} per batch element, or {name}[None] ([1, H, Lq, Lk]) for one per head")
 
 
-def probe_indices(target: torch.Size, device) -> tuple[Tensor, ...]:
-    """A few in-range indices of each axis (first, middle, last; the keys also the second, so that
-    a wrong shape cannot pass for a square grid), broadcasting like the backends'
-    (``b [n,1,1,1]``, ``h [1,n,1,1]``, ``q_idx [1,1,n,1]``, ``kv_idx [1,1,1,n]``)."""
-    picks = [{0, n // 2, n - 1} | ({min(1, n - 1)} if i == 3 else set()) for i, n in enumerate(target)]
-    return tuple(torch.tensor(sorted(p), device=device).view([-1 if d == i else 1 for d in range(4)])
-                 for i, p in enumerate(picks))
-
-
 def _probe_mods(mask_mod, score_mod, sample: tuple[Tensor, ...], query: Tensor) -> None:
-    """Call each mod once on ``sample`` (:func:`probe_indices`) and check what it returns.
+    """Call each mod once on ``sample`` (:func:`attnkit.elementwise.probe_indices`) and check what it returns.
 
     A wrong return would otherwise surface deep in a backend as an unrelated error (a float
     ``&``, ``None.to``), or not at all (a scalar score broadcast over the tile: uniform

@@ -34,8 +34,17 @@ def _offset_bias(s, b, h, q, kv):  # a user's own ALiBi-like bias: probed eagerl
     return s - 0.1 * (h + 1) * (q - kv).abs()
 
 
-def _near(b, h, q, kv):  # a user's own predicate: read cell by cell under compile
+def _near(b, h, q, kv):  # a user's own predicate: whether it broadcasts is decided while tracing
     return (q - kv).abs() <= 6
+
+
+IMAGES = torch.tensor([[0, 40], [40, 70], [70, 96]])
+IMAGE_OF = torch.tensor([0] * 30 + [1] * 30 + [2] * 36)
+
+
+def _flamingo(b, h, q, kv):  # written per element (FlexAttention's semantics): does not broadcast
+    interval = IMAGES[IMAGE_OF[q]]
+    return (kv >= interval[0]) & (kv < interval[1])
 
 
 #: Every family: keyword arguments of attnkit.attention, built per test (plans are built outside).
@@ -55,6 +64,7 @@ FAMILIES = {
     "strided": lambda: {"mask_mod": masks.strided_mod(12)},
     "block sparse": lambda: {"mask_mod": masks.block_sparse_mod(masks.bigbird_layout(L // 16, random_blocks=1), 16)},
     "user predicate": lambda: {"mask_mod": _near},
+    "Flamingo (per element)": lambda: {"mask_mod": _flamingo},
     "plan of documents": lambda: {"mask": attnkit.mask_plan(masks.document_mod(DOCS), q_len=L, batch=B)},
     "plan of a predicate": lambda: {"mask": attnkit.mask_plan(_near, q_len=L, batch=B, window=(4, None))},
     "ALiBi": lambda: {"is_causal": True, "score_mod": scores.alibi(scores.alibi_slopes(H, dtype=torch.float64))},
@@ -63,6 +73,9 @@ FAMILIES = {
     "user score_mod": lambda: {"window": (16, 0), "score_mod": _offset_bias},
 }
 INDUCTOR = ("window", "documents", "relative positions")
+#: Where a compiled call runs when not on the banded kernel: dense masks on SDPA, a user's score_mod
+#: (which cannot be probed while tracing) on the reference backend.
+NOT_ON_BAND = ("no mask", "causal", "dense mask", "key padding (dense)", "user score_mod", "Flamingo (per element)")
 #: A learned relative-position table: its gradient goes through the kernel's registered backward too.
 TABLE = torch.randn(H, 17, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True)
 LEARNED = {"relative positions": [TABLE]}
@@ -95,6 +108,8 @@ def test_every_family_traces_without_a_graph_break(family):
         explained = torch._dynamo.explain(lambda q, k, v: attnkit.attention(q, k, v, **kw))(*_inputs())
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
+    targets = {str(node.target) for node in explained.graphs[0].graph.nodes}
+    assert any("attnkit.band_forward" in t for t in targets) == (family not in NOT_ON_BAND)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -37,7 +37,8 @@ from torch import Tensor
 
 from ..request import Request
 from . import _build
-from ._fused import compute_dtype, real_tensors
+from .._tracing import real_tensors
+from ._fused import compute_dtype
 
 SOURCE = Path(__file__).with_name("_band.cpp")
 #: Forward: query rows per block and most keys per chunk. Backward: keys per block and most

@@ -22,11 +22,12 @@ gives log-sum-exp 0 from the kernel (torch 2.13); callers pass ``dead`` rows and
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 from torch import Tensor
+
+from .._tracing import real_tensors
 
 _NEG_INF = float("-inf")
 
@@ -89,17 +90,6 @@ def dead_rows(mask: Tensor | None) -> Tensor | None:
 def available() -> bool:
     """True when this torch has the kernel and it agrees with the formula (checked once)."""
     return _checked()
-
-
-@contextlib.contextmanager
-def real_tensors():
-    """Real tensors inside, even while torch.compile or torch.export traces the caller (whose fake
-    tensors cannot be compared with a formula): for the kernels' one-time self-checks."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-    with unset_fake_temporarily(), disable_proxy_modes_tracing():
-        yield
 
 
 @functools.cache
