@@ -35,9 +35,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .._tracing import real_tensors
 from ..request import Request
 from . import _build
-from .._tracing import real_tensors
 from ._fused import compute_dtype
 
 SOURCE = Path(__file__).with_name("_band.cpp")
