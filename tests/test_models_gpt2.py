@@ -132,6 +132,33 @@ def test_left_padded_batch_generation(pair, prompts):
         assert torch.equal(alone[0, 9 - start:], cached[row, 9:])
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_generation_gives_the_same_tokens_and_compiles_once(pair, prompts, padded):
+    """``generate(compile=...)``: the steps after the prompt run as one compiled graph (aot_eager
+    here, which traces as inductor does, without its C++ build), with the same tokens as eager
+    decoding and transformers; a second call with the same sizes compiles nothing more."""
+    from torch._dynamo.utils import counters
+
+    hf, gpt = pair
+    am = torch.ones_like(prompts)
+    if padded:
+        am[1, :3] = 0
+        am[2, :6] = 0
+    ids = prompts.masked_fill(am == 0, 7)
+    mask = am if padded else None  # without a mask the positions are the cache's
+    torch._dynamo.reset()
+    first = gpt.generate(ids, 16, attention_mask=mask, compile="aot_eager")
+    graphs = counters["stats"]["unique_graphs"]
+    again = gpt.generate(ids, 16, attention_mask=mask, compile="aot_eager")
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled for the second call
+    ref = hf.generate(ids, attention_mask=am, max_new_tokens=16, do_sample=False)
+    assert torch.equal(first, gpt.generate(ids, 16, attention_mask=mask))
+    assert torch.equal(first, again) and torch.equal(first, ref)
+    with pytest.raises(ValueError, match="compile needs use_cache=True"):
+        gpt.generate(ids, 4, use_cache=False, compile=True)
+    torch._dynamo.reset()
+
+
 def test_eos_stops_and_pads_like_transformers(pair, prompts):
     hf, gpt = pair
     free = gpt.generate(prompts, max_new_tokens=12)

@@ -13,6 +13,7 @@ Shape notation: ``B`` batch, ``L`` new tokens, ``T`` tokens seen so far (cache i
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from itertools import chain
@@ -285,6 +286,7 @@ class GPT2(BackendChoice, nn.Module):
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
         generator: torch.Generator | None = None,
+        compile: bool | str = False,
     ) -> Tensor:
         """Extend each prompt by up to ``max_new_tokens`` tokens (greedy unless ``do_sample``).
 
@@ -302,6 +304,10 @@ class GPT2(BackendChoice, nn.Module):
             do_sample: sample from ``softmax(logits / temperature)``, restricted to the ``top_k``.
             eos_token_id: stop token (default: the config's).
             generator: for reproducible sampling.
+            compile: run each step after the prompt through ``torch.compile`` (with ``use_cache``;
+                ``True``: its default backend, a string: that backend): one graph serves every token
+                and every later call with the same batch size and cache length; the first call pays
+                the compilation (seconds). The same tokens as without it.
 
         Returns:
             ``[B, L + new]`` int64, the prompts followed by the generated tokens.
@@ -326,14 +332,28 @@ class GPT2(BackendChoice, nn.Module):
             got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else \
                 type(attention_mask).__name__
             raise ValueError(f"attention_mask must be [B, L] = {(b, n)} like input_ids, got {got}")
+        if not isinstance(compile, bool | str):
+            raise TypeError(f"compile must be a bool or a torch.compile backend name, got {type(compile).__name__}")
+        if compile and not use_cache:
+            raise ValueError("compile needs use_cache=True: it compiles the cached decoding step")
         mask = attention_mask
         done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         step_in = input_ids
-        for _ in range(max_new_tokens):
+        # Compiled steps see the real tokens over the whole cache (a fixed shape): the prompt's mask,
+        # then every generated token.
+        real = None if not compile else torch.ones(b, n + max_new_tokens, dtype=torch.bool, device=input_ids.device)
+        if real is not None and attention_mask is not None:
+            real[:, :n] = attention_mask != 0
+        for step in range(max_new_tokens):
             pos = None if mask is None else positions_from_mask(mask)
             if use_cache and pos is not None:
                 pos = pos[:, -step_in.shape[1]:]
-            logits = self(step_in if use_cache else out, mask, pos, cache=cache).logits[:, -1]  # (B, V)
+            if compile and step > 0:
+                if pos is None:  # the new token's position: after the prompt and the tokens so far
+                    pos = torch.full((b, 1), n + step - 1, device=input_ids.device)
+                logits = _compiled_step(self, "inductor" if compile is True else compile)(step_in, pos, real, cache)
+            else:
+                logits = self(step_in if use_cache else out, mask, pos, cache=cache).logits[:, -1]  # (B, V)
             nxt = self._pick(logits, do_sample, temperature, top_k, generator)
             if eos is not None:
                 nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
@@ -346,6 +366,16 @@ class GPT2(BackendChoice, nn.Module):
                 break
         return out
 
+    def _next_logits(self, token: Tensor, pos: Tensor, real: Tensor, cache: list[KVCache]) -> Tensor:
+        """One cached decoding step without the checks :meth:`forward` makes on values (``generate``
+        made them): ``token [B, 1]`` at positions ``pos [B, 1]``, ``real [B, max_len]`` the real
+        tokens over the whole cache; the next-token logits ``[B, V]``. What ``compile=True`` compiles."""
+        x = self.dropout(self.wte(token) + self.wpe(pos))
+        seen = real[:, None, None, :]  # (B, 1, 1, max_len): a mask over the whole cache, a fixed shape
+        for block, c in zip(self.blocks, cache, strict=True):
+            x = block(x, mask=seen, is_causal=True, cache=c)
+        return self.ln_f(x)[:, -1] @ self.wte.weight.t()
+
     @staticmethod
     def _pick(logits: Tensor, do_sample: bool, temperature: float, top_k: int | None, generator) -> Tensor:
         if not do_sample:
@@ -355,6 +385,18 @@ class GPT2(BackendChoice, nn.Module):
             kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+
+
+#: Each model's compiled decoding step (weakly: a model is not kept alive by having generated).
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled_step(model: GPT2, backend: str):
+    """``model._next_logits`` compiled with ``backend``, made once per model and backend."""
+    steps = _COMPILED.setdefault(model, {})
+    if backend not in steps:
+        steps[backend] = torch.compile(model._next_logits, fullgraph=True, backend=backend)
+    return steps[backend]
 
 
 def _hf_layout(cfg: GPT2Config, layers: Iterable[int]) -> Iterator[tuple[str, str, tuple]]:
