@@ -261,16 +261,23 @@ class GPT2(BackendChoice, nn.Module):
                 raise ValueError(f"position_ids must lie in [0, {self.config.n_positions}), got values in "
                                  f"[{int(position_ids.min())}, {int(position_ids.max())}]")
             pos = position_ids
-        x = self.dropout(self.wte(input_ids) + self.wpe(pos))  # (B, L, E)
-        attns, backend = [], weights_backend(output_attentions)
-        for i, block in enumerate(self.blocks):
-            res = block(x, key_mask=key_mask, is_causal=True, cache=None if cache is None else cache[i],
-                        need_weights=output_attentions, backend=backend)
-            x, w = res if output_attentions else (res, None)
-            attns.append(w)
-        x = self.ln_f(x)
+        x, attns = self._run(input_ids, pos, cache, key_mask=key_mask, need_weights=output_attentions,
+                             backend=weights_backend(output_attentions))
         logits = x @ self.wte.weight.t()  # (B, L, V): the LM head is tied to the embedding
         return GPT2Output(logits, x, tuple(attns) if output_attentions else None)
+
+    def _run(self, input_ids: Tensor, pos: Tensor, cache: list[KVCache] | None, *, need_weights: bool = False,
+             **masking) -> tuple[Tensor, list]:
+        """Embeddings, the blocks (``masking``: what each block's attention gets besides causality)
+        and the final norm: the hidden states ``[B, L, E]`` and each block's weights (or Nones)."""
+        x = self.dropout(self.wte(input_ids) + self.wpe(pos))  # (B, L, E)
+        attns = []
+        for i, block in enumerate(self.blocks):
+            res = block(x, is_causal=True, cache=None if cache is None else cache[i], need_weights=need_weights,
+                        **masking)
+            x, w = res if need_weights else (res, None)
+            attns.append(w)
+        return self.ln_f(x), attns
 
     @torch.no_grad()
     def generate(
@@ -370,11 +377,8 @@ class GPT2(BackendChoice, nn.Module):
         """One cached decoding step without the checks :meth:`forward` makes on values (``generate``
         made them): ``token [B, 1]`` at positions ``pos [B, 1]``, ``real [B, max_len]`` the real
         tokens over the whole cache; the next-token logits ``[B, V]``. What ``compile=True`` compiles."""
-        x = self.dropout(self.wte(token) + self.wpe(pos))
-        seen = real[:, None, None, :]  # (B, 1, 1, max_len): a mask over the whole cache, a fixed shape
-        for block, c in zip(self.blocks, cache, strict=True):
-            x = block(x, mask=seen, is_causal=True, cache=c)
-        return self.ln_f(x)[:, -1] @ self.wte.weight.t()
+        x, _ = self._run(token, pos, cache, mask=real[:, None, None, :])  # a mask over the whole cache: a fixed shape
+        return x[:, -1] @ self.wte.weight.t()
 
     @staticmethod
     def _pick(logits: Tensor, do_sample: bool, temperature: float, top_k: int | None, generator) -> Tensor:
