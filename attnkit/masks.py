@@ -254,11 +254,10 @@ class Document(Mask):
         kv_ids = kv_ids[:batch, :kv_len].detach().cpu()
         if kv_len == 0:
             return normalize(torch.zeros(len(q_ids), q_len, 1), torch.zeros(len(q_ids), q_len, 1), 0)
-        if torch.compiler.is_compiling():  # how many runs there are is data: one operator, its K unknown
-            return normalize(*torch.ops.attnkit.document_runs(q_ids, kv_ids), kv_len)
-        if q_len * _most_runs(kv_ids) > 1 << 24:
+        # Under torch.compile how many runs there are is data, not read here: the operator's K is unknown
+        if not torch.compiler.is_compiling() and q_len * _most_runs(kv_ids) > 1 << 24:
             return None  # too many runs to list: the engine reads the predicate instead
-        return normalize(*_document_runs(q_ids, kv_ids), kv_len)
+        return normalize(*torch.ops.attnkit.document_runs(q_ids, kv_ids), kv_len)
 
 
 def _most_runs(ids: Tensor) -> int:

@@ -125,7 +125,7 @@ def partial_forward(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tenso
     :func:`run`. Returns ``(out, lse)``: the block's normalised output and each row's log-sum-exp
     (``-inf`` for a row with no key), no autograd.
     """
-    out, stats = _forward_impl(q, k, v, starts, ends, _table(bias, q), scale, softcap)
+    out, stats = torch.ops.attnkit.band_forward(q, k, v, starts, ends, _table(bias, q), scale, softcap)
     return out, stats[0] + stats[1]
 
 
@@ -136,8 +136,8 @@ def partial_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     blocks): each block's share of the gradients of attention over all of them (FlashAttention's
     backward); ``dbias`` is None without a bias."""
     stats = torch.stack([lse, torch.zeros_like(lse)])  # row "maximum" lse, log of row sum 0
-    dq, dk, dv, dbias = _backward_impl(dout, q, k, v, out, stats, starts, ends, _table(bias, q), scale, softcap,
-                                       torch.are_deterministic_algorithms_enabled())
+    dq, dk, dv, dbias = torch.ops.attnkit.band_backward(dout, q, k, v, out, stats, starts, ends, _table(bias, q),
+                                                         scale, softcap, torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv, None if bias is None else dbias
 
 
