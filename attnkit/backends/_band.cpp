@@ -13,11 +13,12 @@
 // (FlashAttention-2): for each block of keys, the runs of query rows that see one of its keys
 // (found once per call from the intervals); probabilities are recomputed from the saved row
 // maximum and log-sum, dK and dV belong to the block, dQ rows are shared with neighbouring blocks
-// and added under a lock per LOCK_ROWS rows, in whatever order the threads arrive, so dQ may change
-// from run to run. Under torch.use_deterministic_algorithms(True) dQ comes from a second pass over
-// query blocks instead (like the forward), each block owning its rows: every result is then
-// bitwise repeatable run to run at a given thread count, for one more recomputation of the
-// probabilities. Across thread counts results may differ in the last bits in either mode: torch's
+// and added under a lock per LOCK_ROWS rows, in whatever order the threads arrive, so dQ (and a
+// bias gradient, summed per thread) may change from run to run. Under
+// torch.use_deterministic_algorithms(True) dQ comes from a second pass over query blocks instead
+// (like the forward), each block owning its rows, and threads take fixed shares of the key blocks:
+// every result is then bitwise repeatable run to run at a given thread count, for one more
+// recomputation of the probabilities. Across thread counts results may differ in the last bits in either mode: torch's
 // BLAS rounds differently with the thread count, and the bias gradient is summed per thread.
 //
 // Large scores: a score is scaled (biased, capped) once, stored, and every later step works on that
@@ -36,6 +37,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -55,9 +57,30 @@ using at::Tensor;
 using Index = int64_t;
 constexpr Index LOCK_ROWS = 64;
 
-// Work item -> block: 0, n-1, 1, n-2, ... so that each thread's contiguous share of items mixes short
-// and long rows (under a causal mask late query blocks and early key blocks carry the most work).
+// Work item -> block: 0, n-1, 1, n-2, ... so that short and long rows alternate (under a causal mask
+// late query blocks and early key blocks carry the most work) and no thread is left with a long tail.
 inline Index interleaved(Index t, Index n) { return t % 2 == 0 ? t / 2 : n - 1 - t / 2; }
+
+// Work items [0, n) for the threads: body(next) is run once per thread and takes items while
+// next(it) is true. They are handed out one at a time from a shared counter, so a thread slowed by
+// another process on its core simply takes fewer (with a fixed share each, the whole call waits
+// for the slowest thread: twice the time with one of two cores busy). `fixed`: a contiguous share
+// per thread instead, for a result that depends on which thread did which item (the bias
+// gradient's per-thread sums, which must repeat bit for bit under deterministic algorithms).
+template <typename F>
+void each_item(Index n, bool fixed, const F& body) {
+  if (fixed) {
+    at::parallel_for(0, n, 1, [&](Index begin, Index end) {
+      Index at = begin;
+      body([&](Index& it) { it = at++; return it < end; });
+    });
+    return;
+  }
+  std::atomic<Index> counter{0};
+  at::parallel_for(0, std::min<Index>(n, at::get_num_threads()), 1, [&](Index, Index) {
+    body([&](Index& it) { it = counter.fetch_add(1, std::memory_order_relaxed); return it < n; });
+  });
+}
 
 // Row-major C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C; ta/tb: the operand is stored transposed.
 template <typename T>
@@ -298,14 +321,14 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   const bool biased = bias.numel() > 0;
   const Index blocks = (d.L + q_rows - 1) / q_rows, G = d.groups(), K = R.K;
   const T ninf = -std::numeric_limits<T>::infinity();
-  at::parallel_for(0, d.B * d.H * blocks, 1, [&](Index begin, Index end) {
+  each_item(d.B * d.H * blocks, false, [&](const auto& next) {
     Tensor s_buf, acc_buf;
     T* const s = scratch<T>(s_buf, q_rows * kv_chunk);
     T* const acc = scratch<T>(acc_buf, q_rows * d.Ev);
     std::vector<T> m(q_rows), l(q_rows);
     std::vector<Index> rg(2 * K);
     std::vector<std::pair<Index, Index>> iv, segs;
-    for (Index it = begin; it < end; ++it) {
+    for (Index it = 0; next(it);) {
       const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
       const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
       T* o = const_cast<T*>(row_ptr<T>(out, b, h, i0));  // rows os apart: out is [B, L, H, Ev] in memory
@@ -425,12 +448,12 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   const T* dl_all = delta.data_ptr<T>();
   const auto seen_by = key_block_rows(R, d.S, kv_rows);
   std::vector<std::mutex> locks(deterministic ? 0 : d.B * d.H * groups);
-  at::parallel_for(0, d.B * d.Hkv * blocks, 1, [&](Index begin, Index end) {
+  each_item(d.B * d.Hkv * blocks, deterministic && biased, [&](const auto& next) {
     Tensor p_buf, ds_buf;
     T* const p = scratch<T>(p_buf, kv_rows * q_chunk);
     T* const ds = scratch<T>(ds_buf, kv_rows * q_chunk);
     std::vector<Index> rg(2 * R.K);
-    for (Index it = begin; it < end; ++it) {
+    for (Index it = 0; next(it);) {
       const Index blk = interleaved(it % blocks, blocks), hk = (it / blocks) % d.Hkv, b = it / (blocks * d.Hkv);
       const Index j0 = blk * kv_rows, cols = std::min(kv_rows, d.S - j0);
       const T* kp = row_ptr<T>(k, b, hk, j0);
@@ -479,13 +502,13 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   if (!deterministic) return;
   // dQ by query blocks, as the forward walks them: each block sums its keys' shares in one fixed order.
   const Index q_blocks = (d.L + kv_rows - 1) / kv_rows;
-  at::parallel_for(0, d.B * d.H * q_blocks, 1, [&](Index begin, Index end) {
+  each_item(d.B * d.H * q_blocks, false, [&](const auto& next) {
     Tensor p_buf, ds_buf;
     T* const p = scratch<T>(p_buf, kv_rows * q_chunk);
     T* const ds = scratch<T>(ds_buf, kv_rows * q_chunk);
     std::vector<Index> rg(2 * R.K);
     std::vector<std::pair<Index, Index>> iv, segs;
-    for (Index it = begin; it < end; ++it) {
+    for (Index it = 0; next(it);) {
       const Index blk = interleaved(it % q_blocks, q_blocks), h = (it / q_blocks) % d.H, b = it / (q_blocks * d.H);
       const Index i0 = blk * kv_rows, rows = std::min(kv_rows, d.L - i0);
       const Index row0 = (b * d.H + h) * d.L + i0;
