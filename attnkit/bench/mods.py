@@ -232,8 +232,9 @@ def run(quick: bool, out_dir: Path) -> str:
     body = (f"B=1, H={H}, D={D}, float32, n = {n}; medians of {rounds} interleaved rounds. Matmul anchor measured "
             f"in this run: {peak:.0f} GFLOP/s (a full n x n forward at that rate: {cells / peak / 1e6:.0f} ms). "
             "Each mod is written as a FlexAttention user writes it (torch's and_masks/or_masks, closures over "
-            "tensors, a hand-written ALiBi) and passed unchanged. The first call builds the mask plan (every "
-            "cell of the predicate evaluated once) and probes the score_mod (`analysis`: both timed on their "
+            "tensors, a hand-written ALiBi) and passed unchanged. The first call builds the mask plan (the "
+            "predicate run on ranges of indices tile by tile, and on the cells of the tiles that ranges cannot "
+            "settle) and probes the score_mod (`analysis`: both timed on their "
             "own, and as a share of one forward); later calls reuse the plan and skip the probe's check.\n\n"
             + markdown_table(header, rows)
             + "\n\n### Against compiled FlexAttention, forward (its own process; compile time apart)\n\n"

@@ -1,0 +1,562 @@
+"""A predicate's rows of allowed keys without evaluating every cell: run it on ranges of indices.
+
+:func:`plan._derive <attnkit.plan>` needs, for a user's ``mask_mod``, each query row's runs of
+allowed keys. Evaluating every cell costs O(Lq * Lk) (0.05-0.2 s at n = 8192) for masks whose
+attention costs a few milliseconds. Here the predicate is called once with *ranges* in place of
+its index tensors: a tile of queries ``[q0, q1]`` and keys ``[k0, k1]`` is a :class:`Range`, and
+every operation on ranges returns bounds that hold for every cell of the tile (interval
+arithmetic). A boolean result whose lower bound is True is a tile that is all allowed; one whose
+upper bound is False is all masked; the rest are mixed. Mixed tiles are cut into smaller tiles and
+tried again, and only the cells of the mixed small tiles are evaluated, with the predicate itself.
+
+The answer is exact, never approximate: a tile is called full or empty only when the bounds prove
+it, and the bounds are sound for each operation below (each is monotone in its arguments, or
+bounded case by case; rounding to nearest is monotone, so float bounds computed at the ends hold
+too). Anything else the predicate does (an operation not listed, Python control flow on an index,
+indexing with a negative or out-of-range index, a tensor argument that is not a 0-d constant,
+``vmap``) raises :class:`Unsupported`, and the caller evaluates every cell instead.
+
+Understood: ``+ - * neg abs``, division and floor division by a constant, ``%`` by a positive
+integer constant, comparisons, ``& | ^ ~`` and their ``logical_*`` forms, ``minimum``/``maximum``/
+``clamp``, ``where``, casts between bool, integer and float dtypes, ``new_ones``/``ones_like`` and
+friends (constants), and indexing a captured 1-D tensor with a range (``doc_ids[q_idx]``: the
+smallest and largest entry over the range, from a sparse table). That covers causal and sliding
+windows, documents, prefix-LM, global tokens, dilated and strided patterns, and their
+``and_masks``/``or_masks`` compositions.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+from torch import Tensor
+
+
+class Unsupported(Exception):
+    """The predicate did something the range evaluation cannot bound: evaluate every cell."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        _state.failed.append(what)  # seen even if the predicate catches the exception and goes on
+
+
+class _State(threading.local):
+    """One derivation's notes, per thread: what failed, and the sparse tables of indexed tensors."""
+
+    def __init__(self):
+        self.failed: list[str] = []
+        self.tables: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+
+
+_state = _State()
+
+
+class Range:
+    """Bounds ``lo <= x <= hi`` of a value over the cells of each tile (bool: False < True)."""
+
+    __slots__ = ("lo", "hi")
+
+    def __init__(self, lo: Tensor, hi: Tensor):
+        self.lo, self.hi = lo, hi
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lo.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lo.device
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _apply(getattr(func, "__name__", ""), *args, **(kwargs or {}))
+
+    def __bool__(self):
+        raise Unsupported("Python control flow on an index")
+
+    def __int__(self):
+        raise Unsupported("an index used as a Python number")
+
+    # No __index__, __len__, __iter__ or __getitem__: torch's indexing probes for them (is this an
+    # integer, a sequence?) and, finding none, goes on to __torch_function__.
+    __float__ = __int__
+
+    def __getattr__(self, name):  # tensor methods (q_idx.abs(), .long(), .new_ones(...)) as torch functions
+        if name.startswith("__"):
+            raise AttributeError(name)  # protocol probes (hasattr) see a plain object
+        if name not in _RULES:
+            raise Unsupported(f"attribute {name} of an index range")
+        return lambda *args, **kwargs: _apply(name, self, *args, **kwargs)
+
+
+def _apply(name: str, *args, **kwargs):
+    """The rule for operation ``name``; any failure inside it is an :class:`Unsupported`, noted
+    for the derivation even if the predicate catches it."""
+    rule = _RULES.get(name)
+    if rule is None:
+        raise Unsupported(f"{name} on index ranges")
+    try:
+        return rule(*args, **kwargs)
+    except Unsupported:
+        raise
+    except Exception as e:  # noqa: BLE001 (a rule's own TypeError, a shape mismatch: all the same to the caller)
+        raise Unsupported(f"{name}: {e}") from e
+
+
+def _exact(x) -> Range:
+    """A constant as a range: a Python number or a 0-d tensor (a larger captured tensor used
+    directly, not indexed, has a shape the tiles do not share)."""
+    if isinstance(x, Range):
+        return x
+    if isinstance(x, (bool, int, float)):
+        t = torch.tensor(x)
+        return Range(t, t)
+    if isinstance(x, Tensor) and x.dim() == 0:
+        return Range(x, x)
+    raise Unsupported(f"a {type(x).__name__} operand")
+
+
+def _is_bool(t: Tensor) -> bool:
+    return t.dtype == torch.bool
+
+
+def _min(a: Tensor, b: Tensor) -> Tensor:
+    return a & b if _is_bool(a) and _is_bool(b) else torch.minimum(a, b)
+
+
+def _max(a: Tensor, b: Tensor) -> Tensor:
+    return a | b if _is_bool(a) and _is_bool(b) else torch.maximum(a, b)
+
+
+def _number(t: Tensor) -> Tensor:
+    return t.to(torch.int64) if _is_bool(t) else t
+
+
+# ---- arithmetic -------------------------------------------------------------------------------
+
+
+def _add(a, b, alpha=1):
+    a, b = _exact(a), _exact(b)
+    if alpha != 1:
+        b = _mul(b, alpha)
+    return Range(_number(a.lo) + _number(b.lo), _number(a.hi) + _number(b.hi))
+
+
+def _sub(a, b, alpha=1):
+    return _add(a, _neg(_mul(b, alpha) if alpha != 1 else b))
+
+
+def _neg(a):
+    a = _exact(a)
+    return Range(-_number(a.hi), -_number(a.lo))
+
+
+def _mul(a, b):
+    a, b = _exact(a), _exact(b)
+    ends = [_number(x) * _number(y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
+    lo, hi = ends[0], ends[0]
+    for e in ends[1:]:
+        lo, hi = torch.minimum(lo, e), torch.maximum(hi, e)
+    return Range(lo, hi)
+
+
+def _abs(a):
+    a = _exact(a)
+    lo, hi = _number(a.lo), _number(a.hi)
+    return Range(torch.where(lo >= 0, lo, torch.where(hi <= 0, -hi, torch.zeros_like(lo))),
+                 torch.maximum(lo.abs(), hi.abs()))
+
+
+def _constant_divisor(c) -> Tensor:
+    if isinstance(c, Range) or not isinstance(c, (int, float, Tensor)) or isinstance(c, bool):
+        raise Unsupported("division by a non-constant")
+    c = torch.as_tensor(c)
+    if c.dim() != 0 or c.item() == 0:
+        raise Unsupported("division by a tensor or by zero")
+    return c
+
+
+def _div(a, c, *, rounding_mode=None):
+    a, c = _exact(a), _constant_divisor(c)  # x -> x / c (rounded any way) is monotone
+    lo, hi = (torch.div(_number(x), c, rounding_mode=rounding_mode) for x in (a.lo, a.hi))
+    return Range(lo, hi) if c.item() > 0 else Range(hi, lo)
+
+
+def _floor_divide(a, c):
+    return _div(a, c, rounding_mode="floor")
+
+
+def _remainder(a, m):
+    a, m = _exact(a), _constant_divisor(m)
+    if a.lo.is_floating_point() or m.is_floating_point() or m.item() < 0:
+        raise Unsupported("% of a float or by a negative number")
+    lo, hi = _number(a.lo), _number(a.hi)
+    same = torch.div(lo, m, rounding_mode="floor") == torch.div(hi, m, rounding_mode="floor")
+    return Range(torch.where(same, lo % m, 0), torch.where(same, hi % m, m - 1))
+
+
+def _minimum(a, b):
+    a, b = _exact(a), _exact(b)
+    return Range(_min(a.lo, b.lo), _min(a.hi, b.hi))
+
+
+def _maximum(a, b):
+    a, b = _exact(a), _exact(b)
+    return Range(_max(a.lo, b.lo), _max(a.hi, b.hi))
+
+
+def _clamp(a, min=None, max=None):  # noqa: A002 (torch's argument names)
+    a = _exact(a)
+    if min is not None:
+        a = _maximum(a, min)
+    return a if max is None else _minimum(a, max)
+
+
+# ---- comparisons and logic --------------------------------------------------------------------
+
+
+def _lt(a, b):
+    a, b = _exact(a), _exact(b)
+    return Range(_number(a.hi) < _number(b.lo), _number(a.lo) < _number(b.hi))
+
+
+def _le(a, b):
+    a, b = _exact(a), _exact(b)
+    return Range(_number(a.hi) <= _number(b.lo), _number(a.lo) <= _number(b.hi))
+
+
+def _gt(a, b):
+    return _lt(b, a)
+
+
+def _ge(a, b):
+    return _le(b, a)
+
+
+def _eq(a, b):
+    a, b = _exact(a), _exact(b)
+    alo, ahi, blo, bhi = (_number(t) for t in (a.lo, a.hi, b.lo, b.hi))
+    return Range((alo == ahi) & (blo == bhi) & (alo == blo), (alo <= bhi) & (blo <= ahi))
+
+
+def _ne(a, b):
+    return _not(_eq(a, b))
+
+
+def _boolean(a) -> Range:
+    a = _exact(a)
+    if not _is_bool(a.lo):
+        raise Unsupported("a bitwise operation on integers")
+    return a
+
+
+def _and(a, b):
+    a, b = _boolean(a), _boolean(b)
+    return Range(a.lo & b.lo, a.hi & b.hi)
+
+
+def _or(a, b):
+    a, b = _boolean(a), _boolean(b)
+    return Range(a.lo | b.lo, a.hi | b.hi)
+
+
+def _not(a):
+    a = _boolean(a)
+    return Range(~a.hi, ~a.lo)
+
+
+def _xor(a, b):
+    a, b = _boolean(a), _boolean(b)
+    known = (a.lo == a.hi) & (b.lo == b.hi)
+    value = a.lo ^ b.lo
+    return Range(known & value, ~known | value)
+
+
+def _where(cond, x, y):
+    c, x, y = _boolean(cond), _exact(x), _exact(y)
+    xl, xh, yl, yh = (_number(t) for t in (x.lo, x.hi, y.lo, y.hi))
+    if _is_bool(x.lo) and _is_bool(y.lo):
+        xl, xh, yl, yh = x.lo, x.hi, y.lo, y.hi
+    either_lo, either_hi = _min(xl, yl), _max(xh, yh)
+    return Range(torch.where(c.lo, xl, torch.where(c.hi, either_lo, yl)),
+                 torch.where(c.lo, xh, torch.where(c.hi, either_hi, yh)))
+
+
+# ---- dtypes and constants ---------------------------------------------------------------------
+
+
+def _cast(a, dtype: torch.dtype) -> Range:
+    a = _exact(a)
+    if dtype == torch.bool:
+        return a if _is_bool(a.lo) else _ne(a, 0)
+    if a.lo.is_floating_point() and not dtype.is_floating_point:
+        raise Unsupported("a float index rounded to an integer")
+    return Range(a.lo.to(dtype), a.hi.to(dtype))
+
+
+def _to(a, *args, **kwargs):
+    dtype = kwargs.pop("dtype", None)
+    for x in args:
+        if isinstance(x, torch.dtype):
+            dtype = x
+        elif not isinstance(x, (torch.device, str)):
+            raise Unsupported("to() with a tensor")
+    return _exact(a) if dtype is None else _cast(a, dtype)
+
+
+def _constant(value):
+    def make(a, *args, dtype=None, **kwargs):
+        a = _exact(a)
+        t = torch.tensor(value, dtype=dtype if dtype is not None else a.lo.dtype)
+        return Range(t, t)
+    return make
+
+
+def _full_like(a, fill, *, dtype=None, **kwargs):
+    return _constant(fill)(a, dtype=dtype)
+
+
+def _new_full(a, size, fill, *, dtype=None, **kwargs):
+    return _constant(fill)(a, dtype=dtype)
+
+
+def _getitem(table, index):
+    """``table[index]`` for a captured 1-D tensor and a range of indices within it: the smallest
+    and largest entry over each range."""
+    if isinstance(table, Range) or not isinstance(table, Tensor) or table.dim() != 1 or not isinstance(index, Range):
+        raise Unsupported("indexing other than a 1-D tensor by an index range")
+    lo, hi = index.lo, index.hi
+    if lo.is_floating_point() or _is_bool(lo) or lo.numel() == 0:
+        raise Unsupported("indexing with float or bool ranges")
+    if bool((lo < 0).any()) or bool((hi >= table.numel()).any()):
+        raise Unsupported("an index outside the tensor")  # cell by cell, this raises or wraps around
+    low, high = _sparse_tables(table)
+    span = hi - lo + 1
+    if bool((span < 1).any()):
+        raise Unsupported("an empty index range")
+    level = torch.floor(torch.log2(span.double())).long().clamp(0, low.shape[0] - 1)
+    level = torch.where((1 << level) > span, level - 1, level)  # log2 rounded past an exact power of two
+    level = torch.where((level + 1 < low.shape[0]) & ((2 << level) <= span), level + 1, level)
+    other = hi - (1 << level) + 1
+    at_lo, at_other = level * table.numel() + lo, level * table.numel() + other
+    pick_lo = torch.minimum(low.view(-1)[at_lo], low.view(-1)[at_other])
+    pick_hi = torch.maximum(high.view(-1)[at_lo], high.view(-1)[at_other])
+    if _is_bool(table):
+        pick_lo, pick_hi = pick_lo.bool(), pick_hi.bool()
+    return Range(pick_lo, pick_hi)
+
+
+def _sparse_tables(table: Tensor) -> tuple[Tensor, Tensor]:
+    """Range-minimum and -maximum tables ``[levels, n]``: level j holds the min/max of
+    ``table[i : i + 2^j]`` (cut short at the end). Kept for one derivation."""
+    key = id(table)
+    if key in _state.tables and _state.tables[key][0] is table:
+        return _state.tables[key][1], _state.tables[key][2]
+    base = (table.to(torch.int64) if _is_bool(table) else table).detach()
+    low, high = [base], [base]
+    for j in range(1, max(1, math.ceil(math.log2(max(2, table.numel())))) + 1):
+        step = 1 << (j - 1)
+        low.append(torch.minimum(low[-1], torch.cat([low[-1][step:], low[-1][-1:].expand(step)])[:base.numel()]))
+        high.append(torch.maximum(high[-1], torch.cat([high[-1][step:], high[-1][-1:].expand(step)])[:base.numel()]))
+    _state.tables[key] = (table, torch.stack(low), torch.stack(high))
+    return _state.tables[key][1], _state.tables[key][2]
+
+
+def _swapped(rule):
+    return lambda a, b, *rest, **kw: rule(b, a, *rest, **kw)
+
+
+_RULES: dict = {}
+for _names, _rule in [
+    (("add", "__add__", "__iadd__"), _add), (("__radd__",), _swapped(_add)),
+    (("sub", "subtract", "__sub__", "__isub__"), _sub), (("__rsub__", "rsub"), _swapped(_sub)),
+    (("mul", "multiply", "__mul__", "__imul__", "__rmul__"), _mul),
+    (("neg", "negative", "__neg__"), _neg), (("abs", "absolute", "__abs__"), _abs),
+    (("div", "divide", "true_divide", "__truediv__"), _div),
+    (("floor_divide", "__floordiv__"), _floor_divide), (("remainder", "__mod__"), _remainder),
+    (("minimum",), _minimum), (("maximum",), _maximum), (("clamp", "clip"), _clamp),
+    (("lt", "less", "__lt__"), _lt), (("le", "less_equal", "__le__"), _le),
+    (("gt", "greater", "__gt__"), _gt), (("ge", "greater_equal", "__ge__"), _ge),
+    (("eq", "__eq__"), _eq), (("ne", "not_equal", "__ne__"), _ne),
+    (("logical_and", "bitwise_and", "__and__", "__rand__", "__iand__"), _and),
+    (("logical_or", "bitwise_or", "__or__", "__ror__", "__ior__"), _or),
+    (("logical_xor", "bitwise_xor", "__xor__", "__rxor__"), _xor),
+    (("logical_not", "bitwise_not", "__invert__"), _not),
+    (("where",), _where), (("to",), _to),
+    (("long",), lambda a, *_, **__: _cast(a, torch.int64)), (("int",), lambda a, *_, **__: _cast(a, torch.int32)),
+    (("bool",), lambda a, *_, **__: _cast(a, torch.bool)), (("float",), lambda a, *_, **__: _cast(a, torch.float32)),
+    (("double",), lambda a, *_, **__: _cast(a, torch.float64)),
+    (("ones_like", "new_ones"), _constant(1)), (("zeros_like", "new_zeros"), _constant(0)),
+    (("full_like",), _full_like), (("new_full",), _new_full),
+    (("__getitem__",), _getitem),
+]:
+    for _name in _names:
+        _RULES[_name] = _rule
+
+# Python operators on a Range itself (q_idx - kv_idx, q_idx >= 5) go through the same rules.
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__neg__", "__abs__",
+              "__truediv__", "__floordiv__", "__mod__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__",
+              "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__invert__"):
+    setattr(Range, _name, (lambda n: lambda self, *args: _apply(n, self, *args))(_name))
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "and", "or", "xor"):  # x += 1: a new Range
+    setattr(Range, f"__i{_name}__", getattr(Range, f"__{_name}__"))
+Range.__hash__ = None  # __eq__ returns a Range
+
+
+def _refuse(name: str):
+    def refused(self, *args):
+        raise Unsupported(f"{name} on an index range")
+    return refused
+
+
+# Every other operator raises Unsupported, not Python's TypeError: a predicate that caught the
+# TypeError and went another way would be bounded along a path the real indices never take.
+for _name in ("__pow__", "__rpow__", "__rtruediv__", "__rfloordiv__", "__rmod__", "__divmod__", "__rdivmod__",
+              "__matmul__", "__rmatmul__", "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "__pos__",
+              "__round__", "__trunc__", "__floor__", "__ceil__", "__setitem__", "__contains__",
+              "__call__", "__ipow__", "__imatmul__", "__ilshift__", "__irshift__", "__complex__", "__reversed__"):
+    if _name not in vars(Range):
+        setattr(Range, _name, _refuse(_name))
+
+
+# ---- the tiles --------------------------------------------------------------------------------
+
+#: Tile sides, coarse to fine: mixed tiles of one level are cut into tiles of the next, and the
+#: cells of mixed tiles of the last level are evaluated with the predicate itself.
+SIDES = (256, 16)
+
+
+def derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
+           sides: tuple[int, ...] = SIDES) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Every row's runs of allowed keys, flat: ``(row, start, end)`` sorted by row then start,
+    touching runs merged, ``row`` counting ``pi * q_len + i``; and ``p``, 1 when the mask is the
+    same for every batch element, else ``batch``. Raises :class:`Unsupported` when the predicate
+    cannot be run on ranges or reads the head (the caller then evaluates every cell)."""
+    _state.tables.clear()
+    _state.failed.clear()
+    try:
+        b = torch.arange(batch).view(-1, 1, 1, 1)
+        h = torch.arange(heads).view(1, -1, 1, 1)
+        side = sides[0]
+        q0, k0 = torch.arange(0, q_len, side), torch.arange(0, kv_len, side)
+        q0, k0 = q0.repeat_interleave(k0.numel()), k0.repeat(q0.numel())
+        q1, k1 = torch.clamp(q0 + side, max=q_len), torch.clamp(k0 + side, max=kv_len)
+        found = []  # (full tiles' pi, q0, q1, k0, k1) per level, then the cells' runs
+        for next_side in (*sides[1:], None):
+            if q0.numel() == 0:
+                break
+            full, some = _kinds(mod, b, h, q0, q1, k0, k1)
+            mixed = (some & ~full).any(0)  # a tile mixed for any batch element is cut for all of them
+            whole = (full & ~mixed).nonzero()  # (pi, tile)
+            t = whole[:, 1]
+            found.append((full.shape[0], *_joined(whole[:, 0], q0[t], q1[t], k0[t], k1[t])))
+            q0, q1, k0, k1 = q0[mixed], q1[mixed], k0[mixed], k1[mixed]
+            if next_side is not None:
+                q0, q1, k0, k1 = _split(q0, q1, k0, k1, next_side)
+        found.append(_cells(mod, b, h, q0, q1, k0, k1, sides[-1], q_len, kv_len))
+        if _state.failed:
+            raise Unsupported(_state.failed[0])
+        p = max(x[0] for x in found)
+        return (*_merge(found, p, q_len), p)
+    finally:
+        _state.tables.clear()
+
+
+def _kinds(mod, b: Tensor, h: Tensor, q0: Tensor, q1: Tensor, k0: Tensor, k1: Tensor) -> tuple[Tensor, Tensor]:
+    """(all allowed, any allowed) for the tiles ``[q0, q1) x [k0, k1)``, each ``[1 or B, N]``."""
+    shape = (1, 1, 1, -1)
+    out = mod(Range(b, b), Range(h, h), Range(q0.view(shape), (q1 - 1).view(shape)),
+              Range(k0.view(shape), (k1 - 1).view(shape)))
+    if isinstance(out, Tensor) and out.dim() == 0:
+        out = Range(out, out)
+    if not isinstance(out, Range) or not _is_bool(out.lo) or not _is_bool(out.hi) or out.lo.dim() > 4:
+        raise Unsupported("the predicate did not return booleans")
+    lo, hi = (x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) for x in (out.lo, out.hi))
+    if lo.shape[1] > 1 or hi.shape[1] > 1:
+        raise Unsupported("the predicate reads the head")
+    p = max(lo.shape[0], hi.shape[0])
+    return tuple(x.expand(p, 1, 1, q0.numel())[:, 0, 0] for x in (lo, hi))
+
+
+def _joined(pi: Tensor, q0: Tensor, q1: Tensor, k0: Tensor, k1: Tensor) -> tuple[Tensor, ...]:
+    """Full tiles side by side in one row of tiles joined into one (a causal mask's full tiles:
+    one per row of tiles, not one per tile), so each of their rows is one run, not many."""
+    if pi.numel() < 2:
+        return pi, q0, q1, k0, k1
+    order = torch.argsort((pi * (int(q0.max()) + 1) + q0) * (int(k1.max()) + 1) + k0)
+    pi, q0, q1, k0, k1 = pi[order], q0[order], q1[order], k0[order], k1[order]
+    joins = torch.zeros_like(pi, dtype=torch.bool)
+    joins[1:] = (pi[1:] == pi[:-1]) & (q0[1:] == q0[:-1]) & (q1[1:] == q1[:-1]) & (k0[1:] == k1[:-1])
+    heads = (~joins).nonzero().view(-1)
+    last = torch.zeros(heads.numel(), dtype=torch.int64).scatter_reduce(0, torch.cumsum(~joins, 0) - 1, k1, "amax",
+                                                                         include_self=False)
+    return pi[heads], q0[heads], q1[heads], k0[heads], last
+
+
+def _split(q0, q1, k0, k1, side: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each tile cut into tiles of ``side`` (the last ones in each direction shorter)."""
+    if q0.numel() == 0:
+        return q0, q1, k0, k1
+    per_q, per_k = -(-int((q1 - q0).max()) // side), -(-int((k1 - k0).max()) // side)
+    sq0 = q0.view(-1, 1, 1) + torch.arange(per_q).view(1, -1, 1) * side
+    sk0 = k0.view(-1, 1, 1) + torch.arange(per_k).view(1, 1, -1) * side
+    sq1, sk1 = torch.minimum(sq0 + side, q1.view(-1, 1, 1)), torch.minimum(sk0 + side, k1.view(-1, 1, 1))
+    sq0, sq1, sk0, sk1 = (x.expand(-1, per_q, per_k).reshape(-1) for x in (sq0, sq1, sk0, sk1))
+    keep = (sq0 < sq1) & (sk0 < sk1)
+    return sq0[keep], sq1[keep], sk0[keep], sk1[keep]
+
+
+def _cells(mod, b, h, q0, q1, k0, k1, side: int, q_len: int, kv_len: int):
+    """The predicate itself on every cell of the mixed tiles: its runs, as the tiles are
+    (``(p, pi, first row, last row + 1, start, end)``, one row each)."""
+    if q0.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return 1, empty, empty, empty, empty, empty
+    r = torch.arange(side)
+    rows = (q0.view(-1, 1) + r).reshape(-1)  # each tile's rows, [N * side]
+    cols = (k0.view(-1, 1, 1) + r.view(1, 1, -1)).expand(-1, side, -1).reshape(-1, side)  # their keys
+    valid = (rows < q1.repeat_interleave(side)).view(-1, 1) & (cols < k1.repeat_interleave(side).view(-1, 1))
+    out = mod(b, h, rows.clamp(max=q_len - 1).view(1, 1, -1, 1), cols.clamp(max=kv_len - 1).view(1, 1, -1, side))
+    if not isinstance(out, Tensor) or out.dtype != torch.bool or out.dim() > 4:
+        raise Unsupported("the predicate did not return booleans")
+    out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
+    if out.shape[1] > 1 and not bool((out == out[:, :1]).all()):
+        raise Unsupported("the predicate reads the head")
+    out = out[:, :1].expand(out.shape[0], 1, rows.numel(), side)[:, 0] & valid  # [p, N * side, side]
+    pad = torch.zeros(out.shape[0], rows.numel(), side + 2, dtype=torch.bool)
+    pad[:, :, 1:-1] = out
+    edges = (pad[:, :, 1:] ^ pad[:, :, :-1]).nonzero()  # (pi, row, column): start, end, start, end, ...
+    first, last = edges[0::2], edges[1::2]
+    at = first[:, 1]
+    return out.shape[0], first[:, 0], rows[at], rows[at] + 1, cols[at, 0] + first[:, 2], cols[at, 0] + last[:, 2]
+
+
+def _merge(found: list, p: int, q_len: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Full tiles (each of their rows a run) and the cells' runs, as sorted ``(row, start, end)``
+    with touching runs of a row merged; a part found for all batch elements at once is copied to each."""
+    rows, starts, ends = [], [], []
+    for part_p, pi, first, stop, start, end in found:
+        span = stop - first
+        each = torch.repeat_interleave(torch.arange(span.numel()), span)
+        row = first[each] + torch.arange(each.numel()) - (span.cumsum(0) - span)[each]
+        copies = p if part_p == 1 else 1
+        for c in range(copies):
+            rows.append((pi[each] + c) * q_len + row)
+            starts.append(start[each])
+            ends.append(end[each])
+    row, start, end = torch.cat(rows), torch.cat(starts), torch.cat(ends)
+    if row.numel() == 0:
+        return row, start, end
+    key = row * (int(end.max()) + 1) + start
+    order = torch.argsort(key.int() if int(key.max()) < 2**31 else key)  # int32 sorts faster
+    row, start, end = row[order], start[order], end[order]
+    joins = torch.zeros_like(row, dtype=torch.bool)
+    joins[1:] = (row[1:] == row[:-1]) & (start[1:] == end[:-1])  # continues the run before (tiles are disjoint)
+    heads = (~joins).nonzero().view(-1)
+    if heads.numel() == row.numel():
+        return row, start, end
+    last = torch.zeros(heads.numel(), dtype=torch.int64).scatter_reduce(0, torch.cumsum(~joins, 0) - 1, end, "amax",
+                                                                         include_self=False)
+    return row[heads], start[heads], last
