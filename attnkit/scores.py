@@ -418,6 +418,9 @@ def _call(score_mod, dtype, b, h, q, kv, fill: float):
     return like_score(torch.broadcast_to(out, shape), dtype)
 
 
+_POOL = 10007  # random scores drawn per check, reused along the tiles
+
+
 def _agrees(score_mod, expect, batch, heads, q_len, kv_len, dtype, device, spread: float = 4.0) -> bool:
     """Whether the mod gives ``expect(score, q, kv)`` (float64) on sampled cells: the grid's corners,
     :data:`PROBE_TILES` tiles drawn with a fixed seed, its last row and last column, every head and a
@@ -429,6 +432,11 @@ def _agrees(score_mod, expect, batch, heads, q_len, kv_len, dtype, device, sprea
     drawn = [(int(torch.randint(0, q_len - t[0] + 1, (1,), generator=gen)),
               int(torch.randint(0, kv_len - t[1] + 1, (1,), generator=gen))) for _ in range(PROBE_TILES)]
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    # magnitudes over six decades around spread: a clamp or cap far above typical scores shows too.
+    # Drawn once and laid along each tile (a prime count, so its period does not line up with rows):
+    # drawing afresh for the last row and column alone took 20 ms at n = 8192.
+    size = spread * 10.0 ** (6 * torch.rand(_POOL, generator=gen, dtype=torch.float64) - 2)
+    pool = torch.randn(_POOL, generator=gen, dtype=torch.float64) * size
     last_row = (q_len - 1, 0, 1, kv_len)  # the last row and column see every diagonal once more
     last_col = (0, kv_len - 1, q_len, 1)
     tiles = [(q0, k0, *t) for q0, k0 in corners + drawn] + [last_row, last_col]
@@ -437,9 +445,9 @@ def _agrees(score_mod, expect, batch, heads, q_len, kv_len, dtype, device, sprea
         q = torch.arange(q0, q0 + nq, device=device).view(1, 1, -1, 1)
         kv = torch.arange(k0, k0 + nk, device=device).view(1, 1, 1, -1)
         shape = (3, heads, nq, nk)
-        # magnitudes over six decades around spread: a clamp or cap far above typical scores shows too
-        size = spread * 10.0 ** (6 * torch.rand(shape, generator=gen, dtype=torch.float64) - 2)
-        score = (torch.randn(shape, generator=gen, dtype=torch.float64) * size).to(dtype=dtype, device=device)
+        cells = math.prod(shape)
+        start = (n * 7919) % _POOL
+        score = pool.roll(-start).repeat(-(-cells // _POOL))[:cells].view(shape).to(dtype=dtype, device=device)
         out = score_mod(score, b, h, q, kv)
         if not isinstance(out, Tensor) or tuple(torch.broadcast_shapes(out.shape, shape)) != shape:
             return False
