@@ -485,14 +485,25 @@ def _joined(pi: Tensor, q0: Tensor, q1: Tensor, k0: Tensor, k1: Tensor) -> tuple
     one per row of tiles, not one per tile), so each of their rows is one run, not many."""
     if pi.numel() < 2:
         return pi, q0, q1, k0, k1
-    order = torch.argsort((pi * (int(q0.max()) + 1) + q0) * (int(k1.max()) + 1) + k0)
-    pi, q0, q1, k0, k1 = pi[order], q0[order], q1[order], k0[order], k1[order]
-    joins = torch.zeros_like(pi, dtype=torch.bool)
-    joins[1:] = (pi[1:] == pi[:-1]) & (q0[1:] == q0[:-1]) & (q1[1:] == q1[:-1]) & (k0[1:] == k1[:-1])
+    first, last = _join(pi * (int(q0.max()) + 1) + q0, k0, k1)  # a row of tiles: one q0 (and so one q1)
+    return pi[first], q0[first], q1[first], k0[first], last
+
+
+def _join(group: Tensor, start: Tensor, end: Tensor) -> tuple[Tensor, Tensor]:
+    """Disjoint runs ``[start, end)`` in groups, in order of group then start, each run that begins
+    where the one before it in its group ended joined to it: the index (into the inputs) of each
+    joined run's first part, and the joined run's end."""
+    key = group * (int(end.max()) + 1) + start
+    order = torch.argsort(key.int() if int(key.max()) < 2**31 else key)  # int32 sorts faster
+    group, start, end = group[order], start[order], end[order]
+    joins = torch.zeros_like(group, dtype=torch.bool)
+    joins[1:] = (group[1:] == group[:-1]) & (start[1:] == end[:-1])
     heads = (~joins).nonzero().view(-1)
-    last = torch.zeros(heads.numel(), dtype=torch.int64).scatter_reduce(0, torch.cumsum(~joins, 0) - 1, k1, "amax",
-                                                                         include_self=False)
-    return pi[heads], q0[heads], q1[heads], k0[heads], last
+    if heads.numel() == group.numel():
+        return order, end
+    last = torch.zeros(heads.numel(), dtype=end.dtype).scatter_reduce(0, torch.cumsum(~joins, 0) - 1, end, "amax",
+                                                                       include_self=False)
+    return order[heads], last
 
 
 def _split(q0, q1, k0, k1, side: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -525,12 +536,21 @@ def _cells(mod, b, h, q0, q1, k0, k1, side: int, q_len: int, kv_len: int):
     if out.shape[1] > 1 and not bool((out == out[:, :1]).all()):
         raise Unsupported("the predicate reads the head")
     out = out[:, :1].expand(out.shape[0], 1, rows.numel(), side)[:, 0] & valid  # [p, N * side, side]
-    pad = torch.zeros(out.shape[0], rows.numel(), side + 2, dtype=torch.bool)
-    pad[:, :, 1:-1] = out
-    edges = (pad[:, :, 1:] ^ pad[:, :, :-1]).nonzero()  # (pi, row, column): start, end, start, end, ...
-    first, last = edges[0::2], edges[1::2]
-    at = first[:, 1]
-    return out.shape[0], first[:, 0], rows[at], rows[at] + 1, cols[at, 0] + first[:, 2], cols[at, 0] + last[:, 2]
+    first, last = runs(out.reshape(-1, side))
+    pi, at = first[:, 0] // rows.numel(), first[:, 0] % rows.numel()
+    return out.shape[0], pi, rows[at], rows[at] + 1, cols[at, 0] + first[:, 1], cols[at, 0] + last[:, 1]
+
+
+def runs(rows: Tensor, buf: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The runs of True in bool ``rows [N, L]``, in order: ``(starts, ends)``, each ``[runs, 2]`` of
+    ``(row, column)``. ``buf``: a ``[>= N, L + 2]`` bool buffer whose first and last columns are
+    False, reused across calls (made here when not given)."""
+    n, length = rows.shape
+    if buf is None:
+        buf = torch.zeros(n, length + 2, dtype=torch.bool, device=rows.device)
+    buf[:n, 1:length + 1] = rows
+    edges = (buf[:n, 1:] ^ buf[:n, :-1]).nonzero().cpu()  # row-major: each row's start, end, start, end, ...
+    return edges[0::2], edges[1::2]
 
 
 def _merge(found: list, p: int, q_len: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -549,14 +569,5 @@ def _merge(found: list, p: int, q_len: int) -> tuple[Tensor, Tensor, Tensor]:
     row, start, end = torch.cat(rows), torch.cat(starts), torch.cat(ends)
     if row.numel() == 0:
         return row, start, end
-    key = row * (int(end.max()) + 1) + start
-    order = torch.argsort(key.int() if int(key.max()) < 2**31 else key)  # int32 sorts faster
-    row, start, end = row[order], start[order], end[order]
-    joins = torch.zeros_like(row, dtype=torch.bool)
-    joins[1:] = (row[1:] == row[:-1]) & (start[1:] == end[:-1])  # continues the run before (tiles are disjoint)
-    heads = (~joins).nonzero().view(-1)
-    if heads.numel() == row.numel():
-        return row, start, end
-    last = torch.zeros(heads.numel(), dtype=torch.int64).scatter_reduce(0, torch.cumsum(~joins, 0) - 1, end, "amax",
-                                                                         include_self=False)
-    return row[heads], start[heads], last
+    first, last = _join(row, start, end)  # tiles are disjoint, so runs are too
+    return row[first], start[first], last

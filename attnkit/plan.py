@@ -248,15 +248,6 @@ def _everything(b, h, q_idx, kv_idx) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _runs(rows: Tensor, buf: Tensor) -> tuple[Tensor, Tensor]:
-    """The runs of True in ``rows [N, Lk]``, in order: ``(starts, ends)``, each ``[runs, 2]`` of
-    ``(row, column)``. ``buf``: a ``[>= N, Lk + 2]`` bool buffer whose first and last columns are False."""
-    n, lk = rows.shape
-    buf[:n, 1:lk + 1] = rows
-    edges = (buf[:n, 1:] ^ buf[:n, :-1]).nonzero().cpu()  # row-major: each row's start, end, start, end, ...
-    return edges[0::2], edges[1::2]
-
-
 #: Most cells of a predicate evaluated at once while a plan is derived (a few MiB, cache-sized).
 CELLS = 1 << 20
 
@@ -300,7 +291,7 @@ def _every_cell(mod, batch: int, heads: int, q_len: int, kv_len: int, device) ->
             out = out[:, :1]
         out = out.expand(out.shape[0], 1, q.shape[2], kv_len)[:, 0]  # [1 or B, R, Lk]
         per_batch = per_batch or out.shape[0] > 1
-        starts, ends = _runs(out.reshape(-1, kv_len), buf)
+        starts, ends = _ranges.runs(out.reshape(-1, kv_len), buf)
         pieces.append((r0, out.shape[0], q.shape[2], starts, ends))
     return _assemble(pieces, batch if per_batch else 1, q_len, kv_len)
 
@@ -329,7 +320,7 @@ def _mask_runs(allowed: Tensor) -> tuple[Tensor, Tensor]:
     most runs a row has, at least 1; empty slots ``(Lk, Lk)``)."""
     p, r, lk = allowed.shape
     buf = torch.zeros(p * r, lk + 2, dtype=torch.bool)
-    starts, ends = _runs(allowed.reshape(-1, lk), buf)
+    starts, ends = _ranges.runs(allowed.reshape(-1, lk), buf)
     return _assemble([(0, p, r, starts, ends)], p, r, lk, most=None)
 
 
