@@ -187,6 +187,28 @@ def test_a_nan_score_makes_its_row_nan_with_soft_capping():
     assert out[0, 0, 2].isnan().all() and out[0, 0, [0, 1, 3, 4, 5]].isfinite().all()
 
 
+def test_a_constant_bias_skips_its_gradient_and_changes_nothing_else():
+    # A table that needs no gradient (ALiBi's fixed slopes) is not summed along its diagonals in the
+    # backward; the other gradients are the same numbers either way.
+    q, k, v, bias = inputs(2, 4, 2, 90, 110, 16, 8, 4, torch.float64, 3)
+    starts, ends = random_intervals(2, 90, 110, 3, torch.Generator().manual_seed(1))
+    torch.use_deterministic_algorithms(True)  # dQ in one order, so the two runs can be compared bit for bit
+    try:
+        learned = _band.run(q, k, v, starts, ends, bias, 0.25, 0.0)
+        with_table = torch.autograd.grad(learned, (q, k, v, bias), torch.ones_like(learned))
+        constant = _band.run(q, k, v, starts, ends, bias.detach(), 0.25, 0.0)
+        without = torch.autograd.grad(constant, (q, k, v), torch.ones_like(constant))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for got, want in zip(without, with_table[:3], strict=True):
+        assert torch.equal(got, want)
+    check(q, k, v, bias, starts, ends, 0.25, 0.0)  # and the learned table's own gradient is the formula's
+    out, stats = torch.ops.attnkit.band_forward(q, k, v, starts, ends, bias.detach(), 0.25, 0.0)
+    dbias = torch.ops.attnkit.band_backward(torch.ones_like(out), q.detach(), k.detach(), v.detach(), out, stats,
+                                            starts, ends, bias.detach(), 0.25, 0.0, False, False)[3]
+    assert dbias.shape == bias.shape and not dbias.any()
+
+
 # ---- determinism, gradcheck, arguments ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("softcap", [0.0, 1.0])

@@ -137,7 +137,7 @@ def test_the_kernel_is_one_operator_with_a_shape_only_version_and_a_gradient():
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.attnkit.band_backward.default,  # a gradient, not differentiable itself
                           (dout, q.detach(), k.detach(), v.detach(), out.detach(), stats, plan.starts, plan.ends,
-                           bias.detach(), 0.3, 0.0, False), test_utils=("test_schema", "test_faketensor"))
+                           bias.detach(), 0.3, 0.0, False, True), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_multi_head_attention_compiles_with_inductor_forward_and_backward():

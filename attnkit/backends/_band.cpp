@@ -441,14 +441,14 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
                    Tensor& dbias, T scale, T cap, Index kv_rows, Index q_chunk, bool deterministic) {
   using Vec = at::vec::Vectorized<T>;
   const Shape d(q, k, v);
-  const bool biased = bias.numel() > 0;
+  const bool biased = bias.numel() > 0, bias_grad = biased && dbias.size(0) > 0;
   const Index blocks = (d.S + kv_rows - 1) / kv_rows, G = d.groups(), groups = (d.L + LOCK_ROWS - 1) / LOCK_ROWS;
   const T* m_all = stats.data_ptr<T>();
   const T* ll_all = m_all + d.B * d.H * d.L;
   const T* dl_all = delta.data_ptr<T>();
   const auto seen_by = key_block_rows(R, d.S, kv_rows);
   std::vector<std::mutex> locks(deterministic ? 0 : d.B * d.H * groups);
-  each_item(d.B * d.Hkv * blocks, deterministic && biased, [&](const auto& next) {
+  each_item(d.B * d.Hkv * blocks, deterministic && bias_grad, [&](const auto& next) {
     Tensor p_buf, ds_buf;
     T* const p = scratch<T>(p_buf, kv_rows * q_chunk);
     T* const ds = scratch<T>(ds_buf, kv_rows * q_chunk);
@@ -476,7 +476,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
               const T* br = biased ? diagonal_row<T>(bias, h, j0 - i + d.L - 1) : nullptr;
               probabilities<T>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap, m_all[row0 + i],
                                ll_all[row0 + i], dl_all[row0 + i]);
-              if (biased && count > 0) {  // dBias of a diagonal: the sum of dS along it (this thread's share)
+              if (bias_grad && count > 0) {  // dBias of a diagonal: the sum of dS along it (this thread's share)
                 const Index slot = std::min<Index>(at::get_thread_num(), dbias.size(0) - 1);  // nested: serial
                 T* gb = dbias.data_ptr<T>() + (slot * dbias.size(1) + (bias.size(0) == 1 ? 0 : h)) * dbias.size(2) +
                         j0 - i + d.L - 1;
@@ -591,12 +591,15 @@ std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor&
 std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const Tensor& stats, const Tensor& starts, const Tensor& ends,
                                   const Tensor& bias, double scale, double softcap, Index kv_rows, Index q_chunk,
-                                  bool deterministic) {
+                                  bool deterministic, bool bias_grad) {
   check(q, k, v);
   check_softcap(softcap);
   check_rows(q, k, starts, ends);
   check_bias(q, k, bias);
-  Tensor dbias = at::zeros({bias.numel() > 0 ? at::get_num_threads() : 0, bias.size(0), bias.size(1)}, q.options());
+  // The bias gradient, per thread (no slots when none is wanted: a constant table, such as ALiBi's
+  // fixed slopes, skips the pass over dS that sums it)
+  Tensor dbias = at::zeros({bias.numel() > 0 && bias_grad ? at::get_num_threads() : 0, bias.size(0), bias.size(1)},
+                           q.options());
   TORCH_CHECK(dout.stride(3) == 1 && out.stride(3) == 1 && out.sizes() == dout.sizes() && stats.is_contiguous() &&
                   stats.dim() == 4 && stats.size(0) == 2,
               "band kernel: dout and out rows must be contiguous and stats the forward's [2, B, H, L]");
@@ -609,7 +612,7 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
     backward_impl<scalar_t>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, static_cast<scalar_t>(scale),
                             static_cast<scalar_t>(softcap), kv_rows, q_chunk, deterministic);
   });
-  return {dq, dk, dv, dbias.sum(0)};
+  return {dq, dk, dv, dbias.size(0) > 0 ? dbias.sum(0) : at::zeros_like(bias)};
 }
 
 bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }

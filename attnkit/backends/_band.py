@@ -137,7 +137,8 @@ def partial_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     backward); ``dbias`` is None without a bias."""
     stats = torch.stack([lse, torch.zeros_like(lse)])  # row "maximum" lse, log of row sum 0
     dq, dk, dv, dbias = torch.ops.attnkit.band_backward(dout, q, k, v, out, stats, starts, ends, _table(bias, q),
-                                                         scale, softcap, torch.are_deterministic_algorithms_enabled())
+                                                         scale, softcap, torch.are_deterministic_algorithms_enabled(),
+                                                         bias is not None)
     return dq, dk, dv, None if bias is None else dbias
 
 
@@ -182,17 +183,17 @@ def _new_out(q: Tensor, v: Tensor) -> Tensor:
 
 @torch.library.custom_op("attnkit::band_backward", mutates_args=(), device_types="cpu")
 def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor, starts: Tensor,
-                   ends: Tensor, bias: Tensor, scale: float, softcap: float,
-                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   ends: Tensor, bias: Tensor, scale: float, softcap: float, deterministic: bool,
+                   bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), bias.new_zeros(bias.shape)
     return tuple(_module().backward(_rows(dout), _rows(q), _rows(k), _rows(v), _rows(out), stats.contiguous(),
                                     starts.contiguous(), ends.contiguous(), bias.contiguous(), scale, softcap,
-                                    KV_ROWS, Q_CHUNK, deterministic))
+                                    KV_ROWS, Q_CHUNK, deterministic, bias_grad))
 
 
 @_backward_impl.register_fake
-def _(dout, q, k, v, out, stats, starts, ends, bias, scale, softcap, deterministic):
+def _(dout, q, k, v, out, stats, starts, ends, bias, scale, softcap, deterministic, bias_grad):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), bias.new_empty(bias.shape)  # contiguous
 
 
@@ -204,9 +205,11 @@ def _save_for_backward(ctx, inputs, output):
 
 def _gradient(ctx, dout, _dstats):
     q, k, v, out, stats, starts, ends, bias = ctx.saved_tensors
+    bias_grad = ctx.needs_input_grad[5]  # a learned table; a constant one (fixed ALiBi slopes) skips the sum
     dq, dk, dv, dbias = torch.ops.attnkit.band_backward(dout, q, k, v, out, stats, starts, ends, bias, ctx.scale,
-                                                         ctx.softcap, torch.are_deterministic_algorithms_enabled())
-    return dq, dk, dv, None, None, dbias, None, None
+                                                         ctx.softcap, torch.are_deterministic_algorithms_enabled(),
+                                                         bias_grad)
+    return dq, dk, dv, None, None, dbias if bias_grad else None, None, None
 
 
 _forward_impl.register_autograd(_gradient, setup_context=_save_for_backward)
@@ -251,7 +254,7 @@ def _self_check(mod) -> str | None:
         softcap = 1.5 if n >= 6 else 0.0  # the last two: capped, one with a bias, one without
         out, stats = mod.forward(q, k, v, starts, ends, bias, 0.3, softcap, 16, 32)
         deterministic = n % 2 == 0  # dQ from the key blocks under locks, or from its own pass over query blocks
-        grads = mod.backward(dout, q, k, v, out, stats, starts, ends, bias, 0.3, softcap, 16, 24, deterministic)
+        grads = mod.backward(dout, q, k, v, out, stats, starts, ends, bias, 0.3, softcap, 16, 24, deterministic, True)
         want_out, want_grads = _formula(q, k, v, dout, starts, ends, bias, 0.3, softcap)
         names = ("out", "dq", "dk", "dv", "dbias")
         for name, got, want in zip(names, (out, *grads), (want_out, *want_grads), strict=True):
