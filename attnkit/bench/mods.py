@@ -70,6 +70,12 @@ def families(n: int) -> dict:
     def alibi(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx).abs()
 
+    # a learned bias per head and clipped distance (Shaw et al.), trained along with the model
+    table = (0.1 * torch.randn(H, 2 * 128 + 1, generator=torch.Generator().manual_seed(0))).requires_grad_()
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + table[h, (kv_idx - q_idx).clamp(-128, 128) + 128]
+
     return {
         "causal sliding window 64 (and_masks)": (and_masks(causal, sliding), None, {"window": (64, 0)}),
         "packed documents, causal (8 docs)": (and_masks(causal, document), None,
@@ -80,6 +86,8 @@ def families(n: int) -> dict:
         "hand-written ALiBi, causal": (causal, alibi, {"is_causal": True,
                                                        "score_mod": scores.alibi(slopes)}),
         "hand-written ALiBi, no mask": (None, alibi, {"score_mod": scores.alibi(slopes)}),
+        "hand-written relative bias (learned, clipped at 128), causal": (
+            causal, relative, {"is_causal": True, "score_mod": scores.relative_position_bias(table, 128)}),
     }
 
 
@@ -92,7 +100,9 @@ def _dense(n: int, mask_mod, score_mod) -> dict:
     bias = score_mod(torch.zeros(1, H, n, n), torch.zeros((), dtype=torch.long), h, i, j)
     if mask_mod is not None:
         bias = bias.masked_fill(~masks.materialize(mask_mod, 1, 1, n, n), float("-inf"))
-    return {"attn_mask": bias}
+    # a learned table's dense bias: a leaf that takes SDPA's gradient (the gather back into the
+    # table is not timed, which favours SDPA)
+    return {"attn_mask": bias.detach().requires_grad_(bias.requires_grad)}
 
 
 def _analysis_seconds(mask_mod, score_mod, n: int) -> float:
