@@ -19,14 +19,16 @@ indexing with a negative or out-of-range index, a tensor argument that is not a 
 Understood: ``+ - * neg abs``, division and floor division by a constant, ``%`` by a positive
 integer constant, comparisons, ``& | ^ ~`` and their ``logical_*`` forms, ``minimum``/``maximum``/
 ``clamp``, ``where``, casts between bool, integer and float dtypes, ``new_ones``/``ones_like`` and
-friends (constants), and indexing a captured 1-D tensor with a range (``doc_ids[q_idx]``: the
-smallest and largest entry over the range, from a sparse table). That covers causal and sliding
-windows, documents, prefix-LM, global tokens, dilated and strided patterns, and their
-``and_masks``/``or_masks`` compositions.
+friends (constants), and indexing a captured 1-D or 2-D tensor with ranges (``doc_ids[q_idx]``,
+``layout[q_idx // 64, kv_idx // 64]``: the smallest and largest entry over the ranges, from sparse
+tables; a 2-D tensor up to :data:`TABLE_ENTRIES`). That covers causal and sliding windows,
+documents, prefix-LM, global tokens, dilated and strided patterns, block layouts, 2-D
+neighbourhoods, and their ``and_masks``/``or_masks`` compositions.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 
@@ -322,46 +324,82 @@ def _new_full(a, size, fill, *, dtype=None, **kwargs):
     return _constant(fill)(a, dtype=dtype)
 
 
+#: Most entries of a range-minimum table for a captured 2-D tensor (its size times the levels along
+#: each axis); a bigger one (a per-cell pattern) is not followed, and every cell is evaluated.
+TABLE_ENTRIES = 1 << 24
+
+
 def _getitem(table, index):
-    """``table[index]`` for a captured 1-D tensor and a range of indices within it: the smallest
-    and largest entry over each range."""
-    if isinstance(table, Range) or not isinstance(table, Tensor) or table.dim() != 1 or not isinstance(index, Range):
-        raise Unsupported("indexing other than a 1-D tensor by an index range")
-    lo, hi = index.lo, index.hi
-    if lo.is_floating_point() or _is_bool(lo) or lo.numel() == 0:
-        raise Unsupported("indexing with float or bool ranges")
-    if bool((lo < 0).any()) or bool((hi >= table.numel()).any()):
-        raise Unsupported("an index outside the tensor")  # cell by cell, this raises or wraps around
-    low, high = _sparse_tables(table)
-    span = hi - lo + 1
-    if bool((span < 1).any()):
-        raise Unsupported("an empty index range")
-    level = torch.floor(torch.log2(span.double())).long().clamp(0, low.shape[0] - 1)
-    level = torch.where((1 << level) > span, level - 1, level)  # log2 rounded past an exact power of two
-    level = torch.where((level + 1 < low.shape[0]) & ((2 << level) <= span), level + 1, level)
-    other = hi - (1 << level) + 1
-    at_lo, at_other = level * table.numel() + lo, level * table.numel() + other
-    pick_lo = torch.minimum(low.view(-1)[at_lo], low.view(-1)[at_other])
-    pick_hi = torch.maximum(high.view(-1)[at_lo], high.view(-1)[at_other])
+    """``table[index]`` for a captured 1-D or 2-D tensor indexed along every axis by ranges (or
+    constants) within it: the smallest and largest entry over each range (``doc_ids[q_idx]``, a
+    block layout's ``layout[q_idx // 64, kv_idx // 64]``), from sparse tables."""
+    index = index if isinstance(index, tuple) else (index,)
+    if (isinstance(table, Range) or not isinstance(table, Tensor) or table.dim() not in (1, 2)
+            or len(index) != table.dim() or not any(isinstance(i, Range) for i in index)):
+        raise Unsupported("indexing other than a 1-D or 2-D tensor by an index range per axis")
+    ranges = [_exact(i) for i in index]
+    for r, size in zip(ranges, table.shape, strict=True):
+        if r.lo.is_floating_point() or _is_bool(r.lo) or r.lo.numel() == 0:
+            raise Unsupported("indexing with float, bool or empty ranges")
+        if bool((r.lo < 0).any()) or bool((r.hi >= size).any()) or bool((r.hi < r.lo).any()):
+            raise Unsupported("an index outside the tensor")  # cell by cell, this raises or wraps around
+    low, high = _sparse_tables(table)  # [levels..., *table.shape]
+    # Each axis: the largest power of two 2^j <= the range's length, and the two windows of that
+    # length that together cover the range (from its start, and ending at its end).
+    levels, starts = [], []
+    for axis, r in enumerate(ranges):
+        span = r.hi - r.lo + 1
+        top = low.shape[axis] - 1
+        j = torch.floor(torch.log2(span.double())).long().clamp(0, top)
+        j = torch.where((1 << j) > span, j - 1, j)  # log2 rounded past an exact power of two
+        j = torch.where((j + 1 <= top) & ((2 << j) <= span), j + 1, j)
+        levels.append(j)
+        starts.append((r.lo, r.hi - (1 << j) + 1))
+    flat_low, flat_high = low.reshape(-1), high.reshape(-1)
+    shape = (*low.shape[:table.dim()], *table.shape)
+    pick_lo = pick_hi = None
+    for corner in itertools.product(*starts):  # 2 windows along one axis, 4 rectangles over two
+        at = torch.zeros((), dtype=torch.int64)
+        for size, position in zip(shape, (*levels, *corner), strict=True):
+            at = at * size + position
+        lo, hi = flat_low[at], flat_high[at]
+        pick_lo = lo if pick_lo is None else torch.minimum(pick_lo, lo)
+        pick_hi = hi if pick_hi is None else torch.maximum(pick_hi, hi)
     if _is_bool(table):
         pick_lo, pick_hi = pick_lo.bool(), pick_hi.bool()
     return Range(pick_lo, pick_hi)
 
 
 def _sparse_tables(table: Tensor) -> tuple[Tensor, Tensor]:
-    """Range-minimum and -maximum tables ``[levels, n]``: level j holds the min/max of
-    ``table[i : i + 2^j]`` (cut short at the end). Kept for one derivation."""
+    """Range-minimum and -maximum tables ``[levels along each axis..., *table.shape]``: entry
+    ``[j, i]`` (1-D) holds the min/max of ``table[i : i + 2^j]``, ``[j, k, i, c]`` (2-D) of
+    ``table[i : i + 2^j, c : c + 2^k]`` (cut short at the ends). Kept for one derivation."""
     key = id(table)
     if key in _state.tables and _state.tables[key][0] is table:
         return _state.tables[key][1], _state.tables[key][2]
     base = (table.to(torch.int64) if _is_bool(table) else table).detach()
-    low, high = [base], [base]
-    for j in range(1, max(1, math.ceil(math.log2(max(2, table.numel())))) + 1):
-        step = 1 << (j - 1)
-        low.append(torch.minimum(low[-1], torch.cat([low[-1][step:], low[-1][-1:].expand(step)])[:base.numel()]))
-        high.append(torch.maximum(high[-1], torch.cat([high[-1][step:], high[-1][-1:].expand(step)])[:base.numel()]))
-    _state.tables[key] = (table, torch.stack(low), torch.stack(high))
-    return _state.tables[key][1], _state.tables[key][2]
+    counts = [max(1, math.ceil(math.log2(max(2, n)))) + 1 for n in base.shape]
+    if base.dim() == 2 and math.prod(counts) * base.numel() > TABLE_ENTRIES:
+        raise Unsupported("a 2-D tensor too large for a range table")
+    low, high = _doubling(base, 0, counts[0]), _doubling(base, 0, counts[0], maximum=True)  # [levels, *shape]
+    if base.dim() == 2:
+        low = torch.stack([_doubling(t, 1, counts[1]) for t in low])
+        high = torch.stack([_doubling(t, 1, counts[1], maximum=True) for t in high])
+    _state.tables[key] = (table, low, high)
+    return low, high
+
+
+def _doubling(t: Tensor, axis: int, count: int, maximum: bool = False) -> Tensor:
+    """``[count, *t.shape]``: level j the min (or max) of ``t`` over ``[i, i + 2^j)`` along ``axis``."""
+    pick = torch.maximum if maximum else torch.minimum
+    out, n = [t], t.shape[axis]
+    for j in range(1, count):
+        step = min(1 << (j - 1), n)
+        prev = out[-1]
+        shifted = torch.cat([prev.narrow(axis, step, n - step), prev.narrow(axis, n - 1, 1).expand(
+            *[step if d == axis else s for d, s in enumerate(prev.shape)])], dim=axis)
+        out.append(pick(prev, shifted))
+    return torch.stack(out)
 
 
 def _swapped(rule):

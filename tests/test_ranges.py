@@ -91,6 +91,32 @@ def test_indexing_a_tensor_bounds_its_entries_over_the_range(table, data):
     assert bool(got.lo) == all(x > 0 for x in table[lo:hi + 1]) and bool(got.hi) == any(x > 0 for x in table[lo:hi + 1])
 
 
+@settings(deadline=None, max_examples=40)
+@given(rows=st.integers(1, 9), cols=st.integers(1, 9), seed=st.integers(0, 2**16), data=st.data())
+def test_indexing_a_2d_tensor_bounds_its_entries_over_the_rectangle(rows, cols, seed, data):
+    t = torch.randint(-5, 6, (rows, cols), generator=torch.Generator().manual_seed(seed))
+    r0 = data.draw(st.integers(0, rows - 1))
+    r1 = data.draw(st.integers(r0, rows - 1))
+    c0 = data.draw(st.integers(0, cols - 1))
+    c1 = data.draw(st.integers(c0, cols - 1))
+    block = t[r0:r1 + 1, c0:c1 + 1]
+    got = t[as_range((r0, r1)), as_range((c0, c1))]
+    assert int(got.lo) == int(block.min()) and int(got.hi) == int(block.max())
+    got = (t > 0)[as_range((r0, r1)), c0]  # a constant along one axis
+    col = t[r0:r1 + 1, c0] > 0
+    assert bool(got.lo) == bool(col.all()) and bool(got.hi) == bool(col.any())
+
+
+def test_a_2d_tensor_too_large_for_a_range_table_is_refused(monkeypatch):
+    layout = torch.rand(16, 16) < 0.5
+    monkeypatch.setattr(_ranges, "TABLE_ENTRIES", 100)
+    with pytest.raises(_ranges.Unsupported):
+        _ranges.derive(lambda b, h, i, j: layout[i // 4, j // 4], 1, 1, 64, 64)
+    want = every_cell(lambda b, h, i, j: layout[i // 4, j // 4], 1, 64, 64)
+    got = plan._derive(lambda b, h, i, j: layout[i // 4, j // 4], 1, 1, 64, 64, torch.device("cpu"))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ---- the derived rows equal every cell's --------------------------------------------------------
 
 
@@ -125,9 +151,11 @@ def catalogue(q_len: int, kv_len: int, batch: int, a: int, c: int, seed: int) ->
         "where and casts": (lambda b, h, i, j: torch.where(i > c, (i - j).float() * 0.5 >= -1.0, (j % 3).bool()), True),
         "nothing allowed": (lambda b, h, i, j: i < -1, True),
         "everything": (lambda b, h, i, j: b.new_ones((), dtype=torch.bool), True),
-        # not settled by ranges (2-D indexing, a wrapped negative index): every cell decides
-        "block layout (2-D index)": (lambda b, h, i, j: layout[i // 4, j // 4], False),
-        "random cells": (lambda b, h, i, j: pattern[i, j], False),
+        "block layout (2-D index)": (lambda b, h, i, j: layout[i // 4, j // 4], True),
+        "random cells (2-D index)": (lambda b, h, i, j: pattern[i, j], True),
+        "2-D neighbourhood (image rows of 7)": (lambda b, h, i, j: ((i // 7 - j // 7).abs() <= 1)
+                                                & ((i % 7 - j % 7).abs() <= a % 3), True),
+        # not settled by ranges (a wrapped negative index): every cell decides
         "wrapping index": (lambda b, h, i, j: docs[i - 1] == docs[j], False),
     }
 
