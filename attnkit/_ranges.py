@@ -139,8 +139,17 @@ def _number(t: Tensor) -> Tensor:
 # ---- arithmetic -------------------------------------------------------------------------------
 
 
+def _arithmetic(*xs) -> list[Range]:
+    """Operands of ``+ - *``: torch adds two bools as a logical or (True + True is True), which
+    the integer bounds below would not follow."""
+    xs = [_exact(x) for x in xs]
+    if all(_is_bool(x.lo) for x in xs):
+        raise Unsupported("arithmetic on booleans")
+    return xs
+
+
 def _add(a, b, alpha=1):
-    a, b = _exact(a), _exact(b)
+    a, b = _arithmetic(a, b)
     if alpha != 1:
         b = _mul(b, alpha)
     return Range(_number(a.lo) + _number(b.lo), _number(a.hi) + _number(b.hi))
@@ -151,12 +160,12 @@ def _sub(a, b, alpha=1):
 
 
 def _neg(a):
-    a = _exact(a)
+    a, = _arithmetic(a)
     return Range(-_number(a.hi), -_number(a.lo))
 
 
 def _mul(a, b):
-    a, b = _exact(a), _exact(b)
+    a, b = _arithmetic(a, b)
     ends = [_number(x) * _number(y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
     lo, hi = ends[0], ends[0]
     for e in ends[1:]:

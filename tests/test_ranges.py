@@ -53,6 +53,7 @@ LOGIC = {
     "and": lambda a, b: a & b, "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b,
     "logical_and": torch.logical_and, "not a": lambda a, b: ~a, "where": lambda a, b: torch.where(a, b, ~b),
     "where ints": lambda a, b: torch.where(a, 3, torch.where(b, -1, 5)),
+    "bool plus int": lambda a, b: (a + 1) * 2 - b.long(),
 }
 
 
@@ -232,11 +233,15 @@ def test_what_ranges_cannot_follow_is_refused_and_every_cell_decides():
     def reads_shape(b, h, i, j):
         return (i >= j) if i.shape[-1] == 1 else (i < 0)
 
-    for mod in (reads_head, branches, random_mask, swallows, reads_shape):
+    def adds_booleans(b, h, i, j):  # torch: True + True is True, not 2
+        return ((i >= j) + (i >= j + 1)) >= 2
+
+    for mod in (reads_head, branches, random_mask, swallows, reads_shape, adds_booleans):
         with pytest.raises(_ranges.Unsupported):
             _ranges.derive(mod, 1, 2, n, n)
     assert counter["calls"] >= 1  # the exception was caught inside the predicate, and still refused
-    want = every_cell(swallows, 1, n, n)
-    got = plan._derive(swallows, 1, 2, n, n, torch.device("cpu"))
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for mod in (swallows, adds_booleans):
+        want = every_cell(mod, 1, n, n)
+        got = plan._derive(mod, 1, 2, n, n, torch.device("cpu"))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert plan._derive(reads_head, 1, 2, n, n, torch.device("cpu")) is None  # per head: no interval form
