@@ -16,10 +16,11 @@
 // and added under a lock per LOCK_ROWS rows, in whatever order the threads arrive, so dQ (and a
 // bias gradient, summed per thread) may change from run to run. Under
 // torch.use_deterministic_algorithms(True) dQ comes from a second pass over query blocks instead
-// (like the forward), each block owning its rows, and threads take fixed shares of the key blocks:
-// every result is then bitwise repeatable run to run at a given thread count, for one more
-// recomputation of the probabilities. Across thread counts results may differ in the last bits in either mode: torch's
-// BLAS rounds differently with the thread count, and the bias gradient is summed per thread.
+// (like the forward), each block owning its rows, and with a learned bias threads take fixed shares
+// of the key blocks: every result is then bitwise repeatable run to run at a given thread count,
+// for one more recomputation of the probabilities. Across thread counts results may differ in the
+// last bits in either mode: torch's BLAS rounds differently with the thread count, and the bias
+// gradient is summed per thread.
 //
 // Large scores: a score is scaled (biased, capped) once, stored, and every later step works on that
 // stored value: exp(t - m) with m the maximum of the same stored t. Computing s * scale - m in one
