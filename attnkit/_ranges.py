@@ -473,6 +473,13 @@ for _name in ("__pow__", "__rpow__", "__rtruediv__", "__rfloordiv__", "__rmod__"
 #: Tile sides, coarse to fine: mixed tiles of one level are cut into tiles of the next, and the
 #: cells of mixed tiles of the last level are evaluated with the predicate itself.
 SIDES = (256, 16)
+#: Most cells of a predicate evaluated at once while a plan is derived (a few MiB, cache-sized),
+#: here and on the every-cell path.
+CELLS = 1 << 20
+#: Ranges give up (and every cell is evaluated, in row chunks) when, at a level of 64 tiles or
+#: more, mixed tiles still cover over a quarter of the grid and more than this many cells: a
+#: checkerboard or a random pattern settles nothing, and cutting its tiles would only cost memory.
+SETTLE_FROM = 1 << 22
 
 
 def derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
@@ -499,7 +506,11 @@ def derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
             whole = (full & ~mixed).nonzero()  # (pi, tile)
             t = whole[:, 1]
             found.append((full.shape[0], *_joined(whole[:, 0], q0[t], q1[t], k0[t], k1[t])))
+            tiles = q0.numel()
             q0, q1, k0, k1 = q0[mixed], q1[mixed], k0[mixed], k1[mixed]
+            unsettled = int(((q1 - q0) * (k1 - k0)).sum())
+            if tiles >= 64 and unsettled > SETTLE_FROM and 4 * unsettled > q_len * kv_len:
+                raise Unsupported(f"ranges settle too little of the grid ({unsettled} of {q_len * kv_len} cells mixed)")
             if next_side is not None:
                 q0, q1, k0, k1 = _split(q0, q1, k0, k1, next_side)
         found.append(_cells(mod, b, h, q0, q1, k0, k1, sides[-1], q_len, kv_len))
@@ -567,11 +578,22 @@ def _split(q0, q1, k0, k1, side: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 def _cells(mod, b, h, q0, q1, k0, k1, side: int, q_len: int, kv_len: int):
-    """The predicate itself on every cell of the mixed tiles: its runs, as the tiles are
-    (``(p, pi, first row, last row + 1, start, end)``, one row each)."""
+    """The predicate itself on every cell of the mixed tiles, :data:`CELLS` at a time: its runs, as
+    the tiles are (``(p, pi, first row, last row + 1, start, end)``, one row each)."""
     if q0.numel() == 0:
         empty = torch.zeros(0, dtype=torch.int64)
         return 1, empty, empty, empty, empty, empty
+    step = max(1, CELLS // (side * side))
+    parts = [_tile_cells(mod, b, h, q0[i:i + step], q1[i:i + step], k0[i:i + step], k1[i:i + step], side, q_len,
+                         kv_len) for i in range(0, q0.numel(), step)]
+    p = max(x[0] for x in parts)
+    if any(x[0] != p for x in parts):
+        raise Unsupported("the predicate's batch dependence changed between calls")
+    return p, *(torch.cat([x[i] for x in parts]) for i in range(1, 6))
+
+
+def _tile_cells(mod, b, h, q0, q1, k0, k1, side: int, q_len: int, kv_len: int):
+    """:func:`_cells` for one chunk of tiles."""
     r = torch.arange(side)
     rows = (q0.view(-1, 1) + r).reshape(-1)  # each tile's rows, [N * side]
     cols = (k0.view(-1, 1, 1) + r.view(1, 1, -1)).expand(-1, side, -1).reshape(-1, side)  # their keys

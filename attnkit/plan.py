@@ -248,10 +248,6 @@ def _everything(b, h, q_idx, kv_idx) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-#: Most cells of a predicate evaluated at once while a plan is derived (a few MiB, cache-sized).
-CELLS = 1 << 20
-
-
 def _derive(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor] | None:
     """Each row's runs of allowed keys; None when the mask depends on the head or a row has more
     than :data:`MAX_INTERVALS` runs. First by running ``mod`` on ranges of indices
@@ -276,7 +272,7 @@ def _every_cell(mod, batch: int, heads: int, q_len: int, kv_len: int, device) ->
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
     kv = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
-    step = max(1, CELLS // max(1, kv_len))
+    step = max(1, _ranges.CELLS // max(1, kv_len))
     buf = torch.zeros(step * batch, kv_len + 2, dtype=torch.bool, device=device)
     pieces, per_batch = [], False
     for r0 in range(0, q_len, step):
@@ -292,6 +288,8 @@ def _every_cell(mod, batch: int, heads: int, q_len: int, kv_len: int, device) ->
         out = out.expand(out.shape[0], 1, q.shape[2], kv_len)[:, 0]  # [1 or B, R, Lk]
         per_batch = per_batch or out.shape[0] > 1
         starts, ends = _ranges.runs(out.reshape(-1, kv_len), buf)
+        if starts.shape[0] and int(torch.bincount(starts[:, 0]).max()) > MAX_INTERVALS:
+            return None  # a row with too many runs: no interval form, whatever the other rows hold
         pieces.append((r0, out.shape[0], q.shape[2], starts, ends))
     return _assemble(pieces, batch if per_batch else 1, q_len, kv_len)
 

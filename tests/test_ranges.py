@@ -205,6 +205,28 @@ def test_a_long_sequence_evaluates_only_the_cells_near_the_mask_edges():
     assert 0 < evaluated < n * n // 50  # under 2% of the cells were evaluated (the rest settled as tiles)
 
 
+def test_cells_are_evaluated_a_chunk_at_a_time_with_the_same_answer(monkeypatch):
+    docs = torch.arange(300) // 37
+    mod = lambda b, h, i, j: (docs[i] == docs[j]) & (i >= j)  # noqa: E731
+    want = every_cell(mod, 1, 300, 300)
+    monkeypatch.setattr(_ranges, "CELLS", 3 * 16 * 16)  # three 16-tiles per call
+    row, first, last, p = _ranges.derive(mod, 1, 1, 300, 300)
+    got = plan._pack(row, first, last, p, 300, 300)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_ranges_give_up_where_they_settle_little_of_a_large_grid(monkeypatch):
+    checkerboard = lambda b, h, i, j: (i + j) % 2 == 0  # noqa: E731 (no tile bigger than a cell is settled)
+    monkeypatch.setattr(_ranges, "SETTLE_FROM", 1000)
+    with pytest.raises(_ranges.Unsupported, match="settle too little"):
+        _ranges.derive(checkerboard, 1, 1, 200, 200, (20, 4))  # 100 tiles of 20, all mixed
+    want = every_cell(checkerboard, 1, 200, 200)
+    got = plan._derive(checkerboard, 1, 1, 200, 200, torch.device("cpu"))
+    assert got is want is None or (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+    row, first, last, p = _ranges.derive(lambda b, h, i, j: i >= j, 1, 1, 200, 200, (20, 4))  # causal still settles
+    assert row.numel() == 200
+
+
 # ---- what ranges cannot follow falls back, with the right answer ---------------------------------
 
 
