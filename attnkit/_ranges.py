@@ -497,7 +497,7 @@ def derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
         q0, k0 = torch.arange(0, q_len, side), torch.arange(0, kv_len, side)
         q0, k0 = q0.repeat_interleave(k0.numel()), k0.repeat(q0.numel())
         q1, k1 = torch.clamp(q0 + side, max=q_len), torch.clamp(k0 + side, max=kv_len)
-        found = []  # (full tiles' pi, q0, q1, k0, k1) per level, then the cells' runs
+        found = []  # per level (p, pi, q0, q1, k0, k1) of its full tiles, then the cells' runs alike
         for next_side in (*sides[1:], None):
             if q0.numel() == 0:
                 break
