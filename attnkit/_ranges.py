@@ -35,6 +35,8 @@ import threading
 import torch
 from torch import Tensor
 
+from .masks import as_grid
+
 
 class Unsupported(Exception):
     """The predicate did something the range evaluation cannot bound: evaluate every cell."""
@@ -531,7 +533,7 @@ def _kinds(mod, b: Tensor, h: Tensor, q0: Tensor, q1: Tensor, k0: Tensor, k1: Te
         out = Range(out, out)
     if not isinstance(out, Range) or not _is_bool(out.lo) or not _is_bool(out.hi) or out.lo.dim() > 4:
         raise Unsupported("the predicate did not return booleans")
-    lo, hi = (x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) for x in (out.lo, out.hi))
+    lo, hi = (as_grid(x) for x in (out.lo, out.hi))
     if lo.shape[1] > 1 or hi.shape[1] > 1:
         raise Unsupported("the predicate reads the head")
     p = max(lo.shape[0], hi.shape[0])
@@ -601,7 +603,7 @@ def _tile_cells(mod, b, h, q0, q1, k0, k1, side: int, q_len: int, kv_len: int):
     out = mod(b, h, rows.clamp(max=q_len - 1).view(1, 1, -1, 1), cols.clamp(max=kv_len - 1).view(1, 1, -1, side))
     if not isinstance(out, Tensor) or out.dtype != torch.bool or out.dim() > 4:
         raise Unsupported("the predicate did not return booleans")
-    out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
+    out = as_grid(out)
     if out.shape[1] > 1 and not bool((out == out[:, :1]).all()):
         raise Unsupported("the predicate reads the head")
     out = out[:, :1].expand(out.shape[0], 1, rows.numel(), side)[:, 0] & valid  # [p, N * side, side]

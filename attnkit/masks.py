@@ -465,6 +465,11 @@ def check_mask_mod_output(mask_mod: MaskMod, out, grid: tuple[int, ...]) -> None
                          f"broadcasting to {tuple(grid)}; expected a shape broadcastable to it")
 
 
+def as_grid(t: Tensor) -> Tensor:
+    """What a mod returned on broadcasting index tensors, as 4-D ``[B|1, H|1, Lq|1, Lk|1]``."""
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+
+
 def _grid(q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor]:
     _check_len("q_len", q_len)
     _check_len("kv_len", kv_len)

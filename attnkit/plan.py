@@ -171,7 +171,7 @@ def for_request(req) -> MaskPlan | None:
 
 def _dense_predicate(mask: Tensor):
     """A bool ``[B|1, H|1, Lq|1, Lk|1]`` mask as a predicate on broadcasting index tensors."""
-    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    m = _masks.as_grid(mask)
 
     def allowed(b, h, q_idx, kv_idx):
         return m[tuple(ix if m.shape[d] > 1 else 0 for d, ix in enumerate((b, h, q_idx, kv_idx)))]
@@ -280,7 +280,7 @@ def _every_cell(mod, batch: int, heads: int, q_len: int, kv_len: int, device) ->
         grid = (batch, heads, q.shape[2], kv_len)
         out = mod(b, h, q, kv)
         _masks.check_mask_mod_output(mod, out, grid)
-        out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
+        out = _masks.as_grid(out)
         if out.shape[1] > 1:
             if not bool((out == out[:, :1]).all()):
                 return None
@@ -304,7 +304,7 @@ def _traced_derive(mod, batch: int, heads: int, q_len: int, kv_len: int, device)
                    for i, n in enumerate(grid))
     out = mod(b, h, q, kv)
     _masks.check_mask_mod_output(mod, out, grid)
-    out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
+    out = _masks.as_grid(out)
     if out.shape[1] > 1:
         return None
     rows = out.shape[2]

@@ -116,7 +116,7 @@ class _Plan:
         b = torch.arange(self.batch, device=q_pos.device).view(-1, 1, 1, 1)
         h = torch.arange(self.heads, device=q_pos.device).view(1, -1, 1, 1)
         grid = self.predicate(b, h, q_pos.view(1, 1, -1, 1), kv_pos.view(1, 1, 1, -1))
-        grid = grid.reshape((1,) * (4 - grid.dim()) + tuple(grid.shape))  # [B|1, H|1, Lq|1, Lk|1]
+        grid = _masks.as_grid(grid)  # [B|1, H|1, Lq|1, Lk|1]
         if not bool(grid.any()):
             return _SKIP
         if bool(grid.all()):
