@@ -2,7 +2,9 @@
 
 :func:`plan._derive <attnkit.plan>` needs, for a user's ``mask_mod``, each query row's runs of
 allowed keys. Evaluating every cell costs O(Lq * Lk) (0.05-0.2 s at n = 8192) for masks whose
-attention costs a few milliseconds. Here the predicate is called once with *ranges* in place of
+attention costs a few milliseconds. (Predicates affine in the indices are first worked out in
+closed form, by :mod:`attnkit._pieces`, which builds on :func:`stands_in` and :class:`Unsupported`
+here; this module takes what that cannot follow.) Here the predicate is called once with *ranges* in place of
 its index tensors: a tile of queries ``[q0, q1]`` and keys ``[k0, k1]`` is a :class:`Range`, and
 every operation on ranges returns bounds that hold for every cell of the tile (interval
 arithmetic). A boolean result whose lower bound is True is a tile that is all allowed; one whose
@@ -73,40 +75,67 @@ class Range:
     def device(self) -> torch.device:
         return self.lo.device
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _apply(getattr(func, "__name__", ""), *args, **(kwargs or {}))
 
-    def __bool__(self):
-        raise Unsupported("Python control flow on an index")
-
-    def __int__(self):
-        raise Unsupported("an index used as a Python number")
-
-    # No __index__, __len__, __iter__ or __getitem__: torch's indexing probes for them (is this an
-    # integer, a sequence?) and, finding none, goes on to __torch_function__.
-    __float__ = __int__
-
-    def __getattr__(self, name):  # tensor methods (q_idx.abs(), .long(), .new_ones(...)) as torch functions
-        if name.startswith("__"):
-            raise AttributeError(name)  # protocol probes (hasattr) see a plain object
-        if name not in _RULES:
-            raise Unsupported(f"attribute {name} of an index range")
-        return lambda *args, **kwargs: _apply(name, self, *args, **kwargs)
-
-
-def _apply(name: str, *args, **kwargs):
+def apply(rules: dict, name: str, *args, **kwargs):
     """The rule for operation ``name``; any failure inside it is an :class:`Unsupported`, noted
     for the derivation even if the predicate catches it."""
-    rule = _RULES.get(name)
+    rule = rules.get(name)
     if rule is None:
-        raise Unsupported(f"{name} on index ranges")
+        raise Unsupported(f"{name} on index stand-ins")
     try:
         return rule(*args, **kwargs)
     except Unsupported:
         raise
     except Exception as e:  # noqa: BLE001 (a rule's own TypeError, a shape mismatch: all the same to the caller)
         raise Unsupported(f"{name}: {e}") from e
+
+
+def stands_in(cls: type, rules: dict) -> type:
+    """Make ``cls`` stand in for index tensors: torch functions, tensor methods and Python operators
+    on it go through ``rules`` (name -> rule), and everything else, Python control flow on it
+    included, raises :class:`Unsupported` (not Python's TypeError: a predicate that caught that and
+    went another way would be followed along a path the real indices never take)."""
+
+    def torch_function(klass, func, types, args=(), kwargs=None):
+        return apply(rules, getattr(func, "__name__", ""), *args, **(kwargs or {}))
+
+    def as_number(self):
+        raise Unsupported("an index used as a Python number")
+
+    def control_flow(self):
+        raise Unsupported("Python control flow on an index")
+
+    def attribute(self, name):  # tensor methods (q_idx.abs(), .long(), .new_ones(...)) as torch functions
+        if name.startswith("__"):
+            raise AttributeError(name)  # protocol probes (hasattr) see a plain object
+        if name not in rules:
+            raise Unsupported(f"attribute {name} of an index stand-in")
+        return lambda *args, **kwargs: apply(rules, name, self, *args, **kwargs)
+
+    # No __index__, __len__, __iter__ or __getitem__: torch's indexing probes for them (is this an
+    # integer, a sequence?) and, finding none, goes on to __torch_function__.
+    cls.__torch_function__ = classmethod(torch_function)
+    cls.__bool__, cls.__int__, cls.__float__, cls.__getattr__ = control_flow, as_number, as_number, attribute
+    for name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__neg__", "__abs__",
+                 "__truediv__", "__floordiv__", "__mod__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__",
+                 "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__invert__"):
+        setattr(cls, name, (lambda n: lambda self, *args: apply(rules, n, self, *args))(name))
+    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "and", "or", "xor"):  # x += 1: a new value
+        setattr(cls, f"__i{name}__", getattr(cls, f"__{name}__"))
+    cls.__hash__ = None  # __eq__ returns a stand-in
+
+    def refuse(name: str):
+        def refused(self, *args):
+            raise Unsupported(f"{name} on an index stand-in")
+        return refused
+
+    for name in ("__pow__", "__rpow__", "__rtruediv__", "__rfloordiv__", "__rmod__", "__divmod__", "__rdivmod__",
+                 "__matmul__", "__rmatmul__", "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "__pos__",
+                 "__round__", "__trunc__", "__floor__", "__ceil__", "__setitem__", "__contains__",
+                 "__call__", "__ipow__", "__imatmul__", "__ilshift__", "__irshift__", "__complex__", "__reversed__"):
+        if name not in vars(cls):
+            setattr(cls, name, refuse(name))
+    return cls
 
 
 def _exact(x) -> Range:
@@ -444,30 +473,7 @@ for _names, _rule in [
     for _name in _names:
         _RULES[_name] = _rule
 
-# Python operators on a Range itself (q_idx - kv_idx, q_idx >= 5) go through the same rules.
-for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__neg__", "__abs__",
-              "__truediv__", "__floordiv__", "__mod__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__",
-              "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__invert__"):
-    setattr(Range, _name, (lambda n: lambda self, *args: _apply(n, self, *args))(_name))
-for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "and", "or", "xor"):  # x += 1: a new Range
-    setattr(Range, f"__i{_name}__", getattr(Range, f"__{_name}__"))
-Range.__hash__ = None  # __eq__ returns a Range
-
-
-def _refuse(name: str):
-    def refused(self, *args):
-        raise Unsupported(f"{name} on an index range")
-    return refused
-
-
-# Every other operator raises Unsupported, not Python's TypeError: a predicate that caught the
-# TypeError and went another way would be bounded along a path the real indices never take.
-for _name in ("__pow__", "__rpow__", "__rtruediv__", "__rfloordiv__", "__rmod__", "__divmod__", "__rdivmod__",
-              "__matmul__", "__rmatmul__", "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "__pos__",
-              "__round__", "__trunc__", "__floor__", "__ceil__", "__setitem__", "__contains__",
-              "__call__", "__ipow__", "__imatmul__", "__ilshift__", "__irshift__", "__complex__", "__reversed__"):
-    if _name not in vars(Range):
-        setattr(Range, _name, _refuse(_name))
+stands_in(Range, _RULES)
 
 
 # ---- the tiles --------------------------------------------------------------------------------

@@ -16,12 +16,18 @@ Build it with :func:`mask_plan` and pass it as ``attnkit.attention(..., mask=pla
 ``create_block_mask`` -> ``BlockMask``, for attnkit's kernels. ``is_causal`` and ``window`` are
 worked out analytically (:func:`row_bounds`, the one place that says which keys they allow), the
 typed masks of :mod:`attnkit.masks` say their own intervals, and any other predicate, a user's
-own, is worked out from the predicate itself, not annotated by hand: it is first run on ranges of
-indices, tile by tile (:mod:`attnkit._ranges`: tiles it proves all allowed or all masked are
-settled whole, and only the cells of the others are evaluated; 3-8 ms at n = 8192 for a window,
-documents or global tokens); a predicate that does something ranges cannot follow is evaluated
-on every cell (vectorised, in cache-sized row chunks: 0.05-1 s at n = 8192). Both give the same,
-exact intervals.
+own, is worked out from the predicate itself, not annotated by hand, the first of three ways that
+can follow it:
+
+1. in closed form (:mod:`attnkit._pieces`): each row's values as affine pieces along the keys, for
+   predicates affine in the indices and 1-D tables (windows, documents, global tokens, prefix-LM,
+   padding; 1-4 ms at n = 8192);
+2. on ranges of indices, tile by tile (:mod:`attnkit._ranges`: tiles it proves all allowed or all
+   masked are settled whole, and only the cells of the others are evaluated; floats, ``%`` with
+   many pieces, 2-D tables: 5-60 ms at n = 8192);
+3. on every cell (vectorised, in cache-sized row chunks: 0.05-1 s at n = 8192).
+
+All three give the same, exact intervals.
 
 ``attnkit.attention(..., mask_mod=fn)`` builds the plan itself and keeps it, with the predicate
 (weakly: nothing is kept alive by the cache), keyed on the lengths, the batch, the device and the
@@ -39,7 +45,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from . import _ranges, elementwise
+from . import _pieces, _ranges, elementwise
 from . import masks as _masks
 from .backends import _captured
 from .request import check_window, combined_mask_mod
@@ -180,7 +186,8 @@ def _dense_predicate(mask: Tensor):
 
 
 def _build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> MaskPlan:
-    rows = row_bounds(q_len, kv_len, is_causal, window)
+    bounded = is_causal or window is not None
+    rows = row_bounds(q_len, kv_len, is_causal, window) if bounded or mask_mod is None else None
     if mask_mod is not None:
         # A typed mask of attnkit.masks says its rows; any other predicate is evaluated once (under
         # torch.compile on every call, in the graph: a plan built outside saves that).
@@ -190,7 +197,10 @@ def _build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> 
             derived = (_traced_derive if compiling else _derive)(mask_mod, batch, heads, q_len, kv_len, device)
         if derived is not None and not compiling and derived[0].shape[-1] > MAX_INTERVALS:
             derived = None
-        rows = None if derived is None else _masks.intersect_intervals(rows, derived, kv_len)
+        if derived is None or not bounded:  # both in the shared form: all keys and x is x
+            rows = derived
+        else:
+            rows = _masks.intersect_intervals(rows, derived, kv_len)
     predicate = combined_mask_mod(is_causal, window, kv_len - q_len, mask_mod) or _everything
     starts, ends = rows if rows is not None else (None, None)
     return MaskPlan(predicate, q_len=q_len, kv_len=kv_len, batch=batch, device=device, starts=starts, ends=ends)
@@ -250,15 +260,15 @@ def _everything(b, h, q_idx, kv_idx) -> Tensor:
 
 def _derive(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor] | None:
     """Each row's runs of allowed keys; None when the mask depends on the head or a row has more
-    than :data:`MAX_INTERVALS` runs. First by running ``mod`` on ranges of indices
-    (:mod:`attnkit._ranges`: only the cells of tiles it cannot settle are evaluated), else by
-    evaluating ``mod`` on every cell (:func:`_every_cell`)."""
+    than :data:`MAX_INTERVALS` runs. In closed form (:mod:`attnkit._pieces`), else by running
+    ``mod`` on ranges of indices (:mod:`attnkit._ranges`: only the cells of tiles it cannot settle
+    are evaluated), else by evaluating ``mod`` on every cell (:func:`_every_cell`)."""
     if torch.device(device).type == "cpu":
-        try:
-            row, first, last, p = _ranges.derive(mod, batch, heads, q_len, kv_len)
-        except Exception:  # noqa: BLE001 (whatever the ranges cannot follow, the cells below decide)
-            pass
-        else:
+        for way in (_pieces.derive, _ranges.derive):
+            try:
+                row, first, last, p = way(mod, batch, heads, q_len, kv_len)
+            except Exception:  # noqa: BLE001 (whatever one way cannot follow, the next decides)
+                continue
             return _pack(row, first, last, p, q_len, kv_len)
     return _every_cell(mod, batch, heads, q_len, kv_len, device)
 

@@ -1,0 +1,508 @@
+"""A predicate's rows in closed form: each row's values as a few affine pieces along the keys.
+
+The masks people write are mostly affine in the indices: ``q_idx - kv_idx <= 64``,
+``kv_idx < 16``, ``doc_ids[q_idx] == doc_ids[kv_idx]`` (a table with few runs), and their
+``and_masks``/``or_masks``. For such a predicate each query row's allowed keys follow from its
+terms without evaluating a cell: here it is called once with, for every query row, each value as
+pieces ``[cut_j, cut_j+1)`` of the key axis on which it is ``slope * kv_idx + intercept``
+(integers; booleans are constant on each piece). An operation cuts pieces where its result
+changes (a comparison where the difference crosses zero, ``//`` at multiples, a table where its
+entries change) and the final boolean's true pieces are the row's runs. Exact, and O(rows x
+pieces) work: 1 ms for a window at n = 8192, where tiles and cells (:mod:`attnkit._ranges`) take 4.
+
+Followed: ``+ - neg abs``, ``*`` when one side is constant along the keys, ``//`` and ``%`` by a
+positive integer constant, comparisons, ``& | ^ ~`` and the ``logical_*`` forms,
+``minimum``/``maximum``/``clamp``, ``where``, casts between bool and integer dtypes,
+``new_ones``/``ones_like`` and friends, and indexing a captured 1-D integer or bool tensor
+(``doc_ids[kv_idx]``). Anything else raises :class:`attnkit._ranges.Unsupported` and the tiles take
+over: floats, a product of two key-dependent values, the head index (with more than one head), a
+2-D table, an index of slope other than 0 or 1 into a table, an index outside the table, a row
+with more than :data:`MOST_PIECES` pieces (a dilated pattern's every other key).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor
+
+from ._ranges import Unsupported, _state, stands_in
+
+#: Most pieces a value may have in a row; more (a pattern that changes every few keys) is left to tiles.
+MOST_PIECES = 64
+#: Beyond every index: the ends of a half-line of keys before it is cut to a piece.
+_FAR = 1 << 62
+
+
+class _Keys(threading.local):
+    """The key length of the derivation under way, per thread."""
+
+    kv_len = 0
+
+
+_keys = _Keys()
+
+
+class Pieces:
+    """One value for each row: ``cuts`` ``[R|1, P+1]`` (from 0 to ``kv_len``, non-decreasing; None for
+    one piece, all keys), and on piece ``j`` the value ``slope[:, j] * kv_idx + icept[:, j]``
+    (``slope`` None for booleans, ``icept`` ``[R|1, P]``)."""
+
+    __slots__ = ("cuts", "slope", "icept")
+
+    def __init__(self, cuts: Tensor | None, slope: Tensor | None, icept: Tensor):
+        self.cuts, self.slope, self.icept = cuts, slope, icept
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.icept.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.icept.device
+
+    @property
+    def is_bool(self) -> bool:
+        return self.slope is None
+
+
+class _Head:
+    """The head index where there are several heads: any use is refused (the tiles look further)."""
+
+
+def _lift(x) -> Pieces:
+    """A value as pieces: pieces as they are, a bool, an int or a 0-d integer/bool tensor as a constant."""
+    if isinstance(x, Pieces):
+        return x
+    if isinstance(x, _Head):
+        raise Unsupported("the predicate reads the head")
+    if isinstance(x, bool) or (isinstance(x, Tensor) and x.dim() == 0 and x.dtype == torch.bool):
+        return Pieces(None, None, torch.as_tensor(x).view(1, 1))
+    if isinstance(x, int) or (isinstance(x, Tensor) and x.dim() == 0 and not x.is_floating_point()
+                              and not x.is_complex()):
+        t = torch.as_tensor(x, dtype=torch.int64).view(1, 1)
+        return Pieces(None, torch.zeros_like(t), t)
+    raise Unsupported(f"a {type(x).__name__} operand (floats and shaped tensors are left to tiles)")
+
+
+def _integer(x) -> Pieces:
+    x = _lift(x)
+    return Pieces(x.cuts, torch.zeros_like(x.icept, dtype=torch.int64), x.icept.long()) if x.is_bool else x
+
+
+def _bounds(cuts: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Each piece's ``[start, end)``."""
+    if cuts is None:
+        return torch.zeros(1, 1, dtype=torch.int64), torch.full((1, 1), _keys.kv_len, dtype=torch.int64)
+    return cuts[:, :-1], cuts[:, 1:]
+
+
+def _take(t: Tensor | None, at: Tensor) -> Tensor | None:
+    """``t`` ``[R|1, P]`` read at pieces ``at`` ``[R', P']``."""
+    if t is None or t.shape[1] == 1:
+        return t
+    rows = max(t.shape[0], at.shape[0])
+    return torch.gather(t.expand(rows, -1), 1, at.expand(rows, -1))
+
+
+def _on(x: Pieces, cuts: Tensor) -> tuple[Tensor | None, Tensor]:
+    """``x``'s slope and intercept on the pieces of ``cuts``, a refinement of ``x.cuts``."""
+    if x.cuts is None or x.cuts is cuts:
+        return x.slope, x.icept
+    rows = max(x.cuts.shape[0], cuts.shape[0])
+    at = torch.searchsorted(x.cuts.expand(rows, -1).contiguous(), cuts[:, :-1].expand(rows, -1).contiguous(),
+                            right=True) - 1
+    at = at.clamp_(0, x.cuts.shape[1] - 2)
+    return _take(x.slope, at), _take(x.icept, at)
+
+
+def _common(*xs: Pieces, extra: Tensor | None = None) -> Tensor | None:
+    """The cuts of every value in ``xs`` together (and ``extra`` cuts ``[R|1, M]``), sorted."""
+    cuts = [x.cuts for x in xs if x.cuts is not None]
+    if extra is None and (not cuts or all(c is cuts[0] for c in cuts)):
+        return cuts[0] if cuts else None
+    inner = [c[:, 1:-1] for c in cuts] + ([extra] if extra is not None else [])
+    rows = max(t.shape[0] for t in inner)
+    inner = torch.cat([t.expand(rows, -1) for t in inner], 1).sort(1).values
+    return torch.cat([torch.zeros(rows, 1, dtype=torch.int64), inner,
+                      torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1)
+
+
+def _make(cuts: Tensor | None, slope: Tensor | None, icept: Tensor) -> Pieces:
+    """A value, with its empty pieces dropped and its equal neighbours merged once it has many."""
+    if cuts is None or cuts.shape[1] <= 9:
+        return Pieces(cuts, slope, icept)
+    return _compact(cuts, slope, icept)
+
+
+def _compact(cuts: Tensor, slope: Tensor | None, icept: Tensor) -> Pieces:
+    """The same value with no empty piece and no two neighbours alike (so a boolean's true pieces
+    are its runs); rows padded with empty pieces at ``kv_len``."""
+    rows = max(cuts.shape[0], icept.shape[0], 1 if slope is None else slope.shape[0])
+    p = cuts.shape[1] - 1
+    cuts = cuts.expand(rows, -1)
+    start, end = cuts[:, :-1], cuts[:, 1:]
+    slope = None if slope is None else slope.expand(rows, p)
+    icept = icept.expand(rows, p)
+    live = end > start
+    index = torch.arange(p).expand(rows, p)
+    upto = torch.where(live, index, -1).cummax(1).values  # the last live piece up to each one
+    before = torch.cat([torch.full((rows, 1), -1), upto[:, :-1]], 1)  # ... before each one
+    at = before.clamp(min=0)
+    alike = (before >= 0) & (icept == torch.gather(icept, 1, at))
+    if slope is not None:
+        alike &= slope == torch.gather(slope, 1, at)
+    keep = live & ~alike  # a live piece like the live one before it extends that one
+    counts = keep.sum(1)
+    width = max(1, int(counts.max()))
+    if width > MOST_PIECES:
+        raise Unsupported(f"a row with more than {MOST_PIECES} pieces")
+    order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, :width]  # kept ones first, in order
+    valid = torch.arange(width) < counts.unsqueeze(1)
+    first = torch.where(valid, torch.gather(start, 1, order), _keys.kv_len)
+    first[:, 0] = 0
+    new_cuts = torch.cat([first, torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1)
+    new_slope = None if slope is None else torch.where(valid, torch.gather(slope, 1, order), 0)
+    new_icept = torch.where(valid, torch.gather(icept, 1, order), torch.zeros((), dtype=icept.dtype))
+    return Pieces(new_cuts, new_slope, new_icept)
+
+
+# ---- arithmetic -------------------------------------------------------------------------------
+
+
+def _arithmetic(*xs) -> list[Pieces]:
+    """Operands of ``+ - *``: two booleans are refused (torch's True + True is True)."""
+    xs = [_lift(x) for x in xs]
+    if all(x.is_bool for x in xs):
+        raise Unsupported("arithmetic on booleans")
+    return [_integer(x) for x in xs]
+
+
+def _add(a, b, alpha=1, sign=1):
+    a, b = _arithmetic(a, b)
+    if isinstance(alpha, Tensor) or not isinstance(alpha, int) or isinstance(alpha, bool):
+        raise Unsupported("add with a non-integer alpha")
+    cuts = _common(a, b)
+    (sa, ca), (sb, cb) = _on(a, cuts), _on(b, cuts)
+    k = sign * alpha
+    return _make(cuts, sa + k * sb, ca + k * cb)
+
+
+def _sub(a, b, alpha=1):
+    return _add(a, b, alpha, -1)
+
+
+def _neg(a):
+    a, = _arithmetic(a)
+    return Pieces(a.cuts, -a.slope, -a.icept)
+
+
+def _mul(a, b):
+    a, b = _arithmetic(a, b)
+    cuts = _common(a, b)
+    (sa, ca), (sb, cb) = _on(a, cuts), _on(b, cuts)
+    start, end = _bounds(cuts)
+    if bool(((sa * sb != 0) & (end > start)).any()):
+        raise Unsupported("a product of two values that both change along the keys")
+    return _make(cuts, sa * cb + sb * ca, ca * cb)
+
+
+def _positive_constant(m) -> int:
+    if isinstance(m, Tensor) and m.dim() == 0 and not m.is_floating_point() and m.dtype != torch.bool:
+        m = int(m)
+    if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
+        raise Unsupported("// or % by other than a positive integer constant")
+    return m
+
+
+def _floor_divide(a, m):
+    """``a // m``: constant between the keys where ``a`` (of slope 0 or +-1) passes a multiple of ``m``."""
+    a, m = _integer(a), _positive_constant(m)
+    start, end = _bounds(a.cuts)
+    live = end > start
+    moving = (a.slope != 0) & live
+    if not bool(moving.any()):
+        return Pieces(a.cuts, torch.zeros_like(a.slope), torch.div(a.icept, m, rounding_mode="floor"))
+    if bool(((a.slope.abs() > 1) & live).any()):
+        raise Unsupported("// of a value whose slope along the keys is not 0 or +-1")
+    # the first key after a piece's start where a // m changes: a(k) = +-k + c passes a multiple
+    # of m at k = -c (mod m) going up, and at k = c + 1 (mod m) going down
+    residue = torch.where(a.slope > 0, -a.icept, a.icept + 1)
+    first = start + torch.remainder(residue - start, m)
+    first = torch.where(first == start, first + m, first)
+    count = torch.where(moving, (end - first + m - 1).clamp(min=0) // m, 0)
+    return _cut_and_read(a, count, lambda j: first.unsqueeze(-1) + m * j,
+                         lambda s, c, k: torch.div(s * k + c, m, rounding_mode="floor"))
+
+
+def _remainder(a, m):
+    m = _positive_constant(m)
+    return _sub(a, _mul(_floor_divide(a, m), m))
+
+
+def _cut_and_read(a: Pieces, count: Tensor, cut_at, read) -> Pieces:
+    """``a`` cut at ``count[r, j]`` keys within each piece (``cut_at(j)`` ``[R, P, M]`` gives the
+    ``j``-th), and on every new piece the constant ``read(slope, icept, key)`` at its first key."""
+    most = int(count.sum(1).max())
+    if most > MOST_PIECES:
+        raise Unsupported(f"a row with more than {MOST_PIECES} pieces")
+    if most == 0:
+        return Pieces(a.cuts, torch.zeros_like(a.icept), read(a.slope, a.icept, _bounds(a.cuts)[0]))
+    width = max(1, int(count.max()))
+    j = torch.arange(width)
+    extra = torch.where(j < count.unsqueeze(-1), cut_at(j), _keys.kv_len)
+    cuts = _common(a, extra=extra.reshape(extra.shape[0], -1))
+    slope, icept = _on(a, cuts)
+    return _make(cuts, torch.zeros_like(cuts[:, :-1]), read(slope, icept, cuts[:, :-1]))
+
+
+def _where(cond, x, y):
+    cond, x, y = _lift(cond), _lift(x), _lift(y)
+    if not cond.is_bool:
+        raise Unsupported("where with a condition that is not boolean")
+    if x.is_bool != y.is_bool:
+        x, y = _integer(x), _integer(y)
+    cuts = _common(cond, x, y)
+    (_, c), (sx, cx), (sy, cy) = _on(cond, cuts), _on(x, cuts), _on(y, cuts)
+    return _make(cuts, None if sx is None else torch.where(c, sx, sy), torch.where(c, cx, cy))
+
+
+def _abs(a):
+    a = _integer(a)
+    return _where(_lt(a, 0), _neg(a), a)
+
+
+def _minimum(a, b):
+    return _where(_le(a, b), a, b)
+
+
+def _maximum(a, b):
+    return _where(_ge(a, b), a, b)
+
+
+def _clamp(a, min=None, max=None):  # noqa: A002 (torch's argument names)
+    if min is not None:
+        a = _maximum(a, min)
+    return a if max is None else _minimum(a, max)
+
+
+# ---- comparisons and logic --------------------------------------------------------------------
+
+
+def _at_most_zero(slope: Tensor, icept: Tensor) -> tuple[Tensor, Tensor]:
+    """The keys ``[lo, hi)`` where ``slope * k + icept <= 0`` (integers), unbounded as +-_FAR."""
+    safe = torch.where(slope == 0, 1, slope)
+    up = torch.div(-icept, safe, rounding_mode="floor") + 1  # slope > 0: k <= floor(-c / s)
+    down = -torch.div(icept, safe, rounding_mode="floor")  # slope < 0: k >= ceil(c / -s) = -floor(c / s)
+    flat_lo = torch.where(icept <= 0, -_FAR, _FAR)
+    lo = torch.where(slope > 0, -_FAR, torch.where(slope < 0, down, flat_lo))
+    hi = torch.where(slope > 0, up, torch.full_like(up, _FAR))
+    return lo, hi
+
+
+def _compare(a, b, kind: str) -> Pieces:
+    """Where ``a - b`` is ``<= 0`` (``le``), ``< 0``, ``== 0``: per piece, an interval of keys."""
+    a, b = _integer(a), _integer(b)
+    cuts = _common(a, b)
+    (sa, ca), (sb, cb) = _on(a, cuts), _on(b, cuts)
+    s, c = sa - sb, ca - cb
+    if kind == "lt":
+        c = c + 1
+    if not bool(s.any()):  # constant on every piece: no piece is cut
+        return Pieces(cuts, None, (c == 0) if kind == "eq" else (c <= 0))
+    lo, hi = _at_most_zero(s, c)
+    if kind == "eq":  # and also -(a - b) <= 0
+        lo2, hi2 = _at_most_zero(-s, -c)
+        lo, hi = torch.maximum(lo, lo2), torch.minimum(hi, hi2)
+    start, end = _bounds(cuts)
+    lo = torch.minimum(torch.maximum(lo, start), end)
+    hi = torch.minimum(torch.maximum(hi, lo), end)
+    rows = max(t.shape[0] for t in (start, lo, hi))
+    p = lo.shape[1]
+    new = torch.stack([start.expand(rows, p), lo.expand(rows, p), hi.expand(rows, p)], -1).reshape(rows, 3 * p)
+    new = torch.cat([new, torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1)
+    truth = torch.tensor([False, True, False]).repeat(p).view(1, -1)
+    return _make(new, None, truth)
+
+
+def _le(a, b):
+    return _compare(a, b, "le")
+
+
+def _lt(a, b):
+    return _compare(a, b, "lt")
+
+
+def _ge(a, b):
+    return _compare(b, a, "le")
+
+
+def _gt(a, b):
+    return _compare(b, a, "lt")
+
+
+def _eq(a, b):
+    a, b = _lift(a), _lift(b)
+    if a.is_bool and b.is_bool:
+        return _logic(a, b, torch.eq)
+    return _compare(a, b, "eq")
+
+
+def _ne(a, b):
+    return _not(_eq(a, b))
+
+
+def _logic(a, b, op) -> Pieces:
+    a, b = _lift(a), _lift(b)
+    if not (a.is_bool and b.is_bool):
+        raise Unsupported("a bitwise operation on integers")
+    cuts = _common(a, b)
+    (_, ca), (_, cb) = _on(a, cuts), _on(b, cuts)
+    return _make(cuts, None, op(ca, cb))
+
+
+def _not(a):
+    a = _lift(a)
+    if not a.is_bool:
+        raise Unsupported("a bitwise operation on integers")
+    return Pieces(a.cuts, None, ~a.icept)
+
+
+# ---- dtypes, constants and tables -------------------------------------------------------------
+
+
+def _cast(a, dtype: torch.dtype) -> Pieces:
+    if dtype == torch.bool:
+        a = _lift(a)
+        return a if a.is_bool else _ne(a, 0)
+    if dtype.is_floating_point or dtype.is_complex:
+        raise Unsupported("a cast to float (left to tiles)")
+    return _integer(a)
+
+
+def _to(a, *args, **kwargs):
+    dtype = kwargs.pop("dtype", None)
+    for x in args:
+        if isinstance(x, torch.dtype):
+            dtype = x
+        elif not isinstance(x, (torch.device, str)):
+            raise Unsupported("to() with a tensor")
+    return _lift(a) if dtype is None else _cast(a, dtype)
+
+
+def _constant(value):
+    def make(a, *args, dtype=None, **kwargs):
+        _lift(a)
+        if dtype is not None and (dtype.is_floating_point or dtype.is_complex):
+            raise Unsupported("a float constant (left to tiles)")
+        return _lift(bool(value) if dtype == torch.bool else int(value))
+    return make
+
+
+def _full_like(a, fill, *, dtype=None, **kwargs):
+    return _constant(fill)(a, dtype=dtype)
+
+
+def _new_full(a, size, fill, *, dtype=None, **kwargs):
+    return _constant(fill)(a, dtype=dtype)
+
+
+def _getitem(table, index):
+    """``table[index]``: a captured 1-D integer or bool tensor, read at an index of slope 0 or 1
+    that stays within it; cut where the table's entries change."""
+    if isinstance(index, tuple) and len(index) == 1:
+        index = index[0]
+    if (not isinstance(table, Tensor) or table.dim() != 1 or table.is_floating_point() or table.is_complex()
+            or not isinstance(index, Pieces)):
+        raise Unsupported("indexing other than a 1-D integer or bool tensor by an index")
+    x = _integer(index)
+    start, end = _bounds(x.cuts)
+    live = end > start
+    first, last = x.icept + x.slope * start, x.icept + x.slope * (end - 1)  # the index at each end
+    if bool((live & ((x.slope < 0) | (x.slope > 1))).any()):
+        raise Unsupported("a table read at an index whose slope along the keys is not 0 or 1")
+    if bool((live & ((torch.minimum(first, last) < 0) | (torch.maximum(first, last) >= table.numel()))).any()):
+        raise Unsupported("an index outside the tensor")  # cell by cell, this raises or wraps around
+    entries = table.detach()
+    changes = (entries[1:] != entries[:-1]).nonzero().view(-1) + 1  # where a new run of entries begins
+    moving = (x.slope == 1) & live
+    lo = torch.searchsorted(changes, first, right=True)  # changes after the piece's first index
+    count = torch.where(moving, torch.searchsorted(changes, last, right=True) - lo, 0)
+    top = max(changes.numel() - 1, 0)
+
+    def cut_at(j: Tensor) -> Tensor:  # the key where the j-th change after a piece's first index falls
+        if changes.numel() == 0:
+            return torch.zeros_like(j)
+        return changes[(lo.unsqueeze(-1) + j).clamp(max=top)] - x.icept.unsqueeze(-1)
+
+    size = entries.numel()
+    out = _cut_and_read(x, count, cut_at, lambda s, c, k: entries[(s * k + c).clamp(0, size - 1)].long())
+    return _cast(out, torch.bool) if table.dtype == torch.bool else out
+
+
+_RULES: dict = {}
+for _names, _rule in [
+    (("add", "__add__", "__iadd__"), _add), (("__radd__",), lambda a, b: _add(b, a)),
+    (("sub", "subtract", "__sub__", "__isub__"), _sub), (("__rsub__", "rsub"), lambda a, b, *r: _sub(b, a, *r)),
+    (("mul", "multiply", "__mul__", "__imul__", "__rmul__"), _mul),
+    (("neg", "negative", "__neg__"), _neg), (("abs", "absolute", "__abs__"), _abs),
+    (("floor_divide", "__floordiv__"), _floor_divide), (("remainder", "__mod__"), _remainder),
+    (("minimum",), _minimum), (("maximum",), _maximum), (("clamp", "clip"), _clamp),
+    (("lt", "less", "__lt__"), _lt), (("le", "less_equal", "__le__"), _le),
+    (("gt", "greater", "__gt__"), _gt), (("ge", "greater_equal", "__ge__"), _ge),
+    (("eq", "__eq__"), _eq), (("ne", "not_equal", "__ne__"), _ne),
+    (("logical_and", "bitwise_and", "__and__", "__rand__", "__iand__"), lambda a, b: _logic(a, b, torch.logical_and)),
+    (("logical_or", "bitwise_or", "__or__", "__ror__", "__ior__"), lambda a, b: _logic(a, b, torch.logical_or)),
+    (("logical_xor", "bitwise_xor", "__xor__", "__rxor__"), lambda a, b: _logic(a, b, torch.logical_xor)),
+    (("logical_not", "bitwise_not", "__invert__"), _not),
+    (("where",), _where), (("to",), _to),
+    (("long",), lambda a, *_, **__: _cast(a, torch.int64)), (("int",), lambda a, *_, **__: _cast(a, torch.int32)),
+    (("bool",), lambda a, *_, **__: _cast(a, torch.bool)),
+    (("ones_like", "new_ones"), _constant(1)), (("zeros_like", "new_zeros"), _constant(0)),
+    (("full_like",), _full_like), (("new_full",), _new_full),
+    (("__getitem__",), _getitem),
+]:
+    for _name in _names:
+        _RULES[_name] = _rule
+
+stands_in(Pieces, _RULES)
+stands_in(_Head, {})
+
+
+def derive(mod, batch: int, heads: int, q_len: int, kv_len: int) -> tuple[Tensor, Tensor, Tensor, int]:
+    """As :func:`attnkit._ranges.derive` (``(row, start, end, p)``, flat and sorted), from pieces.
+    Raises :class:`Unsupported` for a predicate they cannot follow."""
+    if not (q_len and kv_len):
+        raise Unsupported("an empty grid")
+    _state.failed.clear()
+    _keys.kv_len = kv_len
+    rows = batch * q_len
+    b = Pieces(None, torch.zeros(rows, 1, dtype=torch.int64), torch.arange(batch).repeat_interleave(q_len).view(-1, 1))
+    q = Pieces(None, torch.zeros(rows, 1, dtype=torch.int64), torch.arange(q_len).repeat(batch).view(-1, 1))
+    kv = Pieces(None, torch.ones(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64))
+    h = _Head() if heads > 1 else _lift(0)
+    out = mod(b, h, q, kv)
+    if isinstance(out, Tensor) and out.dim() == 0 and out.dtype == torch.bool:
+        out = _lift(out)
+    if not isinstance(out, Pieces) or not out.is_bool:
+        raise Unsupported("the predicate did not return booleans")
+    if _state.failed:
+        raise Unsupported(_state.failed[0])
+    cuts = (out.cuts if out.cuts is not None else torch.tensor([[0, kv_len]])).expand(rows, -1)
+    p = batch
+    if batch > 1 and all(bool((t.expand(rows, -1).view(batch, q_len, -1) == t.expand(rows, -1)[:q_len]).all())
+                         for t in (cuts, out.icept)):
+        p = 1  # the same pieces for every batch element
+    truth = out.icept.expand(rows, cuts.shape[1] - 1)
+    rows = p * q_len
+    cuts, truth = cuts[:rows], truth[:rows]
+    start, end = cuts[:, :-1], cuts[:, 1:]
+    row, j = (truth & (end > start)).nonzero(as_tuple=True)  # row-major: each row's true pieces in order
+    first, last = start[row, j], end[row, j]
+    joins = torch.zeros_like(row, dtype=torch.bool)  # a piece that begins where the one before it ended
+    joins[1:] = (row[1:] == row[:-1]) & (first[1:] == last[:-1])
+    heads = ~joins
+    tails = torch.ones_like(heads)
+    tails[:-1] = heads[1:]
+    return row[heads], first[heads], last[tails], p

@@ -1,0 +1,177 @@
+"""A predicate's rows in closed form (attnkit._pieces): the rows it derives equal those from
+evaluating every cell, for the familiar families and for random expressions over the indices; the
+familiar families are followed (not left to tiles); what it cannot follow is refused, and the plan
+still gets every cell's answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnkit import _pieces, _ranges, plan
+
+from .test_ranges import catalogue, every_cell
+
+#: The catalogue's families the pieces must follow at any size (the dilated and strided ones are
+#: followed while their rows have few pieces, and left to tiles beyond that).
+FOLLOWED = {"causal", "window (and_masks)", "documents, causal", "global tokens (or_masks)", "prefix-LM",
+            "padding per batch", "nothing allowed", "everything", "2-D neighbourhood (image rows of 7)"}
+
+
+def same_rows(got, want) -> bool:
+    """Equal intervals; pieces share one set of rows among batch elements that have the same mask."""
+    if got is None or want is None:
+        return False
+    return all(torch.equal(g.expand_as(w), w) for g, w in zip(got, want, strict=True))
+
+
+def pieces_rows(mod, batch, heads, q_len, kv_len):
+    row, first, last, p = _pieces.derive(mod, batch, heads, q_len, kv_len)
+    return plan._pack(row, first, last, p, q_len, kv_len)
+
+
+@settings(deadline=None, max_examples=25)
+@given(q_len=st.integers(1, 90), extra=st.integers(-10, 40), batch=st.integers(1, 2), a=st.integers(0, 12),
+       c=st.integers(0, 6), seed=st.integers(0, 2**16))
+def test_rows_from_pieces_equal_every_cells(q_len, extra, batch, a, c, seed):
+    kv_len = max(1, q_len + extra)
+    for name, (mod, _) in catalogue(q_len, kv_len, batch, a, c, seed).items():
+        want = every_cell(mod, batch, q_len, kv_len)
+        try:
+            got = pieces_rows(mod, batch, 2, q_len, kv_len)
+        except _ranges.Unsupported:
+            assert name not in FOLLOWED, name
+        else:
+            assert same_rows(got, want), name
+
+
+# ---- random expressions over the indices --------------------------------------------------------
+
+TABLE = torch.tensor([0, 0, 0, 1, 1, 4, 4, 4, 4, 2, 2, 7, 7, 7, 7, 7, 3, 3, 0, 0, 5, 5, 5, 5, 5, 5, 1, 1, 1, 1])
+
+
+def integer(draw, depth: int):
+    """An integer expression of the indices (as a function of (b, i, j)) and its text."""
+    leaves = [(lambda b, i, j: i, "i"), (lambda b, i, j: j, "j"), (lambda b, i, j: b, "b")]
+    k = draw(st.integers(-9, 9))
+    leaves.append((lambda b, i, j: k, str(k)))
+    if depth == 0 or draw(st.integers(0, 3)) == 0:
+        return draw(st.sampled_from(leaves))
+    (f, sf), (g, sg) = integer(draw, depth - 1), integer(draw, depth - 1)
+    m = draw(st.integers(1, 7))
+    c = draw(st.booleans())
+    forms = {
+        "add": (lambda b, i, j: f(b, i, j) + g(b, i, j), f"({sf} + {sg})"),
+        "sub": (lambda b, i, j: f(b, i, j) - g(b, i, j), f"({sf} - {sg})"),
+        "scale": (lambda b, i, j: f(b, i, j) * m, f"({sf} * {m})"),
+        "neg": (lambda b, i, j: -f(b, i, j), f"-{sf}"),
+        "abs": (lambda b, i, j: (f(b, i, j) + 0 * i).abs(), f"abs({sf})"),
+        "floordiv": (lambda b, i, j: f(b, i, j) // m, f"({sf} // {m})"),
+        "mod": (lambda b, i, j: f(b, i, j) % m, f"({sf} % {m})"),
+        "min": (lambda b, i, j: torch.minimum(f(b, i, j) + 0 * i, g(b, i, j) + 0 * j), f"min({sf}, {sg})"),
+        "clamp": (lambda b, i, j: (f(b, i, j) + 0 * i).clamp(-3, 12 if c else None), f"clamp({sf})"),
+        "where": (lambda b, i, j: torch.where(i > j, f(b, i, j), g(b, i, j)), f"where(i > j, {sf}, {sg})"),
+        "table": (lambda b, i, j: TABLE[(f(b, i, j) + 0 * i).clamp(0, len(TABLE) - 1)], f"T[{sf}]"),
+        "bool as int": (lambda b, i, j: (f(b, i, j) + 0 * i < g(b, i, j)).long() * 3, f"3 * ({sf} < {sg})"),
+    }
+    return forms[draw(st.sampled_from(sorted(forms)))]
+
+
+@st.composite
+def predicates(draw, depth: int = 3):
+    """A boolean expression of the indices, and its text."""
+    (f, sf), (g, sg) = integer(draw, depth), integer(draw, depth)
+    op = draw(st.sampled_from(["<", "<=", "==", "!=", ">", ">="]))
+    compare = {"<": torch.lt, "<=": torch.le, "==": torch.eq, "!=": torch.ne, ">": torch.gt, ">=": torch.ge}[op]
+    atom = (lambda b, h, i, j: compare(f(b, i, j) + 0 * i, g(b, i, j)), f"{sf} {op} {sg}")
+    if draw(st.booleans()):
+        return atom
+    (p, sp) = atom
+    (r, sr) = draw(predicates(depth - 1)) if depth > 0 else (lambda b, h, i, j: i >= j, "i >= j")
+    join = draw(st.sampled_from(["&", "|", "^", "&~"]))
+    both = {"&": lambda x, y: x & y, "|": lambda x, y: x | y, "^": lambda x, y: x ^ y, "&~": lambda x, y: x & ~y}[join]
+    return (lambda b, h, i, j: both(p(b, h, i, j), r(b, h, i, j)), f"({sp}) {join} ({sr})")
+
+
+@settings(deadline=None, max_examples=150)
+@given(pred=predicates(), q_len=st.integers(1, 40), extra=st.integers(-8, 20), batch=st.integers(1, 2))
+def test_random_expressions_give_every_cells_rows_or_are_refused(pred, q_len, extra, batch):
+    mod, text = pred
+    kv_len = max(1, q_len + extra)
+    want = every_cell(mod, batch, q_len, kv_len)
+    try:
+        got = pieces_rows(mod, batch, 1, q_len, kv_len)
+    except _ranges.Unsupported:
+        return  # left to tiles (an index outside the table, or a product of two moving values)
+    assert want is not None and same_rows(got, want), text
+
+
+def test_random_expressions_are_mostly_followed():
+    """The test above must not pass by refusing: most of its expressions are followed."""
+    followed = []
+
+    @settings(deadline=None, max_examples=120, database=None)
+    @given(pred=predicates(), q_len=st.integers(1, 40))
+    def count(pred, q_len):
+        try:
+            pieces_rows(pred[0], 1, 1, q_len, q_len)
+            followed.append(True)
+        except _ranges.Unsupported:
+            followed.append(False)
+
+    count()
+    assert sum(followed) >= 0.6 * len(followed)
+
+
+# ---- what a plan takes from pieces, and what pieces leave to tiles --------------------------------
+
+
+def test_a_long_window_is_derived_without_evaluating_a_cell():
+    from torch.nn.attention.flex_attention import and_masks
+
+    n, seen = 4096, []
+
+    def causal(b, h, i, j):
+        seen.append(type(i))
+        return i >= j
+
+    mod = and_masks(causal, lambda b, h, i, j: i - j <= 64)
+    got = plan._derive(mod, 1, 8, n, n, torch.device("cpu"))
+    assert seen == [_pieces.Pieces]  # called once, on pieces: no tile, no cell
+    assert torch.equal(got[0].view(-1), (torch.arange(n) - 64).clamp(min=0))
+    assert torch.equal(got[1].view(-1), torch.arange(n) + 1)
+
+
+def test_what_pieces_cannot_follow_is_refused_and_the_plan_still_gets_every_cells_rows():
+    n = 200  # a key pattern of period 2: 100 pieces a row, over MOST_PIECES
+    layout = torch.rand(50, 50, generator=torch.Generator().manual_seed(0)) < 0.5
+    mods = {
+        "reads the head": lambda b, h, i, j: (i >= j) & (h % 2 == 0),
+        "a float": lambda b, h, i, j: (i - j).float() * 0.5 <= 3.0,
+        "a product of two moving values": lambda b, h, i, j: (i - j) * (i - j) <= 9,
+        "a 2-D table": lambda b, h, i, j: layout[i // 4, j // 4],
+        "an index outside the table (wraps)": lambda b, h, i, j: TABLE[(j - 1).clamp(max=len(TABLE) - 1)] > 2,
+        "a key slope of 2 into a table": lambda b, h, i, j: TABLE[(2 * j).clamp(max=len(TABLE) - 1)] > 2,
+        "too many pieces": lambda b, h, i, j: (i + j) % 2 == 0,
+    }
+    for name, mod in mods.items():
+        with pytest.raises(_ranges.Unsupported):
+            _pieces.derive(mod, 1, 2, n, n)
+            pytest.fail(name)
+        want = every_cell(mod, 1, n, n)
+        got = plan._derive(mod, 1, 2, n, n, torch.device("cpu"))
+        assert (got is None and want is None) or same_rows(got, want), name
+
+
+def test_a_refusal_the_predicate_swallows_still_counts():
+    def swallows(b, h, i, j):
+        try:
+            return (i - j) ** 2 <= 9
+        except Exception:  # noqa: BLE001
+            return i < 0
+
+    with pytest.raises(_ranges.Unsupported):
+        _pieces.derive(swallows, 1, 1, 30, 30)
+    assert same_rows(plan._derive(swallows, 1, 1, 30, 30, torch.device("cpu")), every_cell(swallows, 1, 30, 30))
