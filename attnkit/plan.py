@@ -64,8 +64,12 @@ class MaskPlan:
     Callable as a predicate (``plan(b, h, q_idx, kv_idx) -> bool``). Attributes: ``q_len``,
     ``kv_len``, ``batch`` (the batch it was built for, all batch dims flattened; intervals may be
     shared, ``[1, Lq, K]``), ``device``, ``starts``/``ends`` (None when the mask has no interval
-    form) and ``predicate``.
+    form), ``predicate``, and ``derived_by``: how a predicate's intervals were found
+    (``"closed form"``, ``"ranges"``, ``"every cell"``; ``"its own intervals"`` for a typed mask
+    of :mod:`attnkit.masks`, ``"is_causal/window"`` for those alone; None without a mask).
     """
+
+    derived_by: str | None = None
 
     def __init__(self, predicate, *, q_len: int, kv_len: int, batch: int, device: torch.device,
                  starts: Tensor | None, ends: Tensor | None):
@@ -79,7 +83,8 @@ class MaskPlan:
 
     def __repr__(self) -> str:
         form = "no intervals" if self.starts is None else f"{self.starts.shape[-1]} interval(s) per row"
-        return f"MaskPlan(q_len={self.q_len}, kv_len={self.kv_len}, batch={self.batch}, {form})"
+        how = f", derived by {self.derived_by}" if self.derived_by else ""
+        return f"MaskPlan(q_len={self.q_len}, kv_len={self.kv_len}, batch={self.batch}, {form}{how})"
 
     def check(self, batch: int, q_len: int, kv_len: int, device: torch.device | None = None) -> None:
         """Raise ``ValueError`` unless this plan was built for these sizes (and device)."""
@@ -187,14 +192,18 @@ def _dense_predicate(mask: Tensor):
 
 def _build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> MaskPlan:
     bounded = is_causal or window is not None
+    derived_by = "is_causal/window" if bounded else None
     rows = row_bounds(q_len, kv_len, is_causal, window) if bounded or mask_mod is None else None
     if mask_mod is not None:
         # A typed mask of attnkit.masks says its rows; any other predicate is evaluated once (under
         # torch.compile on every call, in the graph: a plan built outside saves that).
         compiling = torch.compiler.is_compiling()
         derived = mask_mod.intervals(batch, q_len, kv_len) if isinstance(mask_mod, _masks.Mask) else None
-        if derived is None:
-            derived = (_traced_derive if compiling else _derive)(mask_mod, batch, heads, q_len, kv_len, device)
+        derived_by = "its own intervals"
+        if derived is None and compiling:
+            derived, derived_by = _traced_derive(mask_mod, batch, heads, q_len, kv_len, device), "every cell, traced"
+        elif derived is None:
+            derived, derived_by = _derive(mask_mod, batch, heads, q_len, kv_len, device)
         if derived is not None and not compiling and derived[0].shape[-1] > MAX_INTERVALS:
             derived = None
         if derived is None or not bounded:  # both in the shared form: all keys and x is x
@@ -203,7 +212,9 @@ def _build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> 
             rows = _masks.intersect_intervals(rows, derived, kv_len)
     predicate = combined_mask_mod(is_causal, window, kv_len - q_len, mask_mod) or _everything
     starts, ends = rows if rows is not None else (None, None)
-    return MaskPlan(predicate, q_len=q_len, kv_len=kv_len, batch=batch, device=device, starts=starts, ends=ends)
+    plan = MaskPlan(predicate, q_len=q_len, kv_len=kv_len, batch=batch, device=device, starts=starts, ends=ends)
+    plan.derived_by = derived_by
+    return plan
 
 
 def row_bounds(q_len: int, kv_len: int, is_causal: bool = False, window=None) -> tuple[Tensor, Tensor]:
@@ -258,19 +269,21 @@ def _everything(b, h, q_idx, kv_idx) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _derive(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor] | None:
-    """Each row's runs of allowed keys; None when the mask depends on the head or a row has more
-    than :data:`MAX_INTERVALS` runs. In closed form (:mod:`attnkit._pieces`), else by running
-    ``mod`` on ranges of indices (:mod:`attnkit._ranges`: only the cells of tiles it cannot settle
-    are evaluated), else by evaluating ``mod`` on every cell (:func:`_every_cell`)."""
+def _derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
+            device) -> tuple[tuple[Tensor, Tensor] | None, str]:
+    """Each row's runs of allowed keys (None when the mask depends on the head or a row has more
+    than :data:`MAX_INTERVALS` runs), and the way they were found (:attr:`MaskPlan.derived_by`):
+    in closed form (:mod:`attnkit._pieces`), else by running ``mod`` on ranges of indices
+    (:mod:`attnkit._ranges`: only the cells of tiles it cannot settle are evaluated), else by
+    evaluating ``mod`` on every cell (:func:`_every_cell`)."""
     if torch.device(device).type == "cpu":
-        for way in (_pieces.derive, _ranges.derive):
+        for name, way in (("closed form", _pieces.derive), ("ranges", _ranges.derive)):
             try:
                 row, first, last, p = way(mod, batch, heads, q_len, kv_len)
             except Exception:  # noqa: BLE001 (whatever one way cannot follow, the next decides)
                 continue
-            return _pack(row, first, last, p, q_len, kv_len)
-    return _every_cell(mod, batch, heads, q_len, kv_len, device)
+            return _pack(row, first, last, p, q_len, kv_len), name
+    return _every_cell(mod, batch, heads, q_len, kv_len, device), "every cell"
 
 
 def _every_cell(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor] | None:

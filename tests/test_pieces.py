@@ -138,8 +138,9 @@ def test_a_long_window_is_derived_without_evaluating_a_cell():
         return i >= j
 
     mod = and_masks(causal, lambda b, h, i, j: i - j <= 64)
-    got = plan._derive(mod, 1, 8, n, n, torch.device("cpu"))
-    assert seen == [_pieces.Pieces]  # called once, on pieces: no tile, no cell
+    got, way = plan._derive(mod, 1, 8, n, n, torch.device("cpu"))
+    assert seen == [_pieces.Pieces] and way == "closed form"  # called once, on pieces: no tile, no cell
+    assert repr(plan.mask_plan(mod, q_len=n)).endswith("derived by closed form)")
     assert torch.equal(got[0].view(-1), (torch.arange(n) - 64).clamp(min=0))
     assert torch.equal(got[1].view(-1), torch.arange(n) + 1)
 
@@ -147,22 +148,24 @@ def test_a_long_window_is_derived_without_evaluating_a_cell():
 def test_what_pieces_cannot_follow_is_refused_and_the_plan_still_gets_every_cells_rows():
     n = 200  # a key pattern of period 2: 100 pieces a row, over MOST_PIECES
     layout = torch.rand(50, 50, generator=torch.Generator().manual_seed(0)) < 0.5
-    mods = {
-        "reads the head": lambda b, h, i, j: (i >= j) & (h % 2 == 0),
-        "a float": lambda b, h, i, j: (i - j).float() * 0.5 <= 3.0,
-        "a product of two moving values": lambda b, h, i, j: (i - j) * (i - j) <= 9,
-        "a 2-D table": lambda b, h, i, j: layout[i // 4, j // 4],
-        "an index outside the table (wraps)": lambda b, h, i, j: TABLE[(j - 1).clamp(max=len(TABLE) - 1)] > 2,
-        "a key slope of 2 into a table": lambda b, h, i, j: TABLE[(2 * j).clamp(max=len(TABLE) - 1)] > 2,
-        "too many pieces": lambda b, h, i, j: (i + j) % 2 == 0,
+    mods = {  # name: (predicate, the way that finds its rows)
+        "reads the head": (lambda b, h, i, j: (i >= j) & (h % 2 == 0), "every cell"),
+        "a float": (lambda b, h, i, j: (i - j).float() * 0.5 <= 3.0, "ranges"),
+        "a product of two moving values": (lambda b, h, i, j: (i - j) * (i - j) <= 9, "ranges"),
+        "a 2-D table": (lambda b, h, i, j: layout[i // 4, j // 4], "ranges"),
+        "an index outside the table (wraps)": (lambda b, h, i, j: TABLE[(j - 1).clamp(max=len(TABLE) - 1)] > 2,
+                                               "every cell"),
+        "a key slope of 2 into a table": (lambda b, h, i, j: TABLE[(2 * j).clamp(max=len(TABLE) - 1)] > 2, "ranges"),
+        "too many pieces": (lambda b, h, i, j: (i + j) % 2 == 0, "ranges"),
     }
-    for name, mod in mods.items():
+    for name, (mod, way) in mods.items():
         with pytest.raises(_ranges.Unsupported):
             _pieces.derive(mod, 1, 2, n, n)
             pytest.fail(name)
         want = every_cell(mod, 1, n, n)
-        got = plan._derive(mod, 1, 2, n, n, torch.device("cpu"))
+        got, found_by = plan._derive(mod, 1, 2, n, n, torch.device("cpu"))
         assert (got is None and want is None) or same_rows(got, want), name
+        assert found_by == way, name
 
 
 def test_a_refusal_the_predicate_swallows_still_counts():
@@ -174,4 +177,5 @@ def test_a_refusal_the_predicate_swallows_still_counts():
 
     with pytest.raises(_ranges.Unsupported):
         _pieces.derive(swallows, 1, 1, 30, 30)
-    assert same_rows(plan._derive(swallows, 1, 1, 30, 30, torch.device("cpu")), every_cell(swallows, 1, 30, 30))
+    got, way = plan._derive(swallows, 1, 1, 30, 30, torch.device("cpu"))
+    assert same_rows(got, every_cell(swallows, 1, 30, 30)) and way == "every cell"

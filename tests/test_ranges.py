@@ -114,7 +114,7 @@ def test_a_2d_tensor_too_large_for_a_range_table_is_refused(monkeypatch):
     with pytest.raises(_ranges.Unsupported):
         _ranges.derive(lambda b, h, i, j: layout[i // 4, j // 4], 1, 1, 64, 64)
     want = every_cell(lambda b, h, i, j: layout[i // 4, j // 4], 1, 64, 64)
-    got = plan._derive(lambda b, h, i, j: layout[i // 4, j // 4], 1, 1, 64, 64, torch.device("cpu"))
+    got = plan._derive(lambda b, h, i, j: layout[i // 4, j // 4], 1, 1, 64, 64, torch.device("cpu"))[0]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -181,7 +181,7 @@ def test_rows_from_ranges_equal_every_cells(sides, q_len, extra, batch, a, c, se
             assert settled, name
             got = plan._pack(row, first, last, p, q_len, kv_len)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
-        got = plan._derive(mod, batch, 2, q_len, kv_len, torch.device("cpu"))  # the path plans take
+        got = plan._derive(mod, batch, 2, q_len, kv_len, torch.device("cpu"))[0]  # the path plans take
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
 
 
@@ -221,7 +221,7 @@ def test_ranges_give_up_where_they_settle_little_of_a_large_grid(monkeypatch):
     with pytest.raises(_ranges.Unsupported, match="settle too little"):
         _ranges.derive(checkerboard, 1, 1, 200, 200, (20, 4))  # 100 tiles of 20, all mixed
     want = every_cell(checkerboard, 1, 200, 200)
-    got = plan._derive(checkerboard, 1, 1, 200, 200, torch.device("cpu"))
+    got = plan._derive(checkerboard, 1, 1, 200, 200, torch.device("cpu"))[0]
     assert got is want is None or (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
     row, first, last, p = _ranges.derive(lambda b, h, i, j: i >= j, 1, 1, 200, 200, (20, 4))  # causal still settles
     assert row.numel() == 200
@@ -264,6 +264,6 @@ def test_what_ranges_cannot_follow_is_refused_and_every_cell_decides():
     assert counter["calls"] >= 1  # the exception was caught inside the predicate, and still refused
     for mod in (swallows, adds_booleans):
         want = every_cell(mod, 1, n, n)
-        got = plan._derive(mod, 1, 2, n, n, torch.device("cpu"))
+        got = plan._derive(mod, 1, 2, n, n, torch.device("cpu"))[0]
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert plan._derive(reads_head, 1, 2, n, n, torch.device("cpu")) is None  # per head: no interval form
+    assert plan._derive(reads_head, 1, 2, n, n, torch.device("cpu"))[0] is None  # per head: no interval form
