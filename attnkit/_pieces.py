@@ -130,42 +130,40 @@ def _common(*xs: Pieces, extra: Tensor | None = None) -> Tensor | None:
 
 
 def _make(cuts: Tensor | None, slope: Tensor | None, icept: Tensor) -> Pieces:
-    """A value, with its empty pieces dropped and its equal neighbours merged once it has many."""
+    """A value, with its empty pieces dropped and equal neighbours merged once it has many."""
     if cuts is None or cuts.shape[1] <= 9:
         return Pieces(cuts, slope, icept)
     return _compact(cuts, slope, icept)
 
 
 def _compact(cuts: Tensor, slope: Tensor | None, icept: Tensor) -> Pieces:
-    """The same value with no empty piece and no two neighbours alike (so a boolean's true pieces
-    are its runs); rows padded with empty pieces at ``kv_len``."""
+    """The same value with no empty piece, and a piece like the live one just before it merged into
+    that one; rows padded with empty pieces at ``kv_len``."""
     rows = max(cuts.shape[0], icept.shape[0], 1 if slope is None else slope.shape[0])
     p = cuts.shape[1] - 1
     cuts = cuts.expand(rows, -1)
     start, end = cuts[:, :-1], cuts[:, 1:]
-    slope = None if slope is None else slope.expand(rows, p)
     icept = icept.expand(rows, p)
+    slope = None if slope is None else slope.expand(rows, p)
     live = end > start
-    index = torch.arange(p).expand(rows, p)
-    upto = torch.where(live, index, -1).cummax(1).values  # the last live piece up to each one
-    before = torch.cat([torch.full((rows, 1), -1), upto[:, :-1]], 1)  # ... before each one
-    at = before.clamp(min=0)
-    alike = (before >= 0) & (icept == torch.gather(icept, 1, at))
+    alike = live[:, :-1] & (icept[:, 1:] == icept[:, :-1])
     if slope is not None:
-        alike &= slope == torch.gather(slope, 1, at)
-    keep = live & ~alike  # a live piece like the live one before it extends that one
-    counts = keep.sum(1)
-    width = max(1, int(counts.max()))
+        alike &= slope[:, 1:] == slope[:, :-1]
+    keep = live.clone()
+    keep[:, 1:] &= ~alike
+    at = keep.cumsum(1) - 1  # each kept piece's place
+    width = max(1, int(at[:, -1].max()) + 1)
     if width > MOST_PIECES:
         raise Unsupported(f"a row with more than {MOST_PIECES} pieces")
-    order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, :width]  # kept ones first, in order
-    valid = torch.arange(width) < counts.unsqueeze(1)
-    first = torch.where(valid, torch.gather(start, 1, order), _keys.kv_len)
-    first[:, 0] = 0
-    new_cuts = torch.cat([first, torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1)
-    new_slope = None if slope is None else torch.where(valid, torch.gather(slope, 1, order), 0)
-    new_icept = torch.where(valid, torch.gather(icept, 1, order), torch.zeros((), dtype=icept.dtype))
-    return Pieces(new_cuts, new_slope, new_icept)
+    at = torch.where(keep, at, width)  # the others go to a column dropped below
+
+    def packed(t: Tensor, fill) -> Tensor:
+        return torch.full((rows, width + 1), fill, dtype=t.dtype).scatter_(1, at, t)
+
+    new_cuts = packed(start, _keys.kv_len)
+    new_cuts[:, 0], new_cuts[:, width] = 0, _keys.kv_len
+    new_slope = None if slope is None else packed(slope, 0)[:, :width]
+    return Pieces(new_cuts, new_slope, packed(icept, False if icept.dtype == torch.bool else 0)[:, :width])
 
 
 # ---- arithmetic -------------------------------------------------------------------------------
