@@ -217,7 +217,7 @@ def run(quick: bool, out_dir: Path) -> str:
             fwd = interleaved_medians(cands, repeat=rounds)
         fb = interleaved_medians({key: _fb(fn, q, k, v) for key, fn in cands.items()}, repeat=rounds)
         fwd_times[name] = fwd["mine"]
-        share = f"{analysis * 1e3:.0f} ({analysis / fwd['mine']:.0%})"
+        share = f"{analysis * 1e3:.{1 if analysis < 0.01 else 0}f} ({analysis / fwd['mine']:.0%})"
         rows.append([name, path, how, share, fwd["mine"] * 1e3, fb["mine"] * 1e3, fwd["sdpa"] * 1e3, fb["sdpa"] * 1e3,
                      f"{fb['sdpa'] / fb['mine']:.1f}x faster",
                      fwd["helper"] * 1e3 if helper else "-", fb["helper"] * 1e3 if helper else "-",
