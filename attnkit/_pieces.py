@@ -27,7 +27,7 @@ import threading
 import torch
 from torch import Tensor
 
-from ._ranges import Unsupported, _state, stands_in
+from ._ranges import ReadsHead, Unsupported, _state, stands_in
 
 #: Most pieces a value may have in a row; more (a pattern that changes every few keys) is left to tiles.
 MOST_PIECES = 64
@@ -76,7 +76,7 @@ def _lift(x) -> Pieces:
     if isinstance(x, Pieces):
         return x
     if isinstance(x, _Head):
-        raise Unsupported("the predicate reads the head")
+        raise ReadsHead()
     if isinstance(x, bool) or (isinstance(x, Tensor) and x.dim() == 0 and x.dtype == torch.bool):
         return Pieces(None, None, torch.as_tensor(x).view(1, 1))
     if isinstance(x, int) or (isinstance(x, Tensor) and x.dim() == 0 and not x.is_floating_point()
@@ -409,6 +409,8 @@ def _new_full(a, size, fill, *, dtype=None, **kwargs):
 def _getitem(table, index):
     """``table[index]``: a captured 1-D integer or bool tensor, read at an index of slope 0 or 1
     that stays within it; cut where the table's entries change."""
+    if any(isinstance(i, _Head) for i in (index if isinstance(index, tuple) else (index,))):
+        raise ReadsHead()
     if isinstance(index, tuple) and len(index) == 1:
         index = index[0]
     if (not isinstance(table, Tensor) or table.dim() != 1 or table.is_floating_point() or table.is_complex()
@@ -465,7 +467,23 @@ for _names, _rule in [
         _RULES[_name] = _rule
 
 stands_in(Pieces, _RULES)
-stands_in(_Head, {})
+
+
+class _EveryRule(dict):
+    """The head index's rules: whatever is done with it reads the head."""
+
+    def get(self, name, default=None):
+        return _reads_head
+
+    def __contains__(self, name):
+        return True
+
+
+def _reads_head(*args, **kwargs):
+    raise ReadsHead()
+
+
+stands_in(_Head, _EveryRule())
 
 
 def derive(mod, batch: int, heads: int, q_len: int, kv_len: int) -> tuple[Tensor, Tensor, Tensor, int]:

@@ -48,6 +48,13 @@ class Unsupported(Exception):
         _state.failed.append(what)  # seen even if the predicate catches the exception and goes on
 
 
+class ReadsHead(Unsupported):
+    """The predicate reads the head index: its rows are worked out per head (heads folded into the batch)."""
+
+    def __init__(self):
+        super().__init__("the predicate reads the head")
+
+
 class _State(threading.local):
     """One derivation's notes, per thread: what failed, and the sparse tables of indexed tensors."""
 
@@ -541,7 +548,7 @@ def _kinds(mod, b: Tensor, h: Tensor, q0: Tensor, q1: Tensor, k0: Tensor, k1: Te
         raise Unsupported("the predicate did not return booleans")
     lo, hi = (as_grid(x) for x in (out.lo, out.hi))
     if lo.shape[1] > 1 or hi.shape[1] > 1:
-        raise Unsupported("the predicate reads the head")
+        raise ReadsHead()
     p = max(lo.shape[0], hi.shape[0])
     return tuple(x.expand(p, 1, 1, q0.numel())[:, 0, 0] for x in (lo, hi))
 
@@ -611,7 +618,7 @@ def _tile_cells(mod, b, h, q0, q1, k0, k1, side: int, q_len: int, kv_len: int):
         raise Unsupported("the predicate did not return booleans")
     out = as_grid(out)
     if out.shape[1] > 1 and not bool((out == out[:, :1]).all()):
-        raise Unsupported("the predicate reads the head")
+        raise ReadsHead()
     out = out[:, :1].expand(out.shape[0], 1, rows.numel(), side)[:, 0] & valid  # [p, N * side, side]
     first, last = runs(out.reshape(-1, side))
     pi, at = first[:, 0] // rows.numel(), first[:, 0] % rows.numel()

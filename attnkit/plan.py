@@ -64,7 +64,9 @@ class MaskPlan:
     Callable as a predicate (``plan(b, h, q_idx, kv_idx) -> bool``). Attributes: ``q_len``,
     ``kv_len``, ``batch`` (the batch it was built for, all batch dims flattened; intervals may be
     shared, ``[1, Lq, K]``), ``device``, ``starts``/``ends`` (None when the mask has no interval
-    form), ``predicate``, and ``derived_by``: how a predicate's intervals were found
+    form), ``heads`` (the heads it was built for when its rows differ by head: then ``starts``/
+    ``ends`` are ``[B*H, Lq, K]``, batch element ``b`` head ``h`` at ``b * H + h``; None when every
+    head shares them), ``predicate``, and ``derived_by``: how a predicate's intervals were found
     (``"closed form"``, ``"ranges"``, ``"every cell"``; ``"its own intervals"`` for a typed mask
     of :mod:`attnkit.masks`, ``"is_causal/window"`` for those alone; None without a mask).
     """
@@ -72,8 +74,9 @@ class MaskPlan:
     derived_by: str | None = None
 
     def __init__(self, predicate, *, q_len: int, kv_len: int, batch: int, device: torch.device,
-                 starts: Tensor | None, ends: Tensor | None):
+                 starts: Tensor | None, ends: Tensor | None, heads: int | None = None):
         self.predicate = predicate
+        self.heads = heads
         self.q_len, self.kv_len, self.batch, self.device = q_len, kv_len, batch, device
         self.starts, self.ends = starts, ends
         self._kinds: dict[tuple[int, int], Tensor] = {}
@@ -83,11 +86,16 @@ class MaskPlan:
 
     def __repr__(self) -> str:
         form = "no intervals" if self.starts is None else f"{self.starts.shape[-1]} interval(s) per row"
-        how = f", derived by {self.derived_by}" if self.derived_by else ""
+        how = (f" per head ({self.heads})" if self.heads else "") + (f", derived by {self.derived_by}"
+                                                                     if self.derived_by else "")
         return f"MaskPlan(q_len={self.q_len}, kv_len={self.kv_len}, batch={self.batch}, {form}{how})"
 
-    def check(self, batch: int, q_len: int, kv_len: int, device: torch.device | None = None) -> None:
-        """Raise ``ValueError`` unless this plan was built for these sizes (and device)."""
+    def check(self, batch: int, q_len: int, kv_len: int, device: torch.device | None = None,
+              heads: int | None = None) -> None:
+        """Raise ``ValueError`` unless this plan was built for these sizes (and device, and heads
+        where its rows differ by head)."""
+        if self.heads is not None and heads is not None and heads != self.heads:
+            raise ValueError(f"mask plan was built per head for {self.heads} heads, but the call has {heads}")
         got = (q_len, kv_len)
         if got != (self.q_len, self.kv_len):
             raise ValueError(f"mask plan was built for q_len={self.q_len}, kv_len={self.kv_len}, "
@@ -119,7 +127,7 @@ def mask_plan(mask_mod=None, *, q_len: int, kv_len: int | None = None, batch: in
             broadcasting), a typed mask of :mod:`attnkit.masks`, or None.
         q_len, kv_len: query and key lengths (``kv_len`` defaults to ``q_len``).
         batch: the batch size of the calls (all batch dims flattened).
-        heads: query heads (a predicate that depends on the head has no interval form).
+        heads: query heads (a predicate that depends on the head gets intervals per head).
         is_causal, window: as in ``attnkit.attention`` (aligned bottom-right).
         device: where the calls run.
 
@@ -157,7 +165,7 @@ def for_request(req) -> MaskPlan | None:
     batch = math.prod(req.batch_shape)
     dev = req.query.device
     if isinstance(req.mask_mod, MaskPlan) and not req.is_causal and req.window is None and dense is None:
-        req.mask_mod.check(batch, req.q_len, req.kv_len, dev)
+        req.mask_mod.check(batch, req.q_len, req.kv_len, dev, req.heads)
         return req.mask_mod
     mod = req.mask_mod
     if dense is not None:
@@ -193,6 +201,7 @@ def _dense_predicate(mask: Tensor):
 def _build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> MaskPlan:
     bounded = is_causal or window is not None
     derived_by = "is_causal/window" if bounded else None
+    per_head = False
     rows = row_bounds(q_len, kv_len, is_causal, window) if bounded or mask_mod is None else None
     if mask_mod is not None:
         # A typed mask of attnkit.masks says its rows; any other predicate is evaluated once (under
@@ -203,7 +212,7 @@ def _build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> 
         if derived is None and compiling:
             derived, derived_by = _traced_derive(mask_mod, batch, heads, q_len, kv_len, device), "every cell, traced"
         elif derived is None:
-            derived, derived_by = _derive(mask_mod, batch, heads, q_len, kv_len, device)
+            derived, derived_by, per_head = _derive(mask_mod, batch, heads, q_len, kv_len, device)
         if derived is not None and not compiling and derived[0].shape[-1] > MAX_INTERVALS:
             derived = None
         if derived is None or not bounded:  # both in the shared form: all keys and x is x
@@ -212,7 +221,8 @@ def _build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> 
             rows = _masks.intersect_intervals(rows, derived, kv_len)
     predicate = combined_mask_mod(is_causal, window, kv_len - q_len, mask_mod) or _everything
     starts, ends = rows if rows is not None else (None, None)
-    plan = MaskPlan(predicate, q_len=q_len, kv_len=kv_len, batch=batch, device=device, starts=starts, ends=ends)
+    plan = MaskPlan(predicate, q_len=q_len, kv_len=kv_len, batch=batch, device=device, starts=starts, ends=ends,
+                    heads=heads if per_head and starts is not None else None)
     plan.derived_by = derived_by
     return plan
 
@@ -270,19 +280,41 @@ def _everything(b, h, q_idx, kv_idx) -> Tensor:
 
 
 def _derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
-            device) -> tuple[tuple[Tensor, Tensor] | None, str]:
-    """Each row's runs of allowed keys (None when the mask depends on the head or a row has more
-    than :data:`MAX_INTERVALS` runs), and the way they were found (:attr:`MaskPlan.derived_by`):
-    in closed form (:mod:`attnkit._pieces`), else by running ``mod`` on ranges of indices
-    (:mod:`attnkit._ranges`: only the cells of tiles it cannot settle are evaluated), else by
-    evaluating ``mod`` on every cell (:func:`_every_cell`)."""
+            device) -> tuple[tuple[Tensor, Tensor] | None, str, bool]:
+    """Each row's runs of allowed keys (None when a row has more than :data:`MAX_INTERVALS` runs),
+    the way they were found (:attr:`MaskPlan.derived_by`), and whether they are per head.
+
+    The ways, first that can follow ``mod`` first: in closed form (:mod:`attnkit._pieces`), on
+    ranges of indices (:mod:`attnkit._ranges`: only the cells of tiles it cannot settle are
+    evaluated), on every cell (:func:`_every_cell`). A predicate that reads the head is worked out
+    again with the heads folded into the batch (element ``b * heads + h``): rows ``[B*H, Lq, K]``,
+    or ``[1, Lq, K]`` when every head and batch element comes out the same.
+    """
+    try:
+        return (*_one_set(mod, batch, heads, q_len, kv_len, device), False)
+    except _ranges.ReadsHead:
+        pass
+
+    def folded(b, h, q_idx, kv_idx):
+        return mod(b // heads, b % heads, q_idx, kv_idx)
+
+    rows, way = _one_set(folded, batch * heads, 1, q_len, kv_len, device)
+    return rows, way, rows is not None and rows[0].shape[0] > 1
+
+
+def _one_set(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[tuple[Tensor, Tensor] | None, str]:
+    """:func:`_derive` for rows shared by every head; raises :class:`attnkit._ranges.ReadsHead` when they are not."""
     if torch.device(device).type == "cpu":
         for name, way in (("closed form", _pieces.derive), ("ranges", _ranges.derive)):
             try:
                 row, first, last, p = way(mod, batch, heads, q_len, kv_len)
+            except _ranges.ReadsHead:
+                if heads > 1:
+                    raise
             except Exception:  # noqa: BLE001 (whatever one way cannot follow, the next decides)
                 continue
-            return _pack(row, first, last, p, q_len, kv_len), name
+            else:
+                return _pack(row, first, last, p, q_len, kv_len), name
     return _every_cell(mod, batch, heads, q_len, kv_len, device), "every cell"
 
 
@@ -290,7 +322,8 @@ def _every_cell(mod, batch: int, heads: int, q_len: int, kv_len: int, device) ->
     """:func:`_derive` by evaluating ``mod`` on every cell, in row chunks.
 
     Dependence on ``b`` and ``h`` shows in the result's shape: a broadcasting predicate that never
-    reads ``h`` returns size 1 along it. One that does is compared across heads.
+    reads ``h`` returns size 1 along it. One that does is compared across heads, and raises
+    :class:`attnkit._ranges.ReadsHead` where they differ.
     """
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
@@ -306,7 +339,7 @@ def _every_cell(mod, batch: int, heads: int, q_len: int, kv_len: int, device) ->
         out = _masks.as_grid(out)
         if out.shape[1] > 1:
             if not bool((out == out[:, :1]).all()):
-                return None
+                raise _ranges.ReadsHead()  # the caller works it out per head
             out = out[:, :1]
         out = out.expand(out.shape[0], 1, q.shape[2], kv_len)[:, 0]  # [1 or B, R, Lk]
         per_batch = per_batch or out.shape[0] > 1

@@ -162,23 +162,26 @@ def test_chosen_when_every_row_sees_one_interval_of_keys(monkeypatch):
               {},  # no mask: every row sees every key
               {"mask_mod": lambda b, h, i, j: j <= i},  # a user's predicate: its plan finds the rows
               {"mask_mod": masks.or_masks(masks.causal_mod(), masks.window_mod(0, 2))},  # a union that is one run
-              {"window": (2, 2), "mask": torch.ones(20, 20, dtype=torch.bool)}]  # a dense mask: its rows are found
+              {"window": (2, 2), "mask": torch.ones(20, 20, dtype=torch.bool)},  # a dense mask: its rows are found
+              {"mask_mod": lambda b, h, i, j: (i + h) % 2 == j % 2}]  # depends on the head: rows per head
     for case in served:
         assert attnkit.which_backend(q, k, v, backend="blockwise", **case) == "band"
         want = attnkit.attention(q, k, v, backend="reference", **case)
         close(attnkit.attention(q, k, v, backend="band", **case), want)
     assert len(calls) == len(served)
-    for case in [{"window": (2, 2), "bias": torch.ones(20, 20, dtype=torch.float64)},  # a dense bias
-                 {"mask_mod": lambda b, h, i, j: (i + h) % 2 == j % 2}]:  # depends on the head
-        assert attnkit.which_backend(q, k, v, backend="blockwise", **case) == "fused_tiles"
+    wide = qkv(2, 2, 2, 20, 600)
+    for case, args in [({"window": (2, 2), "bias": torch.ones(20, 20, dtype=torch.float64)}, (q, k, v)),  # dense bias
+                       ({"mask_mod": lambda b, h, i, j: j % 2 == 0}, wide)]:  # 300 runs a row: no interval form
+        assert attnkit.which_backend(*args, backend="blockwise", **case) == "fused_tiles"
     assert len(calls) == len(served)
 
 
 def test_forcing_it_where_it_cannot_run_says_why():
     q, k, v = qkv(1, 2, 2, 5, 5)
     band = attnkit.backends.get("band")
-    reasons = band.not_supported_reasons(build_request(q, k, v, mask_mod=lambda b, h, i, j: (i + h) % 2 == j % 2))
-    assert reasons == ["the mask has no interval form (it depends on the head, or a row has too many runs of keys)"]
+    wide = qkv(1, 2, 2, 5, 600)
+    reasons = band.not_supported_reasons(build_request(*wide, mask_mod=lambda b, h, i, j: j % 2 == 0))
+    assert reasons == ["the mask has no interval form (a row has too many runs of keys)"]
     assert band.not_supported_reasons(build_request(q, k, v, window=(1, 1))) == []
     with pytest.raises(ValueError, match="backend 'band' cannot serve this call: a dense bias"):
         attnkit.attention(q, k, v, bias=torch.ones(5, 5), backend="band")

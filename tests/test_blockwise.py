@@ -330,7 +330,10 @@ def test_auto_selection_and_refusals():
     q, k, v = qkv(1, 2, 2, 5, 5)
     assert attnkit.which_backend(q, k, v) == "sdpa"
     assert attnkit.which_backend(q, k, v, window=(1, 1)) == "band"
-    assert attnkit.which_backend(q, k, v, mask_mod=checkerboard) == "fused_tiles"  # depends on the head
+    assert attnkit.which_backend(q, k, v, mask_mod=checkerboard) == "band"  # intervals per head
+    wide = qkv(1, 2, 2, 5, 600)
+    every_other = lambda b, h, i, j: j % 2 == 0  # noqa: E731 (300 runs a row: no interval form)
+    assert attnkit.which_backend(*wide, mask_mod=every_other) == "fused_tiles"
     assert attnkit.which_backend(q, k, v, score_mod=scores.softcap(2.0)) == "band"  # the kernel caps too
     assert attnkit.which_backend(q, k, v, score_mod=lambda s, b, h, i, j: s * 2) == "tiles"
     assert attnkit.which_backend(q, k, v, window=(1, 1), backend="blockwise") == "band"  # a family: its first fit

@@ -12,19 +12,12 @@ from hypothesis import strategies as st
 
 from attnkit import _pieces, _ranges, plan
 
-from .test_ranges import catalogue, every_cell
+from .test_ranges import catalogue, every_cell, same_rows
 
 #: The catalogue's families the pieces must follow at any size (the dilated and strided ones are
 #: followed while their rows have few pieces, and left to tiles beyond that).
 FOLLOWED = {"causal", "window (and_masks)", "documents, causal", "global tokens (or_masks)", "prefix-LM",
             "padding per batch", "nothing allowed", "everything", "2-D neighbourhood (image rows of 7)"}
-
-
-def same_rows(got, want) -> bool:
-    """Equal intervals; pieces share one set of rows among batch elements that have the same mask."""
-    if got is None or want is None:
-        return False
-    return all(torch.equal(g.expand_as(w), w) for g, w in zip(got, want, strict=True))
 
 
 def pieces_rows(mod, batch, heads, q_len, kv_len):
@@ -138,7 +131,7 @@ def test_a_long_window_is_derived_without_evaluating_a_cell():
         return i >= j
 
     mod = and_masks(causal, lambda b, h, i, j: i - j <= 64)
-    got, way = plan._derive(mod, 1, 8, n, n, torch.device("cpu"))
+    got, way, _ = plan._derive(mod, 1, 8, n, n, torch.device("cpu"))
     assert seen == [_pieces.Pieces] and way == "closed form"  # called once, on pieces: no tile, no cell
     assert repr(plan.mask_plan(mod, q_len=n)).endswith("derived by closed form)")
     assert torch.equal(got[0].view(-1), (torch.arange(n) - 64).clamp(min=0))
@@ -149,7 +142,6 @@ def test_what_pieces_cannot_follow_is_refused_and_the_plan_still_gets_every_cell
     n = 200  # a key pattern of period 2: 100 pieces a row, over MOST_PIECES
     layout = torch.rand(50, 50, generator=torch.Generator().manual_seed(0)) < 0.5
     mods = {  # name: (predicate, the way that finds its rows)
-        "reads the head": (lambda b, h, i, j: (i >= j) & (h % 2 == 0), "every cell"),
         "a float": (lambda b, h, i, j: (i - j).float() * 0.5 <= 3.0, "ranges"),
         "a product of two moving values": (lambda b, h, i, j: (i - j) * (i - j) <= 9, "ranges"),
         "a 2-D table": (lambda b, h, i, j: layout[i // 4, j // 4], "ranges"),
@@ -163,7 +155,7 @@ def test_what_pieces_cannot_follow_is_refused_and_the_plan_still_gets_every_cell
             _pieces.derive(mod, 1, 2, n, n)
             pytest.fail(name)
         want = every_cell(mod, 1, n, n)
-        got, found_by = plan._derive(mod, 1, 2, n, n, torch.device("cpu"))
+        got, found_by, _ = plan._derive(mod, 1, 2, n, n, torch.device("cpu"))
         assert (got is None and want is None) or same_rows(got, want), name
         assert found_by == way, name
 
@@ -177,5 +169,15 @@ def test_a_refusal_the_predicate_swallows_still_counts():
 
     with pytest.raises(_ranges.Unsupported):
         _pieces.derive(swallows, 1, 1, 30, 30)
-    got, way = plan._derive(swallows, 1, 1, 30, 30, torch.device("cpu"))
+    got, way, _ = plan._derive(swallows, 1, 1, 30, 30, torch.device("cpu"))
     assert same_rows(got, every_cell(swallows, 1, 30, 30)) and way == "every cell"
+
+
+def test_a_predicate_that_reads_the_head_is_worked_out_per_head_in_closed_form():
+    mod = lambda b, h, i, j: (i >= j) & (i - j <= 3 * h)  # noqa: E731 (a window per head)
+    with pytest.raises(_ranges.ReadsHead):
+        _pieces.derive(mod, 2, 3, 40, 40)
+    got, way, per_head = plan._derive(mod, 2, 3, 40, 40, torch.device("cpu"))
+    assert way == "closed form" and per_head and got[0].shape[0] == 6  # batch element b, head h at b * 3 + h
+    want = every_cell(lambda b, h, i, j: mod(b // 3, b % 3, i, j), 6, 40, 40)
+    assert same_rows(got, want)

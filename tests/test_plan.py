@@ -66,16 +66,74 @@ def test_intervals_and_tile_kinds_equal_the_mask_cell_by_cell(q_len, extra, batc
                     assert int(kinds[t, k]) == expected, (name, tq, bk, t, k)
 
 
-def test_a_head_dependent_mask_has_no_intervals_and_the_tiles_serve_it():
+def test_a_head_dependent_mask_gets_intervals_per_head_and_the_band_kernel_serves_it():
     mod = lambda b, h, i, j: (i + h) % 2 == j % 2  # noqa: E731
     p = attnkit.mask_plan(mod, q_len=6, heads=2)
-    assert p.starts is None and p.kinds(2, 2) is None
+    assert p.heads == 2 and p.starts.shape[0] == 2 and "per head" in repr(p)
+    want = attnkit.masks.materialize(mod, 1, 2, 6, 6)[0]  # [H, Lq, Lk]
+    for h in range(2):
+        got = torch.zeros(6, 6, dtype=torch.bool)
+        for r in range(6):
+            for s, e in zip(p.starts[h, r].tolist(), p.ends[h, r].tolist(), strict=True):
+                got[r, s:e] = True
+        assert torch.equal(got, want[h])
     q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    assert attnkit.which_backend(q, k, v, mask=p) == "band"
+    close(attnkit.attention(q, k, v, mask=p), attnkit.attention(q, k, v, mask_mod=mod, backend="reference"))
+    with pytest.raises(ValueError, match="per head for 2 heads, but the call has 4"):
+        attnkit.attention(*(torch.randn(1, 4, 6, 4) for _ in range(3)), mask=p)
+    # the same predicate that happens to agree across heads is shared by them
+    same = lambda b, h, i, j: (i + 0 * h) % 2 == j % 2  # noqa: E731
+    shared = attnkit.mask_plan(same, q_len=6, heads=2)
+    assert shared.starts.shape[0] == 1 and shared.heads is None
+
+
+@pytest.mark.parametrize("how", ["closed form", "ranges", "every cell"])
+def test_per_head_masks_through_each_way_match_the_oracle_forward_and_backward(how):
+    """A different window per head (grouped-query heads: 4 query heads on 2 key/value heads), worked
+    out by each of the three ways, through the band kernel: the float64 oracle's values and gradients."""
+    wins = torch.tensor([3, 9, 20, 50])
+    mods = {
+        "closed form": lambda b, h, i, j: (i >= j) & (i - j <= wins[h]),
+        "ranges": lambda b, h, i, j: (i >= j) & ((i - j).float() <= wins[h].float()),
+        "every cell": lambda b, h, i, j: (i >= j) & (i - j <= wins[h - 4]),  # a negative index: it wraps
+    }
+    mod = mods[how]
+    p = attnkit.mask_plan(mod, q_len=70, batch=2, heads=4)
+    assert p.derived_by == how and p.heads == 4 and p.starts.shape[0] == 8
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 70, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 70, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert attnkit.which_backend(q, k, v, mask=p) == "band"
+    got = attnkit.attention(q, k, v, mask=p)
+    want = attnkit.attention(q, k, v, mask_mod=mod, backend="reference")
+    close(got, want)
+    dout = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout),
+                    strict=True):
+        close(a, b)
+
+
+def test_a_per_head_mask_with_a_per_head_bias_is_left_to_the_tiles():
+    wins = torch.tensor([3, 9])
+    mod = lambda b, h, i, j: (i >= j) & (i - j <= wins[h])  # noqa: E731
+    q, k, v = (torch.randn(1, 2, 40, 8, dtype=torch.float64) for _ in range(3))
+    alibi = attnkit.scores.alibi(torch.tensor([0.5, 0.25]))
+    with pytest.raises(ValueError, match="both depend on the head"):
+        attnkit.attention(q, k, v, mask_mod=mod, score_mod=alibi, backend="band")
+    assert attnkit.which_backend(q, k, v, mask_mod=mod, score_mod=alibi) == "tiles"
+    close(attnkit.attention(q, k, v, mask_mod=mod, score_mod=alibi),
+          attnkit.attention(q, k, v, mask_mod=mod, score_mod=alibi, backend="reference"))
+
+
+def test_a_mask_with_too_many_runs_has_no_intervals_and_the_tiles_serve_it():
+    mod = lambda b, h, i, j: j % 2 == 0  # noqa: E731 (every other key: 300 runs a row, over MAX_INTERVALS)
+    p = attnkit.mask_plan(mod, q_len=8, kv_len=600)
+    assert p.starts is None and p.kinds(2, 2) is None
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 600, 4, dtype=torch.float64) for _ in range(2))
     assert attnkit.which_backend(q, k, v, mask=p) == "fused_tiles"
     close(attnkit.attention(q, k, v, mask=p), attnkit.attention(q, k, v, mask_mod=mod, backend="reference"))
-    # the same predicate that happens to agree across heads is fine
-    same = lambda b, h, i, j: (i + 0 * h) % 2 == j % 2  # noqa: E731
-    assert attnkit.mask_plan(same, q_len=6, heads=2).starts is not None
 
 
 def test_a_plan_is_built_once_and_reused_across_calls_and_layers():

@@ -165,6 +165,13 @@ def every_cell(mod, batch, q_len, kv_len):
     return plan._every_cell(mod, batch, 2, q_len, kv_len, torch.device("cpu"))
 
 
+def same_rows(got, want) -> bool:
+    """Equal intervals; pieces share one set of rows among batch elements that have the same mask."""
+    if got is None or want is None:
+        return False
+    return all(torch.equal(g.expand_as(w), w) for g, w in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("sides", [(256, 16), (8, 3), (5, 2, 1)])
 @settings(deadline=None, max_examples=12)
 @given(q_len=st.integers(1, 90), extra=st.integers(-10, 40), batch=st.integers(1, 2), a=st.integers(0, 12),
@@ -266,4 +273,5 @@ def test_what_ranges_cannot_follow_is_refused_and_every_cell_decides():
         want = every_cell(mod, 1, n, n)
         got = plan._derive(mod, 1, 2, n, n, torch.device("cpu"))[0]
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert plan._derive(reads_head, 1, 2, n, n, torch.device("cpu"))[0] is None  # per head: no interval form
+    got, _, per_head = plan._derive(reads_head, 1, 2, n, n, torch.device("cpu"))  # heads folded into the batch
+    assert per_head and same_rows(got, every_cell(lambda b, h, i, j: reads_head(0, b, i, j), 2, n, n))

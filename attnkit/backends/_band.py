@@ -60,12 +60,15 @@ class Plan(NamedTuple):
     """What the kernel needs beyond q, k, v: each query row's keys as intervals (``starts``,
     ``ends``: int64 ``[1 or B, Lq, K]``, the convention of :mod:`attnkit.plan`), the score_mod's
     diagonal bias (``[1 or H, Lq + Lk - 1]``, with autograd; None without a score_mod) and the
-    soft-cap ``c`` of the scores (``t -> c * tanh(t / c)`` after scale and bias; 0 for none)."""
+    soft-cap ``c`` of the scores (``t -> c * tanh(t / c)`` after scale and bias; 0 for none).
+    ``per_head``: the intervals are ``[B*H, Lq, K]``, one set per batch element and head (then
+    ``bias`` is shared by the heads, ``[1, Lq + Lk - 1]``)."""
 
     starts: Tensor
     ends: Tensor
     bias: Tensor | None
     softcap: float = 0.0
+    per_head: bool = False
 
 
 @torch.compiler.assume_constant_result  # asked once while tracing, not traced (it builds and self-checks)
@@ -82,9 +85,21 @@ def unavailable_reason() -> str | None:
 def attention(req: Request, plan: Plan) -> Tensor:
     """The request's output through the kernel (differentiable in q, k, v and the bias's tensors).
 
-    ``plan``: what :func:`plan` returned for ``req``.
+    ``plan``: the backend's plan for ``req``. Intervals per head run each (batch element, head) as
+    a batch element of its own, with its key/value head (grouped-query heads shared).
     """
-    return run(req.query, req.key, req.value, plan.starts, plan.ends, plan.bias, req.scale, plan.softcap)
+    q, k, v = req.query, req.key, req.value
+    if not plan.per_head:
+        return run(q, k, v, plan.starts, plan.ends, plan.bias, req.scale, plan.softcap)
+    heads = q.shape[-3]
+
+    def one_head_each(t: Tensor) -> Tensor:  # [..., Hkv, L, E] -> [... * H, 1, L, E]
+        t = t.reshape(-1, t.shape[-3], 1, *t.shape[-2:])
+        return t.expand(-1, -1, heads // t.shape[1], -1, -1).reshape(-1, 1, *t.shape[-2:])
+
+    out = run(one_head_each(q), one_head_each(k), one_head_each(v), plan.starts, plan.ends, plan.bias, req.scale,
+              plan.softcap)
+    return out.view(*q.shape[:-1], v.shape[-1])
 
 
 def run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor, bias: Tensor | None, scale: float,

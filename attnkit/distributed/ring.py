@@ -16,7 +16,7 @@ mask is worked out once per call as each of this rank's query rows' allowed keys
 (:func:`attnkit.mask_plan`); each (query run, key run) of a block then goes through the banded C++
 kernel of the ``"band"`` backend (:func:`attnkit.backends._band.partial_forward`), so a rank
 computes only allowed cells, as one process would. Without the kernel (not built, not CPU) or
-without an interval form (a mask that depends on the head), the block is computed in tiles of at
+without an interval form shared by the heads (a mask that depends on the head), the block is computed in tiles of at
 most 512 x 512 scores with the predicate evaluated per tile, and empty tiles are skipped.
 
 Every rank must be called alike (apart from its shards): one small ``all_gather`` per call of
@@ -517,7 +517,7 @@ def _my_rows(req, q_pos: Tensor, q_len: int, kv_len: int) -> tuple[Tensor, Tenso
         return whole(b, h, q_pos[q_idx], kv_idx)
 
     plan = mask_plan(mine, q_len=q_pos.numel(), kv_len=kv_len, batch=b, heads=h)
-    return None if plan.starts is None else (plan.starts, plan.ends)
+    return None if plan.starts is None or plan.heads is not None else (plan.starts, plan.ends)
 
 
 def _global_rank(group, group_rank: int) -> int:
