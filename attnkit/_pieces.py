@@ -33,6 +33,9 @@ from ._ranges import ReadsHead, Unsupported, _state, stands_in
 MOST_PIECES = 64
 #: Beyond every index: the ends of a half-line of keys before it is cut to a piece.
 _FAR = 1 << 62
+#: Largest magnitude a constant or a product may reach here (sums of a few stay far from int64's
+#: limits, so nothing wraps around where the predicate's own arithmetic would not).
+_LARGE = 1 << 40
 
 
 class _Keys(threading.local):
@@ -81,6 +84,8 @@ def _lift(x) -> Pieces:
         return Pieces(None, None, torch.as_tensor(x).view(1, 1))
     if isinstance(x, int) or (isinstance(x, Tensor) and x.dim() == 0 and not x.is_floating_point()
                               and not x.is_complex()):
+        if abs(int(x)) > _LARGE:
+            raise Unsupported(f"a constant as large as {int(x)}")
         t = torch.as_tensor(x, dtype=torch.int64).view(1, 1)
         return Pieces(None, torch.zeros_like(t), t)
     raise Unsupported(f"a {type(x).__name__} operand (floats and shaped tensors are left to tiles)")
@@ -203,7 +208,10 @@ def _mul(a, b):
     start, end = _bounds(cuts)
     if bool(((sa * sb != 0) & (end > start)).any()):
         raise Unsupported("a product of two values that both change along the keys")
-    return _make(cuts, sa * cb + sb * ca, ca * cb)
+    slope, icept = sa * cb + sb * ca, ca * cb
+    if bool((slope.abs() * _keys.kv_len + icept.abs() > _LARGE).any()):
+        raise Unsupported("a product too large to follow")
+    return _make(cuts, slope, icept)
 
 
 def _positive_constant(m) -> int:

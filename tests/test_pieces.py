@@ -149,6 +149,7 @@ def test_what_pieces_cannot_follow_is_refused_and_the_plan_still_gets_every_cell
                                                "every cell"),
         "a key slope of 2 into a table": (lambda b, h, i, j: TABLE[(2 * j).clamp(max=len(TABLE) - 1)] > 2, "ranges"),
         "too many pieces": (lambda b, h, i, j: (i + j) % 2 == 0, "ranges"),
+        "a constant near int64's limits": (lambda b, h, i, j: (i - j) * 10**15 <= 10**17, "ranges"),
     }
     for name, (mod, way) in mods.items():
         with pytest.raises(_ranges.Unsupported):
