@@ -27,7 +27,7 @@ import threading
 import torch
 from torch import Tensor
 
-from ._ranges import ReadsHead, Unsupported, _state, stands_in
+from ._ranges import ReadsHead, Unsupported, _state, rule_table, stands_in
 
 #: Most pieces a value may have in a row; more (a pattern that changes every few keys) is left to tiles.
 MOST_PIECES = 64
@@ -378,7 +378,9 @@ def _not(a):
 # ---- dtypes, constants and tables -------------------------------------------------------------
 
 
-def _cast(a, dtype: torch.dtype) -> Pieces:
+def _cast(a, dtype: torch.dtype | None) -> Pieces:
+    if dtype is None:
+        return _lift(a)
     if dtype == torch.bool:
         a = _lift(a)
         return a if a.is_bool else _ne(a, 0)
@@ -387,31 +389,11 @@ def _cast(a, dtype: torch.dtype) -> Pieces:
     return _integer(a)
 
 
-def _to(a, *args, **kwargs):
-    dtype = kwargs.pop("dtype", None)
-    for x in args:
-        if isinstance(x, torch.dtype):
-            dtype = x
-        elif not isinstance(x, (torch.device, str)):
-            raise Unsupported("to() with a tensor")
-    return _lift(a) if dtype is None else _cast(a, dtype)
-
-
-def _constant(value):
-    def make(a, *args, dtype=None, **kwargs):
-        _lift(a)
-        if dtype is not None and (dtype.is_floating_point or dtype.is_complex):
-            raise Unsupported("a float constant (left to tiles)")
-        return _lift(bool(value) if dtype == torch.bool else int(value))
-    return make
-
-
-def _full_like(a, fill, *, dtype=None, **kwargs):
-    return _constant(fill)(a, dtype=dtype)
-
-
-def _new_full(a, size, fill, *, dtype=None, **kwargs):
-    return _constant(fill)(a, dtype=dtype)
+def _constant(a, value, dtype) -> Pieces:
+    dtype = dtype if dtype is not None else (torch.bool if _lift(a).is_bool else torch.int64)
+    if dtype.is_floating_point or dtype.is_complex:
+        raise Unsupported("a float constant (left to tiles)")
+    return _lift(bool(value) if dtype == torch.bool else int(value))
 
 
 def _getitem(table, index):
@@ -449,30 +431,13 @@ def _getitem(table, index):
     return _cast(out, torch.bool) if table.dtype == torch.bool else out
 
 
-_RULES: dict = {}
-for _names, _rule in [
-    (("add", "__add__", "__iadd__"), _add), (("__radd__",), lambda a, b: _add(b, a)),
-    (("sub", "subtract", "__sub__", "__isub__"), _sub), (("__rsub__", "rsub"), lambda a, b, *r: _sub(b, a, *r)),
-    (("mul", "multiply", "__mul__", "__imul__", "__rmul__"), _mul),
-    (("neg", "negative", "__neg__"), _neg), (("abs", "absolute", "__abs__"), _abs),
-    (("floor_divide", "__floordiv__"), _floor_divide), (("remainder", "__mod__"), _remainder),
-    (("minimum",), _minimum), (("maximum",), _maximum), (("clamp", "clip"), _clamp),
-    (("lt", "less", "__lt__"), _lt), (("le", "less_equal", "__le__"), _le),
-    (("gt", "greater", "__gt__"), _gt), (("ge", "greater_equal", "__ge__"), _ge),
-    (("eq", "__eq__"), _eq), (("ne", "not_equal", "__ne__"), _ne),
-    (("logical_and", "bitwise_and", "__and__", "__rand__", "__iand__"), lambda a, b: _logic(a, b, torch.logical_and)),
-    (("logical_or", "bitwise_or", "__or__", "__ror__", "__ior__"), lambda a, b: _logic(a, b, torch.logical_or)),
-    (("logical_xor", "bitwise_xor", "__xor__", "__rxor__"), lambda a, b: _logic(a, b, torch.logical_xor)),
-    (("logical_not", "bitwise_not", "__invert__"), _not),
-    (("where",), _where), (("to",), _to),
-    (("long",), lambda a, *_, **__: _cast(a, torch.int64)), (("int",), lambda a, *_, **__: _cast(a, torch.int32)),
-    (("bool",), lambda a, *_, **__: _cast(a, torch.bool)),
-    (("ones_like", "new_ones"), _constant(1)), (("zeros_like", "new_zeros"), _constant(0)),
-    (("full_like",), _full_like), (("new_full",), _new_full),
-    (("__getitem__",), _getitem),
-]:
-    for _name in _names:
-        _RULES[_name] = _rule
+_RULES = rule_table({
+    "add": _add, "sub": _sub, "mul": _mul, "neg": _neg, "abs": _abs, "floor_divide": _floor_divide,
+    "remainder": _remainder, "minimum": _minimum, "maximum": _maximum, "clamp": _clamp,
+    "lt": _lt, "le": _le, "gt": _gt, "ge": _ge, "eq": _eq, "ne": _ne,
+    "and": lambda a, b: _logic(a, b, torch.logical_and), "or": lambda a, b: _logic(a, b, torch.logical_or),
+    "xor": lambda a, b: _logic(a, b, torch.logical_xor), "not": _not, "where": _where, "getitem": _getitem,
+}, _cast, _constant)
 
 stands_in(Pieces, _RULES)
 

@@ -145,6 +145,51 @@ def stands_in(cls: type, rules: dict) -> type:
     return cls
 
 
+#: Each operation the stand-ins follow, under the names torch calls it by (functions, methods, operators).
+NAMES = {
+    "add": ("add", "__add__", "__iadd__"), "sub": ("sub", "subtract", "__sub__", "__isub__"),
+    "mul": ("mul", "multiply", "__mul__", "__imul__", "__rmul__"), "neg": ("neg", "negative", "__neg__"),
+    "abs": ("abs", "absolute", "__abs__"), "div": ("div", "divide", "true_divide", "__truediv__"),
+    "floor_divide": ("floor_divide", "__floordiv__"), "remainder": ("remainder", "__mod__"),
+    "minimum": ("minimum",), "maximum": ("maximum",), "clamp": ("clamp", "clip"),
+    "lt": ("lt", "less", "__lt__"), "le": ("le", "less_equal", "__le__"), "gt": ("gt", "greater", "__gt__"),
+    "ge": ("ge", "greater_equal", "__ge__"), "eq": ("eq", "__eq__"), "ne": ("ne", "not_equal", "__ne__"),
+    "and": ("logical_and", "bitwise_and", "__and__", "__rand__", "__iand__"),
+    "or": ("logical_or", "bitwise_or", "__or__", "__ror__", "__ior__"),
+    "xor": ("logical_xor", "bitwise_xor", "__xor__", "__rxor__"),
+    "not": ("logical_not", "bitwise_not", "__invert__"), "where": ("where",), "getitem": ("__getitem__",),
+}
+
+
+def rule_table(ops: dict, cast, constant) -> dict:
+    """Name -> rule for a stand-in: each operation of ``ops`` under all its :data:`NAMES`, the
+    reflected ``+`` and ``-``, casts (``.to(dtype)``, ``.long()``, ...) through ``cast(a, dtype)``
+    (dtype None: ``a`` as it is), and constants shaped like an index (``ones_like``,
+    ``new_full``, ...) through ``constant(a, value, dtype)``."""
+    table = {name: rule for op, rule in ops.items() for name in NAMES[op]}
+    table["__radd__"] = lambda a, b, **kw: ops["add"](b, a, **kw)
+    table["__rsub__"] = table["rsub"] = lambda a, b, *rest, **kw: ops["sub"](b, a, *rest, **kw)
+
+    def to(a, *args, dtype=None, **kwargs):
+        for x in args:
+            if isinstance(x, torch.dtype):
+                dtype = x
+            elif not isinstance(x, (torch.device, str)):
+                raise Unsupported("to() with a tensor")
+        return cast(a, dtype)
+
+    table["to"] = to
+    for name, dtype in (("long", torch.int64), ("int", torch.int32), ("bool", torch.bool),
+                        ("float", torch.float32), ("double", torch.float64)):
+        table[name] = (lambda d: lambda a, *_, **__: cast(a, d))(dtype)
+    for names, value in ((("ones_like", "new_ones"), 1), (("zeros_like", "new_zeros"), 0)):
+        for name in names:
+            table[name] = (lambda v: lambda a, *_, dtype=None, **__: constant(a, v, dtype))(value)
+    table["full_like"] = lambda a, fill, *, dtype=None, **_: constant(a, fill, dtype)
+    table["new_full"] = lambda a, size, fill, *, dtype=None, **_: constant(a, fill, dtype)
+    return table
+
+
 def _exact(x) -> Range:
     """A constant as a range: a Python number or a 0-d tensor (a larger captured tensor used
     directly, not indexed, has a shape the tiles do not share)."""
@@ -336,8 +381,10 @@ def _where(cond, x, y):
 # ---- dtypes and constants ---------------------------------------------------------------------
 
 
-def _cast(a, dtype: torch.dtype) -> Range:
+def _cast(a, dtype: torch.dtype | None) -> Range:
     a = _exact(a)
+    if dtype is None:
+        return a
     if dtype == torch.bool:
         return a if _is_bool(a.lo) else _ne(a, 0)
     if a.lo.is_floating_point() and not dtype.is_floating_point:
@@ -345,30 +392,10 @@ def _cast(a, dtype: torch.dtype) -> Range:
     return Range(a.lo.to(dtype), a.hi.to(dtype))
 
 
-def _to(a, *args, **kwargs):
-    dtype = kwargs.pop("dtype", None)
-    for x in args:
-        if isinstance(x, torch.dtype):
-            dtype = x
-        elif not isinstance(x, (torch.device, str)):
-            raise Unsupported("to() with a tensor")
-    return _exact(a) if dtype is None else _cast(a, dtype)
-
-
-def _constant(value):
-    def make(a, *args, dtype=None, **kwargs):
-        a = _exact(a)
-        t = torch.tensor(value, dtype=dtype if dtype is not None else a.lo.dtype)
-        return Range(t, t)
-    return make
-
-
-def _full_like(a, fill, *, dtype=None, **kwargs):
-    return _constant(fill)(a, dtype=dtype)
-
-
-def _new_full(a, size, fill, *, dtype=None, **kwargs):
-    return _constant(fill)(a, dtype=dtype)
+def _constant(a, value, dtype) -> Range:
+    a = _exact(a)
+    t = torch.tensor(value, dtype=dtype if dtype is not None else a.lo.dtype)
+    return Range(t, t)
 
 
 #: Most entries of a range-minimum table for a captured 2-D tensor (its size times the levels along
@@ -449,36 +476,12 @@ def _doubling(t: Tensor, axis: int, count: int, maximum: bool = False) -> Tensor
     return torch.stack(out)
 
 
-def _swapped(rule):
-    return lambda a, b, *rest, **kw: rule(b, a, *rest, **kw)
-
-
-_RULES: dict = {}
-for _names, _rule in [
-    (("add", "__add__", "__iadd__"), _add), (("__radd__",), _swapped(_add)),
-    (("sub", "subtract", "__sub__", "__isub__"), _sub), (("__rsub__", "rsub"), _swapped(_sub)),
-    (("mul", "multiply", "__mul__", "__imul__", "__rmul__"), _mul),
-    (("neg", "negative", "__neg__"), _neg), (("abs", "absolute", "__abs__"), _abs),
-    (("div", "divide", "true_divide", "__truediv__"), _div),
-    (("floor_divide", "__floordiv__"), _floor_divide), (("remainder", "__mod__"), _remainder),
-    (("minimum",), _minimum), (("maximum",), _maximum), (("clamp", "clip"), _clamp),
-    (("lt", "less", "__lt__"), _lt), (("le", "less_equal", "__le__"), _le),
-    (("gt", "greater", "__gt__"), _gt), (("ge", "greater_equal", "__ge__"), _ge),
-    (("eq", "__eq__"), _eq), (("ne", "not_equal", "__ne__"), _ne),
-    (("logical_and", "bitwise_and", "__and__", "__rand__", "__iand__"), _and),
-    (("logical_or", "bitwise_or", "__or__", "__ror__", "__ior__"), _or),
-    (("logical_xor", "bitwise_xor", "__xor__", "__rxor__"), _xor),
-    (("logical_not", "bitwise_not", "__invert__"), _not),
-    (("where",), _where), (("to",), _to),
-    (("long",), lambda a, *_, **__: _cast(a, torch.int64)), (("int",), lambda a, *_, **__: _cast(a, torch.int32)),
-    (("bool",), lambda a, *_, **__: _cast(a, torch.bool)), (("float",), lambda a, *_, **__: _cast(a, torch.float32)),
-    (("double",), lambda a, *_, **__: _cast(a, torch.float64)),
-    (("ones_like", "new_ones"), _constant(1)), (("zeros_like", "new_zeros"), _constant(0)),
-    (("full_like",), _full_like), (("new_full",), _new_full),
-    (("__getitem__",), _getitem),
-]:
-    for _name in _names:
-        _RULES[_name] = _rule
+_RULES = rule_table({
+    "add": _add, "sub": _sub, "mul": _mul, "neg": _neg, "abs": _abs, "div": _div, "floor_divide": _floor_divide,
+    "remainder": _remainder, "minimum": _minimum, "maximum": _maximum, "clamp": _clamp,
+    "lt": _lt, "le": _le, "gt": _gt, "ge": _ge, "eq": _eq, "ne": _ne,
+    "and": _and, "or": _or, "xor": _xor, "not": _not, "where": _where, "getitem": _getitem,
+}, _cast, _constant)
 
 stands_in(Range, _RULES)
 
