@@ -8,16 +8,19 @@ pieces ``[cut_j, cut_j+1)`` of the key axis on which it is ``slope * kv_idx + in
 (integers; booleans are constant on each piece). An operation cuts pieces where its result
 changes (a comparison where the difference crosses zero, ``//`` at multiples, a table where its
 entries change) and the final boolean's true pieces are the row's runs. Exact, and O(rows x
-pieces) work: 1 ms for a window at n = 8192, where tiles and cells (:mod:`attnkit._ranges`) take 4.
+pieces) work: 1-1.5 ms for a window at n = 8192, where tiles and cells (:mod:`attnkit._ranges`)
+take 4-6.
 
 Followed: ``+ - neg abs``, ``*`` when one side is constant along the keys, ``//`` and ``%`` by a
 positive integer constant, comparisons, ``& | ^ ~`` and the ``logical_*`` forms,
 ``minimum``/``maximum``/``clamp``, ``where``, casts between bool and integer dtypes,
 ``new_ones``/``ones_like`` and friends, and indexing a captured 1-D integer or bool tensor
 (``doc_ids[kv_idx]``). Anything else raises :class:`attnkit._ranges.Unsupported` and the tiles take
-over: floats, a product of two key-dependent values, the head index (with more than one head), a
-2-D table, an index of slope other than 0 or 1 into a table, an index outside the table, a row
-with more than :data:`MOST_PIECES` pieces (a dilated pattern's every other key).
+over: floats, a product of two key-dependent values, constants beyond 2^40, a 2-D table, an index
+of slope other than 0 or 1 into a table, an index outside the table, a row with more than
+:data:`MOST_PIECES` pieces (a dilated pattern's every other key). Reading the head index where
+there are several heads raises :class:`attnkit._ranges.ReadsHead`: the plan then works the
+predicate out again with the heads folded into the batch, where the head is a value per row.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class Pieces:
 
 
 class _Head:
-    """The head index where there are several heads: any use is refused (the tiles look further)."""
+    """The head index where there are several heads: any use raises :class:`ReadsHead`."""
 
 
 def _lift(x) -> Pieces:
@@ -491,7 +494,7 @@ def derive(mod, batch: int, heads: int, q_len: int, kv_len: int) -> tuple[Tensor
     first, last = start[row, j], end[row, j]
     joins = torch.zeros_like(row, dtype=torch.bool)  # a piece that begins where the one before it ended
     joins[1:] = (row[1:] == row[:-1]) & (first[1:] == last[:-1])
-    heads = ~joins
-    tails = torch.ones_like(heads)
-    tails[:-1] = heads[1:]
-    return row[heads], first[heads], last[tails], p
+    opens = ~joins  # the first piece of each run
+    closes = torch.ones_like(opens)  # ... and the last
+    closes[:-1] = opens[1:]
+    return row[opens], first[opens], last[closes], p

@@ -309,8 +309,7 @@ def _one_set(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tu
             try:
                 row, first, last, p = way(mod, batch, heads, q_len, kv_len)
             except _ranges.ReadsHead:
-                if heads > 1:
-                    raise
+                raise
             except Exception:  # noqa: BLE001 (whatever one way cannot follow, the next decides)
                 continue
             else:

@@ -16,8 +16,9 @@ mask is worked out once per call as each of this rank's query rows' allowed keys
 (:func:`attnkit.mask_plan`); each (query run, key run) of a block then goes through the banded C++
 kernel of the ``"band"`` backend (:func:`attnkit.backends._band.partial_forward`), so a rank
 computes only allowed cells, as one process would. Without the kernel (not built, not CPU) or
-without an interval form shared by the heads (a mask that depends on the head), the block is computed in tiles of at
-most 512 x 512 scores with the predicate evaluated per tile, and empty tiles are skipped.
+without an interval form shared by the heads (a mask that depends on the head), the block is
+computed in tiles of at most 512 x 512 scores with the predicate evaluated per tile, and empty
+tiles are skipped.
 
 Every rank must be called alike (apart from its shards): one small ``all_gather`` per call of
 each rank's shard lengths and arguments (:mod:`.agree`) checks that, so a rank called differently
