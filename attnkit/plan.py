@@ -4,7 +4,8 @@ A :class:`MaskPlan` holds a mask (``is_causal``, ``window``, a ``mask_mod``, a d
 lengths and batch, in the form each kernel wants:
 
 * each query row's allowed keys as a few sorted, disjoint intervals (``starts``/``ends``
-  ``[1 or B, Lq, K]``, the convention of :mod:`attnkit.masks`), where the mask has that form:
+  ``[1 or B, Lq, K]``, the convention of :mod:`attnkit.masks`; ``[B*H, Lq, K]`` for a mask that
+  depends on the head), where the mask has that form:
   the ``"band"`` backend runs on them;
 * the (query tile, key block) kinds, empty / full / partial, for the tile backends, at whatever
   tile size they ask (:meth:`MaskPlan.kinds`, computed from the intervals without looking at a

@@ -100,6 +100,8 @@ def check(q, k, v, bias, starts, ends, scale, softcap, *, scaled=None):
     leaves = [t for t in (q, k, v, bias) if t is not None]
     wide = [t.detach().double().requires_grad_() for t in leaves]
     allowed = dense(starts, ends, k.shape[2])
+    if starts.shape[0] == q.shape[0] * q.shape[1] > q.shape[0]:  # a set of intervals per batch element and head
+        allowed = allowed.view(q.shape[0], q.shape[1], *allowed.shape[2:])
     want = formula(*wide[:3], allowed, wide[3] if bias is not None else None, scale, softcap)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     got_grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
@@ -125,16 +127,18 @@ def test_the_formula_here_is_the_oracle():
 
 # ---- against the formula -----------------------------------------------------------------------------------
 
-@settings(deadline=None, max_examples=40)
+@settings(deadline=None, max_examples=60)
 @given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 3]), lq=st.integers(1, 90),
        lk=st.integers(1, 90), d=st.sampled_from([4, 16]), dv=st.sampled_from([3, 16]), k=st.sampled_from([1, 2, 5]),
-       shared=st.booleans(), bias_heads=st.sampled_from(["none", "shared", "per_head"]),
+       sets=st.sampled_from(["shared", "per batch", "per head"]),
+       bias_heads=st.sampled_from(["none", "shared", "per_head"]),
        softcap=st.sampled_from([0.0, 0.7, 4.0]), seed=st.integers(0, 2**16))
-def test_random_intervals_match_the_formula(b, hkv, group, lq, lk, d, dv, k, shared, bias_heads, softcap, seed):
+def test_random_intervals_match_the_formula(b, hkv, group, lq, lk, d, dv, k, sets, bias_heads, softcap, seed):
     h = hkv * group
     heads = {"none": 0, "shared": 1, "per_head": h}[bias_heads]
     q, k_, v, bias = inputs(b, h, hkv, lq, lk, d, dv, heads, torch.float64, seed)
-    starts, ends = random_intervals(1 if shared else b, lq, lk, k, torch.Generator().manual_seed(seed))
+    p = {"shared": 1, "per batch": b, "per head": b * h}[sets]
+    starts, ends = random_intervals(p, lq, lk, k, torch.Generator().manual_seed(seed))
     check(q, k_, v, bias, starts, ends, 0.5, softcap)
 
 
@@ -230,6 +234,16 @@ def test_deterministic_mode_is_bitwise_repeatable(softcap):
     check(q, k, v, bias, starts, ends, 0.25, softcap, scaled=2e-6)  # and the other mode agrees with the formula
 
 
+def test_deterministic_mode_with_intervals_per_head_agrees_with_the_formula():
+    q, k, v, bias = inputs(2, 4, 2, 150, 150, 16, 16, 4, torch.float64, 3)
+    starts, ends = random_intervals(8, 150, 150, 3, torch.Generator().manual_seed(3))  # batch 2 x 4 heads
+    torch.use_deterministic_algorithms(True)
+    try:
+        check(q, k, v, bias, starts, ends, 0.25, 0.0)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 @pytest.mark.parametrize("softcap", [0.0, 1.3])
 def test_gradcheck(softcap):
     q, k, v, bias = inputs(1, 2, 1, 9, 11, 4, 3, 2, torch.float64, 0)
@@ -259,7 +273,8 @@ def test_bad_softcap(softcap, error, words):
 @pytest.mark.parametrize("starts, ends, words", [
     (torch.zeros(1, 4, 1, dtype=torch.int32), torch.ones(1, 4, 1, dtype=torch.int32), "starts must be an int64"),
     (torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long), "starts must be an int64"),
-    (torch.zeros(1, 5, 1, dtype=torch.long), torch.ones(1, 5, 1, dtype=torch.long), r"\[1 or B, L, K\]"),
+    (torch.zeros(1, 5, 1, dtype=torch.long), torch.ones(1, 5, 1, dtype=torch.long), r"\[P, L, K\], P 1, B or B\*H"),
+    (torch.zeros(3, 4, 1, dtype=torch.long), torch.ones(3, 4, 1, dtype=torch.long), r"\[P, L, K\], P 1, B or B\*H"),
     (torch.zeros(1, 4, 1, dtype=torch.long), torch.full((1, 4, 1), 5, dtype=torch.long), "end <= S"),
     (torch.full((1, 4, 1), 3, dtype=torch.long), torch.full((1, 4, 1), 2, dtype=torch.long), "start <= end"),
     (torch.full((1, 4, 1), -1, dtype=torch.long), torch.full((1, 4, 1), 2, dtype=torch.long), "0 <= start"),

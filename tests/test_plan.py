@@ -114,16 +114,24 @@ def test_per_head_masks_through_each_way_match_the_oracle_forward_and_backward(h
         close(a, b)
 
 
-def test_a_per_head_mask_with_a_per_head_bias_is_left_to_the_tiles():
-    wins = torch.tensor([3, 9])
+def test_a_per_head_mask_with_a_per_head_bias_runs_on_the_band_kernel():
+    """Each (batch element, head) reads its own intervals and its head's row of the bias: ALiBi
+    with a learned slope per head, a window per head, grouped-query heads."""
+    wins = torch.tensor([3, 9, 20, 50])
     mod = lambda b, h, i, j: (i >= j) & (i - j <= wins[h])  # noqa: E731
-    q, k, v = (torch.randn(1, 2, 40, 8, dtype=torch.float64) for _ in range(3))
-    alibi = attnkit.scores.alibi(torch.tensor([0.5, 0.25]))
-    with pytest.raises(ValueError, match="both depend on the head"):
-        attnkit.attention(q, k, v, mask_mod=mod, score_mod=alibi, backend="band")
-    assert attnkit.which_backend(q, k, v, mask_mod=mod, score_mod=alibi) == "tiles"
-    close(attnkit.attention(q, k, v, mask_mod=mod, score_mod=alibi),
-          attnkit.attention(q, k, v, mask_mod=mod, score_mod=alibi, backend="reference"))
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 60, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 60, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64, requires_grad=True)
+    alibi = attnkit.scores.alibi(slopes)
+    assert attnkit.which_backend(q, k, v, mask_mod=mod, score_mod=alibi) == "band"
+    got = attnkit.attention(q, k, v, mask_mod=mod, score_mod=alibi)
+    want = attnkit.attention(q, k, v, mask_mod=mod, score_mod=alibi, backend="reference")
+    close(got, want)
+    dout = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v, slopes), dout),
+                    torch.autograd.grad(want, (q, k, v, slopes), dout), strict=True):
+        close(a, b)
 
 
 def test_a_mask_with_too_many_runs_has_no_intervals_and_the_tiles_serve_it():

@@ -1,9 +1,10 @@
 // Banded attention on CPU, built on first use by attnkit/backends/_band.py.
 //
-// Query row i of batch element b attends the keys in a few intervals, starts[b, i, k] <= j <
-// ends[b, i, k] (each row's sorted and disjoint, empty ones last; rows in any order: a window,
-// causal, padding, packed documents, a window plus global tokens, dilated or strided patterns, a
-// block layout), with an optional bias per head and diagonal, bias[h, j - i + L - 1] (ALiBi,
+// Query row i of batch element b, head h attends the keys in a few intervals, starts[p, i, k] <= j
+// < ends[p, i, k] with p = 0, b or b * H + h (the intervals shared, per batch element, or per head
+// too; each row's sorted and disjoint, empty ones last; rows in any order: a window, causal,
+// padding, packed documents, a window plus global tokens, dilated or strided patterns, a block
+// layout), with an optional bias per head and diagonal, bias[h, j - i + L - 1] (ALiBi,
 // relative positions), and optional tanh soft-capping of the scores, t <- c * tanh(t / c) after the
 // scale and bias (Gemma 2, Grok): the backward multiplies dS by 1 - (t / c)^2 before dQ, dK and
 // the bias gradient take it (the bias is inside the tanh). Forward: for each block of query rows, the union of the rows' intervals as
@@ -156,19 +157,23 @@ const T* row_ptr(const Tensor& t, Index b, Index h, Index i) {
   return t.data_ptr<T>() + b * t.stride(0) + h * t.stride(1) + i * t.stride(2);
 }
 
-// The rows' key intervals, [1 or B, L, K] int64: row i of batch element b sees the keys
-// starts[b, i, k] <= j < ends[b, i, k]; each row's intervals sorted and disjoint, empty ones last.
+// The rows' key intervals, [P, L, K] int64 with P 1, B or B*H (one set for all, one per batch
+// element, or one per batch element and head, b * H + h): row i of set p sees the keys
+// starts[p, i, k] <= j < ends[p, i, k]; each row's intervals sorted and disjoint, empty ones last.
 struct Rows {
   const int64_t* s;
   const int64_t* e;
-  Index Bp, L, K;
-  Rows(const Tensor& starts, const Tensor& ends)
+  Index Bp, L, K, H;
+  bool per_head;
+  Rows(const Tensor& starts, const Tensor& ends, Index B, Index H)
       : s(starts.data_ptr<int64_t>()), e(ends.data_ptr<int64_t>()), Bp(starts.size(0)), L(starts.size(1)),
-        K(starts.size(2)) {}
-  Index at(Index b, Index i) const { return ((Bp == 1 ? 0 : b) * L + i) * K; }
-  // Row i's visible columns within [c0, c0 + n), as (first, end) pairs relative to c0; returns how many.
-  Index ranges(Index b, Index i, Index c0, Index n, Index* out) const {
-    const Index o = at(b, i);
+        K(starts.size(2)), H(H), per_head(H > 1 && starts.size(0) == B * H) {}
+  // The set of intervals batch element b, head h reads.
+  Index set(Index b, Index h) const { return Bp == 1 ? 0 : per_head ? b * H + h : b; }
+  Index at(Index p, Index i) const { return (p * L + i) * K; }
+  // Row i of set p: its visible columns within [c0, c0 + n), as (first, end) pairs relative to c0; returns how many.
+  Index ranges(Index p, Index i, Index c0, Index n, Index* out) const {
+    const Index o = at(p, i);
     Index count = 0;
     for (Index k = 0; k < K; ++k) {
       if (s[o + k] >= c0 + n) break;  // sorted: nothing further reaches the window (empties sit at S)
@@ -183,17 +188,17 @@ struct Rows {
   }
 };
 
-// The keys rows [i0, i0 + rows) see, as few segments: the union of their intervals, with gaps
+// The keys rows [i0, i0 + rows) of set p see, as few segments: the union of their intervals, with gaps
 // shorter than `gap` closed (a window that moves by one key per row stays one segment, exactly
 // [first row's start, last row's end) as in a one-interval band). iv and out: the caller's
 // buffers, reused from block to block (no allocation per block; no sort when rows come in order).
-const std::vector<std::pair<Index, Index>>& segments(const Rows& R, Index b, Index i0, Index rows, Index gap,
+const std::vector<std::pair<Index, Index>>& segments(const Rows& R, Index p, Index i0, Index rows, Index gap,
                                                      std::vector<std::pair<Index, Index>>& iv,
                                                      std::vector<std::pair<Index, Index>>& out) {
   iv.clear();
   out.clear();
   for (Index r = 0; r < rows; ++r) {
-    const Index o = R.at(b, i0 + r);
+    const Index o = R.at(p, i0 + r);
     for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) iv.emplace_back(R.s[o + k], R.e[o + k]);
   }
   const auto by_start = [](const auto& x, const auto& y) { return x.first < y.first; };
@@ -208,16 +213,16 @@ const std::vector<std::pair<Index, Index>>& segments(const Rows& R, Index b, Ind
   return out;
 }
 
-// For each batch row set and block of `block` keys, the runs [first, end) of query rows that see
+// For each set of rows and block of `block` keys, the runs [first, end) of query rows that see
 // one of its keys (one pass over the rows' intervals; rows come in order, so runs come sorted).
 std::vector<std::vector<std::vector<std::pair<Index, Index>>>> key_block_rows(const Rows& R, Index S, Index block) {
   const Index blocks = (S + block - 1) / block;
   std::vector<std::vector<std::vector<std::pair<Index, Index>>>> out(R.Bp);
-  for (Index b = 0; b < R.Bp; ++b) {
-    auto& runs = out[b];
+  for (Index p = 0; p < R.Bp; ++p) {
+    auto& runs = out[p];
     runs.resize(blocks);
     for (Index i = 0; i < R.L; ++i) {
-      const Index o = R.at(b, i);
+      const Index o = R.at(p, i);
       Index last = -1;  // the last key block this row was added to (its intervals are sorted)
       for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) {
         for (Index kb = std::max(last + 1, R.s[o + k] / block); kb <= (R.e[o + k] - 1) / block; ++kb) {
@@ -340,13 +345,14 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       std::fill(l.begin(), l.end(), T(0));
       const T* qp = row_ptr<T>(q, b, h, i0);
       bool first = true;
-      for (const auto& seg : segments(R, b, i0, rows, q_rows, iv, segs)) {
+      const Index p = R.set(b, h);
+      for (const auto& seg : segments(R, p, i0, rows, q_rows, iv, segs)) {
         for (Index c0 = seg.first; c0 < seg.second; c0 += kv_chunk) {
           const Index kc = std::min(kv_chunk, seg.second - c0);
           gemm<T>(false, true, rows, kc, d.E, T(1), qp, q.stride(2), row_ptr<T>(k, b, h / G, c0), k.stride(2), T(0),
                   s, kc);
           for (Index r = 0; r < rows; ++r) {
-            const Index count = R.ranges(b, i0 + r, c0, kc, rg.data());
+            const Index count = R.ranges(p, i0 + r, c0, kc, rg.data());
             // bias[h, j - i + L - 1]: a contiguous slice along the row
             const T* br = biased ? diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1) : nullptr;
             const T factor = online_softmax_row<T>(s + r * kc, kc, rg.data(), count, scale, br, cap, m[r], l[r]);
@@ -463,7 +469,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       T* dvp = dv.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.Ev;
       for (Index g = 0; g < G; ++g) {
         const Index h = hk * G + g, row0 = (b * d.H + h) * d.L;
-        for (const auto& run : seen_by[R.Bp == 1 ? 0 : b][blk]) {
+        const Index set = R.set(b, h);
+        for (const auto& run : seen_by[set][blk]) {
           for (Index i0 = run.first; i0 < run.second; i0 += q_chunk) {
             const Index n = std::min(q_chunk, run.second - i0);
             const T* qp = row_ptr<T>(q, b, h, i0);
@@ -473,7 +480,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
             gemm<T>(false, true, n, cols, d.Ev, T(1), dop, dout.stride(2), vp, v.stride(2), T(0), ds, cols);
             for (Index r = 0; r < n; ++r) {
               const Index i = i0 + r;
-              const Index count = R.ranges(b, i, j0, cols, rg.data());
+              const Index count = R.ranges(set, i, j0, cols, rg.data());
               const T* br = biased ? diagonal_row<T>(bias, h, j0 - i + d.L - 1) : nullptr;
               probabilities<T>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap, m_all[row0 + i],
                                ll_all[row0 + i], dl_all[row0 + i]);
@@ -516,7 +523,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       const T* qp = row_ptr<T>(q, b, h, i0);
       const T* dop = row_ptr<T>(dout, b, h, i0);
       T* dqp = dq.data_ptr<T>() + row0 * d.E;
-      for (const auto& seg : segments(R, b, i0, rows, kv_rows, iv, segs)) {
+      const Index set = R.set(b, h);
+      for (const auto& seg : segments(R, set, i0, rows, kv_rows, iv, segs)) {
         for (Index c0 = seg.first; c0 < seg.second; c0 += q_chunk) {
           const Index kc = std::min(q_chunk, seg.second - c0);
           const T* kp = row_ptr<T>(k, b, h / G, c0);
@@ -524,7 +532,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
           gemm<T>(false, true, rows, kc, d.Ev, T(1), dop, dout.stride(2), row_ptr<T>(v, b, h / G, c0), v.stride(2),
                   T(0), ds, kc);
           for (Index r = 0; r < rows; ++r) {
-            const Index count = R.ranges(b, i0 + r, c0, kc, rg.data());
+            const Index count = R.ranges(set, i0 + r, c0, kc, rg.data());
             const T* br = biased ? diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1) : nullptr;
             probabilities<T>(p + r * kc, ds + r * kc, kc, rg.data(), count, scale, br, cap, m_all[row0 + r],
                              ll_all[row0 + r], dl_all[row0 + r]);
@@ -548,8 +556,9 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v) {
 void check_rows(const Tensor& q, const Tensor& k, const Tensor& starts, const Tensor& ends) {
   for (const Tensor* t : {&starts, &ends}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 3 && t->is_contiguous() && t->size(1) == q.size(2) &&
-                    (t->size(0) == 1 || t->size(0) == q.size(0)) && t->size(2) >= 1,
-                "band kernel: starts/ends must be contiguous int64 [1 or B, L, K]");
+                    (t->size(0) == 1 || t->size(0) == q.size(0) || t->size(0) == q.size(0) * q.size(1)) &&
+                    t->size(2) >= 1,
+                "band kernel: starts/ends must be contiguous int64 [P, L, K], P 1, B or B*H");
   }
   TORCH_CHECK(starts.sizes() == ends.sizes(), "band kernel: starts and ends must have one shape");
   const int64_t S = k.size(2);
@@ -581,7 +590,7 @@ std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor&
   // after attention (what every model does next) is then a view, not a copy
   Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
   Tensor stats = at::empty({2, q.size(0), q.size(1), q.size(2)}, q.options());  // row maximum, log of row sum
-  const Rows R(starts, ends);
+  const Rows R(starts, ends, q.size(0), q.size(1));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_forward", [&] {
     forward_impl<scalar_t>(q, k, v, out, stats, R, bias, static_cast<scalar_t>(scale), static_cast<scalar_t>(softcap),
                            q_rows, kv_chunk);
@@ -607,7 +616,7 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
   Tensor delta = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
   Tensor dv = at::zeros(v.sizes(), v.options());
-  const Rows R(starts, ends);
+  const Rows R(starts, ends, q.size(0), q.size(1));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
     row_dots<scalar_t>(dout, out, delta);
     backward_impl<scalar_t>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, static_cast<scalar_t>(scale),

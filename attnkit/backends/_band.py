@@ -58,17 +58,14 @@ _reason: str | None = None
 
 class Plan(NamedTuple):
     """What the kernel needs beyond q, k, v: each query row's keys as intervals (``starts``,
-    ``ends``: int64 ``[1 or B, Lq, K]``, the convention of :mod:`attnkit.plan`), the score_mod's
-    diagonal bias (``[1 or H, Lq + Lk - 1]``, with autograd; None without a score_mod) and the
-    soft-cap ``c`` of the scores (``t -> c * tanh(t / c)`` after scale and bias; 0 for none).
-    ``per_head``: the intervals are ``[B*H, Lq, K]``, one set per batch element and head (then
-    ``bias`` is shared by the heads, ``[1, Lq + Lk - 1]``)."""
+    ``ends``: int64 ``[P, Lq, K]``, ``P`` 1, B or B*H, the convention of :mod:`attnkit.plan`), the
+    score_mod's diagonal bias (``[1 or H, Lq + Lk - 1]``, with autograd; None without a score_mod)
+    and the soft-cap ``c`` of the scores (``t -> c * tanh(t / c)`` after scale and bias; 0 for none)."""
 
     starts: Tensor
     ends: Tensor
     bias: Tensor | None
     softcap: float = 0.0
-    per_head: bool = False
 
 
 @torch.compiler.assume_constant_result  # asked once while tracing, not traced (it builds and self-checks)
@@ -85,21 +82,9 @@ def unavailable_reason() -> str | None:
 def attention(req: Request, plan: Plan) -> Tensor:
     """The request's output through the kernel (differentiable in q, k, v and the bias's tensors).
 
-    ``plan``: the backend's plan for ``req``. Intervals per head run each (batch element, head) as
-    a batch element of its own, with its key/value head (grouped-query heads shared).
+    ``plan``: the backend's plan for ``req``.
     """
-    q, k, v = req.query, req.key, req.value
-    if not plan.per_head:
-        return run(q, k, v, plan.starts, plan.ends, plan.bias, req.scale, plan.softcap)
-    heads = q.shape[-3]
-
-    def one_head_each(t: Tensor) -> Tensor:  # [..., Hkv, L, E] -> [... * H, 1, L, E]
-        t = t.reshape(-1, t.shape[-3], 1, *t.shape[-2:])
-        return t.expand(-1, -1, heads // t.shape[1], -1, -1).reshape(-1, 1, *t.shape[-2:])
-
-    out = run(one_head_each(q), one_head_each(k), one_head_each(v), plan.starts, plan.ends, plan.bias, req.scale,
-              plan.softcap)
-    return out.view(*q.shape[:-1], v.shape[-1])
+    return run(req.query, req.key, req.value, plan.starts, plan.ends, plan.bias, req.scale, plan.softcap)
 
 
 def run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor, bias: Tensor | None, scale: float,
@@ -108,7 +93,8 @@ def run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor,
 
     ``query [..., H, Lq, E]``, ``key [..., Hkv, Lk, E]``, ``value [..., Hkv, Lk, Ev]`` (H a multiple of
     Hkv, the same leading dims, float32 or float64 after :func:`._fused.compute_dtype`); ``starts``,
-    ``ends``: int64 CPU ``[1 or B, Lq, K]`` with B the leading dims flattened, each row's intervals
+    ``ends``: int64 CPU ``[P, Lq, K]`` with B the leading dims flattened and ``P`` 1, B or B*H
+    (shared, per batch element, or per batch element and head at ``b * H + h``), each row's intervals
     sorted and disjoint, empty ones ``(Lk, Lk)`` last (the caller's to guarantee; the kernel checks
     only shapes and ``0 <= start <= end <= Lk``); ``bias``: ``[1 or H, Lq + Lk - 1]`` added to the
     score of query i and key j at column ``j - i + Lq - 1``, or None; ``softcap``: ``c > 0`` turns a
@@ -123,7 +109,7 @@ def run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor,
     for name, t in (("starts", starts), ("ends", ends)):
         if not isinstance(t, Tensor) or t.dtype != torch.int64 or t.dim() != 3 or t.device.type != "cpu":
             got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be an int64 CPU tensor [1 or B, Lq, K], got {got}")
+            raise ValueError(f"{name} must be an int64 CPU tensor [P, Lq, K] (P 1, B or B*H), got {got}")
     compute = compute_dtype(query.dtype)
     q, k, v = (t.to(compute).reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in (query, key, value))
     table = query.new_empty(0, 0, dtype=compute) if bias is None else bias.to(compute)

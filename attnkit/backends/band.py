@@ -77,6 +77,4 @@ def _work_out(req: Request) -> tuple[_band.Plan | None, str | None]:
         return _band.Plan(*row_bounds(req.q_len, req.kv_len), bias, cap), None
     if plan.starts is None:
         return None, "the mask has no interval form (a row has too many runs of keys)"
-    if plan.heads is not None and bias is not None and bias.shape[0] > 1:
-        return None, "the mask and the score_mod's bias both depend on the head (the kernel takes one per head)"
-    return _band.Plan(plan.starts, plan.ends, bias, cap, plan.heads is not None), None
+    return _band.Plan(plan.starts, plan.ends, bias, cap), None
