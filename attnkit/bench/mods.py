@@ -204,7 +204,7 @@ def _busy_core_times(cands: dict, rounds: int, seconds: float = 0.6) -> tuple[di
 def run(quick: bool, out_dir: Path) -> str:
     say = progress("mods")
     n = 1024 if quick else 8192
-    rounds = 2 if quick else 3
+    rounds = 2 if quick else 5
     peak = matmul_gflops(1024 if quick else 2048)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, n, D, generator=g).requires_grad_() for _ in range(3))
