@@ -3,13 +3,14 @@
 :func:`plan._derive <attnkit.plan>` needs, for a user's ``mask_mod``, each query row's runs of
 allowed keys. Evaluating every cell costs O(Lq * Lk) (0.05-0.2 s at n = 8192) for masks whose
 attention costs a few milliseconds. (Predicates affine in the indices are first worked out in
-closed form, by :mod:`attnkit._pieces`, which builds on :func:`stands_in` and :class:`Unsupported`
-here; this module takes what that cannot follow.) Here the predicate is called once with *ranges* in place of
-its index tensors: a tile of queries ``[q0, q1]`` and keys ``[k0, k1]`` is a :class:`Range`, and
-every operation on ranges returns bounds that hold for every cell of the tile (interval
-arithmetic). A boolean result whose lower bound is True is a tile that is all allowed; one whose
-upper bound is False is all masked; the rest are mixed. Mixed tiles are cut into smaller tiles and
-tried again, and only the cells of the mixed small tiles are evaluated, with the predicate itself.
+closed form by :mod:`attnkit._pieces`, which builds on :func:`stands_in`, :func:`rule_table` and
+:class:`Unsupported` here; this module takes what that cannot follow.) Here the predicate is
+called once with *ranges* in place of its index tensors: a tile of queries ``[q0, q1]`` and keys
+``[k0, k1]`` is a :class:`Range`, and every operation on ranges returns bounds that hold for every
+cell of the tile (interval arithmetic). A boolean result whose lower bound is True is a tile that
+is all allowed; one whose upper bound is False is all masked; the rest are mixed. Mixed tiles are
+cut into smaller tiles and tried again, and only the cells of the mixed small tiles are
+evaluated, with the predicate itself.
 
 The answer is exact, never approximate: a tile is called full or empty only when the bounds prove
 it, and the bounds are sound for each operation below (each is monotone in its arguments, or
