@@ -30,7 +30,7 @@ import threading
 import torch
 from torch import Tensor
 
-from ._ranges import ReadsHead, Unsupported, _state, rule_table, stands_in
+from ._ranges import ReadsHead, Unsupported, _join, _state, rule_table, stands_in
 
 #: Most pieces a value may have in a row; more (a pattern that changes every few keys) is left to tiles.
 MOST_PIECES = 64
@@ -492,9 +492,5 @@ def derive(mod, batch: int, heads: int, q_len: int, kv_len: int) -> tuple[Tensor
     start, end = cuts[:, :-1], cuts[:, 1:]
     row, j = (truth & (end > start)).nonzero(as_tuple=True)  # row-major: each row's true pieces in order
     first, last = start[row, j], end[row, j]
-    joins = torch.zeros_like(row, dtype=torch.bool)  # a piece that begins where the one before it ended
-    joins[1:] = (row[1:] == row[:-1]) & (first[1:] == last[:-1])
-    opens = ~joins  # the first piece of each run
-    closes = torch.ones_like(opens)  # ... and the last
-    closes[:-1] = opens[1:]
-    return row[opens], first[opens], last[closes], p
+    at, last = _join(row, first, last, ordered=True)  # pieces that touch are one run
+    return row[at], first[at], last, p
