@@ -6,10 +6,16 @@ The masks people write are mostly affine in the indices: ``q_idx - kv_idx <= 64`
 terms without evaluating a cell: here it is called once with, for every query row, each value as
 pieces ``[cut_j, cut_j+1)`` of the key axis on which it is ``slope * kv_idx + intercept``
 (integers; booleans are constant on each piece). An operation cuts pieces where its result
-changes (a comparison where the difference crosses zero, ``//`` at multiples, a table where its
-entries change) and the final boolean's true pieces are the row's runs. Exact, and O(rows x
-pieces) work: 1-1.5 ms for a window at n = 8192, where tiles and cells (:mod:`attnkit._ranges`)
-take 4-6.
+changes (a comparison where the difference crosses zero, a table where its entries change) and
+the final boolean's true pieces are the row's runs. Exact, and O(rows x pieces) work: 1-1.5 ms
+for a window at n = 8192, where tiles and cells (:mod:`attnkit._ranges`) take 4-6.
+
+``//`` and ``%`` of a value that moves along the keys are kept whole until used. Compared, a
+quotient is an interval (``kv_idx // 64 == q_idx // 64`` is ``64 * (q_idx // 64) <= kv_idx <=
+64 * (q_idx // 64) + 63``) and a remainder holds every ``m`` keys (``(q_idx - kv_idx) % 2 == 0``:
+a :class:`Periodic` boolean), which ``& | ^ ~`` with a boolean constant on each piece keep
+periodic: a dilated or strided window is its window's pieces, one of them periodic, and becomes
+one run per period only in the rows. Used otherwise, they are cut at every multiple.
 
 Followed: ``+ - neg abs``, ``*`` when one side is constant along the keys, ``//`` and ``%`` by a
 positive integer constant, comparisons, ``& | ^ ~`` and the ``logical_*`` forms,
@@ -17,10 +23,11 @@ positive integer constant, comparisons, ``& | ^ ~`` and the ``logical_*`` forms,
 ``new_ones``/``ones_like`` and friends, and indexing a captured 1-D integer or bool tensor
 (``doc_ids[kv_idx]``). Anything else raises :class:`attnkit._ranges.Unsupported` and the tiles take
 over: floats, a product of two key-dependent values, constants beyond 2^40, a 2-D table, an index
-of slope other than 0 or 1 into a table, an index outside the table, a row with more than
-:data:`MOST_PIECES` pieces (a dilated pattern's every other key). Reading the head index where
-there are several heads raises :class:`attnkit._ranges.ReadsHead`: the plan then works the
-predicate out again with the heads folded into the batch, where the head is a value per row.
+of slope other than 0 or 1 into a table, an index outside the table, a value with more than
+:data:`MOST_PIECES` pieces in a row, two periodic patterns combined beyond that, a row with more
+runs than the caller keeps. Reading the head index where there are several heads raises
+:class:`attnkit._ranges.ReadsHead`: the plan then works the predicate out again with the heads
+folded into the batch, where the head is a value per row.
 """
 
 from __future__ import annotations
@@ -73,6 +80,95 @@ class Pieces:
         return self.slope is None
 
 
+class _Deferred:
+    """An integer ``(slope * kv_idx + icept)`` divided by ``m`` on each piece, kept whole: cut at
+    every multiple of ``m`` (:meth:`plain`) only when something other than a comparison uses it."""
+
+    __slots__ = ("cuts", "slope", "icept", "m")
+
+    def __init__(self, cuts: Tensor | None, slope: Tensor, icept: Tensor, m: int):
+        self.cuts, self.slope, self.icept, self.m = cuts, slope, icept, m
+
+    dtype = torch.int64
+    device = torch.device("cpu")
+
+    def dividend(self) -> Pieces:
+        return Pieces(self.cuts, self.slope, self.icept)
+
+
+class Quotient(_Deferred):
+    """``a // m`` where ``a`` moves along the keys (``kv_idx // 64``). Compared with an integer ``t``
+    it is ``a`` compared with a multiple of ``m`` (``a // m <= t`` is ``a <= m * t + m - 1``): one
+    interval, however many multiples the row passes."""
+
+    def plain(self) -> Pieces:
+        a = self.dividend()
+        return _divided(a, self.m, _crossings(a, self.m))
+
+
+class Wrapped(_Deferred):
+    """``a % m`` where ``a`` moves along the keys (slope -1, 0 or 1): ``(q_idx - kv_idx) % 2``.
+    Compared with a value constant along the keys it gives a :class:`Periodic` boolean."""
+
+    def plain(self) -> Pieces:
+        a = self.dividend()
+        return _sub(a, _mul(_divided(a, self.m, _crossings(a, self.m)), self.m))
+
+
+class Periodic:
+    """A boolean that on piece ``j`` holds at the keys ``k`` with ``(k - phase) mod period < width``
+    (``[R|1, P]`` each; ``period`` 1 for a piece where it is constant, ``width`` 1 or 0). Followed
+    through ``& | ^ ~ == !=`` where one side is constant on each piece (a window and every other
+    key), and into the rows: one run per period."""
+
+    __slots__ = ("cuts", "phase", "period", "width")
+
+    def __init__(self, cuts: Tensor | None, phase: Tensor, period: Tensor, width: Tensor):
+        self.cuts, self.phase, self.period, self.width = cuts, phase, period, width
+
+    dtype = torch.bool
+    device = torch.device("cpu")
+
+    @staticmethod
+    def of(x) -> Periodic:
+        x = x if isinstance(x, Periodic) else _lift(x)
+        if isinstance(x, Periodic):
+            return x
+        if not x.is_bool:
+            raise Unsupported("a bitwise operation on integers")
+        zero = torch.zeros_like(x.icept, dtype=torch.int64)
+        return Periodic(x.cuts, zero, zero + 1, x.icept.long())
+
+    def fields(self, at: Tensor | None) -> list[Tensor]:
+        return [_take(t, at) for t in (self.phase, self.period, self.width)]
+
+    def plain(self) -> Pieces:
+        """As pieces: a true piece for each run (refused beyond :data:`MOST_PIECES` pieces)."""
+        start, end = _bounds(self.cuts)
+        rows = max(t.shape[0] for t in (start, self.phase, self.period, self.width))
+        start, end, *fields = (t.expand(rows, -1) for t in (start, end, self.phase, self.period, self.width))
+        row, first, last = _periodic_runs(start, end, *fields, MOST_PIECES // 2)
+        at, last = _join(row, first, last, ordered=True)
+        row, first = row[at], first[at]
+        count = torch.bincount(row, minlength=rows)
+        k = int(count.max()) if row.numel() else 0
+        rank = torch.arange(row.numel()) - (count.cumsum(0) - count)[row]
+        cuts = torch.full((rows, 2 * k + 2), _keys.kv_len, dtype=torch.int64)  # 0, first, last, ..., kv_len
+        cuts[:, 0] = 0
+        cuts[row, 2 * rank + 1], cuts[row, 2 * rank + 2] = first, last
+        truth = (torch.arange(2 * k + 1) % 2 == 1).view(1, -1)
+        return _make(cuts, None, truth)
+
+
+def _periodic(cuts: Tensor | None, phase: Tensor, period: Tensor, width: Tensor) -> Pieces | Periodic:
+    """A boolean from its periodic form: plain pieces where every piece is constant."""
+    if not bool((period != 1).any()):
+        return _make(cuts, None, width > 0)
+    if cuts is not None and cuts.shape[1] - 1 > MOST_PIECES:
+        raise Unsupported(f"a row with more than {MOST_PIECES} pieces")
+    return Periodic(cuts, torch.remainder(phase, period), period, width)
+
+
 class _Head:
     """The head index where there are several heads: any use raises :class:`ReadsHead`."""
 
@@ -81,6 +177,8 @@ def _lift(x) -> Pieces:
     """A value as pieces: pieces as they are, a bool, an int or a 0-d integer/bool tensor as a constant."""
     if isinstance(x, Pieces):
         return x
+    if isinstance(x, (Periodic, _Deferred)):
+        return x.plain()
     if isinstance(x, _Head):
         raise ReadsHead()
     if isinstance(x, bool) or (isinstance(x, Tensor) and x.dim() == 0 and x.dtype == torch.bool):
@@ -107,22 +205,28 @@ def _bounds(cuts: Tensor | None) -> tuple[Tensor, Tensor]:
 
 
 def _take(t: Tensor | None, at: Tensor) -> Tensor | None:
-    """``t`` ``[R|1, P]`` read at pieces ``at`` ``[R', P']``."""
-    if t is None or t.shape[1] == 1:
+    """``t`` ``[R|1, P]`` read at pieces ``at`` ``[R', P']`` (None: as it is)."""
+    if t is None or at is None or t.shape[1] == 1:
         return t
     rows = max(t.shape[0], at.shape[0])
     return torch.gather(t.expand(rows, -1), 1, at.expand(rows, -1))
 
 
+def _index(old: Tensor | None, cuts: Tensor) -> Tensor | None:
+    """For each piece of ``cuts``, a refinement of ``old``, the piece of ``old`` it lies in (None:
+    the same pieces)."""
+    if old is None or old is cuts:
+        return None
+    rows = max(old.shape[0], cuts.shape[0])
+    at = torch.searchsorted(old.expand(rows, -1).contiguous(), cuts[:, :-1].expand(rows, -1).contiguous(),
+                            right=True) - 1
+    return at.clamp_(0, old.shape[1] - 2)
+
+
 def _on(x: Pieces, cuts: Tensor) -> tuple[Tensor | None, Tensor]:
     """``x``'s slope and intercept on the pieces of ``cuts``, a refinement of ``x.cuts``."""
-    if x.cuts is None or x.cuts is cuts:
-        return x.slope, x.icept
-    rows = max(x.cuts.shape[0], cuts.shape[0])
-    at = torch.searchsorted(x.cuts.expand(rows, -1).contiguous(), cuts[:, :-1].expand(rows, -1).contiguous(),
-                            right=True) - 1
-    at = at.clamp_(0, x.cuts.shape[1] - 2)
-    return _take(x.slope, at), _take(x.icept, at)
+    at = _index(x.cuts, cuts)
+    return (x.slope, x.icept) if at is None else (_take(x.slope, at), _take(x.icept, at))
 
 
 def _common(*xs: Pieces, extra: Tensor | None = None) -> Tensor | None:
@@ -225,29 +329,49 @@ def _positive_constant(m) -> int:
     return m
 
 
-def _floor_divide(a, m):
-    """``a // m``: constant between the keys where ``a`` (of slope 0 or +-1) passes a multiple of ``m``."""
-    a, m = _integer(a), _positive_constant(m)
+def _crossings(a: Pieces, m: int) -> tuple[Tensor, Tensor] | None:
+    """Where ``a // m`` changes within each piece of ``a`` (of slope 0 or +-1): the first key after
+    the piece's start, and how many times (every ``m`` keys); None where it changes nowhere."""
     start, end = _bounds(a.cuts)
     live = end > start
     moving = (a.slope != 0) & live
     if not bool(moving.any()):
-        return Pieces(a.cuts, torch.zeros_like(a.slope), torch.div(a.icept, m, rounding_mode="floor"))
+        return None
     if bool(((a.slope.abs() > 1) & live).any()):
-        raise Unsupported("// of a value whose slope along the keys is not 0 or +-1")
-    # the first key after a piece's start where a // m changes: a(k) = +-k + c passes a multiple
-    # of m at k = -c (mod m) going up, and at k = c + 1 (mod m) going down
+        raise Unsupported("// or % of a value whose slope along the keys is not 0 or +-1")
+    # a(k) = +-k + c passes a multiple of m at k = -c (mod m) going up, and at k = c + 1 (mod m) going down
     residue = torch.where(a.slope > 0, -a.icept, a.icept + 1)
     first = start + torch.remainder(residue - start, m)
     first = torch.where(first == start, first + m, first)
-    count = torch.where(moving, (end - first + m - 1).clamp(min=0) // m, 0)
+    return first, torch.where(moving, (end - first + m - 1).clamp(min=0) // m, 0)
+
+
+def _floor_divide(a, m):
+    """``a // m``: where ``a`` moves along the keys, a :class:`Quotient` (cut, where it must be,
+    between the keys where ``a`` passes a multiple of ``m``)."""
+    a, m = _integer(a), _positive_constant(m)
+    start, end = _bounds(a.cuts)
+    if bool(((a.slope != 0) & (end > start)).any()):
+        return Quotient(a.cuts, a.slope, a.icept, m)
+    return _divided(a, m, None)
+
+
+def _divided(a: Pieces, m: int, crossings: tuple[Tensor, Tensor] | None) -> Pieces:
+    if crossings is None:
+        return Pieces(a.cuts, torch.zeros_like(a.slope), torch.div(a.icept, m, rounding_mode="floor"))
+    first, count = crossings
     return _cut_and_read(a, count, lambda j: first.unsqueeze(-1) + m * j,
                          lambda s, c, k: torch.div(s * k + c, m, rounding_mode="floor"))
 
 
 def _remainder(a, m):
-    m = _positive_constant(m)
-    return _sub(a, _mul(_floor_divide(a, m), m))
+    """``a % m``: where ``a`` moves along the keys, a :class:`Wrapped` value (a comparison of it
+    holds every ``m`` keys; anything else cuts it at every multiple of ``m``)."""
+    a, m = _integer(a), _positive_constant(m)
+    crossings = _crossings(a, m)
+    if crossings is not None:
+        return Wrapped(a.cuts, a.slope, a.icept, m)
+    return _sub(a, _mul(_divided(a, m, None), m))
 
 
 def _cut_and_read(a: Pieces, count: Tensor, cut_at, read) -> Pieces:
@@ -312,6 +436,10 @@ def _at_most_zero(slope: Tensor, icept: Tensor) -> tuple[Tensor, Tensor]:
 
 def _compare(a, b, kind: str) -> Pieces:
     """Where ``a - b`` is ``<= 0`` (``le``), ``< 0``, ``== 0``: per piece, an interval of keys."""
+    if isinstance(a, Wrapped) or isinstance(b, Wrapped):
+        return _compare_wrapped(a, b, kind)
+    if isinstance(a, Quotient) or isinstance(b, Quotient):
+        return _compare_quotient(a, b, kind)
     a, b = _integer(a), _integer(b)
     cuts = _common(a, b)
     (sa, ca), (sb, cb) = _on(a, cuts), _on(b, cuts)
@@ -335,6 +463,52 @@ def _compare(a, b, kind: str) -> Pieces:
     return _make(new, None, truth)
 
 
+def _compare_quotient(a, b, kind: str) -> Pieces:
+    """:func:`_compare` of a :class:`Quotient` ``a // m`` and an integer ``t``, as ``a`` against
+    multiples of ``m``: ``a // m <= t`` is ``a <= m * t + m - 1``, ``a // m < t`` is ``a < m * t``,
+    ``t <= a // m`` is ``m * t <= a``, ``t < a // m`` is ``m * t + m <= a``."""
+    flip = not isinstance(a, Quotient)
+    x, t = (b, _integer(a)) if flip else (a, _integer(b))
+    lowest, m = _mul(t, x.m), x.m  # the least value of a with a // m == t
+    if kind == "eq":
+        return _logic(_compare(lowest, x.dividend(), "le"), _compare(x.dividend(), _add(lowest, m - 1), "le"),
+                      torch.logical_and)
+    if flip:
+        return _compare(_add(lowest, m) if kind == "lt" else lowest, x.dividend(), "le")
+    return _compare(x.dividend(), lowest, "lt") if kind == "lt" else _compare(x.dividend(), _add(lowest, m - 1), "le")
+
+
+def _compare_wrapped(a, b, kind: str) -> Pieces | Periodic:
+    """:func:`_compare` of a :class:`Wrapped` remainder ``x`` and a value ``t`` constant along the keys:
+    the residues where it holds are ``[lo, hi]``, so on a piece where ``x`` moves it holds once every
+    ``m`` keys, for ``hi - lo + 1`` keys."""
+    flip = not isinstance(a, Wrapped)
+    x, t = (b, _integer(a)) if flip else (a, _integer(b))
+    cuts = _common(x, t)
+    at = _index(x.cuts, cuts)
+    s, c = _take(x.slope, at), _take(x.icept, at)
+    ts, tc = _on(t, cuts)
+    start, end = _bounds(cuts)
+    if bool(((ts != 0) & (end > start)).any()):  # against a value that moves: as pieces
+        return _compare(t, x.plain(), kind) if flip else _compare(x.plain(), t, kind)
+    m = x.m
+    if kind == "eq":
+        lo, hi = tc, tc
+    elif flip:  # t <= x, t < x
+        lo, hi = tc + int(kind == "lt"), torch.full_like(tc, m - 1)
+    else:  # x <= t, x < t
+        lo, hi = torch.zeros_like(tc), tc - int(kind == "lt")
+    lo, hi = lo.clamp(min=0), hi.clamp(max=m - 1)
+    width = (hi - lo + 1).clamp(min=0)
+    # s = 1: k = r - c (mod m) for r in [lo, hi]; s = -1: k = c - r, from c - hi up
+    phase = torch.where(s > 0, lo - c, c - hi)
+    value = torch.remainder(c, m)  # where x does not move
+    still = (s == 0) | (width == 0) | (width >= m)
+    truth = torch.where(s == 0, (value >= lo) & (value <= hi), width >= m)
+    return _periodic(cuts, torch.where(still, 0, phase), torch.where(still, 1, m),
+                     torch.where(still, truth.long(), width))
+
+
 def _le(a, b):
     return _compare(a, b, "le")
 
@@ -352,6 +526,10 @@ def _gt(a, b):
 
 
 def _eq(a, b):
+    if isinstance(a, _Deferred) or isinstance(b, _Deferred):
+        return _compare(a, b, "eq")
+    if isinstance(a, Periodic) or isinstance(b, Periodic):
+        return _logic(a, b, torch.eq)
     a, b = _lift(a), _lift(b)
     if a.is_bool and b.is_bool:
         return _logic(a, b, torch.eq)
@@ -362,7 +540,9 @@ def _ne(a, b):
     return _not(_eq(a, b))
 
 
-def _logic(a, b, op) -> Pieces:
+def _logic(a, b, op) -> Pieces | Periodic:
+    if isinstance(a, Periodic) or isinstance(b, Periodic):
+        return _logic_periodic(Periodic.of(a), Periodic.of(b), op)
     a, b = _lift(a), _lift(b)
     if not (a.is_bool and b.is_bool):
         raise Unsupported("a bitwise operation on integers")
@@ -371,7 +551,31 @@ def _logic(a, b, op) -> Pieces:
     return _make(cuts, None, op(ca, cb))
 
 
+def _logic_periodic(a: Periodic, b: Periodic, op) -> Pieces | Periodic:
+    """``op`` of two booleans, one of them constant on each live piece: with a constant, ``and``,
+    ``or``, ``xor`` and ``eq`` give the other side, its negation, or a constant."""
+    cuts = _common(a, b)
+    fa, fb = a.fields(_index(a.cuts, cuts)), b.fields(_index(b.cuts, cuts))
+    start, end = _bounds(cuts)
+    fixed_a, fixed_b = fa[1] == 1, fb[1] == 1
+    if bool((~fixed_a & ~fixed_b & (end > start)).any()):  # two patterns: as pieces, where they are few
+        return _logic(a.plain(), b.plain(), op)
+    constant = torch.where(fixed_a, fa[2], fb[2]) > 0  # the constant side's value
+    other = [torch.where(fixed_a, y, x) for x, y in zip(fa, fb, strict=True)]
+    inverse = [other[0] + other[2], other[1], other[1] - other[2]]
+    true, false = [0, 1, 1], [0, 1, 0]
+    # op(constant, other): (when the constant is true, when it is false)
+    cases = {torch.logical_and: (other, false), torch.logical_or: (true, other),
+             torch.logical_xor: (inverse, other), torch.eq: (other, inverse)}
+    if op not in cases:
+        raise Unsupported(f"{getattr(op, '__name__', op)} of a pattern every few keys")
+    picked = [torch.where(constant, t, f) for t, f in zip(*cases[op], strict=True)]
+    return _periodic(cuts, *picked)
+
+
 def _not(a):
+    if isinstance(a, Periodic):
+        return _periodic(a.cuts, a.phase + a.width, a.period, a.period - a.width)
     a = _lift(a)
     if not a.is_bool:
         raise Unsupported("a bitwise operation on integers")
@@ -382,6 +586,11 @@ def _not(a):
 
 
 def _cast(a, dtype: torch.dtype | None) -> Pieces:
+    if isinstance(a, Periodic) and dtype in (None, torch.bool):
+        return a
+    if isinstance(a, _Deferred) and (dtype is None or not (dtype == torch.bool or dtype.is_floating_point
+                                                           or dtype.is_complex)):
+        return a
     if dtype is None:
         return _lift(a)
     if dtype == torch.bool:
@@ -393,7 +602,7 @@ def _cast(a, dtype: torch.dtype | None) -> Pieces:
 
 
 def _constant(a, value, dtype) -> Pieces:
-    dtype = dtype if dtype is not None else (torch.bool if _lift(a).is_bool else torch.int64)
+    dtype = dtype if dtype is not None else a.dtype
     if dtype.is_floating_point or dtype.is_complex:
         raise Unsupported("a float constant (left to tiles)")
     return _lift(bool(value) if dtype == torch.bool else int(value))
@@ -407,7 +616,7 @@ def _getitem(table, index):
     if isinstance(index, tuple) and len(index) == 1:
         index = index[0]
     if (not isinstance(table, Tensor) or table.dim() != 1 or table.is_floating_point() or table.is_complex()
-            or not isinstance(index, Pieces)):
+            or not isinstance(index, (Pieces, _Deferred))):
         raise Unsupported("indexing other than a 1-D integer or bool tensor by an index")
     x = _integer(index)
     start, end = _bounds(x.cuts)
@@ -442,7 +651,8 @@ _RULES = rule_table({
     "xor": lambda a, b: _logic(a, b, torch.logical_xor), "not": _not, "where": _where, "getitem": _getitem,
 }, _cast, _constant)
 
-stands_in(Pieces, _RULES)
+for _cls in (Pieces, Quotient, Wrapped, Periodic):
+    stands_in(_cls, _RULES)
 
 
 class _EveryRule(dict):
@@ -462,9 +672,11 @@ def _reads_head(*args, **kwargs):
 stands_in(_Head, _EveryRule())
 
 
-def derive(mod, batch: int, heads: int, q_len: int, kv_len: int) -> tuple[Tensor, Tensor, Tensor, int]:
+def derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
+           most: int | None = None) -> tuple[Tensor, Tensor, Tensor, int]:
     """As :func:`attnkit._ranges.derive` (``(row, start, end, p)``, flat and sorted), from pieces.
-    Raises :class:`Unsupported` for a predicate they cannot follow."""
+    Raises :class:`Unsupported` for a predicate they cannot follow, and for a pattern every few
+    keys that gives a row more than ``most`` runs."""
     if not (q_len and kv_len):
         raise Unsupported("an empty grid")
     _state.failed.clear()
@@ -477,20 +689,48 @@ def derive(mod, batch: int, heads: int, q_len: int, kv_len: int) -> tuple[Tensor
     out = mod(b, h, q, kv)
     if isinstance(out, Tensor) and out.dim() == 0 and out.dtype == torch.bool:
         out = _lift(out)
-    if not isinstance(out, Pieces) or not out.is_bool:
+    if not (isinstance(out, Periodic) or (isinstance(out, Pieces) and out.is_bool)):
         raise Unsupported("the predicate did not return booleans")
     if _state.failed:
         raise Unsupported(_state.failed[0])
     cuts = (out.cuts if out.cuts is not None else torch.tensor([[0, kv_len]])).expand(rows, -1)
+    fields = [out.icept] if isinstance(out, Pieces) else [out.phase, out.period, out.width]
+    fields = [t.expand(rows, cuts.shape[1] - 1) for t in fields]
     p = batch
-    if batch > 1 and all(bool((t.expand(rows, -1).view(batch, q_len, -1) == t.expand(rows, -1)[:q_len]).all())
-                         for t in (cuts, out.icept)):
+    if batch > 1 and all(bool((t.view(batch, q_len, -1) == t[:q_len]).all()) for t in (cuts, *fields)):
         p = 1  # the same pieces for every batch element
-    truth = out.icept.expand(rows, cuts.shape[1] - 1)
     rows = p * q_len
-    cuts, truth = cuts[:rows], truth[:rows]
-    start, end = cuts[:, :-1], cuts[:, 1:]
-    row, j = (truth & (end > start)).nonzero(as_tuple=True)  # row-major: each row's true pieces in order
-    first, last = start[row, j], end[row, j]
+    start, end = cuts[:rows, :-1], cuts[:rows, 1:]
+    if isinstance(out, Pieces):
+        row, j = (fields[0][:rows] & (end > start)).nonzero(as_tuple=True)  # row-major: each row's true pieces in order
+        first, last = start[row, j], end[row, j]
+    else:
+        row, first, last = _periodic_runs(start, end, *(t[:rows] for t in fields), most)
     at, last = _join(row, first, last, ordered=True)  # pieces that touch are one run
-    return row[at], first[at], last, p
+    if at.numel() == row.numel():  # none did
+        return row, first, last, p
+    return row.index_select(0, at), first.index_select(0, at), last, p
+
+
+def _periodic_runs(start: Tensor, end: Tensor, phase: Tensor, period: Tensor, width: Tensor,
+                   most: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """A :class:`Periodic` boolean's runs ``(row, first, last)``, each row's in order: one a piece
+    where it is constant and true, one per period (within the piece) where it is periodic."""
+    row, j = ((width > 0) & (end > start)).nonzero(as_tuple=True)
+    s, e, phase, period, width = (t[row, j] for t in (start, end, phase, period, width))
+    still = period == 1  # true throughout: one period the piece's length
+    period, width = torch.where(still, e - s, period), torch.where(still, e - s, width)
+    base = s - torch.remainder(s - torch.where(still, s, phase), period)  # where the period holding s begins
+    skip = (s - base >= width).long()  # that period's run ends before the piece starts
+    count = (e - base + period - 1) // period - skip
+    if not count.numel():
+        return row, s, e
+    if most is not None and int(torch.bincount(row, count).max()) > most:
+        raise Unsupported(f"more than {most} runs in a row")
+    most_here = int(count.max())
+    k = torch.arange(most_here).view(1, -1)  # [pieces, the most runs a piece has]: row-major is key order
+    lo = base.view(-1, 1) + (skip.view(-1, 1) + k) * period.view(-1, 1)
+    at = (k < count.view(-1, 1)).view(-1).nonzero().view(-1)
+    first = torch.maximum(lo, s.view(-1, 1)).view(-1).index_select(0, at)
+    last = torch.minimum(lo + width.view(-1, 1), e.view(-1, 1)).view(-1).index_select(0, at)
+    return row.index_select(0, at // most_here), first, last

@@ -21,11 +21,12 @@ own, is worked out from the predicate itself, not annotated by hand, the first o
 can follow it:
 
 1. in closed form (:mod:`attnkit._pieces`): each row's values as affine pieces along the keys, for
-   predicates affine in the indices and 1-D tables (windows, documents, global tokens, prefix-LM,
-   padding; 1-4 ms at n = 8192);
+   predicates affine in the indices, with ``//`` and ``%`` by constants, and 1-D tables (windows,
+   documents, global tokens, prefix-LM, padding: 1-4 ms at n = 8192; dilated and strided windows,
+   block-local attention);
 2. on ranges of indices, tile by tile (:mod:`attnkit._ranges`: tiles it proves all allowed or all
-   masked are settled whole, and only the cells of the others are evaluated; floats, ``%`` with
-   many pieces, 2-D tables: 5-60 ms at n = 8192);
+   masked are settled whole, and only the cells of the others are evaluated; floats, 2-D tables:
+   5-60 ms at n = 8192);
 3. on every cell (vectorised, in cache-sized row chunks: 0.05-1 s at n = 8192).
 
 All three give the same, exact intervals.
@@ -39,6 +40,7 @@ global, a Python list) should be given a fresh plan, or a fresh function, when i
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections import OrderedDict
@@ -306,7 +308,8 @@ def _derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
 def _one_set(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[tuple[Tensor, Tensor] | None, str]:
     """:func:`_derive` for rows shared by every head; raises :class:`attnkit._ranges.ReadsHead` when they are not."""
     if torch.device(device).type == "cpu":
-        for name, way in (("closed form", _pieces.derive), ("ranges", _ranges.derive)):
+        for name, way in (("closed form", functools.partial(_pieces.derive, most=MAX_INTERVALS)),
+                          ("ranges", _ranges.derive)):
             try:
                 row, first, last, p = way(mod, batch, heads, q_len, kv_len)
             except _ranges.ReadsHead:
@@ -411,11 +414,10 @@ def _pack(row: Tensor, first: Tensor, last: Tensor, p: int, q_len: int, kv_len: 
     if most is not None and k > most:
         return None
     k = max(k, 1)
-    rank = torch.arange(row.numel()) - (counts.cumsum(0) - counts)[row]
-    starts = torch.full((p * q_len, k), kv_len, dtype=torch.int64)
-    ends = torch.full((p * q_len, k), kv_len, dtype=torch.int64)
-    starts[row, rank] = first
-    ends[row, rank] = last
+    # each run's place in the [rows, k] table: its row's first place, plus its rank within the row
+    place = torch.arange(row.numel()) + (row * k - (counts.cumsum(0) - counts).index_select(0, row))
+    starts = torch.full((p * q_len * k,), kv_len, dtype=torch.int64).index_copy_(0, place, first)
+    ends = torch.full((p * q_len * k,), kv_len, dtype=torch.int64).index_copy_(0, place, last)
     return starts.view(p, q_len, k), ends.view(p, q_len, k)
 
 

@@ -14,10 +14,10 @@ from attnkit import _pieces, _ranges, plan
 
 from .test_ranges import catalogue, every_cell, same_rows
 
-#: The catalogue's families the pieces must follow at any size (the dilated and strided ones are
-#: followed while their rows have few pieces, and left to tiles beyond that).
+#: The catalogue's families the pieces must follow at any size.
 FOLLOWED = {"causal", "window (and_masks)", "documents, causal", "global tokens (or_masks)", "prefix-LM",
-            "padding per batch", "nothing allowed", "everything", "2-D neighbourhood (image rows of 7)"}
+            "padding per batch", "nothing allowed", "everything", "2-D neighbourhood (image rows of 7)",
+            "dilated", "strided (Sparse Transformer)"}
 
 
 def pieces_rows(mod, batch, heads, q_len, kv_len):
@@ -101,6 +101,14 @@ def test_random_expressions_give_every_cells_rows_or_are_refused(pred, q_len, ex
     assert want is not None and same_rows(got, want), text
 
 
+@settings(deadline=None, max_examples=60)
+@given(pred=predicates(), q_len=st.integers(100, 300), extra=st.integers(-30, 60))
+def test_random_expressions_on_long_rows_give_every_cells_rows_or_are_refused(pred, q_len, extra):
+    """Rows long enough that ``%`` and ``//`` pass many multiples: remainders compared as patterns
+    every few keys, quotients as intervals, and both cut into pieces where anything else uses them."""
+    test_random_expressions_give_every_cells_rows_or_are_refused.hypothesis.inner_test(pred, q_len, extra, 1)
+
+
 def test_random_expressions_are_mostly_followed():
     """The test above must not pass by refusing: most of its expressions are followed."""
     followed = []
@@ -138,8 +146,38 @@ def test_a_long_window_is_derived_without_evaluating_a_cell():
     assert torch.equal(got[1].view(-1), torch.arange(n) + 1)
 
 
+def test_patterns_every_few_keys_are_followed_on_long_rows():
+    """Dilated and strided windows, block-local attention, keys every few positions: a remainder
+    compared holds every ``m`` keys, a quotient compared is one interval; the predicate is called
+    once, on pieces, and the rows equal every cell's, however many multiples a row passes."""
+    n, seen = 1500, []
+
+    def dilated(b, h, i, j):
+        seen.append(type(i))
+        return ((i - j).abs() <= 64) & ((i - j) % 2 == 0)
+
+    mods = {
+        "dilated": dilated,
+        "strided": lambda b, h, i, j: (i >= j) & (((i - j) % 64 == 0) | (i // 64 == j // 64)),
+        "block-local": lambda b, h, i, j: i // 100 == j // 100,
+        "two of every three keys, causal, 600 back": lambda b, h, i, j: (j <= i) & (i - j < 600) & (2 > j % 3),
+        "xor, and not, in a window": lambda b, h, i, j: ((i - j).abs() < 300) & ((j < i) ^ ((i + j) % 5 != 1)),
+    }
+    for name, mod in mods.items():
+        seen.clear()
+        got, way, _ = plan._derive(mod, 1, 1, n, n, torch.device("cpu"))
+        assert way == "closed form", name
+        assert seen == ([_pieces.Pieces] if name == "dilated" else []), name  # called once: no tile, no cell
+        assert same_rows(got, every_cell(mod, 1, n, n)), name
+    # more runs in a row than a plan keeps: refused, and the plan has no intervals
+    every_other = lambda b, h, i, j: (i + j) % 2 == 0  # noqa: E731
+    with pytest.raises(_ranges.Unsupported, match="runs in a row"):
+        _pieces.derive(every_other, 1, 1, 600, 600, most=plan.MAX_INTERVALS)
+    assert plan._derive(every_other, 1, 1, 600, 600, torch.device("cpu"))[0] is None
+
+
 def test_what_pieces_cannot_follow_is_refused_and_the_plan_still_gets_every_cells_rows():
-    n = 200  # a key pattern of period 2: 100 pieces a row, over MOST_PIECES
+    n = 200  # a key pattern of period 3 used in arithmetic: 67 pieces a row, over MOST_PIECES
     layout = torch.rand(50, 50, generator=torch.Generator().manual_seed(0)) < 0.5
     mods = {  # name: (predicate, the way that finds its rows)
         "a float": (lambda b, h, i, j: (i - j).float() * 0.5 <= 3.0, "ranges"),
@@ -148,7 +186,7 @@ def test_what_pieces_cannot_follow_is_refused_and_the_plan_still_gets_every_cell
         "an index outside the table (wraps)": (lambda b, h, i, j: TABLE[(j - 1).clamp(max=len(TABLE) - 1)] > 2,
                                                "every cell"),
         "a key slope of 2 into a table": (lambda b, h, i, j: TABLE[(2 * j).clamp(max=len(TABLE) - 1)] > 2, "ranges"),
-        "too many pieces": (lambda b, h, i, j: (i + j) % 2 == 0, "ranges"),
+        "too many pieces": (lambda b, h, i, j: (i - j) % 3 * 2 == 2, "ranges"),
         "a constant near int64's limits": (lambda b, h, i, j: (i - j) * 10**15 <= 10**17, "ranges"),
     }
     for name, (mod, way) in mods.items():
