@@ -21,9 +21,11 @@ Followed: ``+ - neg abs``, ``*`` when one side is constant along the keys, ``//`
 positive integer constant, comparisons, ``& | ^ ~`` and the ``logical_*`` forms,
 ``minimum``/``maximum``/``clamp``, ``where``, casts between bool and integer dtypes,
 ``new_ones``/``ones_like`` and friends, and indexing a captured 1-D integer or bool tensor
-(``doc_ids[kv_idx]``). Anything else raises :class:`attnkit._ranges.Unsupported` and the tiles take
-over: floats, a product of two key-dependent values, constants beyond 2^40, a 2-D table, an index
-of slope other than 0 or 1 into a table, an index outside the table, a value with more than
+(``doc_ids[kv_idx]``) or a 2-D one at a row constant along the keys (a block layout's
+``layout[q_idx // 64, kv_idx // 64]``). Anything else raises :class:`attnkit._ranges.Unsupported`
+and the tiles take over: floats, a product of two key-dependent values, constants beyond 2^40, a
+2-D table read at a row that changes along the keys, an index of slope other than 0 or 1 into a
+table, an index outside the table, a value with more than
 :data:`MOST_PIECES` pieces in a row, two periodic patterns combined beyond that, a row with more
 runs than the caller keeps. Reading the head index where there are several heads raises
 :class:`attnkit._ranges.ReadsHead`: the plan then works the predicate out again with the heads
@@ -174,7 +176,8 @@ class _Head:
 
 
 def _lift(x) -> Pieces:
-    """A value as pieces: pieces as they are, a bool, an int or a 0-d integer/bool tensor as a constant."""
+    """A value as pieces: pieces as they are, a bool, an int or a 0-d integer/bool tensor as a constant,
+    a value kept whole (a quotient, a remainder, a periodic boolean) cut at every change."""
     if isinstance(x, Pieces):
         return x
     if isinstance(x, (Periodic, _Deferred)):
@@ -609,37 +612,64 @@ def _constant(a, value, dtype) -> Pieces:
 
 
 def _getitem(table, index):
-    """``table[index]``: a captured 1-D integer or bool tensor, read at an index of slope 0 or 1
-    that stays within it; cut where the table's entries change."""
-    if any(isinstance(i, _Head) for i in (index if isinstance(index, tuple) else (index,))):
+    """``table[index]``: a captured 1-D integer or bool tensor read at an index, or a 2-D one at
+    ``[row, column]`` with a row constant along the keys (``layout[q_idx // 64, kv_idx // 64]``).
+    The index (column) has slope 0 or 1 along the keys, or is such a value's quotient by ``m``
+    (read as the table with each entry repeated ``m`` times), and stays within the table; the
+    value is cut where the entries change."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, _Head) for i in parts):
         raise ReadsHead()
-    if isinstance(index, tuple) and len(index) == 1:
-        index = index[0]
-    if (not isinstance(table, Tensor) or table.dim() != 1 or table.is_floating_point() or table.is_complex()
-            or not isinstance(index, (Pieces, _Deferred))):
-        raise Unsupported("indexing other than a 1-D integer or bool tensor by an index")
-    x = _integer(index)
+    if (not isinstance(table, Tensor) or table.dim() not in (1, 2) or table.dim() != len(parts)
+            or table.is_floating_point() or table.is_complex()
+            or not any(isinstance(i, (Pieces, _Deferred)) for i in parts)):
+        raise Unsupported("indexing other than a 1-D or 2-D integer or bool tensor by indices")
+    entries = table.detach().view(-1 if table.dim() == 2 else 1, table.shape[-1])  # [table rows, N]
+    rows_of, n = entries.shape
+    row = None  # the table row each query row reads (a 2-D table)
+    if table.dim() == 2:
+        r = _integer(parts[0])
+        if r.cuts is not None or bool((r.slope != 0).any()):
+            raise Unsupported("a 2-D table read at a row that changes along the keys")
+        row = r.icept[:, 0]
+        if bool(((row < 0) | (row >= rows_of)).any()):
+            raise Unsupported("an index outside the tensor")
+    col = parts[-1]
+    x, m = (col.dividend(), col.m) if isinstance(col, Quotient) else (_integer(col), 1)
     start, end = _bounds(x.cuts)
     live = end > start
     first, last = x.icept + x.slope * start, x.icept + x.slope * (end - 1)  # the index at each end
     if bool((live & ((x.slope < 0) | (x.slope > 1))).any()):
         raise Unsupported("a table read at an index whose slope along the keys is not 0 or 1")
-    if bool((live & ((torch.minimum(first, last) < 0) | (torch.maximum(first, last) >= table.numel()))).any()):
+    if bool((live & ((torch.minimum(first, last) < 0) | (torch.maximum(first, last) >= n * m))).any()):
         raise Unsupported("an index outside the tensor")  # cell by cell, this raises or wraps around
-    entries = table.detach()
-    changes = (entries[1:] != entries[:-1]).nonzero().view(-1) + 1  # where a new run of entries begins
+    # where each table row's runs of entries begin (the index into the stretched table), padded past its end
+    changed = entries[:, 1:] != entries[:, :-1]
+    most = int(changed.sum(1).max()) if n > 1 else 0
+    changes = torch.where(changed, torch.arange(1, n), n).sort(1).values[:, :most] * m
+    if row is not None:
+        changes = changes.index_select(0, row)  # [R|1, C]: the changes of each query row's table row
+        rows = max(changes.shape[0], first.shape[0])
+        changes, first, last = (t.expand(rows, -1).contiguous() for t in (changes, first, last))
+    else:
+        changes = changes[0]
     moving = (x.slope == 1) & live
     lo = torch.searchsorted(changes, first, right=True)  # changes after the piece's first index
     count = torch.where(moving, torch.searchsorted(changes, last, right=True) - lo, 0)
-    top = max(changes.numel() - 1, 0)
+    top = max(most - 1, 0)
 
     def cut_at(j: Tensor) -> Tensor:  # the key where the j-th change after a piece's first index falls
-        if changes.numel() == 0:
+        if most == 0:
             return torch.zeros_like(j)
-        return changes[(lo.unsqueeze(-1) + j).clamp(max=top)] - x.icept.unsqueeze(-1)
+        at = (lo.unsqueeze(-1) + j).clamp(max=top)
+        found = changes[at] if row is None else changes.gather(1, at.flatten(1)).view(at.shape)
+        return found - x.icept.unsqueeze(-1)
 
-    size = entries.numel()
-    out = _cut_and_read(x, count, cut_at, lambda s, c, k: entries[(s * k + c).clamp(0, size - 1)].long())
+    def read(s: Tensor, c: Tensor, k: Tensor) -> Tensor:
+        at = torch.div(s * k + c, m, rounding_mode="floor").clamp(0, n - 1)
+        return (entries[0, at] if row is None else entries[row.view(-1, 1), at]).long()
+
+    out = _cut_and_read(x, count, cut_at, read)
     return _cast(out, torch.bool) if table.dtype == torch.bool else out
 
 

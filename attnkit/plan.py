@@ -21,12 +21,12 @@ own, is worked out from the predicate itself, not annotated by hand, the first o
 can follow it:
 
 1. in closed form (:mod:`attnkit._pieces`): each row's values as affine pieces along the keys, for
-   predicates affine in the indices, with ``//`` and ``%`` by constants, and 1-D tables (windows,
-   documents, global tokens, prefix-LM, padding: 1-4 ms at n = 8192; dilated and strided windows,
-   block-local attention);
+   predicates affine in the indices, with ``//`` and ``%`` by constants, 1-D tables and 2-D ones
+   read at a row constant along the keys (windows, documents, global tokens, prefix-LM, padding:
+   1-4 ms at n = 8192; dilated and strided windows, block-local attention, block layouts);
 2. on ranges of indices, tile by tile (:mod:`attnkit._ranges`: tiles it proves all allowed or all
-   masked are settled whole, and only the cells of the others are evaluated; floats, 2-D tables:
-   5-60 ms at n = 8192);
+   masked are settled whole, and only the cells of the others are evaluated; floats, a table read
+   where it changes too often to cut: 5-60 ms at n = 8192);
 3. on every cell (vectorised, in cache-sized row chunks: 0.05-1 s at n = 8192).
 
 All three give the same, exact intervals.

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit import _pieces, _ranges, plan
+from attnkit import _pieces, _ranges, masks, plan
 
 from .test_ranges import catalogue, every_cell, same_rows
 
@@ -43,6 +43,8 @@ def test_rows_from_pieces_equal_every_cells(q_len, extra, batch, a, c, seed):
 # ---- random expressions over the indices --------------------------------------------------------
 
 TABLE = torch.tensor([0, 0, 0, 1, 1, 4, 4, 4, 4, 2, 2, 7, 7, 7, 7, 7, 3, 3, 0, 0, 5, 5, 5, 5, 5, 5, 1, 1, 1, 1])
+#: A 2-D table (a block layout's shape: a few rows, runs along each), as wide as any key index here.
+TABLE2 = torch.stack([TABLE.roll(3 * r).repeat(11) for r in range(5)])
 
 
 def integer(draw, depth: int):
@@ -67,6 +69,8 @@ def integer(draw, depth: int):
         "clamp": (lambda b, i, j: (f(b, i, j) + 0 * i).clamp(-3, 12 if c else None), f"clamp({sf})"),
         "where": (lambda b, i, j: torch.where(i > j, f(b, i, j), g(b, i, j)), f"where(i > j, {sf}, {sg})"),
         "table": (lambda b, i, j: TABLE[(f(b, i, j) + 0 * i).clamp(0, len(TABLE) - 1)], f"T[{sf}]"),
+        "2-D table, key index // m": (lambda b, i, j: TABLE2[(f(b, i, j) + 0 * i).clamp(0, len(TABLE2) - 1), j // m],
+                                      f"T2[{sf}, j // {m}]"),
         "bool as int": (lambda b, i, j: (f(b, i, j) + 0 * i < g(b, i, j)).long() * 3, f"3 * ({sf} < {sg})"),
     }
     return forms[draw(st.sampled_from(sorted(forms)))]
@@ -147,10 +151,12 @@ def test_a_long_window_is_derived_without_evaluating_a_cell():
 
 
 def test_patterns_every_few_keys_are_followed_on_long_rows():
-    """Dilated and strided windows, block-local attention, keys every few positions: a remainder
-    compared holds every ``m`` keys, a quotient compared is one interval; the predicate is called
-    once, on pieces, and the rows equal every cell's, however many multiples a row passes."""
+    """Dilated and strided windows, block-local attention, keys every few positions, block layouts:
+    a remainder compared holds every ``m`` keys, a quotient compared is one interval, a layout read
+    at quotients is cut where its row changes; the predicate is called once, on pieces, and the
+    rows equal every cell's, however many multiples a row passes."""
     n, seen = 1500, []
+    bigbird = masks.bigbird_layout(-(-n // 64), seed=0)
 
     def dilated(b, h, i, j):
         seen.append(type(i))
@@ -161,6 +167,8 @@ def test_patterns_every_few_keys_are_followed_on_long_rows():
         "strided": lambda b, h, i, j: (i >= j) & (((i - j) % 64 == 0) | (i // 64 == j // 64)),
         "block-local": lambda b, h, i, j: i // 100 == j // 100,
         "two of every three keys, causal, 600 back": lambda b, h, i, j: (j <= i) & (i - j < 600) & (2 > j % 3),
+        "BigBird layout (window, global and random blocks of 64)": lambda b, h, i, j: bigbird[i // 64, j // 64],
+        "BigBird layout, causal": lambda b, h, i, j: bigbird[i // 64, j // 64] & (j <= i),
         "xor, and not, in a window": lambda b, h, i, j: ((i - j).abs() < 300) & ((j < i) ^ ((i + j) % 5 != 1)),
     }
     for name, mod in mods.items():
@@ -182,7 +190,7 @@ def test_what_pieces_cannot_follow_is_refused_and_the_plan_still_gets_every_cell
     mods = {  # name: (predicate, the way that finds its rows)
         "a float": (lambda b, h, i, j: (i - j).float() * 0.5 <= 3.0, "ranges"),
         "a product of two moving values": (lambda b, h, i, j: (i - j) * (i - j) <= 9, "ranges"),
-        "a 2-D table": (lambda b, h, i, j: layout[i // 4, j // 4], "ranges"),
+        "a 2-D table read at a row that moves along the keys": (lambda b, h, i, j: layout[j // 4, i // 4], "ranges"),
         "an index outside the table (wraps)": (lambda b, h, i, j: TABLE[(j - 1).clamp(max=len(TABLE) - 1)] > 2,
                                                "every cell"),
         "a key slope of 2 into a table": (lambda b, h, i, j: TABLE[(2 * j).clamp(max=len(TABLE) - 1)] > 2, "ranges"),
