@@ -228,3 +228,21 @@ def test_a_predicate_that_reads_the_head_is_worked_out_per_head_in_closed_form()
     assert way == "closed form" and per_head and got[0].shape[0] == 6  # batch element b, head h at b * 3 + h
     want = every_cell(lambda b, h, i, j: mod(b // 3, b % 3, i, j), 6, 40, 40)
     assert same_rows(got, want)
+
+
+def test_the_benchmarks_user_masks_are_all_derived_in_closed_form():
+    """Every mask family ``attnkit bench mods`` times, as its users write it, is worked out in
+    closed form (the analysis cost it reports), equal to every cell."""
+    from attnkit.bench.mods import H, families
+
+    n = 640
+    for name, (mod, _, _) in families(n).items():
+        if mod is None:
+            continue
+        got, way, per_head = plan._derive(mod, 1, H, n, n, torch.device("cpu"))
+        assert way == "closed form", name
+        if per_head:
+            want = every_cell(lambda b, h, i, j, mod=mod: mod(b // H, b % H, i, j), H, n, n)
+        else:
+            want = every_cell(mod, 1, n, n)
+        assert same_rows(got, want), name
