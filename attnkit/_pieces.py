@@ -133,9 +133,9 @@ class Periodic:
 
     @staticmethod
     def of(x) -> Periodic:
-        x = x if isinstance(x, Periodic) else _lift(x)
         if isinstance(x, Periodic):
             return x
+        x = _lift(x)
         if not x.is_bool:
             raise Unsupported("a bitwise operation on integers")
         zero = torch.zeros_like(x.icept, dtype=torch.int64)
@@ -149,17 +149,15 @@ class Periodic:
         start, end = _bounds(self.cuts)
         rows = max(t.shape[0] for t in (start, self.phase, self.period, self.width))
         start, end, *fields = (t.expand(rows, -1) for t in (start, end, self.phase, self.period, self.width))
+        from .plan import _pack  # the plan builds on this module
+
         row, first, last = _periodic_runs(start, end, *fields, MOST_PIECES // 2)
         at, last = _join(row, first, last, ordered=True)
-        row, first = row[at], first[at]
-        count = torch.bincount(row, minlength=rows)
-        k = int(count.max()) if row.numel() else 0
-        rank = torch.arange(row.numel()) - (count.cumsum(0) - count)[row]
-        cuts = torch.full((rows, 2 * k + 2), _keys.kv_len, dtype=torch.int64)  # 0, first, last, ..., kv_len
-        cuts[:, 0] = 0
-        cuts[row, 2 * rank + 1], cuts[row, 2 * rank + 2] = first, last
-        truth = (torch.arange(2 * k + 1) % 2 == 1).view(1, -1)
-        return _make(cuts, None, truth)
+        firsts, lasts = _pack(row[at], first[at], last, 1, rows, _keys.kv_len, most=None)  # [1, rows, k]
+        runs = torch.stack([firsts[0], lasts[0]], -1).flatten(1)  # first, last, first, last, ...: the true pieces
+        cuts = torch.cat([torch.zeros(rows, 1, dtype=torch.int64), runs,
+                          torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1)
+        return _make(cuts, None, (torch.arange(cuts.shape[1] - 1) % 2 == 1).view(1, -1))
 
 
 def _periodic(cuts: Tensor | None, phase: Tensor, period: Tensor, width: Tensor) -> Pieces | Periodic:
@@ -226,7 +224,7 @@ def _index(old: Tensor | None, cuts: Tensor) -> Tensor | None:
     return at.clamp_(0, old.shape[1] - 2)
 
 
-def _on(x: Pieces, cuts: Tensor) -> tuple[Tensor | None, Tensor]:
+def _on(x: Pieces | _Deferred, cuts: Tensor) -> tuple[Tensor | None, Tensor]:
     """``x``'s slope and intercept on the pieces of ``cuts``, a refinement of ``x.cuts``."""
     at = _index(x.cuts, cuts)
     return (x.slope, x.icept) if at is None else (_take(x.slope, at), _take(x.icept, at))
@@ -354,9 +352,8 @@ def _floor_divide(a, m):
     between the keys where ``a`` passes a multiple of ``m``)."""
     a, m = _integer(a), _positive_constant(m)
     start, end = _bounds(a.cuts)
-    if bool(((a.slope != 0) & (end > start)).any()):
-        return Quotient(a.cuts, a.slope, a.icept, m)
-    return _divided(a, m, None)
+    quotient = Quotient(a.cuts, a.slope, a.icept, m)
+    return quotient if bool(((a.slope != 0) & (end > start)).any()) else quotient.plain()
 
 
 def _divided(a: Pieces, m: int, crossings: tuple[Tensor, Tensor] | None) -> Pieces:
@@ -371,10 +368,8 @@ def _remainder(a, m):
     """``a % m``: where ``a`` moves along the keys, a :class:`Wrapped` value (a comparison of it
     holds every ``m`` keys; anything else cuts it at every multiple of ``m``)."""
     a, m = _integer(a), _positive_constant(m)
-    crossings = _crossings(a, m)
-    if crossings is not None:
-        return Wrapped(a.cuts, a.slope, a.icept, m)
-    return _sub(a, _mul(_divided(a, m, None), m))
+    remainder = Wrapped(a.cuts, a.slope, a.icept, m)
+    return remainder if _crossings(a, m) is not None else remainder.plain()
 
 
 def _cut_and_read(a: Pieces, count: Tensor, cut_at, read) -> Pieces:
@@ -488,9 +483,7 @@ def _compare_wrapped(a, b, kind: str) -> Pieces | Periodic:
     flip = not isinstance(a, Wrapped)
     x, t = (b, _integer(a)) if flip else (a, _integer(b))
     cuts = _common(x, t)
-    at = _index(x.cuts, cuts)
-    s, c = _take(x.slope, at), _take(x.icept, at)
-    ts, tc = _on(t, cuts)
+    (s, c), (ts, tc) = _on(x, cuts), _on(t, cuts)
     start, end = _bounds(cuts)
     if bool(((ts != 0) & (end > start)).any()):  # against a value that moves: as pieces
         return _compare(t, x.plain(), kind) if flip else _compare(x.plain(), t, kind)
