@@ -23,7 +23,9 @@ can follow it:
 1. in closed form (:mod:`attnkit._pieces`): each row's values as affine pieces along the keys, for
    predicates affine in the indices, with ``//`` and ``%`` by constants, 1-D tables and 2-D ones
    read at a row constant along the keys (windows, documents, global tokens, prefix-LM, padding:
-   1-4 ms at n = 8192; dilated and strided windows, block-local attention, block layouts);
+   1-4 ms at n = 8192; dilated and strided windows, block-local attention, block layouts); from
+   12,288 rows on, in blocks of rows worked out at their two ends (a few passes, whatever the
+   length: a window per head at n = 8192, 65,536 rows, 3 ms where row by row took 10);
 2. on ranges of indices, tile by tile (:mod:`attnkit._ranges`: tiles it proves all allowed or all
    masked are settled whole, and only the cells of the others are evaluated; floats, a table read
    where it changes too often to cut: 5-60 ms at n = 8192);
@@ -308,16 +310,17 @@ def _derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
 def _one_set(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[tuple[Tensor, Tensor] | None, str]:
     """:func:`_derive` for rows shared by every head; raises :class:`attnkit._ranges.ReadsHead` when they are not."""
     if torch.device(device).type == "cpu":
+        def by_ranges(*args):
+            return _pack(*_ranges.derive(*args), q_len, kv_len)
+
         for name, way in (("closed form", functools.partial(_pieces.derive, most=MAX_INTERVALS)),
-                          ("ranges", _ranges.derive)):
+                          ("ranges", by_ranges)):
             try:
-                row, first, last, p = way(mod, batch, heads, q_len, kv_len)
+                return way(mod, batch, heads, q_len, kv_len), name
             except _ranges.ReadsHead:
                 raise
             except Exception:  # noqa: BLE001 (whatever one way cannot follow, the next decides)
                 continue
-            else:
-                return _pack(row, first, last, p, q_len, kv_len), name
     return _every_cell(mod, batch, heads, q_len, kv_len, device), "every cell"
 
 

@@ -20,20 +20,24 @@ FOLLOWED = {"causal", "window (and_masks)", "documents, causal", "global tokens 
             "dilated", "strided (Sparse Transformer)"}
 
 
-def pieces_rows(mod, batch, heads, q_len, kv_len):
-    row, first, last, p = _pieces.derive(mod, batch, heads, q_len, kv_len)
-    return plan._pack(row, first, last, p, q_len, kv_len)
+def pieces_rows(mod, batch, heads, q_len, kv_len, blocks=False):
+    return _pieces.derive(mod, batch, heads, q_len, kv_len, blocks=blocks)
 
 
+#: Each row on its own, and rows in blocks (every choice checked at both ends of a block).
+MODES = pytest.mark.parametrize("blocks", [False, True], ids=["rows", "blocks"])
+
+
+@MODES
 @settings(deadline=None, max_examples=25)
 @given(q_len=st.integers(1, 90), extra=st.integers(-10, 40), batch=st.integers(1, 2), a=st.integers(0, 12),
        c=st.integers(0, 6), seed=st.integers(0, 2**16))
-def test_rows_from_pieces_equal_every_cells(q_len, extra, batch, a, c, seed):
+def test_rows_from_pieces_equal_every_cells(blocks, q_len, extra, batch, a, c, seed):
     kv_len = max(1, q_len + extra)
     for name, (mod, _) in catalogue(q_len, kv_len, batch, a, c, seed).items():
         want = every_cell(mod, batch, q_len, kv_len)
         try:
-            got = pieces_rows(mod, batch, 2, q_len, kv_len)
+            got = pieces_rows(mod, batch, 2, q_len, kv_len, blocks)
         except _ranges.Unsupported:
             assert name not in FOLLOWED, name
         else:
@@ -92,25 +96,28 @@ def predicates(draw, depth: int = 3):
     return (lambda b, h, i, j: both(p(b, h, i, j), r(b, h, i, j)), f"({sp}) {join} ({sr})")
 
 
+@MODES
 @settings(deadline=None, max_examples=150)
 @given(pred=predicates(), q_len=st.integers(1, 40), extra=st.integers(-8, 20), batch=st.integers(1, 2))
-def test_random_expressions_give_every_cells_rows_or_are_refused(pred, q_len, extra, batch):
+def test_random_expressions_give_every_cells_rows_or_are_refused(blocks, pred, q_len, extra, batch):
     mod, text = pred
     kv_len = max(1, q_len + extra)
     want = every_cell(mod, batch, q_len, kv_len)
     try:
-        got = pieces_rows(mod, batch, 1, q_len, kv_len)
+        got = pieces_rows(mod, batch, 1, q_len, kv_len, blocks)
     except _ranges.Unsupported:
         return  # left to tiles (an index outside the table, or a product of two moving values)
     assert want is not None and same_rows(got, want), text
 
 
+@MODES
 @settings(deadline=None, max_examples=60)
 @given(pred=predicates(), q_len=st.integers(100, 300), extra=st.integers(-30, 60))
-def test_random_expressions_on_long_rows_give_every_cells_rows_or_are_refused(pred, q_len, extra):
+def test_random_expressions_on_long_rows_give_every_cells_rows_or_are_refused(blocks, pred, q_len, extra):
     """Rows long enough that ``%`` and ``//`` pass many multiples: remainders compared as patterns
-    every few keys, quotients as intervals, and both cut into pieces where anything else uses them."""
-    test_random_expressions_give_every_cells_rows_or_are_refused.hypothesis.inner_test(pred, q_len, extra, 1)
+    every few keys, quotients as intervals, and both cut into pieces where anything else uses them;
+    in blocks, choices that change every row or two inside a block."""
+    test_random_expressions_give_every_cells_rows_or_are_refused.hypothesis.inner_test(blocks, pred, q_len, extra, 1)
 
 
 def test_random_expressions_are_mostly_followed():
@@ -139,15 +146,24 @@ def test_a_long_window_is_derived_without_evaluating_a_cell():
     n, seen = 4096, []
 
     def causal(b, h, i, j):
-        seen.append(type(i))
+        seen.append((type(i), i.icept.shape[0]))  # how many rows each call is given
         return i >= j
 
     mod = and_masks(causal, lambda b, h, i, j: i - j <= 64)
+    want = (torch.arange(n) - 64).clamp(min=0), torch.arange(n) + 1
     got, way, _ = plan._derive(mod, 1, 8, n, n, torch.device("cpu"))
-    assert seen == [_pieces.Pieces] and way == "closed form"  # called once, on pieces: no tile, no cell
+    assert {t for t, _ in seen} == {_pieces.Pieces} and way == "closed form"  # on pieces: no tile, no cell
     assert repr(plan.mask_plan(mod, q_len=n)).endswith("derived by closed form)")
-    assert torch.equal(got[0].view(-1), (torch.arange(n) - 64).clamp(min=0))
-    assert torch.equal(got[1].view(-1), torch.arange(n) + 1)
+    assert torch.equal(got[0].view(-1), want[0]) and torch.equal(got[1].view(-1), want[1])
+    for blocks in (False, True):
+        seen.clear()
+        got = _pieces.derive(mod, 1, 1, n, n, blocks=blocks)
+        assert torch.equal(got[0].view(-1), want[0]) and torch.equal(got[1].view(-1), want[1])
+        if blocks:  # a pass over one block, cut where a choice changes (the window's edge at row 64, the
+            # last row), and one over those few blocks: each at its two ends
+            assert len(seen) == 2 and seen[-1][1] <= 10, seen
+        else:
+            assert seen == [(_pieces.Pieces, n)]
 
 
 def test_patterns_every_few_keys_are_followed_on_long_rows():
@@ -170,13 +186,17 @@ def test_patterns_every_few_keys_are_followed_on_long_rows():
         "BigBird layout (window, global and random blocks of 64)": lambda b, h, i, j: bigbird[i // 64, j // 64],
         "BigBird layout, causal": lambda b, h, i, j: bigbird[i // 64, j // 64] & (j <= i),
         "xor, and not, in a window": lambda b, h, i, j: ((i - j).abs() < 300) & ((j < i) ^ ((i + j) % 5 != 1)),
+        "keys up to the square of the row (not affine in the row: in blocks, rows on their own)":
+            lambda b, h, i, j: j <= i * i // 1000,
     }
     for name, mod in mods.items():
         seen.clear()
         got, way, _ = plan._derive(mod, 1, 1, n, n, torch.device("cpu"))
         assert way == "closed form", name
-        assert seen == ([_pieces.Pieces] if name == "dilated" else []), name  # called once: no tile, no cell
-        assert same_rows(got, every_cell(mod, 1, n, n)), name
+        assert set(seen) == ({_pieces.Pieces} if name == "dilated" else set()), name  # no tile, no cell
+        want = every_cell(mod, 1, n, n)
+        assert same_rows(got, want), name
+        assert same_rows(_pieces.derive(mod, 1, 1, n, n, blocks=True), want), name
     # more runs in a row than a plan keeps: refused, and the plan has no intervals
     every_other = lambda b, h, i, j: (i + j) % 2 == 0  # noqa: E731
     with pytest.raises(_ranges.Unsupported, match="runs in a row"):
@@ -241,8 +261,9 @@ def test_the_benchmarks_user_masks_are_all_derived_in_closed_form():
             continue
         got, way, per_head = plan._derive(mod, 1, H, n, n, torch.device("cpu"))
         assert way == "closed form", name
-        if per_head:
-            want = every_cell(lambda b, h, i, j, mod=mod: mod(b // H, b % H, i, j), H, n, n)
-        else:
-            want = every_cell(mod, 1, n, n)
+        folded = lambda b, h, i, j, mod=mod: mod(b // H, b % H, i, j)  # noqa: E731
+        want = every_cell(folded, H, n, n) if per_head else every_cell(mod, 1, n, n)
         assert same_rows(got, want), name
+        in_blocks = _pieces.derive(folded, H, 1, n, n, blocks=True) if per_head else \
+            _pieces.derive(mod, 1, 1, n, n, blocks=True)
+        assert same_rows(in_blocks, want), name
