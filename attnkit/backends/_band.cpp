@@ -139,6 +139,29 @@ void score_row(T* s, Index n, T scale, const T* bias, T cap) {
   if (cap > T(0)) cap_row<T>(s, n, cap);
 }
 
+// score_row, and the maximum of the scores it leaves, in one pass over the row instead of two (the
+// same operations on the same values: the scores are those score_row stores, and a maximum is exact
+// in any order). Capped rows take the two passes.
+template <typename T>
+T score_row_max(T* s, Index n, T scale, const T* bias, T cap) {
+  using Vec = at::vec::Vectorized<T>;
+  const auto larger = [](Vec x, Vec y) { return at::vec::maximum(x, y); };
+  if (cap > T(0)) {
+    score_row<T>(s, n, scale, bias, cap);
+    return at::vec::reduce_all<T>(larger, s, n);
+  }
+  const Vec vs(scale);
+  Vec acc(-std::numeric_limits<T>::infinity());
+  for (Index j = 0; j < n; j += Vec::size()) {
+    const int w = static_cast<int>(std::min<Index>(Vec::size(), n - j));
+    const Vec x = Vec::loadu(s + j, w);
+    const Vec t = bias != nullptr ? at::vec::fmadd(x, vs, Vec::loadu(bias + j, w)) : x * vs;
+    t.store(s + j, w);
+    acc = w == Vec::size() ? at::vec::maximum(acc, t) : Vec::set(acc, at::vec::maximum(acc, t), w);
+  }
+  return at::vec::vec_reduce_all<T>(larger, acc);
+}
+
 struct Shape {
   Index B, H, L, E, Hkv, S, Ev;
   Shape(const Tensor& q, const Tensor& k, const Tensor& v)
@@ -292,8 +315,7 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
   T mx = -std::numeric_limits<T>::infinity();
   for (Index c = 0; c < count; ++c) {
     const Index a = rg[2 * c], e = rg[2 * c + 1];
-    score_row<T>(s + a, e - a, scale, bias != nullptr ? bias + a : nullptr, cap);
-    const T x = at::vec::reduce_all<T>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, s + a, e - a);
+    const T x = score_row_max<T>(s + a, e - a, scale, bias != nullptr ? bias + a : nullptr, cap);
     mx = std::isnan(x) || std::isnan(mx) ? std::numeric_limits<T>::quiet_NaN() : std::max(mx, x);
   }
   const T m_new = std::isnan(mx) ? mx : std::max(m, mx);
@@ -413,8 +435,12 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
       continue;
     }
     const Vec mm(m), l(ll), dd(dl);
-    at::vec::map([=](Vec x) { return vexp<T>((x - mm) - l); }, p + a, p + a, e - a);
-    at::vec::map2([=](Vec pp, Vec d) { return pp * (d - dd); }, dp + a, p + a, dp + a, e - a);
+    for (Index j = a; j < e; j += Vec::size()) {  // p and dS in one pass over the stored scores
+      const int w = static_cast<int>(std::min<Index>(Vec::size(), e - j));
+      const Vec pp = vexp<T>((Vec::loadu(p + j, w) - mm) - l);
+      pp.store(p + j, w);
+      (pp * (Vec::loadu(dp + j, w) - dd)).store(dp + j, w);
+    }
   }
   std::fill(p + at, p + n, T(0));
   std::fill(dp + at, dp + n, T(0));
