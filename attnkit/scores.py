@@ -161,12 +161,32 @@ class Composed:
         return (compose(*mods) if mods else None), cap
 
 
+def _builder_args(fn: str, tensor: tuple[str, object, int, str], **ints: tuple[object, int]) -> None:
+    """The one check of a bias builder's arguments: ``tensor`` (name, value, dimensions, what it
+    holds) a floating-point tensor of that many dimensions, each of ``ints`` (value, least) an int
+    at least that large."""
+    name, value, dim, holds = tensor
+    if not isinstance(value, Tensor) or not value.is_floating_point():
+        got = value.dtype if isinstance(value, Tensor) else type(value).__name__
+        raise TypeError(f"scores.{fn}: {name} must be a floating-point tensor ({holds}), got {got}")
+    if value.dim() != dim:
+        raise ValueError(f"scores.{fn}: {name} must have {dim} dimension{'s' * (dim > 1)} ({holds}), "
+                         f"got shape {tuple(value.shape)}")
+    for key, (number, least) in ints.items():
+        if isinstance(number, bool) or not isinstance(number, int):
+            raise TypeError(f"scores.{fn}: {key} must be an int, got {type(number).__name__}")
+        if number < least:
+            raise ValueError(f"scores.{fn}: {key} must be >= {least}, got {number}")
+
+
 def alibi(slopes: Tensor, *, offset: int = 0) -> DiagonalBias:
     """ALiBi: ``score - slopes[h] * |q_pos - kv_pos|``.
 
     With a causal mask this is the paper's ``-m * (i - j)``; without one it is the symmetric
-    variant used for encoders.
+    variant used for encoders. ``slopes``: one per head (:func:`alibi_slopes` gives the paper's).
     """
+    _builder_args("alibi", ("slopes", slopes, 1, "one slope per head; alibi_slopes(num_heads) gives the paper's"),
+                  offset=(offset, -(1 << 62)))
 
     def bias(dtype, b, h, q_idx, kv_idx):
         return -like_score(slopes, dtype)[h] * (q_idx + offset - kv_idx).abs()
@@ -188,7 +208,9 @@ def relative_position_bias(table: Tensor, max_distance: int, *, offset: int = 0)
             ``d`` positions after the query (``d`` clipped to ``[-max_distance, max_distance]``).
         max_distance: the clipping distance.
     """
-    if table.dim() != 2 or table.shape[1] != 2 * max_distance + 1:
+    _builder_args("relative_position_bias", ("table", table, 2, "[H, 2 * max_distance + 1]"),
+                  max_distance=(max_distance, 0), offset=(offset, -(1 << 62)))
+    if table.shape[1] != 2 * max_distance + 1:
         raise ValueError(f"table must be [H, 2 * max_distance + 1] = [H, {2 * max_distance + 1}], "
                          f"got {tuple(table.shape)}")
 

@@ -58,6 +58,24 @@ def test_alibi_relative_bias_softcap_values():
         scores.relative_position_bias(table, 3)
 
 
+def test_bias_builders_name_a_bad_argument():
+    """A head count where slopes belong, an integer table, a float distance: a TypeError or
+    ValueError naming the argument when the bias is built, not an AttributeError at the first call."""
+    cases = [
+        (lambda: scores.alibi(8), TypeError, r"alibi: slopes must be a floating-point tensor .*alibi_slopes.*got int"),
+        (lambda: scores.alibi(torch.arange(8)), TypeError, r"slopes must be a floating-point tensor .*got torch.int64"),
+        (lambda: scores.alibi(torch.ones(2, 4)), ValueError, r"slopes must have 1 dimension .*got shape \(2, 4\)"),
+        (lambda: scores.alibi(torch.ones(4), offset=1.5), TypeError, "offset must be an int, got float"),
+        (lambda: scores.relative_position_bias(torch.ones(2, 5), 2.0), TypeError, "max_distance must be an int"),
+        (lambda: scores.relative_position_bias(torch.ones(2, 5), -1), ValueError, "max_distance must be >= 0, got -1"),
+        (lambda: scores.relative_position_bias([[0.0] * 5], 2), TypeError, "table must be a floating-point tensor"),
+        (lambda: scores.relative_position_bias(torch.ones(5), 2), ValueError, "table must have 2 dimensions"),
+    ]
+    for build, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            build()
+
+
 def test_compose_applies_left_to_right():
     s = torch.randn(1, 2, 3, 3, dtype=torch.float64)
     mod = scores.compose(scores.softcap(1.0), scores.alibi(torch.tensor([1.0, 2.0], dtype=torch.float64)))
