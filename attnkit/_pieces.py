@@ -994,8 +994,8 @@ def _between(first: Tensor, last: Tensor, cuts: Tensor, batch: int, q_len: int) 
     if bool((step * span != at_last - at_first).any()):  # cannot be, every choice having held: refuse, never guess
         raise Unsupported("rows that do not follow from their block's ends")
     block = torch.arange(r).repeat_interleave(length)
-    offset = (torch.arange(batch * q_len) - begin.index_select(0, block)).view(-1, 1)
-    rows = torch.addcmul(at_first.index_select(0, block), step.index_select(0, block), offset)
+    rows = (at_first - step * begin.view(-1, 1)).index_select(0, block)  # row i: rows + step * i
+    rows.add_(step.index_select(0, block).mul_(torch.arange(batch * q_len).view(-1, 1)))
     return rows[:, :k].contiguous(), rows[:, k:].contiguous()
 
 
