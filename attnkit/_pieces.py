@@ -99,12 +99,13 @@ class _NotBlocks(Unsupported):
 # differs, the row where it changes is noted and the blocks are cut there for another pass.
 
 
-def _ends(t) -> tuple[Tensor, Tensor] | None:
+def _ends(t, block: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """A row value at its blocks' first and last rows; None when rows are on their own or ``t`` is
-    one value for every row."""
-    if _keys.span is None or not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] == 1:
+    one value for every row. ``block``: ``t`` is entries of the rows laid out flat, those at the
+    first rows then the same ones at the last, and ``block`` the block of each of the first."""
+    if _keys.span is None or not isinstance(t, Tensor) or t.dim() == 0 or (t.shape[0] == 1 and block is None):
         return None
-    r = _keys.span.shape[0]
+    r = _keys.span.shape[0] if block is None else block.shape[0]
     if t.shape[0] != 2 * r:
         raise _NotBlocks("a value that is not one per row")
     return t[:r], t[r:]
@@ -115,11 +116,12 @@ def _varies(t) -> bool:
     return ends is not None and not torch.equal(*ends)
 
 
-def _note(d0: Tensor, d1: Tensor, where: Tensor) -> None:
+def _note(d0: Tensor, d1: Tensor, where: Tensor, block: Tensor | None = None) -> None:
     """Note, for the entries ``where``, the first row after its block's first at which ``d >= 0``
     (affine in the row, ``d0`` and ``d1`` at the block's ends) stops being what it was there."""
     shape = (d0.shape[0],) + (1,) * (d0.dim() - 1)
-    first, span = _keys.first.view(shape), _keys.span.view(shape).clamp(min=1)
+    first, span = (t.view(-1) if block is None else t.view(-1)[block] for t in (_keys.first, _keys.span))
+    first, span = first.view(shape), span.view(shape).clamp(min=1)
     step = torch.div(d1 - d0, span, rounding_mode="floor")
     step = torch.where(step == 0, torch.where(d1 >= d0, 1, -1), step)
     # rising (d0 < 0): the first row with d >= 0, ceil(-d0 / step); falling: with d <= -1, ceil((d0 + 1) / -step)
@@ -129,13 +131,13 @@ def _note(d0: Tensor, d1: Tensor, where: Tensor) -> None:
     _keys.flips.append((first + offset).expand_as(where)[where])
 
 
-def _at_most(x, y) -> Tensor:
-    """``x <= y`` of integer row values."""
+def _at_most(x, y, block: Tensor | None = None) -> Tensor:
+    """``x <= y`` of integer row values (``block``: of entries laid out flat, see :func:`_ends`)."""
     out = x <= y
-    ends = _ends(out)
+    ends = _ends(out, block)
     if ends is not None and not torch.equal(*ends):
         d = torch.as_tensor(y - x).expand(out.shape)
-        _note(*_ends(d), ends[0] != ends[1])
+        _note(*_ends(d, block), ends[0] != ends[1], block)
     return out
 
 
@@ -144,23 +146,23 @@ def _below(x, y) -> Tensor:
     return _at_most(x + 1, y)
 
 
-def _same(x, y) -> Tensor:
+def _same(x, y, block: Tensor | None = None) -> Tensor:
     """``x == y`` of integer row values."""
-    return _at_most(x, y) & _at_most(y, x)
+    return _at_most(x, y, block) & _at_most(y, x, block)
 
 
-def _smaller(x, y) -> Tensor:
+def _smaller(x, y, block: Tensor | None = None) -> Tensor:
     """``torch.minimum`` of integer row values (a choice of one: checked in blocks)."""
-    if _keys.span is None:
+    if _keys.span is None or (block is not None and not block.numel()):
         return torch.minimum(torch.as_tensor(x), torch.as_tensor(y))
-    return torch.where(_at_most(x, y), x, y)
+    return torch.where(_at_most(x, y, block), x, y)
 
 
-def _larger(x, y) -> Tensor:
+def _larger(x, y, block: Tensor | None = None) -> Tensor:
     """``torch.maximum`` of integer row values."""
-    if _keys.span is None:
+    if _keys.span is None or (block is not None and not block.numel()):
         return torch.maximum(torch.as_tensor(x), torch.as_tensor(y))
-    return torch.where(_at_most(x, y), y, x)
+    return torch.where(_at_most(x, y, block), y, x)
 
 
 def _fdiv(x: Tensor, m) -> Tensor:
@@ -1014,41 +1016,48 @@ def _runs(out: Pieces | Periodic, rows: int, most: int | None) -> tuple[Tensor, 
     start, end = (t.expand(rows, -1) for t in _bounds(out.cuts))
     live = _below(start, end)
     if isinstance(out, Pieces):  # a run a true piece
-        valid = out.icept.expand(rows, -1) & live
-        first, last, count = start.unsqueeze(-1), end.unsqueeze(-1), valid.long()
-        valid = valid.unsqueeze(-1)
+        row, at = (out.icept.expand(rows, -1) & live).nonzero(as_tuple=True)  # row-major: each row's in key order
+        first, last = start[row, at], end[row, at]
     else:
-        first, last, valid, count = _periodic_runs(start, end, live, *(t.expand(rows, start.shape[1])
-                                                                       for t in (out.phase, out.period, out.width)))
-    # Runs within a piece never touch (one per period, shorter than it): a piece's first run joins
-    # the last run of the piece with runs before it where that one ends where it begins.
-    pieces = count.shape[1]
-    has = count > 0
-    seen = torch.where(has, torch.arange(pieces), -1).cummax(1).values
-    before = torch.cat([seen.new_full((rows, 1), -1), seen[:, :-1]], 1)
-    ends_last = last.gather(2, (count - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)  # each piece's last run's end
-    touch = has & (before >= 0)
-    joined = touch & _same(torch.where(touch, ends_last.gather(1, before.clamp(min=0)), 0),
-                           torch.where(touch, first[:, :, 0], 0))
-    valid = valid.view(rows, -1)
-    begins = valid.clone()
-    begins.view(rows, pieces, -1)[:, :, 0] &= ~joined
-    count = int(begins.sum(1).max()) if begins.numel() else 0
-    if most is not None and count > most:
+        row, first, last = _periodic_runs(start, end, live, *(t.expand(rows, start.shape[1])
+                                                              for t in (out.phase, out.period, out.width)))
+    touching = _touching(row, first, last)
+    if bool(touching.any()):  # joined: a run from where its first part begins to where its last part ends
+        begins = (~touching).nonzero().view(-1)
+        after = torch.cat([begins[1:], begins.new_tensor([row.numel()])])
+        row, first, last = row.index_select(0, begins), first.index_select(0, begins), last.index_select(0, after - 1)
+    from .plan import _pack  # the plan builds on this module
+
+    packed = _pack(row, first, last, 1, rows, _keys.kv_len, most)
+    if packed is None:
         raise Unsupported(f"more than {most} runs in a row")
-    k = max(count, 1)
-    run = torch.where(valid, begins.long().cumsum(1) - 1, k)  # each valid entry's run; others to a dropped column
-    fill = torch.full((rows, k + 1), _keys.kv_len, dtype=torch.int64)
-    starts = fill.clone().scatter_(1, torch.where(begins, run, k), first.reshape(rows, -1).long())[:, :k]
-    ends = fill.scatter_reduce(1, run, last.reshape(rows, -1).long(), reduce="amax", include_self=False)[:, :k]
-    return starts, ends
+    return packed[0][0], packed[1][0]
+
+
+def _touching(row: Tensor, first: Tensor, last: Tensor) -> Tensor:
+    """Of runs laid out flat (``row``, each row's in order), those that begin where the one before
+    them in their row ends. In blocks the runs at the first rows come first, the same ones at the
+    last rows after them: each half is compared within itself, and the two checked alike."""
+    out = torch.zeros_like(row, dtype=torch.bool)
+    if row.numel() < 2:
+        return out
+    r, h = _keys.span.shape[0] if _keys.span is not None else 0, row.numel() // 2
+    if not r or not torch.equal(row[:h] + r, row[h:]):  # (blocks whose two ends differ: a pass already redone)
+        out[1:] = (row[1:] == row[:-1]) & (first[1:] == last[:-1])
+        return out
+    pair = torch.cat([torch.arange(1, h), torch.arange(h + 1, 2 * h)])  # a run, and the one before it: within a half
+    same_row = row.index_select(0, pair) == row.index_select(0, pair - 1)  # (runs of two rows: no choice made)
+    meets = _same(torch.where(same_row, last.index_select(0, pair - 1), 0),
+                  torch.where(same_row, first.index_select(0, pair), 0), row[1:h])
+    out.index_copy_(0, pair, same_row & meets)
+    return out
 
 
 def _periodic_runs(start: Tensor, end: Tensor, live: Tensor, phase: Tensor, period: Tensor,
-                   width: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A :class:`Periodic` boolean's runs ``[rows, pieces, most per piece]`` (first, last, valid) in
-    key order, and how many each piece has: one a piece where it is constant and true, one per
-    period (within the piece) where it is periodic."""
+                   width: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A :class:`Periodic` boolean's runs laid out flat, ``(row, first, last)``, each row's in key
+    order: one a piece where it is constant and true, one per period (within the piece) where it
+    is periodic."""
     live = live & _below(0, width)
     still = _same(period, 1)  # true throughout: one run, the piece
     moving = live & ~still
@@ -1057,13 +1066,20 @@ def _periodic_runs(start: Tensor, end: Tensor, live: Tensor, phase: Tensor, peri
     count = torch.where(moving, _fdiv(torch.where(moving, end - base + period - 1, 0), period) - skip, live.long())
     length = torch.where(live, end - start, 0)
     period, width = torch.where(still, length, period), torch.where(still, length, width)
+    row, at = (count > 0).nonzero(as_tuple=True)  # the pieces with runs, row-major
+    count, base, skip, period, width, s, e = (t[row, at] for t in (count, base, skip, period, width, start, end))
     most = max(int(count.max()), 1) if count.numel() else 1
-    if _keys.kv_len < 1 << 29:  # keys and periods fit in 32 bits: half the memory for the runs
-        start, end, base, skip, period, width = (t.int() for t in (start, end, base, skip, period, width))
-    k = torch.arange(most, dtype=start.dtype).view(1, 1, -1)
-    valid = k < count.unsqueeze(-1)
-    lo = base.unsqueeze(-1) + _product(skip.unsqueeze(-1) + k, period.unsqueeze(-1))
-    s, e, lo_end = start.unsqueeze(-1), end.unsqueeze(-1), lo + width.unsqueeze(-1)
-    if _keys.span is not None:  # (what an entry past a piece's count holds is never used: no choice made of it)
-        lo, lo_end = torch.where(valid, lo, s), torch.where(valid, lo_end, e)
-    return _larger(lo, s), _smaller(lo_end, e), valid, count
+    k = torch.arange(most).view(1, -1)
+    valid = k < count.view(-1, 1)
+    lo = base.view(-1, 1) + _product(skip.view(-1, 1) + k, period.view(-1, 1))
+    s, e, lo_end = s.view(-1, 1), e.view(-1, 1), lo + width.view(-1, 1)
+    block = None  # in blocks: the same pieces at the first rows, then at the last (see _ends)
+    r = _keys.span.shape[0] if _keys.span is not None else 0
+    if r and row.numel() % 2 == 0 and torch.equal(row[: row.numel() // 2] + r, row[row.numel() // 2:]):
+        block = row[: row.numel() // 2]
+        lo, lo_end = torch.where(valid, lo, s), torch.where(valid, lo_end, e)  # (past a piece's count: no choice)
+    elif r:
+        block = torch.zeros(0, dtype=torch.int64)  # the ends differ already: this pass is redone, nothing to check
+    first, last = _larger(lo, s, block), _smaller(lo_end, e, block)
+    at = valid.view(-1).nonzero().view(-1)
+    return row.index_select(0, at // most), first.view(-1).index_select(0, at), last.view(-1).index_select(0, at)
