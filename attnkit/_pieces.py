@@ -902,9 +902,11 @@ stands_in(_Head, _EveryRule())
 
 
 #: Rows (batch x query rows) from which closed form works on blocks of rows; below, each row on its
-#: own. A pass over blocks costs what one over a few hundred rows does, and it takes two or three:
-#: measured, rows on their own cost less up to about 8192 rows, blocks from about 16384.
-BLOCKS_FROM = 12288
+#: own. A pass over blocks costs what one over a few thousand rows does, and it takes two to four:
+#: measured, rows on their own cost as little up to 16,384 rows (a window: 1.0 ms at 8192, 1.5 at
+#: 16,384, against 1.6 in blocks), blocks far less beyond (a window per head at n = 8192, 65,536
+#: rows: 2.7 ms against 10).
+BLOCKS_FROM = 1 << 15
 #: Passes over the blocks, and most blocks (one per this many rows, at least 64), before each row is
 #: worked out on its own instead.
 PASSES, ROWS_PER_BLOCK = 6, 16

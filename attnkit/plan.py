@@ -24,7 +24,7 @@ can follow it:
    predicates affine in the indices, with ``//`` and ``%`` by constants, 1-D tables and 2-D ones
    read at a row constant along the keys (windows, documents, global tokens, prefix-LM, padding:
    1-4 ms at n = 8192; dilated and strided windows, block-local attention, block layouts); from
-   12,288 rows on, in blocks of rows worked out at their two ends (a few passes, whatever the
+   32,768 rows on, in blocks of rows worked out at their two ends (a few passes, whatever the
    length: a window per head at n = 8192, 65,536 rows, 3 ms where row by row took 10);
 2. on ranges of indices, tile by tile (:mod:`attnkit._ranges`: tiles it proves all allowed or all
    masked are settled whole, and only the cells of the others are evaluated; floats, a table read
