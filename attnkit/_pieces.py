@@ -922,9 +922,9 @@ def derive(mod, batch: int, heads: int, q_len: int, kv_len: int, most: int | Non
     ``blocks`` (default: from :data:`BLOCKS_FROM` rows on): the predicate is run on blocks of
     consecutive rows, each at its first and last row, as long as every choice it makes comes out
     the same at both ends (so every value is affine in the row, and the rows between follow from
-    the two ends); blocks are cut where a choice changes and the pass run again. A window at
-    n = 8192 takes two passes over three blocks. Beyond :data:`PASSES` passes or too many blocks,
-    or for what blocks cannot follow, each row is worked out on its own.
+    the two ends); blocks are cut where a choice changes and the pass run again. A window takes
+    two passes (one block, then four) whatever its length. Beyond :data:`PASSES` passes or too
+    many blocks, or for what blocks cannot follow, each row is worked out on its own.
     """
     if not (q_len and kv_len):
         raise Unsupported("an empty grid")
