@@ -161,6 +161,35 @@ def test_patterns_in_float32_and_float64(pattern, softcap):
         check(q, k, v, bias, starts, ends, 0.25, softcap, scaled=None if dtype == torch.float64 else 2e-6)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("sets", ["shared", "per head"])
+def test_rows_that_see_every_key_beside_a_window(sets, softcap):
+    """Global tokens spread over the sequence: their rows see every key, far more than the rest of
+    their 64-row block, and are computed apart from it (gathered in groups); every other row sees
+    its window and the global keys. Outputs and gradients against the formula."""
+    n, b, h = 600, 2, 4
+    i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+    grid = (i - j).abs() <= 20
+    for g in (3, 150, 151, 420):  # two of them side by side, in one block
+        grid[g, :], grid[:, g] = True, True
+    grids = grid[None] if sets == "shared" else torch.stack([grid.roll(7 * x, 0) for x in range(b * h)])
+    starts, ends = _band._intervals(grids)
+    for dtype in (torch.float64, torch.float32):
+        q, k, v, bias = inputs(b, h, 2, n, n, 16, 16, h, dtype, 0)
+        check(q, k, v, bias, starts, ends, 0.25, softcap, scaled=None if dtype == torch.float64 else 2e-6)
+    q, k, v, bias = inputs(b, h, 2, n, n, 16, 16, h, torch.float32, 1)
+    torch.use_deterministic_algorithms(True)
+    try:  # the gathered groups too: bitwise repeatable, forward and backward
+        runs = []
+        for _ in range(2):
+            out = _band.run(q, k, v, starts, ends, bias, 0.25, softcap)
+            runs.append((out, *torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for x, y in zip(*runs, strict=True):
+        assert torch.equal(x, y)
+
+
 def test_one_interval_per_row_is_the_window():
     """K = 1 through run() equals the request path's window."""
     q, k, v, _ = inputs(1, 2, 2, 100, 100, 8, 8, 0, torch.float64, 0)

@@ -39,6 +39,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -211,17 +212,20 @@ struct Rows {
   }
 };
 
-// The keys rows [i0, i0 + rows) of set p see, as few segments: the union of their intervals, with gaps
-// shorter than `gap` closed (a window that moves by one key per row stays one segment, exactly
-// [first row's start, last row's end) as in a one-interval band). iv and out: the caller's
-// buffers, reused from block to block (no allocation per block; no sort when rows come in order).
-const std::vector<std::pair<Index, Index>>& segments(const Rows& R, Index p, Index i0, Index rows, Index gap,
+// The keys rows row(0), ..., row(rows - 1) of set p see (a row(r) < 0 is left out), as few segments:
+// the union of their intervals, with gaps shorter than `gap` closed (a window that moves by one key
+// per row stays one segment, exactly [first row's start, last row's end) as in a one-interval band).
+// iv and out: the caller's buffers, reused from block to block (no allocation per block; no sort
+// when rows come in order).
+template <typename RowOf>
+const std::vector<std::pair<Index, Index>>& segments(const Rows& R, Index p, Index rows, const RowOf& row, Index gap,
                                                      std::vector<std::pair<Index, Index>>& iv,
                                                      std::vector<std::pair<Index, Index>>& out) {
   iv.clear();
   out.clear();
   for (Index r = 0; r < rows; ++r) {
-    const Index o = R.at(p, i0 + r);
+    if (row(r) < 0) continue;
+    const Index o = R.at(p, row(r));
     for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) iv.emplace_back(R.s[o + k], R.e[o + k]);
   }
   const auto by_start = [](const auto& x, const auto& y) { return x.first < y.first; };
@@ -342,6 +346,35 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
   return factor;
 }
 
+// Rows that see far more keys than most of their block of q_rows (a global token's row beside a
+// window's): per set, 1 where a row sees more than 4x the block's lower quartile plus 4 blocks of
+// keys (never more than half a block's rows). Left out of their block, they are computed apart in
+// gathered groups, so that one row seeing every key does not make its whole block compute every key.
+std::vector<std::vector<char>> wide_rows(const Rows& R, Index q_rows, bool& any) {
+  std::vector<std::vector<char>> wide(R.Bp);
+  std::vector<Index> seen(q_rows), sorted(q_rows);
+  any = false;
+  for (Index p = 0; p < R.Bp; ++p) {
+    for (Index i0 = 0; i0 < R.L; i0 += q_rows) {
+      const Index rows = std::min(q_rows, R.L - i0);
+      for (Index r = 0; r < rows; ++r) {
+        const Index o = R.at(p, i0 + r);
+        seen[r] = 0;
+        for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) seen[r] += R.e[o + k] - R.s[o + k];
+      }
+      std::copy(seen.begin(), seen.begin() + rows, sorted.begin());
+      std::nth_element(sorted.begin(), sorted.begin() + rows / 4, sorted.begin() + rows);
+      const Index limit = 4 * sorted[rows / 4] + 4 * q_rows;
+      const Index many = std::count_if(seen.begin(), seen.begin() + rows, [&](Index x) { return x > limit; });
+      if (many == 0 || 2 * many > rows) continue;
+      if (wide[p].empty()) wide[p].assign(R.L, 0);
+      for (Index r = 0; r < rows; ++r) wide[p][i0 + r] = seen[r] > limit;
+      any = true;
+    }
+  }
+  return wide;
+}
+
 template <typename T>
 void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& stats, const Rows& R,
                   const Tensor& bias, T scale, T cap, Index q_rows, Index kv_chunk) {
@@ -349,55 +382,95 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   const bool biased = bias.numel() > 0;
   const Index blocks = (d.L + q_rows - 1) / q_rows, G = d.groups(), K = R.K;
   const T ninf = -std::numeric_limits<T>::infinity();
-  each_item(d.B * d.H * blocks, false, [&](const auto& next) {
-    Tensor s_buf, acc_buf;
-    T* const s = scratch<T>(s_buf, q_rows * kv_chunk);
-    T* const acc = scratch<T>(acc_buf, q_rows * d.Ev);
-    std::vector<T> m(q_rows), l(q_rows);
-    std::vector<Index> rg(2 * K);
+  bool any_wide = false;
+  const auto wide = wide_rows(R, q_rows, any_wide);
+  struct Scratch {  // a thread's buffers, reused from group to group
+    Tensor s_buf, acc_buf, q_buf;
+    std::vector<T> m, l;
+    std::vector<Index> rg;
     std::vector<std::pair<Index, Index>> iv, segs;
+    Scratch(Index rows, Index K) : m(rows), l(rows), rg(2 * K) {}
+  };
+  // Rows row(0..g-1) of (b, h), their queries at qp + r * lda (a row(r) < 0 is left out): scores in
+  // chunks of the keys they see, an online softmax per row, and their outputs and statistics.
+  const auto attend = [&](Index b, Index h, const T* qp, Index lda, Index g, const auto& row, Scratch& w) {
+    T* const s = scratch<T>(w.s_buf, q_rows * kv_chunk);
+    T* const acc = scratch<T>(w.acc_buf, q_rows * d.Ev);
+    T* const m = w.m.data();
+    T* const l = w.l.data();
+    std::fill(m, m + g, ninf);
+    std::fill(l, l + g, T(0));
+    bool first = true;
+    const Index p = R.set(b, h);
+    for (const auto& seg : segments(R, p, g, row, q_rows, w.iv, w.segs)) {
+      for (Index c0 = seg.first; c0 < seg.second; c0 += kv_chunk) {
+        const Index kc = std::min(kv_chunk, seg.second - c0);
+        gemm<T>(false, true, g, kc, d.E, T(1), qp, lda, row_ptr<T>(k, b, h / G, c0), k.stride(2), T(0), s, kc);
+        for (Index r = 0; r < g; ++r) {
+          const Index i = row(r);
+          const Index count = i < 0 ? 0 : R.ranges(p, i, c0, kc, w.rg.data());
+          // bias[h, j - i + L - 1]: a contiguous slice along the row
+          const T* br = biased && i >= 0 ? diagonal_row<T>(bias, h, c0 - i + d.L - 1) : nullptr;
+          const T factor = online_softmax_row<T>(s + r * kc, kc, w.rg.data(), count, scale, br, cap, m[r], l[r]);
+          if (!first && factor != T(1)) {
+            for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
+          }
+        }
+        gemm<T>(false, false, g, d.Ev, kc, T(1), s, kc, row_ptr<T>(v, b, h / G, c0), v.stride(2), first ? T(0) : T(1),
+                acc, d.Ev);
+        first = false;
+      }
+    }
+    T* const ms = stats.data_ptr<T>() + (b * d.H + h) * d.L;  // the row maximum, then log of the row sum
+    T* const ls = ms + d.B * d.H * d.L;
+    for (Index r = 0; r < g; ++r) {
+      const Index i = row(r);
+      if (i < 0) continue;
+      T* o = const_cast<T*>(row_ptr<T>(out, b, h, i));  // out is [B, L, H, Ev] in memory
+      if (first || l[r] == T(0)) {  // nothing visible: zeros, like every other backend
+        std::fill(o, o + d.Ev, T(0));
+        ms[i] = ls[i] = ninf;
+        continue;
+      }
+      const T inv = T(1) / l[r];
+      for (Index j = 0; j < d.Ev; ++j) o[j] = acc[r * d.Ev + j] * inv;
+      ms[i] = m[r];
+      ls[i] = std::log(l[r]);
+    }
+  };
+  each_item(d.B * d.H * blocks, false, [&](const auto& next) {
+    Scratch w(q_rows, K);
     for (Index it = 0; next(it);) {
       const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
       const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
-      T* o = const_cast<T*>(row_ptr<T>(out, b, h, i0));  // rows os apart: out is [B, L, H, Ev] in memory
-      const Index os = out.stride(2);
-      T* ms = stats.data_ptr<T>() + (b * d.H + h) * d.L + i0;  // the row maximum, then log of the row sum
-      T* ls = ms + d.B * d.H * d.L;
-      std::fill(m.begin(), m.end(), ninf);
-      std::fill(l.begin(), l.end(), T(0));
-      const T* qp = row_ptr<T>(q, b, h, i0);
-      bool first = true;
-      const Index p = R.set(b, h);
-      for (const auto& seg : segments(R, p, i0, rows, q_rows, iv, segs)) {
-        for (Index c0 = seg.first; c0 < seg.second; c0 += kv_chunk) {
-          const Index kc = std::min(kv_chunk, seg.second - c0);
-          gemm<T>(false, true, rows, kc, d.E, T(1), qp, q.stride(2), row_ptr<T>(k, b, h / G, c0), k.stride(2), T(0),
-                  s, kc);
-          for (Index r = 0; r < rows; ++r) {
-            const Index count = R.ranges(p, i0 + r, c0, kc, rg.data());
-            // bias[h, j - i + L - 1]: a contiguous slice along the row
-            const T* br = biased ? diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1) : nullptr;
-            const T factor = online_softmax_row<T>(s + r * kc, kc, rg.data(), count, scale, br, cap, m[r], l[r]);
-            if (!first && factor != T(1)) {
-              for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
-            }
-          }
-          gemm<T>(false, false, rows, d.Ev, kc, T(1), s, kc, row_ptr<T>(v, b, h / G, c0), v.stride(2),
-                  first ? T(0) : T(1), acc, d.Ev);
-          first = false;
-        }
-      }
-      for (Index r = 0; r < rows; ++r) {
-        if (l[r] == T(0)) {  // nothing visible: zeros, like every other backend
-          std::fill(o + r * os, o + r * os + d.Ev, T(0));
-          ms[r] = ls[r] = ninf;
-          continue;
-        }
-        const T inv = T(1) / l[r];
-        for (Index j = 0; j < d.Ev; ++j) o[r * os + j] = acc[r * d.Ev + j] * inv;
-        ms[r] = m[r];
-        ls[r] = std::log(l[r]);
-      }
+      const char* skip = wide[R.set(b, h)].empty() ? nullptr : wide[R.set(b, h)].data() + i0;
+      attend(b, h, row_ptr<T>(q, b, h, i0), q.stride(2), rows,
+             [=](Index r) { return skip != nullptr && skip[r] ? Index(-1) : i0 + r; }, w);
+    }
+  });
+  if (!any_wide) return;
+  // the wide rows of each (b, h), in groups of q_rows with their queries gathered
+  std::vector<std::vector<Index>> listed(R.Bp);
+  for (Index p = 0; p < R.Bp; ++p) {
+    for (Index i = 0; i < static_cast<Index>(wide[p].size()); ++i) {
+      if (wide[p][i]) listed[p].push_back(i);
+    }
+  }
+  std::vector<std::array<Index, 3>> groups;  // b * H + h, first of its wide rows, how many
+  for (Index bh = 0; bh < d.B * d.H; ++bh) {
+    const auto& rows = listed[R.set(bh / d.H, bh % d.H)];
+    for (Index j = 0; j < static_cast<Index>(rows.size()); j += q_rows) {
+      groups.push_back({bh, j, std::min<Index>(q_rows, static_cast<Index>(rows.size()) - j)});
+    }
+  }
+  each_item(static_cast<Index>(groups.size()), false, [&](const auto& next) {
+    Scratch w(q_rows, K);
+    for (Index it = 0; next(it);) {
+      const Index b = groups[it][0] / d.H, h = groups[it][0] % d.H, g = groups[it][2];
+      const Index* rows = listed[R.set(b, h)].data() + groups[it][1];
+      T* const qg = scratch<T>(w.q_buf, q_rows * d.E);
+      for (Index r = 0; r < g; ++r) std::copy_n(row_ptr<T>(q, b, h, rows[r]), d.E, qg + r * d.E);
+      attend(b, h, qg, d.E, g, [=](Index r) { return rows[r]; }, w);
     }
   });
 }
@@ -550,7 +623,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       const T* dop = row_ptr<T>(dout, b, h, i0);
       T* dqp = dq.data_ptr<T>() + row0 * d.E;
       const Index set = R.set(b, h);
-      for (const auto& seg : segments(R, set, i0, rows, kv_rows, iv, segs)) {
+      for (const auto& seg : segments(R, set, rows, [i0](Index r) { return i0 + r; }, kv_rows, iv, segs)) {
         for (Index c0 = seg.first; c0 < seg.second; c0 += q_chunk) {
           const Index kc = std::min(q_chunk, seg.second - c0);
           const T* kp = row_ptr<T>(k, b, h / G, c0);
