@@ -384,18 +384,21 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   const T ninf = -std::numeric_limits<T>::infinity();
   bool any_wide = false;
   const auto wide = wide_rows(R, q_rows, any_wide);
-  struct Scratch {  // a thread's buffers, reused from group to group
+  struct Scratch {  // a thread's buffers, made once and reused from group to group
     Tensor s_buf, acc_buf, q_buf;
+    T *s, *acc, *qg;
     std::vector<T> m, l;
     std::vector<Index> rg;
     std::vector<std::pair<Index, Index>> iv, segs;
-    Scratch(Index rows, Index K) : m(rows), l(rows), rg(2 * K) {}
+    Scratch(Index rows, Index chunk, const Shape& d, Index K)
+        : s(scratch<T>(s_buf, rows * chunk)), acc(scratch<T>(acc_buf, rows * d.Ev)),
+          qg(scratch<T>(q_buf, rows * d.E)), m(rows), l(rows), rg(2 * K) {}
   };
   // Rows row(0..g-1) of (b, h), their queries at qp + r * lda (a row(r) < 0 is left out): scores in
   // chunks of the keys they see, an online softmax per row, and their outputs and statistics.
   const auto attend = [&](Index b, Index h, const T* qp, Index lda, Index g, const auto& row, Scratch& w) {
-    T* const s = scratch<T>(w.s_buf, q_rows * kv_chunk);
-    T* const acc = scratch<T>(w.acc_buf, q_rows * d.Ev);
+    T* const s = w.s;
+    T* const acc = w.acc;
     T* const m = w.m.data();
     T* const l = w.l.data();
     std::fill(m, m + g, ninf);
@@ -439,7 +442,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     }
   };
   each_item(d.B * d.H * blocks, false, [&](const auto& next) {
-    Scratch w(q_rows, K);
+    Scratch w(q_rows, kv_chunk, d, K);
     for (Index it = 0; next(it);) {
       const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
       const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
@@ -464,13 +467,12 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     }
   }
   each_item(static_cast<Index>(groups.size()), false, [&](const auto& next) {
-    Scratch w(q_rows, K);
+    Scratch w(q_rows, kv_chunk, d, K);
     for (Index it = 0; next(it);) {
       const Index b = groups[it][0] / d.H, h = groups[it][0] % d.H, g = groups[it][2];
       const Index* rows = listed[R.set(b, h)].data() + groups[it][1];
-      T* const qg = scratch<T>(w.q_buf, q_rows * d.E);
-      for (Index r = 0; r < g; ++r) std::copy_n(row_ptr<T>(q, b, h, rows[r]), d.E, qg + r * d.E);
-      attend(b, h, qg, d.E, g, [=](Index r) { return rows[r]; }, w);
+      for (Index r = 0; r < g; ++r) std::copy_n(row_ptr<T>(q, b, h, rows[r]), d.E, w.qg + r * d.E);
+      attend(b, h, w.qg, d.E, g, [=](Index r) { return rows[r]; }, w);
     }
   });
 }
