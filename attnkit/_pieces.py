@@ -50,7 +50,7 @@ import threading
 import torch
 from torch import Tensor
 
-from ._ranges import ReadsHead, Unsupported, _state, rule_table, stands_in
+from ._ranges import ReadsHead, Unsupported, _join, _state, rule_table, stands_in
 
 #: Most pieces a value may have in a row; more (a pattern that changes every few keys) is left to tiles.
 MOST_PIECES = 64
@@ -1023,11 +1023,9 @@ def _runs(out: Pieces | Periodic, rows: int, most: int | None) -> tuple[Tensor, 
     else:
         row, first, last = _periodic_runs(start, end, live, *(t.expand(rows, start.shape[1])
                                                               for t in (out.phase, out.period, out.width)))
-    touching = _touching(row, first, last)
-    if bool(touching.any()):  # joined: a run from where its first part begins to where its last part ends
-        begins = (~touching).nonzero().view(-1)
-        after = torch.cat([begins[1:], begins.new_tensor([row.numel()])])
-        row, first, last = row.index_select(0, begins), first.index_select(0, begins), last.index_select(0, after - 1)
+    at, last = _join(row, first, last, ordered=True, joins=_touching(row, first, last))  # runs that touch: one
+    if at.numel() < row.numel():
+        row, first = row.index_select(0, at), first.index_select(0, at)
     from .plan import _pack  # the plan builds on this module
 
     packed = _pack(row, first, last, 1, rows, _keys.kv_len, most)
@@ -1036,23 +1034,29 @@ def _runs(out: Pieces | Periodic, rows: int, most: int | None) -> tuple[Tensor, 
     return packed[0][0], packed[1][0]
 
 
-def _touching(row: Tensor, first: Tensor, last: Tensor) -> Tensor:
-    """Of runs laid out flat (``row``, each row's in order), those that begin where the one before
-    them in their row ends. In blocks the runs at the first rows come first, the same ones at the
-    last rows after them: each half is compared within itself, and the two checked alike."""
-    out = torch.zeros_like(row, dtype=torch.bool)
-    if row.numel() < 2:
-        return out
-    r, h = _keys.span.shape[0] if _keys.span is not None else 0, row.numel() // 2
-    if not r or not torch.equal(row[:h] + r, row[h:]):  # (blocks whose two ends differ: a pass already redone)
-        out[1:] = (row[1:] == row[:-1]) & (first[1:] == last[:-1])
-        return out
+def _touching(row: Tensor, first: Tensor, last: Tensor) -> Tensor | None:
+    """In blocks, of runs laid out flat (``row``, each row's in order), those that begin where the
+    one before them in their row ends: each half compared within itself, and the two checked alike.
+    None (``_join`` compares them) for rows on their own."""
+    block = _paired(row)
+    if block is None or row.numel() < 2:
+        return None
+    h = row.numel() // 2
     pair = torch.cat([torch.arange(1, h), torch.arange(h + 1, 2 * h)])  # a run, and the one before it: within a half
     same_row = row.index_select(0, pair) == row.index_select(0, pair - 1)  # (runs of two rows: no choice made)
     meets = _same(torch.where(same_row, last.index_select(0, pair - 1), 0),
-                  torch.where(same_row, first.index_select(0, pair), 0), row[1:h])
-    out.index_copy_(0, pair, same_row & meets)
-    return out
+                  torch.where(same_row, first.index_select(0, pair), 0), block[1:])
+    return torch.zeros_like(row, dtype=torch.bool).index_copy_(0, pair, same_row & meets)
+
+
+def _paired(row: Tensor) -> Tensor | None:
+    """In blocks, entries laid out flat whose first half (at the blocks' first rows) the second
+    half repeats (at their last rows): the block of each entry of the first half. None for rows on
+    their own, or where the two halves differ (a choice already failed: the pass is redone)."""
+    r, h = _keys.span.shape[0] if _keys.span is not None else 0, row.numel() // 2
+    if not r or row.numel() % 2 or not torch.equal(row[:h] + r, row[h:]):
+        return None
+    return row[:h]
 
 
 def _periodic_runs(start: Tensor, end: Tensor, live: Tensor, phase: Tensor, period: Tensor,
@@ -1075,12 +1079,10 @@ def _periodic_runs(start: Tensor, end: Tensor, live: Tensor, phase: Tensor, peri
     valid = k < count.view(-1, 1)
     lo = base.view(-1, 1) + _product(skip.view(-1, 1) + k, period.view(-1, 1))
     s, e, lo_end = s.view(-1, 1), e.view(-1, 1), lo + width.view(-1, 1)
-    block = None  # in blocks: the same pieces at the first rows, then at the last (see _ends)
-    r = _keys.span.shape[0] if _keys.span is not None else 0
-    if r and row.numel() % 2 == 0 and torch.equal(row[: row.numel() // 2] + r, row[row.numel() // 2:]):
-        block = row[: row.numel() // 2]
+    block = _paired(row)  # in blocks: the same pieces at the first rows, then at the last (see _ends)
+    if block is not None:
         lo, lo_end = torch.where(valid, lo, s), torch.where(valid, lo_end, e)  # (past a piece's count: no choice)
-    elif r:
+    elif _keys.span is not None:
         block = torch.zeros(0, dtype=torch.int64)  # the ends differ already: this pass is redone, nothing to check
     first, last = _larger(lo, s, block), _smaller(lo_end, e, block)
     at = valid.view(-1).nonzero().view(-1)

@@ -566,18 +566,21 @@ def _joined(pi: Tensor, q0: Tensor, q1: Tensor, k0: Tensor, k1: Tensor) -> tuple
     return pi[first], q0[first], q1[first], k0[first], last
 
 
-def _join(group: Tensor, start: Tensor, end: Tensor, ordered: bool = False) -> tuple[Tensor, Tensor]:
+def _join(group: Tensor, start: Tensor, end: Tensor, ordered: bool = False,
+          joins: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Disjoint runs ``[start, end)`` in groups, in order of group then start, each run that begins
     where the one before it in its group ended joined to it: the index (into the inputs) of each
     joined run's first part, and the joined run's end. ``ordered``: the runs come in that order
-    already (else they are sorted here)."""
+    already (else they are sorted here). ``joins``: which runs (in order) begin where the one
+    before them ends, where the caller has worked that out itself."""
     order = None
     if not ordered:
         key = group * (int(end.max()) + 1) + start
         order = torch.argsort(key.int() if int(key.max()) < 2**31 else key)  # int32 sorts faster
         group, start, end = group[order], start[order], end[order]
-    joins = torch.zeros_like(group, dtype=torch.bool)
-    joins[1:] = (group[1:] == group[:-1]) & (start[1:] == end[:-1])
+    if joins is None:
+        joins = torch.zeros_like(group, dtype=torch.bool)
+        joins[1:] = (group[1:] == group[:-1]) & (start[1:] == end[:-1])
     first = (~joins).nonzero().view(-1)  # the first part of each joined run
     if first.numel() < group.numel():  # the last part (just before the next first) ends the joined run
         end = end[torch.cat([first[1:], first.new_tensor([group.numel()])]) - 1]
