@@ -276,12 +276,8 @@ def _plan_reuse(n: int, rounds: int) -> str:
     torch.manual_seed(0)
     encoder = TransformerEncoder([TransformerEncoderLayer(512, H, dropout=0.0) for _ in range(12)]).eval()
     x = torch.randn(1, n, 512)
-    builds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        plan = mask_plan(documents, q_len=n, heads=H)
-        builds.append(time.perf_counter() - t0)
-    build = sorted(builds)[len(builds) // 2]
+    build = median_time(lambda: mask_plan(documents, q_len=n, heads=H), repeat=5, warmup=0)
+    plan = mask_plan(documents, q_len=n, heads=H)
     with torch.no_grad():
         forward = _interleaved({"encoder": lambda: encoder(x, mask=plan)}, rounds)["encoder"]
     return (f"## A mask plan built once, reused by a 12-layer encoder, n = {n}\n\n"
