@@ -113,6 +113,22 @@ def check(q, k, v, bias, starts, ends, scale, softcap, *, scaled=None):
     return out
 
 
+def assert_repeatable(q, k, v, bias, starts, ends, softcap, times):
+    """Under deterministic algorithms, ``times`` calls give the same output and gradients bit for bit."""
+    runs = []
+    with torch.autograd.set_grad_enabled(True):
+        torch.use_deterministic_algorithms(True)
+        try:
+            for _ in range(times):
+                out = _band.run(q, k, v, starts, ends, bias, 0.25, softcap)
+                runs.append((out, *torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))))
+        finally:
+            torch.use_deterministic_algorithms(False)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
 def test_the_formula_here_is_the_oracle():
     q, k, v, bias = inputs(2, 4, 2, 23, 31, 8, 8, 4, torch.float64, 0)
     starts, ends = random_intervals(2, 23, 31, 3, torch.Generator().manual_seed(0))
@@ -177,17 +193,8 @@ def test_rows_that_see_every_key_beside_a_window(sets, softcap):
     for dtype in (torch.float64, torch.float32):
         q, k, v, bias = inputs(b, h, 2, n, n, 16, 16, h, dtype, 0)
         check(q, k, v, bias, starts, ends, 0.25, softcap, scaled=None if dtype == torch.float64 else 2e-6)
-    q, k, v, bias = inputs(b, h, 2, n, n, 16, 16, h, torch.float32, 1)
-    torch.use_deterministic_algorithms(True)
-    try:  # the gathered groups too: bitwise repeatable, forward and backward
-        runs = []
-        for _ in range(2):
-            out = _band.run(q, k, v, starts, ends, bias, 0.25, softcap)
-            runs.append((out, *torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))))
-    finally:
-        torch.use_deterministic_algorithms(False)
-    for x, y in zip(*runs, strict=True):
-        assert torch.equal(x, y)
+    # the gathered groups too: bitwise repeatable, forward and backward
+    assert_repeatable(*inputs(b, h, 2, n, n, 16, 16, h, torch.float32, 1), starts, ends, softcap, times=2)
 
 
 def test_one_interval_per_row_is_the_window():
@@ -248,18 +255,7 @@ def test_a_constant_bias_skips_its_gradient_and_changes_nothing_else():
 def test_deterministic_mode_is_bitwise_repeatable(softcap):
     q, k, v, bias = inputs(2, 4, 2, 300, 300, 16, 16, 4, torch.float32, 0)
     starts, ends = random_intervals(2, 300, 300, 5, torch.Generator().manual_seed(0))
-    runs = []
-    with torch.autograd.set_grad_enabled(True):
-        torch.use_deterministic_algorithms(True)
-        try:
-            for _ in range(3):
-                out = _band.run(q, k, v, starts, ends, bias, 0.25, softcap)
-                runs.append((out, *torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))))
-        finally:
-            torch.use_deterministic_algorithms(False)
-    for other in runs[1:]:
-        for a, b in zip(runs[0], other, strict=True):
-            assert torch.equal(a, b)
+    assert_repeatable(q, k, v, bias, starts, ends, softcap, times=3)
     check(q, k, v, bias, starts, ends, 0.25, softcap, scaled=2e-6)  # and the other mode agrees with the formula
 
 
