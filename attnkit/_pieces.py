@@ -105,14 +105,16 @@ def _ends(t, block: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     first rows then the same ones at the last, and ``block`` the block of each of the first."""
     if _keys.span is None or not isinstance(t, Tensor) or t.dim() == 0 or (t.shape[0] == 1 and block is None):
         return None
+    if block is not None and not block.numel():  # (the halves already differ: the pass is redone)
+        return None
     r = _keys.span.shape[0] if block is None else block.shape[0]
     if t.shape[0] != 2 * r:
         raise _NotBlocks("a value that is not one per row")
     return t[:r], t[r:]
 
 
-def _varies(t) -> bool:
-    ends = _ends(t)
+def _varies(t, block: Tensor | None = None) -> bool:
+    ends = _ends(t, block)
     return ends is not None and not torch.equal(*ends)
 
 
@@ -141,9 +143,9 @@ def _at_most(x, y, block: Tensor | None = None) -> Tensor:
     return out
 
 
-def _below(x, y) -> Tensor:
+def _below(x, y, block: Tensor | None = None) -> Tensor:
     """``x < y`` of integer row values."""
-    return _at_most(x + 1, y)
+    return _at_most(x + 1, y, block)
 
 
 def _same(x, y, block: Tensor | None = None) -> Tensor:
@@ -201,10 +203,10 @@ def _fmod(x: Tensor, m) -> Tensor:
     return x - m * _fdiv(x, m)
 
 
-def _product(x, y):
+def _product(x, y, block: Tensor | None = None):
     """``x * y`` of row values: in block mode one of them must be the same along each block (else
     the product is not affine in the row)."""
-    if _varies(x) and _varies(y):
+    if _varies(x, block) and _varies(y, block):
         return _cannot("a product of two values that both change with the row", x * y)
     return x * y
 
@@ -986,21 +988,23 @@ def _evaluate(mod, batch: int, heads: int, q_len: int, kv_len: int, most: int | 
 
 def _between(first: Tensor, last: Tensor, cuts: Tensor, batch: int, q_len: int) -> tuple[Tensor, Tensor]:
     """Every row's runs from the runs at its block's two ends (rows ``[2R, K]``): the same runs,
-    their ends moved by the same step each row."""
+    their ends moved by the same step each row (a running sum of the steps, set at each block's
+    first row to what that row has)."""
     r = first.shape[0] // 2
-    begin = cuts.repeat(batch) + torch.arange(batch).repeat_interleave(cuts.numel()) * q_len
     length = torch.diff(torch.cat([cuts, cuts.new_tensor([q_len])])).repeat(batch)
-    k = first.shape[1]
-    both = torch.cat([first, last], 1)  # [2R, 2K]: a block's first row, then its last
-    at_first, at_last = both[:r], both[r:]
+    begin = length.cumsum(0) - length  # each block's first row, rows b * Lq + i
     span = (length - 1).clamp(min=1).view(-1, 1)
-    step = torch.div(at_last - at_first, span, rounding_mode="floor")
-    if bool((step * span != at_last - at_first).any()):  # cannot be, every choice having held: refuse, never guess
-        raise Unsupported("rows that do not follow from their block's ends")
-    block = torch.arange(r).repeat_interleave(length)
-    rows = (at_first - step * begin.view(-1, 1)).index_select(0, block)  # row i: rows + step * i
-    rows.add_(step.index_select(0, block).mul_(torch.arange(batch * q_len).view(-1, 1)))
-    return rows[:, :k].contiguous(), rows[:, k:].contiguous()
+    block = torch.zeros(batch * q_len, dtype=torch.int64).index_fill_(0, begin[1:], 1).cumsum_(0)
+    out = []
+    for t in (first, last):
+        at_first, at_last = t[:r], t[r:]
+        step = torch.div(at_last - at_first, span, rounding_mode="floor")
+        if bool((step * span != at_last - at_first).any()):  # cannot be, every choice having held: refuse, never guess
+            raise Unsupported("rows that do not follow from their block's ends")
+        before = torch.cat([t[:1] * 0, (at_first + step * (length - 1).view(-1, 1))[:-1]])  # the row before each block
+        rows = step.index_select(0, block).index_copy_(0, begin, at_first - before)
+        out.append(rows.cumsum_(0))
+    return out[0], out[1]
 
 
 def _batched(first: Tensor, last: Tensor, batch: int, q_len: int) -> tuple[Tensor, Tensor]:
@@ -1072,18 +1076,18 @@ def _periodic_runs(start: Tensor, end: Tensor, live: Tensor, phase: Tensor, peri
     count = torch.where(moving, _fdiv(torch.where(moving, end - base + period - 1, 0), period) - skip, live.long())
     length = torch.where(live, end - start, 0)
     period, width = torch.where(still, length, period), torch.where(still, length, width)
-    row, at = (count > 0).nonzero(as_tuple=True)  # the pieces with runs, row-major
+    row, at = _below(0, count).nonzero(as_tuple=True)  # the pieces with runs, row-major
     count, base, skip, period, width, s, e = (t[row, at] for t in (count, base, skip, period, width, start, end))
     most = max(int(count.max()), 1) if count.numel() else 1
-    k = torch.arange(most).view(1, -1)
-    valid = k < count.view(-1, 1)
-    lo = base.view(-1, 1) + _product(skip.view(-1, 1) + k, period.view(-1, 1))
-    s, e, lo_end = s.view(-1, 1), e.view(-1, 1), lo + width.view(-1, 1)
     block = _paired(row)  # in blocks: the same pieces at the first rows, then at the last (see _ends)
-    if block is not None:
-        lo, lo_end = torch.where(valid, lo, s), torch.where(valid, lo_end, e)  # (past a piece's count: no choice)
-    elif _keys.span is not None:
+    if block is None and _keys.span is not None:
         block = torch.zeros(0, dtype=torch.int64)  # the ends differ already: this pass is redone, nothing to check
+    k = torch.arange(most).view(1, -1)
+    valid = _below(k, count.view(-1, 1), block)  # (in blocks: as many runs in a piece at both ends)
+    lo = base.view(-1, 1) + _product(skip.view(-1, 1) + k, period.view(-1, 1), block)
+    s, e, lo_end = s.view(-1, 1), e.view(-1, 1), lo + width.view(-1, 1)
+    if block is not None and block.numel():
+        lo, lo_end = torch.where(valid, lo, s), torch.where(valid, lo_end, e)  # (past a piece's count: no choice)
     first, last = _larger(lo, s, block), _smaller(lo_end, e, block)
     at = valid.view(-1).nonzero().view(-1)
     return row.index_select(0, at // most), first.view(-1).index_select(0, at), last.view(-1).index_select(0, at)

@@ -204,6 +204,32 @@ def test_patterns_every_few_keys_are_followed_on_long_rows():
     assert plan._derive(every_other, 1, 1, 600, 600, torch.device("cpu"))[0] is None
 
 
+def test_patterns_every_few_keys_are_worked_out_in_blocks():
+    """A dilated window over many rows is worked out in blocks: each block's runs every other key
+    follow from its two ends (near the sequence's edges a run appears every other row, so blocks
+    there are a row or two). Where the number of runs in a row changes inside a block, blocks
+    cannot pair them: each row is worked out on its own, still exact."""
+    passes = []
+    evaluate = _pieces._evaluate
+
+    def counted(*args):
+        passes.append(args[-1] is not None)  # (the blocks' starts; None: each row on its own)
+        return evaluate(*args)
+
+    mods = {
+        "dilated": (4096, lambda b, h, i, j: ((i - j).abs() <= 64) & ((i - j) % 2 == 0)),
+        "a run more each row": (300, lambda b, h, i, j: (j <= 2 * i) & (j % 2 == 0)),
+        "two of every three, causal, rows apart": (300, lambda b, h, i, j: (j <= i) & (j % 3 != 1)),
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_pieces, "_evaluate", counted)
+        for name, (n, mod) in mods.items():
+            passes.clear()
+            assert same_rows(_pieces.derive(mod, 1, 1, n, n, blocks=True), every_cell(mod, 1, n, n)), name
+            if name == "dilated":
+                assert all(passes) and len(passes) <= _pieces.PASSES, passes  # in blocks throughout
+
+
 def test_what_pieces_cannot_follow_is_refused_and_the_plan_still_gets_every_cells_rows():
     n = 200  # a key pattern of period 3 used in arithmetic: 67 pieces a row, over MOST_PIECES
     layout = torch.rand(50, 50, generator=torch.Generator().manual_seed(0)) < 0.5
