@@ -103,6 +103,24 @@ def test_float32_matches_the_oracle_and_pytorch_sdpa():
     close(got, oracle.attention(q, k, v, allowed=band)[0], torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_power_of_two_scale_taken_into_the_queries_is_exact(dtype):
+    """With a scale of 1/8 the forward scales the queries, not the scores: every product and sum
+    of q k^T is scaled by the same power of two, so it is bit for bit the unscaled product scaled,
+    here the keys scaled instead (a window, ALiBi on causal rows, and rows that see every key)."""
+    q, k, v = qkv(1, 3, 3, 1200, 1200, d=64, dtype=dtype)
+    slopes = torch.tensor([0.5, 0.25, 0.125], dtype=dtype)
+
+    def global_rows(b, h, i, j):  # rows that see every key, computed apart from their block's
+        return ((i - j).abs() <= 20) | (i < 4) | (j < 4)
+
+    for case in ({"window": (40, 3)}, {"is_causal": True, "score_mod": scores.alibi(slopes)},
+                 {"mask_mod": global_rows}):
+        got = attnkit.attention(q, k, v, scale=0.125, backend="band", **case)
+        want = attnkit.attention(q, k * 0.125, v, scale=1.0, backend="band", **case)
+        assert torch.equal(got, want), case
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_types_are_computed_in_float32(dtype):
     q, k, v = qkv(1, 2, 2, 50, 50, d=16, dtype=dtype)

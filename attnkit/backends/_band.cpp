@@ -134,7 +134,7 @@ void score_row(T* s, Index n, T scale, const T* bias, T cap) {
   const Vec vs(scale);
   if (bias != nullptr) {
     at::vec::map2([=](Vec x, Vec y) { return at::vec::fmadd(x, vs, y); }, s, s, bias, n);
-  } else {
+  } else if (scale != T(1)) {
     at::vec::map([=](Vec x) { return x * vs; }, s, s, n);
   }
   if (cap > T(0)) cap_row<T>(s, n, cap);
@@ -151,6 +151,7 @@ T score_row_max(T* s, Index n, T scale, const T* bias, T cap) {
     score_row<T>(s, n, scale, bias, cap);
     return at::vec::reduce_all<T>(larger, s, n);
   }
+  if (scale == T(1) && bias == nullptr) return at::vec::reduce_all<T>(larger, s, n);  // stored as they are
   const Vec vs(scale);
   Vec acc(-std::numeric_limits<T>::infinity());
   for (Index j = 0; j < n; j += Vec::size()) {
@@ -384,6 +385,12 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   const T ninf = -std::numeric_limits<T>::infinity();
   bool any_wide = false;
   const auto wide = wide_rows(R, q_rows, any_wide);
+  // A scale that is a power of two (1/8 for 64-wide heads) is taken into the queries as they are
+  // copied for a block: (q * scale) k^T is then exactly (q k^T) * scale, every product and sum
+  // scaled by the same power of two, and the scores need no pass of their own before the maximum.
+  int exponent = 0;
+  const bool prescale = scale != T(1) && std::frexp(scale, &exponent) == T(0.5);
+  const T s_eff = prescale ? T(1) : scale;
   struct Scratch {  // a thread's buffers, made once and reused from group to group
     Tensor s_buf, acc_buf, q_buf;
     T *s, *acc, *qg;
@@ -414,7 +421,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
           const Index count = i < 0 ? 0 : R.ranges(p, i, c0, kc, w.rg.data());
           // bias[h, j - i + L - 1]: a contiguous slice along the row
           const T* br = biased && i >= 0 ? diagonal_row<T>(bias, h, c0 - i + d.L - 1) : nullptr;
-          const T factor = online_softmax_row<T>(s + r * kc, kc, w.rg.data(), count, scale, br, cap, m[r], l[r]);
+          const T factor = online_softmax_row<T>(s + r * kc, kc, w.rg.data(), count, s_eff, br, cap, m[r], l[r]);
           if (!first && factor != T(1)) {
             for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
           }
@@ -447,8 +454,17 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
       const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
       const char* skip = wide[R.set(b, h)].empty() ? nullptr : wide[R.set(b, h)].data() + i0;
-      attend(b, h, row_ptr<T>(q, b, h, i0), q.stride(2), rows,
-             [=](Index r) { return skip != nullptr && skip[r] ? Index(-1) : i0 + r; }, w);
+      const T* qp = row_ptr<T>(q, b, h, i0);
+      Index lda = q.stride(2);
+      if (prescale) {
+        for (Index r = 0; r < rows; ++r) {
+          at::vec::map([=](at::vec::Vectorized<T> x) { return x * at::vec::Vectorized<T>(scale); }, w.qg + r * d.E,
+                       qp + r * lda, d.E);
+        }
+        qp = w.qg;
+        lda = d.E;
+      }
+      attend(b, h, qp, lda, rows, [=](Index r) { return skip != nullptr && skip[r] ? Index(-1) : i0 + r; }, w);
     }
   });
   if (!any_wide) return;
@@ -471,7 +487,10 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     for (Index it = 0; next(it);) {
       const Index b = groups[it][0] / d.H, h = groups[it][0] % d.H, g = groups[it][2];
       const Index* rows = listed[R.set(b, h)].data() + groups[it][1];
-      for (Index r = 0; r < g; ++r) std::copy_n(row_ptr<T>(q, b, h, rows[r]), d.E, w.qg + r * d.E);
+      for (Index r = 0; r < g; ++r) {
+        const T* qr = row_ptr<T>(q, b, h, rows[r]);
+        for (Index j = 0; j < d.E; ++j) w.qg[r * d.E + j] = prescale ? qr[j] * scale : qr[j];
+      }
       attend(b, h, w.qg, d.E, g, [=](Index r) { return rows[r]; }, w);
     }
   });
