@@ -181,18 +181,26 @@ def test_patterns_in_float32_and_float64(pattern, softcap):
 @pytest.mark.parametrize("sets", ["shared", "per head"])
 def test_rows_that_see_every_key_beside_a_window(sets, softcap):
     """Global tokens spread over the sequence: their rows see every key, far more than the rest of
-    their 64-row block, and are computed apart from it (gathered in groups); every other row sees
-    its window and the global keys. Outputs and gradients against the formula."""
-    n, b, h = 600, 2, 4
+    their 64-row block, and their keys are seen by every row, far more than the rest of their
+    64-key block. Both are computed apart, gathered: in the forward the rows in groups and the lone
+    keys in one chunk per block, in the backward the keys in groups (79 global keys, more than a
+    group of 64 holds) and each key block's lone rows. Outputs and gradients against the formula,
+    in both modes."""
+    n, b, h = 900, 2, 4
     i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
     grid = (i - j).abs() <= 20
-    for g in (3, 150, 151, 420):  # two of them side by side, in one block
+    for g in (3, 150, 151, 420, *range(600, 900, 4)):  # two side by side; every fourth of the last 300
         grid[g, :], grid[:, g] = True, True
     grids = grid[None] if sets == "shared" else torch.stack([grid.roll(7 * x, 0) for x in range(b * h)])
     starts, ends = _band._intervals(grids)
     for dtype in (torch.float64, torch.float32):
         q, k, v, bias = inputs(b, h, 2, n, n, 16, 16, h, dtype, 0)
         check(q, k, v, bias, starts, ends, 0.25, softcap, scaled=None if dtype == torch.float64 else 2e-6)
+    torch.use_deterministic_algorithms(True)
+    try:
+        check(*inputs(b, h, 2, n, n, 16, 16, h, torch.float64, 2), starts, ends, 0.25, softcap)
+    finally:
+        torch.use_deterministic_algorithms(False)
     # the gathered groups too: bitwise repeatable, forward and backward
     assert_repeatable(*inputs(b, h, 2, n, n, 16, 16, h, torch.float32, 1), starts, ends, softcap, times=2)
 

@@ -59,6 +59,8 @@ namespace {
 using at::Tensor;
 using Index = int64_t;
 constexpr Index LOCK_ROWS = 64;
+// Segments of keys shorter than this are gathered together in the forward (see forward_impl).
+constexpr Index LONE = 32;
 
 // Work item -> block: 0, n-1, 1, n-2, ... so that short and long rows alternate (under a causal mask
 // late query blocks and early key blocks carry the most work) and no thread is left with a long tail.
@@ -211,7 +213,49 @@ struct Rows {
     }
     return count;
   }
+  // Row i of set p: its visible columns within the sorted, disjoint key segments segs[0..n), laid
+  // side by side (segment x's keys from the sum of the lengths before it), as (first, end) pairs in
+  // `out` (grown as needed); returns how many. One pass over the row's intervals and the segments.
+  Index ranges_in(Index p, Index i, const std::pair<Index, Index>* segs, Index n, std::vector<Index>& out) const {
+    const Index o = at(p, i);
+    Index count = 0, placed = 0, k = 0;
+    for (Index x = 0; x < n; ++x) {
+      const auto [a, z] = segs[x];
+      while (k < K && s[o + k] < e[o + k] && e[o + k] <= a) ++k;
+      for (Index t = k; t < K && s[o + t] < e[o + t] && s[o + t] < z; ++t) {
+        const Index lo = std::max(s[o + t], a), hi = std::min(e[o + t], z);
+        if (lo >= hi) continue;
+        if (static_cast<Index>(out.size()) < 2 * (count + 1)) out.resize(2 * (count + 1));
+        out[2 * count] = lo - a + placed;
+        out[2 * count + 1] = hi - a + placed;
+        ++count;
+      }
+      placed += z - a;
+    }
+    return count;
+  }
 };
+
+// Keys in sorted, disjoint segments segs[0..n), side by side: rows of t ([B, H, S, width], head h)
+// copied to out, and row i's bias at each (bias[h, j - i + L - 1] for key j) to bias_out.
+template <typename T>
+void gather_keys(const Tensor& t, Index b, Index h, const std::pair<Index, Index>* segs, Index n, T* out) {
+  const Index width = t.size(3);
+  for (Index x = 0; x < n; ++x) {
+    for (Index j = segs[x].first; j < segs[x].second; ++j, out += width) std::copy_n(row_ptr<T>(t, b, h, j), width, out);
+  }
+}
+
+template <typename T>
+const T* gathered_bias(const Tensor& bias, Index h, Index i, Index L, const std::pair<Index, Index>* segs, Index n,
+                       T* bias_out) {
+  T* at = bias_out;
+  for (Index x = 0; x < n; ++x) {
+    const Index len = segs[x].second - segs[x].first;
+    at = std::copy_n(diagonal_row<T>(bias, h, segs[x].first - i + L - 1), len, at);
+  }
+  return bias_out;
+}
 
 // The keys rows row(0), ..., row(rows - 1) of set p see (a row(r) < 0 is left out), as few segments:
 // the union of their intervals, with gaps shorter than `gap` closed (a window that moves by one key
@@ -224,10 +268,16 @@ const std::vector<std::pair<Index, Index>>& segments(const Rows& R, Index p, Ind
                                                      std::vector<std::pair<Index, Index>>& out) {
   iv.clear();
   out.clear();
+  Index before = -1;  // the row before's intervals: those it repeats add nothing (global keys in every row)
   for (Index r = 0; r < rows; ++r) {
     if (row(r) < 0) continue;
     const Index o = R.at(p, row(r));
-    for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) iv.emplace_back(R.s[o + k], R.e[o + k]);
+    for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) {
+      if (before < 0 || R.s[before + k] != R.s[o + k] || R.e[before + k] != R.e[o + k]) {
+        iv.emplace_back(R.s[o + k], R.e[o + k]);
+      }
+    }
+    before = o;
   }
   const auto by_start = [](const auto& x, const auto& y) { return x.first < y.first; };
   if (!std::is_sorted(iv.begin(), iv.end(), by_start)) std::sort(iv.begin(), iv.end(), by_start);
@@ -242,18 +292,29 @@ const std::vector<std::pair<Index, Index>>& segments(const Rows& R, Index p, Ind
 }
 
 // For each set of rows and block of `block` keys, the runs [first, end) of query rows that see
-// one of its keys (one pass over the rows' intervals; rows come in order, so runs come sorted).
-std::vector<std::vector<std::vector<std::pair<Index, Index>>>> key_block_rows(const Rows& R, Index S, Index block) {
+// one of its keys, its wide keys (wide_keys; computed apart) left out (one pass over the rows'
+// intervals; rows come in order, so runs come sorted).
+std::vector<std::vector<std::vector<std::pair<Index, Index>>>> key_block_rows(
+    const Rows& R, Index S, Index block, const std::vector<std::vector<char>>& wide) {
   const Index blocks = (S + block - 1) / block;
   std::vector<std::vector<std::vector<std::pair<Index, Index>>>> out(R.Bp);
+  std::vector<Index> plain;  // plain[j]: the keys before j that are not wide
   for (Index p = 0; p < R.Bp; ++p) {
     auto& runs = out[p];
     runs.resize(blocks);
+    const bool some_wide = !wide[p].empty();
+    if (some_wide) {
+      plain.assign(S + 1, 0);
+      for (Index j = 0; j < S; ++j) plain[j + 1] = plain[j] + (wide[p][j] ? 0 : 1);
+    }
     for (Index i = 0; i < R.L; ++i) {
       const Index o = R.at(p, i);
       Index last = -1;  // the last key block this row was added to (its intervals are sorted)
       for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) {
         for (Index kb = std::max(last + 1, R.s[o + k] / block); kb <= (R.e[o + k] - 1) / block; ++kb) {
+          if (some_wide && plain[std::min(R.e[o + k], (kb + 1) * block)] == plain[std::max(R.s[o + k], kb * block)]) {
+            continue;  // only wide keys of this block: computed apart
+          }
           auto& r = runs[kb];
           if (!r.empty() && r.back().second == i) {
             r.back().second = i + 1;
@@ -347,31 +408,64 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
   return factor;
 }
 
-// Rows that see far more keys than most of their block of q_rows (a global token's row beside a
-// window's): per set, 1 where a row sees more than 4x the block's lower quartile plus 4 blocks of
-// keys (never more than half a block's rows). Left out of their block, they are computed apart in
-// gathered groups, so that one row seeing every key does not make its whole block compute every key.
+// Of n entries in blocks of `block` (rows of a block of queries, or keys of a block of keys), each
+// seen[x] wide, those far wider than most of their block: more than 4x the block's lower quartile
+// plus 4 blocks (never more than half a block's entries). They are computed apart, in gathered
+// groups, so that one row that sees every key (a global token's row beside a window's), or one key
+// that every row sees (its key), does not make its whole block compute every key or every row.
+// Marks them in `wide` (assigned n zeros at the first); returns whether it marked any.
+bool mark_wide(const std::vector<Index>& seen, Index block, std::vector<char>& wide) {
+  const Index n = static_cast<Index>(seen.size());
+  std::vector<Index> sorted(block);
+  bool any = false;
+  for (Index x0 = 0; x0 < n; x0 += block) {
+    const Index count = std::min(block, n - x0);
+    std::copy_n(seen.begin() + x0, count, sorted.begin());
+    std::nth_element(sorted.begin(), sorted.begin() + count / 4, sorted.begin() + count);
+    const Index limit = 4 * sorted[count / 4] + 4 * block;
+    const Index many = std::count_if(seen.begin() + x0, seen.begin() + x0 + count, [&](Index x) { return x > limit; });
+    if (many == 0 || 2 * many > count) continue;
+    if (wide.empty()) wide.assign(n, 0);
+    for (Index x = x0; x < x0 + count; ++x) wide[x] = seen[x] > limit;
+    any = true;
+  }
+  return any;
+}
+
+// Per set, the rows that see far more keys than most of their block of q_rows (mark_wide).
 std::vector<std::vector<char>> wide_rows(const Rows& R, Index q_rows, bool& any) {
   std::vector<std::vector<char>> wide(R.Bp);
-  std::vector<Index> seen(q_rows), sorted(q_rows);
+  std::vector<Index> seen(R.L);
   any = false;
   for (Index p = 0; p < R.Bp; ++p) {
-    for (Index i0 = 0; i0 < R.L; i0 += q_rows) {
-      const Index rows = std::min(q_rows, R.L - i0);
-      for (Index r = 0; r < rows; ++r) {
-        const Index o = R.at(p, i0 + r);
-        seen[r] = 0;
-        for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) seen[r] += R.e[o + k] - R.s[o + k];
-      }
-      std::copy(seen.begin(), seen.begin() + rows, sorted.begin());
-      std::nth_element(sorted.begin(), sorted.begin() + rows / 4, sorted.begin() + rows);
-      const Index limit = 4 * sorted[rows / 4] + 4 * q_rows;
-      const Index many = std::count_if(seen.begin(), seen.begin() + rows, [&](Index x) { return x > limit; });
-      if (many == 0 || 2 * many > rows) continue;
-      if (wide[p].empty()) wide[p].assign(R.L, 0);
-      for (Index r = 0; r < rows; ++r) wide[p][i0 + r] = seen[r] > limit;
-      any = true;
+    for (Index i = 0; i < R.L; ++i) {
+      const Index o = R.at(p, i);
+      seen[i] = 0;
+      for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) seen[i] += R.e[o + k] - R.s[o + k];
     }
+    any = mark_wide(seen, q_rows, wide[p]) || any;
+  }
+  return wide;
+}
+
+// Per set, the keys that far more rows see than most keys of their block of kv_rows (mark_wide),
+// and whether there are any.
+std::vector<std::vector<char>> wide_keys(const Rows& R, Index S, Index kv_rows, bool& any) {
+  std::vector<std::vector<char>> wide(R.Bp);
+  std::vector<Index> seen(S);
+  any = false;
+  for (Index p = 0; p < R.Bp; ++p) {
+    std::vector<Index> change(S + 1, 0);  // rows starting to see a key, less those that stop
+    for (Index i = 0; i < R.L; ++i) {
+      const Index o = R.at(p, i);
+      for (Index k = 0; k < R.K && R.s[o + k] < R.e[o + k]; ++k) {
+        ++change[R.s[o + k]];
+        --change[R.e[o + k]];
+      }
+    }
+    Index rows = 0;
+    for (Index j = 0; j < S; ++j) seen[j] = rows += change[j];
+    any = mark_wide(seen, kv_rows, wide[p]) || any;
   }
   return wide;
 }
@@ -392,17 +486,20 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   const bool prescale = scale != T(1) && std::frexp(scale, &exponent) == T(0.5);
   const T s_eff = prescale ? T(1) : scale;
   struct Scratch {  // a thread's buffers, made once and reused from group to group
-    Tensor s_buf, acc_buf, q_buf;
-    T *s, *acc, *qg;
-    std::vector<T> m, l;
+    Tensor s_buf, acc_buf, q_buf, kg_buf, vg_buf;
+    T *s, *acc, *qg, *kg, *vg;
+    std::vector<T> m, l, bg;
     std::vector<Index> rg;
-    std::vector<std::pair<Index, Index>> iv, segs;
+    std::vector<std::pair<Index, Index>> iv, segs, lone;
     Scratch(Index rows, Index chunk, const Shape& d, Index K)
         : s(scratch<T>(s_buf, rows * chunk)), acc(scratch<T>(acc_buf, rows * d.Ev)),
-          qg(scratch<T>(q_buf, rows * d.E)), m(rows), l(rows), rg(2 * K) {}
+          qg(scratch<T>(q_buf, rows * d.E)), kg(scratch<T>(kg_buf, chunk * d.E)), vg(scratch<T>(vg_buf, chunk * d.Ev)),
+          m(rows), l(rows), bg(chunk), rg(2 * K) {}
   };
   // Rows row(0..g-1) of (b, h), their queries at qp + r * lda (a row(r) < 0 is left out): scores in
   // chunks of the keys they see, an online softmax per row, and their outputs and statistics.
+  // Segments shorter than LONE keys (a global token's key, far from the rows' window) are gathered,
+  // up to kv_chunk keys together, into one chunk: one product for them all, not one per key.
   const auto attend = [&](Index b, Index h, const T* qp, Index lda, Index g, const auto& row, Scratch& w) {
     T* const s = w.s;
     T* const acc = w.acc;
@@ -412,24 +509,50 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     std::fill(l, l + g, T(0));
     bool first = true;
     const Index p = R.set(b, h);
+    // One chunk of kc keys, at kp and vp (rows ldk, ldv apart): visible(i, rg) writes row i's visible
+    // columns as ranges and returns how many; bias_of(i) its bias at the chunk's columns (or null).
+    const auto chunk = [&](const T* kp, Index ldk, const T* vp, Index ldv, Index kc, const auto& visible,
+                           const auto& bias_of) {
+      gemm<T>(false, true, g, kc, d.E, T(1), qp, lda, kp, ldk, T(0), s, kc);
+      for (Index r = 0; r < g; ++r) {
+        const Index i = row(r);
+        const Index count = i < 0 ? 0 : visible(i, w.rg);
+        const T* br = biased && i >= 0 ? bias_of(i) : nullptr;
+        const T factor = online_softmax_row<T>(s + r * kc, kc, w.rg.data(), count, s_eff, br, cap, m[r], l[r]);
+        if (!first && factor != T(1)) {
+          for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
+        }
+      }
+      gemm<T>(false, false, g, d.Ev, kc, T(1), s, kc, vp, ldv, first ? T(0) : T(1), acc, d.Ev);
+      first = false;
+    };
+    w.lone.clear();
     for (const auto& seg : segments(R, p, g, row, q_rows, w.iv, w.segs)) {
+      if (seg.second - seg.first < LONE) {
+        w.lone.push_back(seg);
+        continue;
+      }
       for (Index c0 = seg.first; c0 < seg.second; c0 += kv_chunk) {
         const Index kc = std::min(kv_chunk, seg.second - c0);
-        gemm<T>(false, true, g, kc, d.E, T(1), qp, lda, row_ptr<T>(k, b, h / G, c0), k.stride(2), T(0), s, kc);
-        for (Index r = 0; r < g; ++r) {
-          const Index i = row(r);
-          const Index count = i < 0 ? 0 : R.ranges(p, i, c0, kc, w.rg.data());
-          // bias[h, j - i + L - 1]: a contiguous slice along the row
-          const T* br = biased && i >= 0 ? diagonal_row<T>(bias, h, c0 - i + d.L - 1) : nullptr;
-          const T factor = online_softmax_row<T>(s + r * kc, kc, w.rg.data(), count, s_eff, br, cap, m[r], l[r]);
-          if (!first && factor != T(1)) {
-            for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
-          }
-        }
-        gemm<T>(false, false, g, d.Ev, kc, T(1), s, kc, row_ptr<T>(v, b, h / G, c0), v.stride(2), first ? T(0) : T(1),
-                acc, d.Ev);
-        first = false;
+        chunk(row_ptr<T>(k, b, h / G, c0), k.stride(2), row_ptr<T>(v, b, h / G, c0), v.stride(2), kc,
+              [&](Index i, std::vector<Index>& rg) { return R.ranges(p, i, c0, kc, rg.data()); },
+              // bias[h, j - i + L - 1]: a contiguous slice along the row
+              [&](Index i) { return diagonal_row<T>(bias, h, c0 - i + d.L - 1); });
       }
+    }
+    for (std::size_t x0 = 0; x0 < w.lone.size();) {
+      std::size_t x1 = x0;
+      Index kc = 0;
+      for (; x1 < w.lone.size() && kc + (w.lone[x1].second - w.lone[x1].first) <= kv_chunk; ++x1) {
+        kc += w.lone[x1].second - w.lone[x1].first;
+      }
+      const auto* segs = w.lone.data() + x0;
+      const Index n = static_cast<Index>(x1 - x0);
+      gather_keys<T>(k, b, h / G, segs, n, w.kg);
+      gather_keys<T>(v, b, h / G, segs, n, w.vg);
+      chunk(w.kg, d.E, w.vg, d.Ev, kc, [&](Index i, std::vector<Index>& rg) { return R.ranges_in(p, i, segs, n, rg); },
+            [&](Index i) { return gathered_bias<T>(bias, h, i, d.L, segs, n, w.bg.data()); });
+      x0 = x1;
     }
     T* const ms = stats.data_ptr<T>() + (b * d.H + h) * d.L;  // the row maximum, then log of the row sum
     T* const ls = ms + d.B * d.H * d.L;
@@ -562,6 +685,121 @@ void row_dots(const Tensor& x, const Tensor& y, Tensor& delta) {
   });
 }
 
+// The backward's share of the wide keys (wide_keys), left out of their key blocks: per batch
+// element and key/value head, in groups of up to kv_rows keys (runs of consecutive wide keys as
+// segments) with their keys and values gathered, over the runs of rows that see one of them, in
+// chunks of q_chunk rows. dK and dV of a group are summed apart and added to its keys' rows, dQ to
+// its rows (an item owns its heads' rows; deterministic, dQ comes from the pass over query blocks,
+// which sees every key).
+template <typename T>
+void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
+                   const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Rows& R, const Tensor& bias,
+                   Tensor& dbias, T scale, T cap, Index kv_rows, Index q_chunk, bool deterministic,
+                   const std::vector<std::vector<char>>& wide) {
+  using Segments = std::vector<std::pair<Index, Index>>;
+  const Shape d(q, k, v);
+  const bool biased = bias.numel() > 0, bias_grad = biased && dbias.size(0) > 0;
+  const Index G = d.groups();
+  const T* m_all = stats.data_ptr<T>();
+  const T* ll_all = m_all + d.B * d.H * d.L;
+  const T* dl_all = delta.data_ptr<T>();
+  std::vector<std::vector<Segments>> grouped(R.Bp);  // per set, groups of at most kv_rows wide keys
+  for (Index p = 0; p < R.Bp; ++p) {
+    Index in_group = kv_rows;
+    for (Index j = 0; j < static_cast<Index>(wide[p].size()); ++j) {
+      if (!wide[p][j]) continue;
+      if (in_group == kv_rows) {
+        grouped[p].emplace_back();
+        in_group = 0;
+      }
+      auto& group = grouped[p].back();
+      if (!group.empty() && group.back().second == j) {
+        ++group.back().second;
+      } else {
+        group.emplace_back(j, j + 1);
+      }
+      ++in_group;
+    }
+  }
+  each_item(d.B * d.Hkv, deterministic && bias_grad, [&](const auto& next) {
+    Tensor kg_buf, vg_buf, dkg_buf, dvg_buf, p_buf, ds_buf;
+    T* const kg = scratch<T>(kg_buf, kv_rows * d.E);
+    T* const vg = scratch<T>(vg_buf, kv_rows * d.Ev);
+    T* const dkg = scratch<T>(dkg_buf, kv_rows * d.E);
+    T* const dvg = scratch<T>(dvg_buf, kv_rows * d.Ev);
+    T* const p = scratch<T>(p_buf, q_chunk * kv_rows);
+    T* const ds = scratch<T>(ds_buf, q_chunk * kv_rows);
+    std::vector<T> bg(kv_rows);
+    std::vector<Index> rg(2 * R.K);
+    Segments runs;
+    for (Index it = 0; next(it);) {
+      const Index hk = it % d.Hkv, b = it / d.Hkv;
+      for (Index g = 0; g < G; ++g) {
+        const Index h = hk * G + g, row0 = (b * d.H + h) * d.L, set = R.set(b, h);
+        for (const Segments& group : grouped[set]) {
+          const auto* segs = group.data();
+          const Index n_segs = static_cast<Index>(group.size());
+          Index cols = 0;
+          for (const auto& seg : group) cols += seg.second - seg.first;
+          gather_keys<T>(k, b, hk, segs, n_segs, kg);
+          gather_keys<T>(v, b, hk, segs, n_segs, vg);
+          std::fill(dkg, dkg + cols * d.E, T(0));
+          std::fill(dvg, dvg + cols * d.Ev, T(0));
+          runs.clear();
+          for (Index i = 0; i < d.L; ++i) {
+            if (R.ranges_in(set, i, segs, n_segs, rg) == 0) continue;
+            if (!runs.empty() && runs.back().second == i) {
+              runs.back().second = i + 1;
+            } else {
+              runs.emplace_back(i, i + 1);
+            }
+          }
+          for (const auto& run : runs) {
+            for (Index i0 = run.first; i0 < run.second; i0 += q_chunk) {
+              const Index n = std::min(q_chunk, run.second - i0);
+              const T* qp = row_ptr<T>(q, b, h, i0);
+              const T* dop = row_ptr<T>(dout, b, h, i0);
+              gemm<T>(false, true, n, cols, d.E, T(1), qp, q.stride(2), kg, d.E, T(0), p, cols);
+              gemm<T>(false, true, n, cols, d.Ev, T(1), dop, dout.stride(2), vg, d.Ev, T(0), ds, cols);
+              for (Index r = 0; r < n; ++r) {
+                const Index i = i0 + r, count = R.ranges_in(set, i, segs, n_segs, rg);
+                const T* br = biased ? gathered_bias<T>(bias, h, i, d.L, segs, n_segs, bg.data()) : nullptr;
+                probabilities<T>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap, m_all[row0 + i],
+                                 ll_all[row0 + i], dl_all[row0 + i]);
+                if (bias_grad && count > 0) {  // each gathered key's diagonal
+                  const Index slot = std::min<Index>(at::get_thread_num(), dbias.size(0) - 1);
+                  T* gbias = dbias.data_ptr<T>() + (slot * dbias.size(1) + (bias.size(0) == 1 ? 0 : h)) * dbias.size(2) +
+                             d.L - 1 - i;
+                  const T* dsr = ds + r * cols;
+                  for (const auto& seg : group) {
+                    for (Index j = seg.first; j < seg.second; ++j) gbias[j] += *dsr++;  // (0 where not seen)
+                  }
+                }
+              }
+              gemm<T>(true, false, cols, d.Ev, n, T(1), p, cols, dop, dout.stride(2), T(1), dvg, d.Ev);
+              gemm<T>(true, false, cols, d.E, n, scale, ds, cols, qp, q.stride(2), T(1), dkg, d.E);
+              if (!deterministic) {  // (this item alone writes these heads' rows now: no lock)
+                gemm<T>(false, false, n, d.E, cols, scale, ds, cols, kg, d.E, T(1),
+                        dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
+              }
+            }
+          }
+          const T* dkr = dkg;
+          const T* dvr = dvg;
+          for (const auto& seg : group) {
+            for (Index j = seg.first; j < seg.second; ++j, dkr += d.E, dvr += d.Ev) {
+              T* dkj = dk.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j) * d.E;
+              T* dvj = dv.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j) * d.Ev;
+              for (Index x = 0; x < d.E; ++x) dkj[x] += dkr[x];
+              for (Index x = 0; x < d.Ev; ++x) dvj[x] += dvr[x];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
 template <typename T>
 void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
                    const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Rows& R, const Tensor& bias,
@@ -573,13 +811,18 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   const T* m_all = stats.data_ptr<T>();
   const T* ll_all = m_all + d.B * d.H * d.L;
   const T* dl_all = delta.data_ptr<T>();
-  const auto seen_by = key_block_rows(R, d.S, kv_rows);
+  bool any_wide = false;
+  const auto wide = wide_keys(R, d.S, kv_rows, any_wide);
+  const auto seen_by = key_block_rows(R, d.S, kv_rows, wide);
   std::vector<std::mutex> locks(deterministic ? 0 : d.B * d.H * groups);
   each_item(d.B * d.Hkv * blocks, deterministic && bias_grad, [&](const auto& next) {
-    Tensor p_buf, ds_buf;
+    Tensor p_buf, ds_buf, qg_buf, dog_buf, dqg_buf;
     T* const p = scratch<T>(p_buf, kv_rows * q_chunk);
     T* const ds = scratch<T>(ds_buf, kv_rows * q_chunk);
-    std::vector<Index> rg(2 * R.K);
+    T* const qg = scratch<T>(qg_buf, q_chunk * d.E);
+    T* const dog = scratch<T>(dog_buf, q_chunk * d.Ev);
+    T* const dqg = scratch<T>(dqg_buf, q_chunk * d.E);
+    std::vector<Index> rg(2 * R.K), wide_cols, lone;
     for (Index it = 0; next(it);) {
       const Index blk = interleaved(it % blocks, blocks), hk = (it / blocks) % d.Hkv, b = it / (blocks * d.Hkv);
       const Index j0 = blk * kv_rows, cols = std::min(kv_rows, d.S - j0);
@@ -590,43 +833,78 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       for (Index g = 0; g < G; ++g) {
         const Index h = hk * G + g, row0 = (b * d.H + h) * d.L;
         const Index set = R.set(b, h);
-        for (const auto& run : seen_by[set][blk]) {
-          for (Index i0 = run.first; i0 < run.second; i0 += q_chunk) {
-            const Index n = std::min(q_chunk, run.second - i0);
-            const T* qp = row_ptr<T>(q, b, h, i0);
-            const T* dop = row_ptr<T>(dout, b, h, i0);
-            // Scores and dP of these queries (rows) against the block's keys (columns).
-            gemm<T>(false, true, n, cols, d.E, T(1), qp, q.stride(2), kp, k.stride(2), T(0), p, cols);
-            gemm<T>(false, true, n, cols, d.Ev, T(1), dop, dout.stride(2), vp, v.stride(2), T(0), ds, cols);
-            for (Index r = 0; r < n; ++r) {
-              const Index i = i0 + r;
-              const Index count = R.ranges(set, i, j0, cols, rg.data());
-              const T* br = biased ? diagonal_row<T>(bias, h, j0 - i + d.L - 1) : nullptr;
-              probabilities<T>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap, m_all[row0 + i],
-                               ll_all[row0 + i], dl_all[row0 + i]);
-              if (bias_grad && count > 0) {  // dBias of a diagonal: the sum of dS along it (this thread's share)
-                const Index slot = std::min<Index>(at::get_thread_num(), dbias.size(0) - 1);  // nested: serial
-                T* gb = dbias.data_ptr<T>() + (slot * dbias.size(1) + (bias.size(0) == 1 ? 0 : h)) * dbias.size(2) +
-                        j0 - i + d.L - 1;
-                for (Index c = 0; c < count; ++c) {
-                  const Index a = rg[2 * c], e = rg[2 * c + 1];
-                  at::vec::map2([](Vec x, Vec y) { return x + y; }, gb + a, gb + a, ds + r * cols + a, e - a);
-                }
+        wide_cols.clear();  // this block's wide keys: zero here, computed apart below
+        for (Index c = 0; !wide[set].empty() && c < cols; ++c) {
+          if (wide[set][j0 + c]) wide_cols.push_back(c);
+        }
+        // n rows row(0..n-1), their queries and output gradients at qp and dop (rows ldq, ldo apart),
+        // against the block's keys: scores and dP, probabilities and dS, dV and dK of the block, and
+        // the rows' dQ shares through add_dq(dS).
+        const auto rows_chunk = [&](Index n, const T* qp, Index ldq, const T* dop, Index ldo, const auto& row,
+                                    const auto& add_dq) {
+          gemm<T>(false, true, n, cols, d.E, T(1), qp, ldq, kp, k.stride(2), T(0), p, cols);
+          gemm<T>(false, true, n, cols, d.Ev, T(1), dop, ldo, vp, v.stride(2), T(0), ds, cols);
+          for (Index r = 0; r < n; ++r) {
+            const Index i = row(r);
+            const Index count = R.ranges(set, i, j0, cols, rg.data());
+            const T* br = biased ? diagonal_row<T>(bias, h, j0 - i + d.L - 1) : nullptr;
+            probabilities<T>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap, m_all[row0 + i],
+                             ll_all[row0 + i], dl_all[row0 + i]);
+            for (const Index c : wide_cols) p[r * cols + c] = ds[r * cols + c] = T(0);
+            if (bias_grad && count > 0) {  // dBias of a diagonal: the sum of dS along it (this thread's share)
+              const Index slot = std::min<Index>(at::get_thread_num(), dbias.size(0) - 1);  // nested: serial
+              T* gb = dbias.data_ptr<T>() + (slot * dbias.size(1) + (bias.size(0) == 1 ? 0 : h)) * dbias.size(2) +
+                      j0 - i + d.L - 1;
+              for (Index c = 0; c < count; ++c) {
+                const Index a = rg[2 * c], e = rg[2 * c + 1];
+                at::vec::map2([](Vec x, Vec y) { return x + y; }, gb + a, gb + a, ds + r * cols + a, e - a);
               }
             }
-            gemm<T>(true, false, cols, d.Ev, n, T(1), p, cols, dop, dout.stride(2), T(1), dvp, d.Ev);
-            gemm<T>(true, false, cols, d.E, n, scale, ds, cols, qp, q.stride(2), T(1), dkp, d.E);
-            if (deterministic) continue;  // dQ comes from the row-owned pass below
-            const Index base = (b * d.H + h) * groups, ga = i0 / LOCK_ROWS, ge = (i0 + n - 1) / LOCK_ROWS;
-            for (Index x = ga; x <= ge; ++x) locks[base + x].lock();  // ascending: no deadlock
-            gemm<T>(false, false, n, d.E, cols, scale, ds, cols, kp, k.stride(2), T(1),
-                    dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
-            for (Index x = ga; x <= ge; ++x) locks[base + x].unlock();
           }
+          gemm<T>(true, false, cols, d.Ev, n, T(1), p, cols, dop, ldo, T(1), dvp, d.Ev);
+          gemm<T>(true, false, cols, d.E, n, scale, ds, cols, qp, ldq, T(1), dkp, d.E);
+          if (!deterministic) add_dq(n);  // (deterministic: dQ comes from the row-owned pass below)
+        };
+        lone.clear();  // rows of runs shorter than LONE (a global token's row): gathered below
+        for (const auto& run : seen_by[set][blk]) {
+          if (run.second - run.first < LONE) {
+            for (Index i = run.first; i < run.second; ++i) lone.push_back(i);
+            continue;
+          }
+          for (Index i0 = run.first; i0 < run.second; i0 += q_chunk) {
+            rows_chunk(std::min(q_chunk, run.second - i0), row_ptr<T>(q, b, h, i0), q.stride(2),
+                       row_ptr<T>(dout, b, h, i0), dout.stride(2), [i0](Index r) { return i0 + r; }, [&](Index n) {
+                         const Index base = (b * d.H + h) * groups, ga = i0 / LOCK_ROWS, ge = (i0 + n - 1) / LOCK_ROWS;
+                         for (Index x = ga; x <= ge; ++x) locks[base + x].lock();  // ascending: no deadlock
+                         gemm<T>(false, false, n, d.E, cols, scale, ds, cols, kp, k.stride(2), T(1),
+                                 dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
+                         for (Index x = ga; x <= ge; ++x) locks[base + x].unlock();
+                       });
+          }
+        }
+        for (std::size_t x0 = 0; x0 < lone.size(); x0 += q_chunk) {
+          const Index n = std::min<Index>(q_chunk, static_cast<Index>(lone.size() - x0));
+          const Index* rows = lone.data() + x0;
+          for (Index r = 0; r < n; ++r) {
+            std::copy_n(row_ptr<T>(q, b, h, rows[r]), d.E, qg + r * d.E);
+            std::copy_n(row_ptr<T>(dout, b, h, rows[r]), d.Ev, dog + r * d.Ev);
+          }
+          rows_chunk(n, qg, d.E, dog, d.Ev, [rows](Index r) { return rows[r]; }, [&](Index n) {
+            gemm<T>(false, false, n, d.E, cols, scale, ds, cols, kp, k.stride(2), T(0), dqg, d.E);
+            for (Index r = 0; r < n; ++r) {
+              auto& lock = locks[(b * d.H + h) * groups + rows[r] / LOCK_ROWS];
+              T* dqr = dq.data_ptr<T>() + (row0 + rows[r]) * d.E;
+              lock.lock();
+              for (Index j = 0; j < d.E; ++j) dqr[j] += dqg[r * d.E + j];
+              lock.unlock();
+            }
+          });
         }
       }
     }
   });
+  if (any_wide) wide_key_pass<T>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, scale, cap, kv_rows, q_chunk,
+                                 deterministic, wide);
   if (!deterministic) return;
   // dQ by query blocks, as the forward walks them: each block sums its keys' shares in one fixed order.
   const Index q_blocks = (d.L + kv_rows - 1) / kv_rows;
