@@ -7,13 +7,13 @@
 // layout), with an optional bias per head and diagonal, bias[h, j - i + L - 1] (ALiBi,
 // relative positions), and optional tanh soft-capping of the scores, t <- c * tanh(t / c) after the
 // scale and bias (Gemma 2, Grok): the backward multiplies dS by 1 - (t / c)^2 before dQ, dK and
-// the bias gradient take it (the bias is inside the tanh). Forward: for each block of query rows, the union of the rows' intervals as
-// a few segments of keys (gaps shorter than the block closed, so a sliding window is one segment,
-// exactly its first row's start to its last row's end), in chunks merged by an online softmax;
-// only the columns a row may see are exponentiated, the rest are zero. Backward
-// (FlashAttention-2): for each block of keys, the runs of query rows that see one of its keys
-// (found once per call from the intervals); probabilities are recomputed from the saved row
-// maximum and log-sum, dK and dV belong to the block, dQ rows are shared with neighbouring blocks
+// the bias gradient take it (the bias is inside the tanh). Forward: for each block of query rows,
+// the union of the rows' intervals as a few segments of keys (gaps shorter than the block closed,
+// so a sliding window is one segment, exactly its first row's start to its last row's end), in
+// chunks merged by an online softmax; only the columns a row may see are exponentiated, the rest
+// are zero. Backward (FlashAttention-2): for each block of keys, the runs of query rows that see
+// one of its keys (found once per call from the intervals); probabilities are recomputed from the
+// saved row maximum and log-sum, dK and dV belong to the block, dQ rows are shared with neighbouring blocks
 // and added under a lock per LOCK_ROWS rows, in whatever order the threads arrive, so dQ (and a
 // bias gradient, summed per thread) may change from run to run. Under
 // torch.use_deterministic_algorithms(True) dQ comes from a second pass over query blocks instead
@@ -22,6 +22,13 @@
 // for one more recomputation of the probabilities. Across thread counts results may differ in the
 // last bits in either mode: torch's BLAS rounds differently with the thread count, and the bias
 // gradient is summed per thread.
+//
+// Global tokens (a row that sees every key, a key that every row sees, beside a window): such a row
+// would make its whole block of rows compute every key, such a key its whole block of keys every
+// row, and a lone key or row far from the window would be a product of its own. So the forward
+// computes rows far wider than the rest of their block (mark_wide) apart, gathered in groups, and
+// gathers each block's short key segments into one chunk; the backward does the same with keys
+// far wider than the rest of their block, and gathers each key block's lone rows.
 //
 // Large scores: a score is scaled (biased, capped) once, stored, and every later step works on that
 // stored value: exp(t - m) with m the maximum of the same stored t. Computing s * scale - m in one
