@@ -645,13 +645,20 @@ def _compare(a, b, kind: str) -> Pieces:
         c = c + 1
     if not bool(s.any()):  # constant on every piece: no piece is cut
         return Pieces(cuts, None, _same(c, 0) if kind == "eq" else _at_most(c, 0))
-    lo, hi = _at_most_zero(s, c)
-    if kind == "eq":  # and also -(a - b) <= 0
-        lo2, hi2 = _at_most_zero(-s, -c)
-        lo, hi = _larger(lo, lo2), _smaller(hi, hi2)
     start, end = _bounds(cuts)
-    lo = _smaller(_larger(lo, start), end)
-    hi = _smaller(_larger(hi, lo), end)
+    if kind != "eq" and s.numel() == 1:  # one slope on every row (q_idx - kv_idx <= 64): one side is the piece's
+        slope = int(s)
+        if slope > 0:  # k <= floor(-c / s)
+            lo, hi = start, _smaller(_larger(_fdiv(-c, slope) + 1, start), end)
+        else:  # k >= ceil(c / -s)
+            lo, hi = _smaller(_larger(-_fdiv(c, slope), start), end), end
+    else:
+        lo, hi = _at_most_zero(s, c)
+        if kind == "eq":  # and also -(a - b) <= 0
+            lo2, hi2 = _at_most_zero(-s, -c)
+            lo, hi = _larger(lo, lo2), _smaller(hi, hi2)
+        lo = _smaller(_larger(lo, start), end)
+        hi = _smaller(_larger(hi, lo), end)
     rows = max(t.shape[0] for t in (start, lo, hi))
     p = lo.shape[1]
     new = torch.stack([start.expand(rows, p), lo.expand(rows, p), hi.expand(rows, p)], -1).reshape(rows, 3 * p)
