@@ -27,8 +27,9 @@
 // would make its whole block of rows compute every key, such a key its whole block of keys every
 // row, and a lone key or row far from the window would be a product of its own. So the forward
 // computes rows far wider than the rest of their block (mark_wide) apart, gathered in groups, and
-// gathers each block's short key segments into one chunk; the backward does the same with keys
-// far wider than the rest of their block, and gathers each key block's lone rows.
+// gathers each block's short key segments into one chunk (key_chunks; the deterministic dQ pass,
+// which walks query blocks, too); the backward does the same with keys far wider than the rest of
+// their block, and gathers each key block's lone rows.
 //
 // Large scores: a score is scaled (biased, capped) once, stored, and every later step works on that
 // stored value: exp(t - m) with m the maximum of the same stored t. Computing s * scale - m in one
@@ -298,6 +299,58 @@ const std::vector<std::pair<Index, Index>>& segments(const Rows& R, Index p, Ind
   return out;
 }
 
+// A thread's buffers for key_chunks, made once and reused.
+template <typename T>
+struct KeyScratch {
+  Tensor kg_buf, vg_buf;
+  T *kg, *vg;  // gathered keys and values
+  std::vector<T> bg;  // a row's bias at the gathered keys
+  std::vector<std::pair<Index, Index>> iv, segs, lone;
+  KeyScratch(Index chunk, Index E, Index Ev)
+      : kg(scratch<T>(kg_buf, chunk * E)), vg(scratch<T>(vg_buf, chunk * Ev)), bg(chunk) {}
+};
+
+// The keys rows row(0..g-1) of set p see (segments, gaps shorter than `gap` closed), in chunks of at
+// most `chunk` keys of head hkv of batch element b: each segment of LONE keys or more read in place,
+// then the shorter ones (a global token's key far from the rows' window) gathered, up to `chunk`
+// keys together, so that they take one product instead of one each. For each chunk,
+// body(kp, ldk, vp, ldv, kc, visible, bias_of): its keys and values (rows ldk, ldv apart),
+// visible(i, rg) row i's visible columns as ranges in rg (returns how many), bias_of(i) row i's
+// bias of head h at the chunk's columns.
+template <typename T, typename RowOf, typename Body>
+void key_chunks(const Rows& R, Index p, Index g, const RowOf& row, Index gap, Index chunk, const Tensor& k,
+                const Tensor& v, const Tensor& bias, Index b, Index h, Index hkv, KeyScratch<T>& w, const Body& body) {
+  w.lone.clear();
+  for (const auto& seg : segments(R, p, g, row, gap, w.iv, w.segs)) {
+    if (seg.second - seg.first < LONE) {
+      w.lone.push_back(seg);
+      continue;
+    }
+    for (Index c0 = seg.first; c0 < seg.second; c0 += chunk) {
+      const Index kc = std::min(chunk, seg.second - c0);
+      body(row_ptr<T>(k, b, hkv, c0), k.stride(2), row_ptr<T>(v, b, hkv, c0), v.stride(2), kc,
+           [&](Index i, std::vector<Index>& rg) { return R.ranges(p, i, c0, kc, rg.data()); },
+           // bias[h, j - i + L - 1]: a contiguous slice along the row
+           [&](Index i) { return diagonal_row<T>(bias, h, c0 - i + R.L - 1); });
+    }
+  }
+  for (std::size_t x0 = 0; x0 < w.lone.size();) {
+    std::size_t x1 = x0;
+    Index kc = 0;
+    for (; x1 < w.lone.size() && kc + (w.lone[x1].second - w.lone[x1].first) <= chunk; ++x1) {
+      kc += w.lone[x1].second - w.lone[x1].first;
+    }
+    const auto* segs = w.lone.data() + x0;
+    const Index n = static_cast<Index>(x1 - x0);
+    gather_keys<T>(k, b, hkv, segs, n, w.kg);
+    gather_keys<T>(v, b, hkv, segs, n, w.vg);
+    body(static_cast<const T*>(w.kg), k.size(3), static_cast<const T*>(w.vg), v.size(3), kc,
+         [&](Index i, std::vector<Index>& rg) { return R.ranges_in(p, i, segs, n, rg); },
+         [&](Index i) { return gathered_bias<T>(bias, h, i, R.L, segs, n, w.bg.data()); });
+    x0 = x1;
+  }
+}
+
 // For each set of rows and block of `block` keys, the runs [first, end) of query rows that see
 // one of its keys, its wide keys (wide_keys; computed apart) left out (one pass over the rows'
 // intervals; rows come in order, so runs come sorted).
@@ -493,20 +546,17 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   const bool prescale = scale != T(1) && std::frexp(scale, &exponent) == T(0.5);
   const T s_eff = prescale ? T(1) : scale;
   struct Scratch {  // a thread's buffers, made once and reused from group to group
-    Tensor s_buf, acc_buf, q_buf, kg_buf, vg_buf;
-    T *s, *acc, *qg, *kg, *vg;
-    std::vector<T> m, l, bg;
+    Tensor s_buf, acc_buf, q_buf;
+    T *s, *acc, *qg;
+    std::vector<T> m, l;
     std::vector<Index> rg;
-    std::vector<std::pair<Index, Index>> iv, segs, lone;
+    KeyScratch<T> keys;
     Scratch(Index rows, Index chunk, const Shape& d, Index K)
         : s(scratch<T>(s_buf, rows * chunk)), acc(scratch<T>(acc_buf, rows * d.Ev)),
-          qg(scratch<T>(q_buf, rows * d.E)), kg(scratch<T>(kg_buf, chunk * d.E)), vg(scratch<T>(vg_buf, chunk * d.Ev)),
-          m(rows), l(rows), bg(chunk), rg(2 * K) {}
+          qg(scratch<T>(q_buf, rows * d.E)), m(rows), l(rows), rg(2 * K), keys(chunk, d.E, d.Ev) {}
   };
   // Rows row(0..g-1) of (b, h), their queries at qp + r * lda (a row(r) < 0 is left out): scores in
-  // chunks of the keys they see, an online softmax per row, and their outputs and statistics.
-  // Segments shorter than LONE keys (a global token's key, far from the rows' window) are gathered,
-  // up to kv_chunk keys together, into one chunk: one product for them all, not one per key.
+  // chunks of the keys they see (key_chunks), an online softmax per row, and their outputs and statistics.
   const auto attend = [&](Index b, Index h, const T* qp, Index lda, Index g, const auto& row, Scratch& w) {
     T* const s = w.s;
     T* const acc = w.acc;
@@ -515,11 +565,9 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     std::fill(m, m + g, ninf);
     std::fill(l, l + g, T(0));
     bool first = true;
-    const Index p = R.set(b, h);
-    // One chunk of kc keys, at kp and vp (rows ldk, ldv apart): visible(i, rg) writes row i's visible
-    // columns as ranges and returns how many; bias_of(i) its bias at the chunk's columns (or null).
-    const auto chunk = [&](const T* kp, Index ldk, const T* vp, Index ldv, Index kc, const auto& visible,
-                           const auto& bias_of) {
+    key_chunks<T>(R, R.set(b, h), g, row, q_rows, kv_chunk, k, v, bias, b, h, h / G, w.keys,
+                  [&](const T* kp, Index ldk, const T* vp, Index ldv, Index kc, const auto& visible,
+                      const auto& bias_of) {
       gemm<T>(false, true, g, kc, d.E, T(1), qp, lda, kp, ldk, T(0), s, kc);
       for (Index r = 0; r < g; ++r) {
         const Index i = row(r);
@@ -532,35 +580,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       }
       gemm<T>(false, false, g, d.Ev, kc, T(1), s, kc, vp, ldv, first ? T(0) : T(1), acc, d.Ev);
       first = false;
-    };
-    w.lone.clear();
-    for (const auto& seg : segments(R, p, g, row, q_rows, w.iv, w.segs)) {
-      if (seg.second - seg.first < LONE) {
-        w.lone.push_back(seg);
-        continue;
-      }
-      for (Index c0 = seg.first; c0 < seg.second; c0 += kv_chunk) {
-        const Index kc = std::min(kv_chunk, seg.second - c0);
-        chunk(row_ptr<T>(k, b, h / G, c0), k.stride(2), row_ptr<T>(v, b, h / G, c0), v.stride(2), kc,
-              [&](Index i, std::vector<Index>& rg) { return R.ranges(p, i, c0, kc, rg.data()); },
-              // bias[h, j - i + L - 1]: a contiguous slice along the row
-              [&](Index i) { return diagonal_row<T>(bias, h, c0 - i + d.L - 1); });
-      }
-    }
-    for (std::size_t x0 = 0; x0 < w.lone.size();) {
-      std::size_t x1 = x0;
-      Index kc = 0;
-      for (; x1 < w.lone.size() && kc + (w.lone[x1].second - w.lone[x1].first) <= kv_chunk; ++x1) {
-        kc += w.lone[x1].second - w.lone[x1].first;
-      }
-      const auto* segs = w.lone.data() + x0;
-      const Index n = static_cast<Index>(x1 - x0);
-      gather_keys<T>(k, b, h / G, segs, n, w.kg);
-      gather_keys<T>(v, b, h / G, segs, n, w.vg);
-      chunk(w.kg, d.E, w.vg, d.Ev, kc, [&](Index i, std::vector<Index>& rg) { return R.ranges_in(p, i, segs, n, rg); },
-            [&](Index i) { return gathered_bias<T>(bias, h, i, d.L, segs, n, w.bg.data()); });
-      x0 = x1;
-    }
+    });
     T* const ms = stats.data_ptr<T>() + (b * d.H + h) * d.L;  // the row maximum, then log of the row sum
     T* const ls = ms + d.B * d.H * d.L;
     for (Index r = 0; r < g; ++r) {
@@ -913,37 +933,82 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   if (any_wide) wide_key_pass<T>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, scale, cap, kv_rows, q_chunk,
                                  deterministic, wide);
   if (!deterministic) return;
-  // dQ by query blocks, as the forward walks them: each block sums its keys' shares in one fixed order.
+  // dQ by query blocks, as the forward walks them (key_chunks; the wide rows apart, in gathered
+  // groups): each block sums its keys' shares in one fixed order.
+  struct Scratch {  // a thread's buffers
+    Tensor p_buf, ds_buf, q_buf, do_buf, dq_buf;
+    T *p, *ds, *qg, *dog, *dqg;
+    std::vector<Index> rg;
+    KeyScratch<T> keys;
+    Scratch(Index rows, Index chunk, const Shape& d, Index K)
+        : p(scratch<T>(p_buf, rows * chunk)), ds(scratch<T>(ds_buf, rows * chunk)), qg(scratch<T>(q_buf, rows * d.E)),
+          dog(scratch<T>(do_buf, rows * d.Ev)), dqg(scratch<T>(dq_buf, rows * d.E)), rg(2 * K),
+          keys(chunk, d.E, d.Ev) {}
+  };
+  // dQ of rows row(0..g-1) of (b, h) (a row(r) < 0 is left out), their queries and output gradients
+  // at qp and dop (rows ldq, ldo apart), added to dqp (rows E apart).
+  const auto dq_rows = [&](Index b, Index h, const T* qp, Index ldq, const T* dop, Index ldo, Index g,
+                           const auto& row, T* dqp, Scratch& w) {
+    const Index base = (b * d.H + h) * d.L;
+    key_chunks<T>(R, R.set(b, h), g, row, kv_rows, q_chunk, k, v, bias, b, h, h / G, w.keys,
+                  [&](const T* kp, Index ldk, const T* vp, Index ldv, Index kc, const auto& visible,
+                      const auto& bias_of) {
+      gemm<T>(false, true, g, kc, d.E, T(1), qp, ldq, kp, ldk, T(0), w.p, kc);
+      gemm<T>(false, true, g, kc, d.Ev, T(1), dop, ldo, vp, ldv, T(0), w.ds, kc);
+      for (Index r = 0; r < g; ++r) {
+        const Index i = row(r);
+        const Index count = i < 0 ? 0 : visible(i, w.rg);  // (none: zeros, and the statistics are not read)
+        const T* br = biased && i >= 0 ? bias_of(i) : nullptr;
+        const Index at = base + std::max<Index>(i, 0);
+        probabilities<T>(w.p + r * kc, w.ds + r * kc, kc, w.rg.data(), count, scale, br, cap, m_all[at], ll_all[at],
+                         dl_all[at]);
+      }
+      gemm<T>(false, false, g, d.E, kc, scale, w.ds, kc, kp, ldk, T(1), dqp, d.E);
+    });
+  };
   const Index q_blocks = (d.L + kv_rows - 1) / kv_rows;
+  bool any_wide_rows = false;
+  const auto wide_r = wide_rows(R, kv_rows, any_wide_rows);
   each_item(d.B * d.H * q_blocks, false, [&](const auto& next) {
-    Tensor p_buf, ds_buf;
-    T* const p = scratch<T>(p_buf, kv_rows * q_chunk);
-    T* const ds = scratch<T>(ds_buf, kv_rows * q_chunk);
-    std::vector<Index> rg(2 * R.K);
-    std::vector<std::pair<Index, Index>> iv, segs;
+    Scratch w(kv_rows, q_chunk, d, R.K);
     for (Index it = 0; next(it);) {
       const Index blk = interleaved(it % q_blocks, q_blocks), h = (it / q_blocks) % d.H, b = it / (q_blocks * d.H);
       const Index i0 = blk * kv_rows, rows = std::min(kv_rows, d.L - i0);
-      const Index row0 = (b * d.H + h) * d.L + i0;
-      const T* qp = row_ptr<T>(q, b, h, i0);
-      const T* dop = row_ptr<T>(dout, b, h, i0);
-      T* dqp = dq.data_ptr<T>() + row0 * d.E;
-      const Index set = R.set(b, h);
-      for (const auto& seg : segments(R, set, rows, [i0](Index r) { return i0 + r; }, kv_rows, iv, segs)) {
-        for (Index c0 = seg.first; c0 < seg.second; c0 += q_chunk) {
-          const Index kc = std::min(q_chunk, seg.second - c0);
-          const T* kp = row_ptr<T>(k, b, h / G, c0);
-          gemm<T>(false, true, rows, kc, d.E, T(1), qp, q.stride(2), kp, k.stride(2), T(0), p, kc);
-          gemm<T>(false, true, rows, kc, d.Ev, T(1), dop, dout.stride(2), row_ptr<T>(v, b, h / G, c0), v.stride(2),
-                  T(0), ds, kc);
-          for (Index r = 0; r < rows; ++r) {
-            const Index count = R.ranges(set, i0 + r, c0, kc, rg.data());
-            const T* br = biased ? diagonal_row<T>(bias, h, c0 - (i0 + r) + d.L - 1) : nullptr;
-            probabilities<T>(p + r * kc, ds + r * kc, kc, rg.data(), count, scale, br, cap, m_all[row0 + r],
-                             ll_all[row0 + r], dl_all[row0 + r]);
-          }
-          gemm<T>(false, false, rows, d.E, kc, scale, ds, kc, kp, k.stride(2), T(1), dqp, d.E);
-        }
+      const auto& wide_set = wide_r[R.set(b, h)];
+      const char* skip = wide_set.empty() ? nullptr : wide_set.data() + i0;
+      dq_rows(b, h, row_ptr<T>(q, b, h, i0), q.stride(2), row_ptr<T>(dout, b, h, i0), dout.stride(2), rows,
+              [=](Index r) { return skip != nullptr && skip[r] ? Index(-1) : i0 + r; },
+              dq.data_ptr<T>() + ((b * d.H + h) * d.L + i0) * d.E, w);
+    }
+  });
+  if (!any_wide_rows) return;
+  std::vector<std::vector<Index>> listed(R.Bp);  // the wide rows of each set
+  for (Index p = 0; p < R.Bp; ++p) {
+    for (Index i = 0; i < static_cast<Index>(wide_r[p].size()); ++i) {
+      if (wide_r[p][i]) listed[p].push_back(i);
+    }
+  }
+  std::vector<std::array<Index, 3>> row_groups;  // b * H + h, first of its wide rows, how many
+  for (Index bh = 0; bh < d.B * d.H; ++bh) {
+    const auto& rows = listed[R.set(bh / d.H, bh % d.H)];
+    for (Index j = 0; j < static_cast<Index>(rows.size()); j += kv_rows) {
+      row_groups.push_back({bh, j, std::min<Index>(kv_rows, static_cast<Index>(rows.size()) - j)});
+    }
+  }
+  each_item(static_cast<Index>(row_groups.size()), false, [&](const auto& next) {
+    Scratch w(kv_rows, q_chunk, d, R.K);
+    for (Index it = 0; next(it);) {
+      const Index b = row_groups[it][0] / d.H, h = row_groups[it][0] % d.H, g = row_groups[it][2];
+      const Index* rows = listed[R.set(b, h)].data() + row_groups[it][1];
+      for (Index r = 0; r < g; ++r) {
+        std::copy_n(row_ptr<T>(q, b, h, rows[r]), d.E, w.qg + r * d.E);
+        std::copy_n(row_ptr<T>(dout, b, h, rows[r]), d.Ev, w.dog + r * d.Ev);
+      }
+      std::fill(w.dqg, w.dqg + g * d.E, T(0));
+      dq_rows(b, h, w.qg, d.E, w.dog, d.Ev, g, [=](Index r) { return rows[r]; }, w.dqg, w);
+      for (Index r = 0; r < g; ++r) {  // (these rows' blocks added zeros to them above: nothing lost)
+        T* dqr = dq.data_ptr<T>() + ((b * d.H + h) * d.L + rows[r]) * d.E;
+        for (Index j = 0; j < d.E; ++j) dqr[j] += w.dqg[r * d.E + j];
       }
     }
   });
