@@ -530,6 +530,27 @@ std::vector<std::vector<char>> wide_keys(const Rows& R, Index S, Index kv_rows, 
   return wide;
 }
 
+// The wide rows of every batch element and head, in groups of at most `size`: `listed` gets each
+// set's wide rows in order; returns each group as {b * H + h, first of its rows in listed, how many}.
+std::vector<std::array<Index, 3>> wide_row_groups(const Rows& R, Index B, Index H,
+                                                  const std::vector<std::vector<char>>& wide, Index size,
+                                                  std::vector<std::vector<Index>>& listed) {
+  listed.assign(R.Bp, {});
+  for (Index p = 0; p < R.Bp; ++p) {
+    for (Index i = 0; i < static_cast<Index>(wide[p].size()); ++i) {
+      if (wide[p][i]) listed[p].push_back(i);
+    }
+  }
+  std::vector<std::array<Index, 3>> groups;
+  for (Index bh = 0; bh < B * H; ++bh) {
+    const auto& rows = listed[R.set(bh / H, bh % H)];
+    for (Index j = 0; j < static_cast<Index>(rows.size()); j += size) {
+      groups.push_back({bh, j, std::min<Index>(size, static_cast<Index>(rows.size()) - j)});
+    }
+  }
+  return groups;
+}
+
 template <typename T>
 void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& stats, const Rows& R,
                   const Tensor& bias, T scale, T cap, Index q_rows, Index kv_chunk) {
@@ -619,19 +640,8 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   });
   if (!any_wide) return;
   // the wide rows of each (b, h), in groups of q_rows with their queries gathered
-  std::vector<std::vector<Index>> listed(R.Bp);
-  for (Index p = 0; p < R.Bp; ++p) {
-    for (Index i = 0; i < static_cast<Index>(wide[p].size()); ++i) {
-      if (wide[p][i]) listed[p].push_back(i);
-    }
-  }
-  std::vector<std::array<Index, 3>> groups;  // b * H + h, first of its wide rows, how many
-  for (Index bh = 0; bh < d.B * d.H; ++bh) {
-    const auto& rows = listed[R.set(bh / d.H, bh % d.H)];
-    for (Index j = 0; j < static_cast<Index>(rows.size()); j += q_rows) {
-      groups.push_back({bh, j, std::min<Index>(q_rows, static_cast<Index>(rows.size()) - j)});
-    }
-  }
+  std::vector<std::vector<Index>> listed;
+  const auto groups = wide_row_groups(R, d.B, d.H, wide, q_rows, listed);
   each_item(static_cast<Index>(groups.size()), false, [&](const auto& next) {
     Scratch w(q_rows, kv_chunk, d, K);
     for (Index it = 0; next(it);) {
@@ -982,19 +992,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     }
   });
   if (!any_wide_rows) return;
-  std::vector<std::vector<Index>> listed(R.Bp);  // the wide rows of each set
-  for (Index p = 0; p < R.Bp; ++p) {
-    for (Index i = 0; i < static_cast<Index>(wide_r[p].size()); ++i) {
-      if (wide_r[p][i]) listed[p].push_back(i);
-    }
-  }
-  std::vector<std::array<Index, 3>> row_groups;  // b * H + h, first of its wide rows, how many
-  for (Index bh = 0; bh < d.B * d.H; ++bh) {
-    const auto& rows = listed[R.set(bh / d.H, bh % d.H)];
-    for (Index j = 0; j < static_cast<Index>(rows.size()); j += kv_rows) {
-      row_groups.push_back({bh, j, std::min<Index>(kv_rows, static_cast<Index>(rows.size()) - j)});
-    }
-  }
+  std::vector<std::vector<Index>> listed;
+  const auto row_groups = wide_row_groups(R, d.B, d.H, wide_r, kv_rows, listed);
   each_item(static_cast<Index>(row_groups.size()), false, [&](const auto& next) {
     Scratch w(kv_rows, q_chunk, d, R.K);
     for (Index it = 0; next(it);) {
