@@ -155,14 +155,14 @@ def _same(x, y, block: Tensor | None = None) -> Tensor:
 
 def _smaller(x, y, block: Tensor | None = None) -> Tensor:
     """``torch.minimum`` of integer row values (a choice of one: checked in blocks)."""
-    if _keys.span is None or (block is not None and not block.numel()):
+    if _keys.span is None:
         return torch.minimum(torch.as_tensor(x), torch.as_tensor(y))
     return torch.where(_at_most(x, y, block), x, y)
 
 
 def _larger(x, y, block: Tensor | None = None) -> Tensor:
     """``torch.maximum`` of integer row values."""
-    if _keys.span is None or (block is not None and not block.numel()):
+    if _keys.span is None:
         return torch.maximum(torch.as_tensor(x), torch.as_tensor(y))
     return torch.where(_at_most(x, y, block), y, x)
 
@@ -1008,7 +1008,8 @@ def _between(first: Tensor, last: Tensor, cuts: Tensor, batch: int, q_len: int) 
         step = torch.div(at_last - at_first, span, rounding_mode="floor")
         if bool((step * span != at_last - at_first).any()):  # cannot be, every choice having held: refuse, never guess
             raise Unsupported("rows that do not follow from their block's ends")
-        before = torch.cat([t[:1] * 0, (at_first + step * (length - 1).view(-1, 1))[:-1]])  # the row before each block
+        last_rows = at_first + step * (length - 1).view(-1, 1)  # each block's last row
+        before = torch.cat([torch.zeros_like(t[:1]), last_rows[:-1]])  # (the first block's: none, 0)
         rows = step.index_select(0, block).index_copy_(0, begin, at_first - before)
         out.append(rows.cumsum_(0))
     return out[0], out[1]
