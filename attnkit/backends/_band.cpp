@@ -67,7 +67,8 @@ namespace {
 using at::Tensor;
 using Index = int64_t;
 constexpr Index LOCK_ROWS = 64;
-// Segments of keys shorter than this are gathered together in the forward (see forward_impl).
+// Segments of keys shorter than this are gathered together (key_chunks), and in the backward runs
+// of rows shorter than this (a key block's lone rows).
 constexpr Index LONE = 32;
 
 // Work item -> block: 0, n-1, 1, n-2, ... so that short and long rows alternate (under a causal mask
@@ -206,21 +207,6 @@ struct Rows {
   // The set of intervals batch element b, head h reads.
   Index set(Index b, Index h) const { return Bp == 1 ? 0 : per_head ? b * H + h : b; }
   Index at(Index p, Index i) const { return (p * L + i) * K; }
-  // Row i of set p: its visible columns within [c0, c0 + n), as (first, end) pairs relative to c0; returns how many.
-  Index ranges(Index p, Index i, Index c0, Index n, Index* out) const {
-    const Index o = at(p, i);
-    Index count = 0;
-    for (Index k = 0; k < K; ++k) {
-      if (s[o + k] >= c0 + n) break;  // sorted: nothing further reaches the window (empties sit at S)
-      const Index a = std::max<Index>(s[o + k] - c0, 0), z = std::min<Index>(e[o + k] - c0, n);
-      if (a < z) {
-        out[2 * count] = a;
-        out[2 * count + 1] = z;
-        ++count;
-      }
-    }
-    return count;
-  }
   // Row i of set p: its visible columns within the sorted, disjoint key segments segs[0..n), laid
   // side by side (segment x's keys from the sum of the lengths before it), as (first, end) pairs in
   // `out` (grown as needed); returns how many. One pass over the row's intervals and the segments.
@@ -242,10 +228,23 @@ struct Rows {
     }
     return count;
   }
+  // Row i of set p: its visible columns within [c0, c0 + n), relative to c0 (ranges_in of one segment).
+  Index ranges(Index p, Index i, Index c0, Index n, std::vector<Index>& out) const {
+    const std::pair<Index, Index> seg{c0, c0 + n};
+    return ranges_in(p, i, &seg, 1, out);
+  }
 };
 
-// Keys in sorted, disjoint segments segs[0..n), side by side: rows of t ([B, H, S, width], head h)
-// copied to out, and row i's bias at each (bias[h, j - i + L - 1] for key j) to bias_out.
+// This thread's share of the bias gradient of head h ([threads, 1 or H, L + S - 1]), from diagonal
+// column c on (a nested call runs serially, in slot 0).
+template <typename T>
+T* bias_grad_row(Tensor& dbias, const Tensor& bias, Index h, Index c) {
+  const Index slot = std::min<Index>(at::get_thread_num(), dbias.size(0) - 1);
+  return dbias.data_ptr<T>() + (slot * dbias.size(1) + (bias.size(0) == 1 ? 0 : h)) * dbias.size(2) + c;
+}
+
+// Keys in sorted, disjoint segments segs[0..n), side by side: their rows of t ([B, H, S, width],
+// head h) copied to out.
 template <typename T>
 void gather_keys(const Tensor& t, Index b, Index h, const std::pair<Index, Index>* segs, Index n, T* out) {
   const Index width = t.size(3);
@@ -254,6 +253,8 @@ void gather_keys(const Tensor& t, Index b, Index h, const std::pair<Index, Index
   }
 }
 
+// Row i's bias of head h at the keys of segs[0..n), side by side (bias[h, j - i + L - 1] for key j),
+// written to bias_out.
 template <typename T>
 const T* gathered_bias(const Tensor& bias, Index h, Index i, Index L, const std::pair<Index, Index>* segs, Index n,
                        T* bias_out) {
@@ -329,7 +330,7 @@ void key_chunks(const Rows& R, Index p, Index g, const RowOf& row, Index gap, In
     for (Index c0 = seg.first; c0 < seg.second; c0 += chunk) {
       const Index kc = std::min(chunk, seg.second - c0);
       body(row_ptr<T>(k, b, hkv, c0), k.stride(2), row_ptr<T>(v, b, hkv, c0), v.stride(2), kc,
-           [&](Index i, std::vector<Index>& rg) { return R.ranges(p, i, c0, kc, rg.data()); },
+           [&](Index i, std::vector<Index>& rg) { return R.ranges(p, i, c0, kc, rg); },
            // bias[h, j - i + L - 1]: a contiguous slice along the row
            [&](Index i) { return diagonal_row<T>(bias, h, c0 - i + R.L - 1); });
     }
@@ -566,6 +567,13 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   int exponent = 0;
   const bool prescale = scale != T(1) && std::frexp(scale, &exponent) == T(0.5);
   const T s_eff = prescale ? T(1) : scale;
+  const auto take_query = [&](const T* from, T* to) {  // a query row copied for a block (scaled: see above)
+    if (prescale) {
+      at::vec::map([=](at::vec::Vectorized<T> x) { return x * at::vec::Vectorized<T>(scale); }, to, from, d.E);
+    } else {
+      std::copy_n(from, d.E, to);
+    }
+  };
   struct Scratch {  // a thread's buffers, made once and reused from group to group
     Tensor s_buf, acc_buf, q_buf;
     T *s, *acc, *qg;
@@ -628,10 +636,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       const T* qp = row_ptr<T>(q, b, h, i0);
       Index lda = q.stride(2);
       if (prescale) {
-        for (Index r = 0; r < rows; ++r) {
-          at::vec::map([=](at::vec::Vectorized<T> x) { return x * at::vec::Vectorized<T>(scale); }, w.qg + r * d.E,
-                       qp + r * lda, d.E);
-        }
+        for (Index r = 0; r < rows; ++r) take_query(qp + r * lda, w.qg + r * d.E);
         qp = w.qg;
         lda = d.E;
       }
@@ -647,10 +652,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     for (Index it = 0; next(it);) {
       const Index b = groups[it][0] / d.H, h = groups[it][0] % d.H, g = groups[it][2];
       const Index* rows = listed[R.set(b, h)].data() + groups[it][1];
-      for (Index r = 0; r < g; ++r) {
-        const T* qr = row_ptr<T>(q, b, h, rows[r]);
-        for (Index j = 0; j < d.E; ++j) w.qg[r * d.E + j] = prescale ? qr[j] * scale : qr[j];
-      }
+      for (Index r = 0; r < g; ++r) take_query(row_ptr<T>(q, b, h, rows[r]), w.qg + r * d.E);
       attend(b, h, w.qg, d.E, g, [=](Index r) { return rows[r]; }, w);
     }
   });
@@ -804,9 +806,7 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
                 probabilities<T>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap, m_all[row0 + i],
                                  ll_all[row0 + i], dl_all[row0 + i]);
                 if (bias_grad && count > 0) {  // each gathered key's diagonal
-                  const Index slot = std::min<Index>(at::get_thread_num(), dbias.size(0) - 1);
-                  T* gbias = dbias.data_ptr<T>() + (slot * dbias.size(1) + (bias.size(0) == 1 ? 0 : h)) * dbias.size(2) +
-                             d.L - 1 - i;
+                  T* gbias = bias_grad_row<T>(dbias, bias, h, d.L - 1 - i);
                   const T* dsr = ds + r * cols;
                   for (const auto& seg : group) {
                     for (Index j = seg.first; j < seg.second; ++j) gbias[j] += *dsr++;  // (0 where not seen)
@@ -883,15 +883,13 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
           gemm<T>(false, true, n, cols, d.Ev, T(1), dop, ldo, vp, v.stride(2), T(0), ds, cols);
           for (Index r = 0; r < n; ++r) {
             const Index i = row(r);
-            const Index count = R.ranges(set, i, j0, cols, rg.data());
+            const Index count = R.ranges(set, i, j0, cols, rg);
             const T* br = biased ? diagonal_row<T>(bias, h, j0 - i + d.L - 1) : nullptr;
             probabilities<T>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap, m_all[row0 + i],
                              ll_all[row0 + i], dl_all[row0 + i]);
             for (const Index c : wide_cols) p[r * cols + c] = ds[r * cols + c] = T(0);
             if (bias_grad && count > 0) {  // dBias of a diagonal: the sum of dS along it (this thread's share)
-              const Index slot = std::min<Index>(at::get_thread_num(), dbias.size(0) - 1);  // nested: serial
-              T* gb = dbias.data_ptr<T>() + (slot * dbias.size(1) + (bias.size(0) == 1 ? 0 : h)) * dbias.size(2) +
-                      j0 - i + d.L - 1;
+              T* gb = bias_grad_row<T>(dbias, bias, h, j0 - i + d.L - 1);
               for (Index c = 0; c < count; ++c) {
                 const Index a = rg[2 * c], e = rg[2 * c + 1];
                 at::vec::map2([](Vec x, Vec y) { return x + y; }, gb + a, gb + a, ds + r * cols + a, e - a);
