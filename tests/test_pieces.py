@@ -166,6 +166,29 @@ def test_a_long_window_is_derived_without_evaluating_a_cell():
             assert seen == [(_pieces.Pieces, n)]
 
 
+@MODES
+@pytest.mark.parametrize("q_len", [1, 70, 300])
+def test_one_run_combined_with_another_or_a_row_value_is_worked_out_on_its_ends(blocks, q_len, monkeypatch):
+    """``&`` of two comparisons that each hold on one run of keys, and ``&``/``|`` of such a run with a
+    value constant along the keys (a query-side condition), take the runs' ends: never the general
+    merge of cuts (which sorts them), and exactly every cell's rows."""
+    from torch.nn.attention.flex_attention import and_masks, or_masks
+
+    def merged(*args):
+        raise AssertionError("cuts merged")
+
+    monkeypatch.setattr(_pieces, "_sorted", merged)
+    mods = {
+        "causal window": and_masks(lambda b, h, i, j: i >= j, lambda b, h, i, j: i - j <= 16),
+        "runs that miss each other": lambda b, h, i, j: (j >= i + 5) & (j < i - 2),
+        "window, rows 40 on": lambda b, h, i, j: (i - j <= 9) & (j <= i) & (i >= 40),
+        "keys up to 30, or everything from row 50": or_masks(lambda b, h, i, j: j < 30, lambda b, h, i, j: i >= 50),
+    }
+    for name, mod in mods.items():
+        got = pieces_rows(mod, 2, 1, q_len, q_len + 11, blocks)
+        assert same_rows(got, every_cell(mod, 2, q_len, q_len + 11)), name
+
+
 def test_patterns_every_few_keys_are_followed_on_long_rows():
     """Dilated and strided windows, block-local attention, keys every few positions, block layouts:
     a remainder compared holds every ``m`` keys, a quotient compared is one interval, a layout read
