@@ -862,6 +862,12 @@ def _getitem(table, index):
         raise Unsupported("indexing other than a 1-D or 2-D integer or bool tensor by indices")
     entries = table.detach().view(-1 if table.dim() == 2 else 1, table.shape[-1])  # [table rows, N]
     rows_of, n = entries.shape
+    if table.dim() == 1 and isinstance(index, Pieces) and index.cuts is None and not bool(index.slope.any()) \
+            and not _varies(index.icept):  # one entry per row (a table per head, a document id per row)
+        if bool(((index.icept < 0) | (index.icept >= n)).any()):
+            raise Unsupported("an index outside the tensor")
+        value = Pieces(None, torch.zeros_like(index.icept), entries[0, index.icept].long())
+        return _cast(value, torch.bool) if table.dtype == torch.bool else value
     row = None  # the table row each query row reads (a 2-D table)
     if table.dim() == 2:
         r = _integer(parts[0])
@@ -958,7 +964,7 @@ PASSES, ROWS_PER_BLOCK = 6, 16
 
 
 def derive(mod, batch: int, heads: int, q_len: int, kv_len: int, most: int | None = None,
-           blocks: bool | None = None) -> tuple[Tensor, Tensor]:
+           blocks: bool | None = None, fold: int = 1) -> tuple[Tensor, Tensor]:
     """Each row's runs of allowed keys, ``(starts, ends)`` ``[p, Lq, K]`` (``p`` 1 when every batch
     element has the same rows, else ``batch``; empty slots ``(Lk, Lk)``). Raises
     :class:`Unsupported` for a predicate the pieces cannot follow, and for a row with more than
@@ -970,6 +976,9 @@ def derive(mod, batch: int, heads: int, q_len: int, kv_len: int, most: int | Non
     the two ends); blocks are cut where a choice changes and the pass run again. A window takes
     two passes (one block, then four) whatever its length. Beyond :data:`PASSES` passes or too
     many blocks, or for what blocks cannot follow, each row is worked out on its own.
+
+    ``fold``: the heads folded into ``batch`` (element ``b * fold + h``, ``heads`` 1), the predicate
+    given ``b`` and ``h`` as each row's values.
     """
     if not (q_len and kv_len):
         raise Unsupported("an empty grid")
@@ -977,7 +986,7 @@ def derive(mod, batch: int, heads: int, q_len: int, kv_len: int, most: int | Non
         cuts = torch.zeros(1, dtype=torch.int64)  # where blocks begin
         for _ in range(PASSES):
             try:
-                found, flips = _evaluate(mod, batch, heads, q_len, kv_len, most, cuts)
+                found, flips = _evaluate(mod, batch, heads, q_len, kv_len, most, cuts, fold)
             except _NotBlocks:
                 break
             if found is not None:
@@ -985,15 +994,15 @@ def derive(mod, batch: int, heads: int, q_len: int, kv_len: int, most: int | Non
             cuts = torch.cat([cuts, flips[flips < q_len]]).unique()
             if cuts.numel() > max(64, q_len // ROWS_PER_BLOCK):
                 break
-    found, _ = _evaluate(mod, batch, heads, q_len, kv_len, most, None)
+    found, _ = _evaluate(mod, batch, heads, q_len, kv_len, most, None, fold)
     return _batched(*found, batch, q_len)
 
 
 def _evaluate(mod, batch: int, heads: int, q_len: int, kv_len: int, most: int | None,
-              cuts: Tensor | None) -> tuple[tuple[Tensor, Tensor] | None, Tensor | None]:
+              cuts: Tensor | None, fold: int = 1) -> tuple[tuple[Tensor, Tensor] | None, Tensor | None]:
     """One pass: the rows' runs ``[rows, K]`` and no flips, or (block mode, a choice that changed
     within a block) None and the rows where blocks must be cut. ``cuts``: where blocks begin
-    (None: each row on its own, rows ``b * Lq + i``)."""
+    (None: each row on its own, rows ``b * Lq + i``). ``fold``: see :func:`derive`."""
     _state.failed.clear()
     _keys.kv_len, _keys.flips, _keys.not_blocks = kv_len, [], False
     if cuts is None:
@@ -1006,10 +1015,11 @@ def _evaluate(mod, batch: int, heads: int, q_len: int, kv_len: int, most: int | 
         q = torch.cat([first, first + span])
         _keys.first, _keys.span = first.view(-1, 1), span.view(-1, 1)
     try:
-        bp = Pieces(None, torch.zeros(1, 1, dtype=torch.int64), b.view(-1, 1))
-        qp = Pieces(None, torch.zeros(1, 1, dtype=torch.int64), q.view(-1, 1))
-        kv = Pieces(None, torch.ones(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64))
-        h = _Head() if heads > 1 else _lift(0)
+        flat, element = torch.zeros(1, 1, dtype=torch.int64), b.view(-1, 1)
+        bp = Pieces(None, flat, element // fold if fold > 1 else element)
+        qp = Pieces(None, flat, q.view(-1, 1))
+        kv = Pieces(None, torch.ones(1, 1, dtype=torch.int64), flat)
+        h = Pieces(None, flat, element % fold) if fold > 1 else _Head() if heads > 1 else _lift(0)
         out = mod(bp, h, qp, kv)
         if isinstance(out, Tensor) and out.dim() == 0 and out.dtype == torch.bool:
             out = _lift(out)

@@ -299,29 +299,36 @@ def _derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
         return (*_one_set(mod, batch, heads, q_len, kv_len, device), False)
     except _ranges.ReadsHead:
         pass
-
-    def folded(b, h, q_idx, kv_idx):
-        return mod(b // heads, b % heads, q_idx, kv_idx)
-
-    rows, way = _one_set(folded, batch * heads, 1, q_len, kv_len, device)
+    rows, way = _one_set(mod, batch, heads, q_len, kv_len, device, per_head=True)
     return rows, way, rows is not None and rows[0].shape[0] > 1
 
 
-def _one_set(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[tuple[Tensor, Tensor] | None, str]:
-    """:func:`_derive` for rows shared by every head; raises :class:`attnkit._ranges.ReadsHead` when they are not."""
-    if torch.device(device).type == "cpu":
-        def by_ranges(*args):
-            return _pack(*_ranges.derive(*args), q_len, kv_len)
+def _one_set(mod, batch: int, heads: int, q_len: int, kv_len: int, device,
+             per_head: bool = False) -> tuple[tuple[Tensor, Tensor] | None, str]:
+    """:func:`_derive` for rows shared by every head (raises :class:`attnkit._ranges.ReadsHead` when
+    they are not), or ``per_head``: for the heads folded into the batch (element ``b * heads + h``)."""
+    fold = heads if per_head else 1
+    if per_head:
+        def whole(b, h, q_idx, kv_idx):  # the predicate of one folded element
+            return mod(b // fold, b % fold, q_idx, kv_idx)
 
-        for name, way in (("closed form", functools.partial(_pieces.derive, most=MAX_INTERVALS)),
+        batch, heads = batch * heads, 1
+    else:
+        whole = mod
+    if torch.device(device).type == "cpu":
+        def by_ranges():
+            return _pack(*_ranges.derive(whole, batch, heads, q_len, kv_len), q_len, kv_len)
+
+        for name, way in (("closed form", functools.partial(_pieces.derive, mod, batch, heads, q_len, kv_len,
+                                                            most=MAX_INTERVALS, fold=fold)),
                           ("ranges", by_ranges)):
             try:
-                return way(mod, batch, heads, q_len, kv_len), name
+                return way(), name
             except _ranges.ReadsHead:
                 raise
             except Exception:  # noqa: BLE001 (whatever one way cannot follow, the next decides)
                 continue
-    return _every_cell(mod, batch, heads, q_len, kv_len, device), "every cell"
+    return _every_cell(whole, batch, heads, q_len, kv_len, device), "every cell"
 
 
 def _every_cell(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor] | None:

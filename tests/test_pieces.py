@@ -289,14 +289,24 @@ def test_a_refusal_the_predicate_swallows_still_counts():
     assert same_rows(got, every_cell(swallows, 1, 30, 30)) and way == "every cell"
 
 
-def test_a_predicate_that_reads_the_head_is_worked_out_per_head_in_closed_form():
-    mod = lambda b, h, i, j: (i >= j) & (i - j <= 3 * h)  # noqa: E731 (a window per head)
-    with pytest.raises(_ranges.ReadsHead):
-        _pieces.derive(mod, 2, 3, 40, 40)
-    got, way, per_head = plan._derive(mod, 2, 3, 40, 40, torch.device("cpu"))
-    assert way == "closed form" and per_head and got[0].shape[0] == 6  # batch element b, head h at b * 3 + h
-    want = every_cell(lambda b, h, i, j: mod(b // 3, b % 3, i, j), 6, 40, 40)
-    assert same_rows(got, want)
+@MODES
+def test_a_predicate_that_reads_the_head_is_worked_out_per_head_in_closed_form(blocks):
+    """With the heads folded into the batch the predicate is given the batch element and the head as
+    each row's values (a head's table entry read once per row): equal to every cell of the predicate
+    called with ``b // heads, b % heads``."""
+    wins = torch.tensor([3, 0, 17])
+    mods = {"3 h": lambda b, h, i, j: (i >= j) & (i - j <= 3 * h),
+            "a table per head": lambda b, h, i, j: (i >= j) & (i - j <= wins[h]),
+            "the head and the batch element": lambda b, h, i, j: (j <= i + h) | (j > 30 - 7 * b),
+            "the head as a key": lambda b, h, i, j: j == 2 * h + b}
+    for name, mod in mods.items():
+        with pytest.raises(_ranges.ReadsHead):
+            _pieces.derive(mod, 2, 3, 40, 40)
+        want = every_cell(lambda b, h, i, j, mod=mod: mod(b // 3, b % 3, i, j), 6, 40, 40)
+        assert same_rows(_pieces.derive(mod, 6, 1, 40, 40, blocks=blocks, fold=3), want), name
+        got, way, per_head = plan._derive(mod, 2, 3, 40, 40, torch.device("cpu"))
+        assert way == "closed form" and per_head and got[0].shape[0] == 6, name  # element b, head h at b * 3 + h
+        assert same_rows(got, want), name
 
 
 def test_the_benchmarks_user_masks_are_all_derived_in_closed_form():
@@ -313,6 +323,6 @@ def test_the_benchmarks_user_masks_are_all_derived_in_closed_form():
         folded = lambda b, h, i, j, mod=mod: mod(b // H, b % H, i, j)  # noqa: E731
         want = every_cell(folded, H, n, n) if per_head else every_cell(mod, 1, n, n)
         assert same_rows(got, want), name
-        in_blocks = _pieces.derive(folded, H, 1, n, n, blocks=True) if per_head else \
+        in_blocks = _pieces.derive(mod, H, 1, n, n, blocks=True, fold=H) if per_head else \
             _pieces.derive(mod, 1, 1, n, n, blocks=True)
         assert same_rows(in_blocks, want), name
