@@ -284,8 +284,9 @@ ONE_RUN = torch.tensor([[False, True, False]])
 
 
 class _Deferred:
-    """An integer ``(slope * kv_idx + icept)`` divided by ``m`` on each piece, kept whole: cut at
-    every multiple of ``m`` (:meth:`plain`) only when something other than a comparison uses it."""
+    """An integer ``(slope * kv_idx + icept)`` under an operation (divided by ``m``, its remainder,
+    its absolute value) kept whole: cut where the result changes form (:meth:`plain`) only when
+    something other than a comparison uses it."""
 
     __slots__ = ("cuts", "slope", "icept", "m")
 
@@ -316,6 +317,16 @@ class Wrapped(_Deferred):
     def plain(self) -> Pieces:
         a = self.dividend()
         return _sub(a, _mul(_divided(a, self.m, _crossings(a, self.m)), self.m))
+
+
+class Absolute(_Deferred):
+    """``|a|`` of a value with one piece (``(q_idx - kv_idx).abs()``). Compared as at most (or below)
+    ``t`` it is ``a <= t`` and ``-a <= t``: one run, where as pieces it is two (each side of
+    ``a = 0``) that touch."""
+
+    def plain(self) -> Pieces:
+        a = self.dividend()
+        return _where(_lt(a, 0), _neg(a), a)
 
 
 class Periodic:
@@ -605,7 +616,7 @@ def _where(cond, x, y):
 
 def _abs(a):
     a = _integer(a)
-    return _where(_lt(a, 0), _neg(a), a)
+    return Absolute(None, a.slope, a.icept, 1) if a.cuts is None else _where(_lt(a, 0), _neg(a), a)
 
 
 def _minimum(a, b):
@@ -639,6 +650,9 @@ def _at_most_zero(slope: Tensor, icept: Tensor) -> tuple[Tensor, Tensor]:
 
 def _compare(a, b, kind: str) -> Pieces:
     """Where ``a - b`` is ``<= 0`` (``le``), ``< 0``, ``== 0``: per piece, an interval of keys."""
+    if isinstance(a, Absolute) and kind != "eq":  # |x| <= t: x <= t and -x <= t
+        x = a.dividend()
+        return _logic(_compare(x, b, kind), _compare(_neg(x), b, kind), torch.logical_and)
     if isinstance(a, Wrapped) or isinstance(b, Wrapped):
         return _compare_wrapped(a, b, kind)
     if isinstance(a, Quotient) or isinstance(b, Quotient):
@@ -866,7 +880,7 @@ def _getitem(table, index):
             and not _varies(index.icept):  # one entry per row (a table per head, a document id per row)
         if bool(((index.icept < 0) | (index.icept >= n)).any()):
             raise Unsupported("an index outside the tensor")
-        value = Pieces(None, torch.zeros_like(index.icept), entries[0, index.icept].long())
+        value = Pieces(None, torch.zeros(1, 1, dtype=torch.int64), entries[0, index.icept].long())
         return _cast(value, torch.bool) if table.dtype == torch.bool else value
     row = None  # the table row each query row reads (a 2-D table)
     if table.dim() == 2:
@@ -931,7 +945,7 @@ _RULES = rule_table({
     "xor": lambda a, b: _logic(a, b, torch.logical_xor), "not": _not, "where": _where, "getitem": _getitem,
 }, _cast, _constant)
 
-for _cls in (Pieces, Quotient, Wrapped, Periodic):
+for _cls in (Pieces, Quotient, Wrapped, Absolute, Periodic):
     stands_in(_cls, _RULES)
 
 
@@ -1047,7 +1061,6 @@ def _between(first: Tensor, last: Tensor, cuts: Tensor, batch: int, q_len: int) 
     length = torch.diff(torch.cat([cuts, cuts.new_tensor([q_len])])).repeat(batch)
     begin = length.cumsum(0) - length  # each block's first row, rows b * Lq + i
     span = (length - 1).clamp(min=1).view(-1, 1)
-    block = torch.zeros(batch * q_len, dtype=torch.int64).index_fill_(0, begin[1:], 1).cumsum_(0)
     out = []
     for t in (first, last):
         at_first, at_last = t[:r], t[r:]
@@ -1056,8 +1069,9 @@ def _between(first: Tensor, last: Tensor, cuts: Tensor, batch: int, q_len: int) 
             raise Unsupported("rows that do not follow from their block's ends")
         last_rows = at_first + step * (length - 1).view(-1, 1)  # each block's last row
         before = torch.cat([torch.zeros_like(t[:1]), last_rows[:-1]])  # (the first block's: none, 0)
-        rows = step.index_select(0, block).index_copy_(0, begin, at_first - before)
-        out.append(rows.cumsum_(0))
+        change = step - torch.cat([torch.zeros_like(step[:1]), step[:-1]])  # each row's step: a running sum
+        rows = torch.zeros(batch * q_len, step.shape[1], dtype=torch.int64).index_copy_(0, begin, change).cumsum_(0)
+        out.append(rows.index_copy_(0, begin, at_first - before).cumsum_(0))
     return out[0], out[1]
 
 

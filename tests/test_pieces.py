@@ -169,20 +169,25 @@ def test_a_long_window_is_derived_without_evaluating_a_cell():
 @MODES
 @pytest.mark.parametrize("q_len", [1, 70, 300])
 def test_one_run_combined_with_another_or_a_row_value_is_worked_out_on_its_ends(blocks, q_len, monkeypatch):
-    """``&`` of two comparisons that each hold on one run of keys, and ``&``/``|`` of such a run with a
-    value constant along the keys (a query-side condition), take the runs' ends: never the general
-    merge of cuts (which sorts them), and exactly every cell's rows."""
+    """``&`` of two comparisons that each hold on one run of keys, ``&``/``|`` of such a run with a
+    value constant along the keys (a query-side condition), and a distance's absolute value compared
+    as at most a bound take the runs' ends: never the general merge of cuts (which sorts them), and
+    exactly every cell's rows."""
     from torch.nn.attention.flex_attention import and_masks, or_masks
 
     def merged(*args):
         raise AssertionError("cuts merged")
 
     monkeypatch.setattr(_pieces, "_sorted", merged)
+    monkeypatch.setattr(_pieces, "_join", merged)  # (and the rows come from one run, not from pieces)
     mods = {
         "causal window": and_masks(lambda b, h, i, j: i >= j, lambda b, h, i, j: i - j <= 16),
         "runs that miss each other": lambda b, h, i, j: (j >= i + 5) & (j < i - 2),
         "window, rows 40 on": lambda b, h, i, j: (i - j <= 9) & (j <= i) & (i >= 40),
         "keys up to 30, or everything from row 50": or_masks(lambda b, h, i, j: j < 30, lambda b, h, i, j: i >= 50),
+        "a window both ways, by abs": lambda b, h, i, j: (i - j).abs() <= 5,
+        "below a distance by abs, rows 3 on": lambda b, h, i, j: ((j - i).abs() < 7) & (i >= 3),
+        "abs against a row's own bound": lambda b, h, i, j: (i - j).abs() <= i // 4,
     }
     for name, mod in mods.items():
         got = pieces_rows(mod, 2, 1, q_len, q_len + 11, blocks)
