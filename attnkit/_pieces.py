@@ -1099,6 +1099,10 @@ def _runs(out: Pieces | Periodic, rows: int, most: int | None) -> tuple[Tensor, 
     else:
         row, first, last = _periodic_runs(start, end, live, *(t.expand(rows, start.shape[1])
                                                               for t in (out.phase, out.period, out.width)))
+        if row is None:
+            if most is not None and first.shape[1] > most:
+                raise Unsupported(f"more than {most} runs in a row")
+            return first, last
     at, last = _join(row, first, last, ordered=True, joins=_touching(row, first, last))  # runs that touch: one
     if at.numel() < row.numel():
         row, first = row.index_select(0, at), first.index_select(0, at)
@@ -1135,11 +1139,30 @@ def _paired(row: Tensor) -> Tensor | None:
     return row[:h]
 
 
+def _one_piece_runs(count: Tensor, lo: Tensor, period: Tensor, width: Tensor, start: Tensor, end: Tensor,
+                    most: int) -> tuple[Tensor, Tensor]:
+    """Each row's runs ``[rows, most]`` where each row (on its own) has one piece with runs, ``count``
+    of them, the ``k``-th from ``lo + k * period`` for ``width`` keys, within ``[start, end)``. Made in
+    place on the whole table; only the rows with fewer runs than the most have slots to empty."""
+    k = torch.arange(most).view(1, -1)
+    first = torch.addcmul(lo.view(-1, 1), k, period.view(-1, 1))  # (two new tables, the rest in place)
+    last = first + width.view(-1, 1)
+    torch.maximum(first, start.view(-1, 1), out=first)
+    torch.minimum(last, end.view(-1, 1), out=last)
+    short = (count < most).nonzero().view(-1)
+    if short.numel():
+        past = k >= count.index_select(0, short).view(-1, 1)
+        for t in (first, last):
+            t.index_copy_(0, short, t.index_select(0, short).masked_fill_(past, _keys.kv_len))
+    return first, last
+
+
 def _periodic_runs(start: Tensor, end: Tensor, live: Tensor, phase: Tensor, period: Tensor,
                    width: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """A :class:`Periodic` boolean's runs laid out flat, ``(row, first, last)``, each row's in key
     order: one a piece where it is constant and true, one per period (within the piece) where it
-    is periodic."""
+    is periodic. ``row`` None: ``first`` and ``last`` are each row's runs already, ``[rows, K]``
+    (each row on its own, one piece with runs in each)."""
     live = live & _below(0, width)
     still = _same(period, 1)  # true throughout: one run, the piece
     moving = live & ~still
@@ -1151,6 +1174,8 @@ def _periodic_runs(start: Tensor, end: Tensor, live: Tensor, phase: Tensor, peri
     row, at = _below(0, count).nonzero(as_tuple=True)  # the pieces with runs, row-major
     count, base, skip, period, width, s, e = (t[row, at] for t in (count, base, skip, period, width, start, end))
     most = max(int(count.max()), 1) if count.numel() else 1
+    if _keys.span is None and row.numel() == start.shape[0] and torch.equal(row, torch.arange(row.numel())):
+        return None, *_one_piece_runs(count, base + skip * period, period, width, s, e, most)
     block = _paired(row)  # in blocks: the same pieces at the first rows, then at the last (see _ends)
     if block is None and _keys.span is not None:
         block = torch.zeros(0, dtype=torch.int64)  # the ends differ already: this pass is redone, nothing to check

@@ -232,6 +232,26 @@ def test_patterns_every_few_keys_are_followed_on_long_rows():
     assert plan._derive(every_other, 1, 1, 600, 600, torch.device("cpu"))[0] is None
 
 
+@MODES
+@settings(deadline=None, max_examples=40)
+@given(q_len=st.integers(1, 120), extra=st.integers(-30, 60), m=st.integers(2, 7), r=st.integers(0, 6),
+       lo=st.integers(-40, 10), width=st.integers(0, 70), shifted=st.booleans(), causal=st.booleans())
+def test_patterns_every_few_keys_in_a_window_give_every_cells_rows(blocks, q_len, extra, m, r, lo, width, shifted,
+                                                                     causal):
+    """Keys every ``m`` positions within a window (a dilated window, cut by the sequence's ends
+    and, when causal, by the diagonal): each row's runs, however many, equal every cell's, whether
+    a row has as many runs as the most or fewer (its last slots empty)."""
+    kv_len = max(1, q_len + extra)
+
+    def mod(b, h, i, j):
+        d = i - j + 3 if shifted else i - j
+        keep = (d >= lo) & (d <= lo + width) & (d % m == r % m)
+        return keep & (j <= i) if causal else keep
+
+    got = pieces_rows(mod, 1, 1, q_len, kv_len, blocks)
+    assert same_rows(got, every_cell(mod, 1, q_len, kv_len))
+
+
 def test_patterns_every_few_keys_are_worked_out_in_blocks():
     """A dilated window over many rows is worked out in blocks: each block's runs every other key
     follow from its two ends (near the sequence's edges a run appears every other row, so blocks
