@@ -779,10 +779,11 @@ def _logic(a, b, op) -> Pieces | Periodic:
 
 
 def _one_run(a: Pieces, b: Pieces, op) -> Pieces | None:
-    """``a & b`` or ``a | b`` where both stay one run of keys in each row, worked out on the runs'
-    ends (None: the general merge decides): of two runs (see :data:`ONE_RUN`), ``&`` is the run
-    from the later start to the earlier end; of a run and a value constant along the keys, ``&``
-    empties the run where the value is false, ``|`` makes it every key where it is true."""
+    """``a & b`` or ``a | b`` where one is a run of keys in each row (see :data:`ONE_RUN`), worked
+    out on the run's ends (None: the general merge decides): of two runs, ``&`` is the run from the
+    later start to the earlier end; of a run and a value constant along the keys, ``&`` empties the
+    run where the value is false, ``|`` makes it every key where it is true; of a run and any other
+    boolean, ``&`` is that boolean with its cuts clipped to the run, false outside it."""
     if op not in (torch.logical_and, torch.logical_or):
         return None
     if a.icept is not ONE_RUN:
@@ -797,6 +798,13 @@ def _one_run(a: Pieces, b: Pieces, op) -> Pieces | None:
         c = b.icept
         lo, hi = (lo, torch.where(c, hi, lo)) if op is torch.logical_and else \
             (torch.where(c, 0, lo), torch.where(c, _keys.kv_len, hi))
+    elif op is torch.logical_and and b.cuts is not None:
+        inner = _smaller(_larger(b.cuts[:, 1:-1], lo), hi)
+        rows = max(t.shape[0] for t in (lo, hi, inner))
+        outside = torch.zeros(b.icept.shape[0], 1, dtype=torch.bool)
+        return _make(torch.cat([torch.zeros(rows, 1, dtype=torch.int64), lo.expand(rows, 1), inner.expand(rows, -1),
+                                hi.expand(rows, 1), torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1),
+                     None, torch.cat([outside, b.icept, outside], 1))
     else:
         return None
     rows = max(lo.shape[0], hi.shape[0])

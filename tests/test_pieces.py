@@ -170,9 +170,9 @@ def test_a_long_window_is_derived_without_evaluating_a_cell():
 @pytest.mark.parametrize("q_len", [1, 70, 300])
 def test_one_run_combined_with_another_or_a_row_value_is_worked_out_on_its_ends(blocks, q_len, monkeypatch):
     """``&`` of two comparisons that each hold on one run of keys, ``&``/``|`` of such a run with a
-    value constant along the keys (a query-side condition), and a distance's absolute value compared
-    as at most a bound take the runs' ends: never the general merge of cuts (which sorts them), and
-    exactly every cell's rows."""
+    value constant along the keys (a query-side condition), a distance's absolute value compared as
+    at most a bound, and ``&`` of a run with any boolean take the run's ends: never the general merge
+    of cuts (which sorts them), and exactly every cell's rows."""
     from torch.nn.attention.flex_attention import and_masks, or_masks
 
     def merged(*args):
@@ -191,6 +191,21 @@ def test_one_run_combined_with_another_or_a_row_value_is_worked_out_on_its_ends(
     }
     for name, mod in mods.items():
         got = pieces_rows(mod, 2, 1, q_len, q_len + 11, blocks)
+        assert same_rows(got, every_cell(mod, 2, q_len, q_len + 11)), name
+    # a run and a boolean of several pieces: that boolean's cuts clipped to the run (its runs joined as usual)
+    monkeypatch.undo()
+    taken, one_run = [], _pieces._one_run
+    monkeypatch.setattr(_pieces, "_one_run", lambda *args: taken.append(one_run(*args)) or taken[-1])
+    docs = torch.arange(q_len + 11) // 13
+    clipped = {
+        "documents, causal": and_masks(lambda b, h, i, j: j <= i, lambda b, h, i, j: docs[i] == docs[j]),
+        "every other document, in a window": lambda b, h, i, j: ((i - j).abs() < 20) & (docs[j] % 2 == 0),
+        "a window, in documents (the run second)": lambda b, h, i, j: (docs[i] == docs[j]) & (i - j <= 4),
+    }
+    for name, mod in clipped.items():
+        taken.clear()
+        got = pieces_rows(mod, 2, 1, q_len, q_len + 11, blocks)
+        assert taken and all(t is not None for t in taken), name  # (& on the run's ends, not the merge)
         assert same_rows(got, every_cell(mod, 2, q_len, q_len + 11)), name
 
 
