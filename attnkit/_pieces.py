@@ -171,6 +171,8 @@ def _larger(x, y, block: Tensor | None = None) -> Tensor:
 def _fdiv(x: Tensor, m) -> Tensor:
     """``floor(x / m)`` of a row value by an integer or by a value the same across each block. In
     a block it is affine in the row when ``m`` divides ``x``'s step, or when it does not change."""
+    if isinstance(m, int) and m in (1, -1):  # (exact: no choice)
+        return x if m == 1 else -x
     out = torch.div(x, m, rounding_mode="floor")
     ends = _ends(out)
     if ends is None or torch.equal(*ends):
@@ -681,10 +683,12 @@ def _compare(a, b, kind: str) -> Pieces:
         hi = _smaller(_larger(hi, lo), end)
     rows = max(t.shape[0] for t in (start, lo, hi))
     p = lo.shape[1]
+    last = torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)
+    if p == 1:
+        return Pieces(torch.cat([start.expand(rows, 1), lo.expand(rows, 1), hi.expand(rows, 1), last], 1), None,
+                      ONE_RUN)
     new = torch.stack([start.expand(rows, p), lo.expand(rows, p), hi.expand(rows, p)], -1).reshape(rows, 3 * p)
-    new = torch.cat([new, torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1)
-    truth = ONE_RUN if p == 1 else torch.tensor([False, True, False]).repeat(p).view(1, -1)
-    return _make(new, None, truth)
+    return _make(torch.cat([new, last], 1), None, torch.tensor([False, True, False]).repeat(p).view(1, -1))
 
 
 def _compare_quotient(a, b, kind: str) -> Pieces:
