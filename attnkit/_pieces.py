@@ -283,6 +283,7 @@ class Pieces:
 #: The truth of a boolean true on one run of keys in each row, cuts ``[0, lo, hi, Lk]`` (a comparison
 #: of a value with one piece): known by identity, so ``&`` of two and their runs skip the general merge.
 ONE_RUN = torch.tensor([[False, True, False]])
+_TWO_RUNS = torch.tensor([[False, True, False, True, False]])
 
 
 class _Deferred:
@@ -785,9 +786,10 @@ def _logic(a, b, op) -> Pieces | Periodic:
 def _one_run(a: Pieces, b: Pieces, op) -> Pieces | None:
     """``a & b`` or ``a | b`` where one is a run of keys in each row (see :data:`ONE_RUN`), worked
     out on the run's ends (None: the general merge decides): of two runs, ``&`` is the run from the
-    later start to the earlier end; of a run and a value constant along the keys, ``&`` empties the
-    run where the value is false, ``|`` makes it every key where it is true; of a run and any other
-    boolean, ``&`` is that boolean with its cuts clipped to the run, false outside it."""
+    later start to the earlier end, ``|`` the two in key order (:func:`_either`); of a run and a
+    value constant along the keys, ``&`` empties the run where the value is false, ``|`` makes it
+    every key where it is true; of a run and any other boolean, ``&`` is that boolean with its cuts
+    clipped to the run, false outside it."""
     if op not in (torch.logical_and, torch.logical_or):
         return None
     if a.icept is not ONE_RUN:
@@ -795,7 +797,7 @@ def _one_run(a: Pieces, b: Pieces, op) -> Pieces | None:
     lo, hi = a.cuts[:, 1:2], a.cuts[:, 2:3]
     if b.icept is ONE_RUN:
         if op is torch.logical_or:
-            return None  # (two runs apart, or one: left to the merge)
+            return _either(lo, hi, b.cuts[:, 1:2], b.cuts[:, 2:3])
         lo = _larger(lo, b.cuts[:, 1:2])
         hi = _larger(_smaller(hi, b.cuts[:, 2:3]), lo)
     elif b.cuts is None and b.icept.shape[1] == 1:
@@ -814,6 +816,20 @@ def _one_run(a: Pieces, b: Pieces, op) -> Pieces | None:
     rows = max(lo.shape[0], hi.shape[0])
     return Pieces(torch.cat([torch.zeros(rows, 1, dtype=torch.int64), lo.expand(rows, 1), hi.expand(rows, 1),
                              torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1), None, ONE_RUN)
+
+
+def _either(lo_a: Tensor, hi_a: Tensor, lo_b: Tensor, hi_b: Tensor) -> Pieces:
+    """``|`` of two runs ``[lo, hi)`` of keys in each row: the two in key order, as one where they
+    meet (the second's pieces then empty at the end of the first)."""
+    a_first = _at_most(lo_a, lo_b)
+    l1, h1 = torch.where(a_first, lo_a, lo_b), torch.where(a_first, hi_a, hi_b)
+    l2, h2 = torch.where(a_first, lo_b, lo_a), torch.where(a_first, hi_b, hi_a)
+    meet = _at_most(l2, h1)
+    end = torch.where(meet, _larger(h1, h2), h1)
+    l2, h2 = torch.where(meet, end, l2), torch.where(meet, end, h2)
+    rows = max(t.shape[0] for t in (l1, end, l2, h2))
+    return Pieces(torch.cat([torch.zeros(rows, 1, dtype=torch.int64), *(t.expand(rows, 1) for t in (l1, end, l2, h2)),
+                             torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1), None, _TWO_RUNS)
 
 
 def _logic_periodic(a: Periodic, b: Periodic, op) -> Pieces | Periodic:

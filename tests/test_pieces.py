@@ -192,7 +192,8 @@ def test_one_run_combined_with_another_or_a_row_value_is_worked_out_on_its_ends(
     for name, mod in mods.items():
         got = pieces_rows(mod, 2, 1, q_len, q_len + 11, blocks)
         assert same_rows(got, every_cell(mod, 2, q_len, q_len + 11)), name
-    # a run and a boolean of several pieces: that boolean's cuts clipped to the run (its runs joined as usual)
+    # a run and a boolean of several pieces: that boolean's cuts clipped to the run; | of two runs: the
+    # two in key order (the rows of either then joined as usual)
     monkeypatch.undo()
     taken, one_run = [], _pieces._one_run
     monkeypatch.setattr(_pieces, "_one_run", lambda *args: taken.append(one_run(*args)) or taken[-1])
@@ -201,6 +202,10 @@ def test_one_run_combined_with_another_or_a_row_value_is_worked_out_on_its_ends(
         "documents, causal": and_masks(lambda b, h, i, j: j <= i, lambda b, h, i, j: docs[i] == docs[j]),
         "every other document, in a window": lambda b, h, i, j: ((i - j).abs() < 20) & (docs[j] % 2 == 0),
         "a window, in documents (the run second)": lambda b, h, i, j: (docs[i] == docs[j]) & (i - j <= 4),
+        "a window or the first keys": lambda b, h, i, j: ((i - j).abs() <= 3) | (j < 5),
+        "two runs that meet": lambda b, h, i, j: (((i - j).abs() <= 4) & (j <= i)) | ((j > i) & (j - i < 5)),
+        "two runs apart": lambda b, h, i, j: ((j <= i) & (i - j <= 4)) | ((j - i >= 2) & (j - i <= 9)),
+        "a run or one that is empty in early rows": lambda b, h, i, j: (j < i - 30) | (j >= 20),
     }
     for name, mod in clipped.items():
         taken.clear()
