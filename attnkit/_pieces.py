@@ -1032,7 +1032,7 @@ def derive(mod, batch: int, heads: int, q_len: int, kv_len: int, most: int | Non
             except _NotBlocks:
                 break
             if found is not None:
-                return _batched(*_between(*found, cuts, batch, q_len), batch, q_len)
+                return _from_ends(*found, cuts, batch, q_len)
             cuts = torch.cat([cuts, flips[flips < q_len]]).unique()
             if cuts.numel() > max(64, q_len // ROWS_PER_BLOCK):
                 break
@@ -1101,6 +1101,18 @@ def _between(first: Tensor, last: Tensor, cuts: Tensor, batch: int, q_len: int) 
         rows = torch.zeros(batch * q_len, step.shape[1], dtype=torch.int64).index_copy_(0, begin, change).cumsum_(0)
         out.append(rows.index_copy_(0, begin, at_first - before).cumsum_(0))
     return out[0], out[1]
+
+
+def _from_ends(first: Tensor, last: Tensor, cuts: Tensor, batch: int, q_len: int) -> tuple[Tensor, Tensor]:
+    """``[p, Lq, K]`` from the runs at the blocks' ends (rows ``[2R, K]``, see :func:`_between`): one
+    set when every batch element's ends agree (the rows between then agree too), made once."""
+    c = cuts.numel()
+    ends = [t.view(2, batch, c, -1) for t in (first, last)]
+    if batch > 1 and all(bool((e == e[:, :1]).all()) for e in ends):
+        first, last = (e[:, 0].reshape(2 * c, -1) for e in ends)
+        batch = 1
+    first, last = _between(first, last, cuts, batch, q_len)
+    return first.view(batch, q_len, -1), last.view(batch, q_len, -1)
 
 
 def _batched(first: Tensor, last: Tensor, batch: int, q_len: int) -> tuple[Tensor, Tensor]:
