@@ -48,7 +48,7 @@ def test_rows_from_pieces_equal_every_cells(blocks, q_len, extra, batch, a, c, s
 
 TABLE = torch.tensor([0, 0, 0, 1, 1, 4, 4, 4, 4, 2, 2, 7, 7, 7, 7, 7, 3, 3, 0, 0, 5, 5, 5, 5, 5, 5, 1, 1, 1, 1])
 #: A 2-D table (a block layout's shape: a few rows, runs along each), as wide as any key index here.
-TABLE2 = torch.stack([TABLE.roll(3 * r).repeat(11) for r in range(5)])
+TABLE2 = torch.stack([TABLE.roll(3 * r).repeat(13) for r in range(5)])  # 390 keys: the long rows reach 360
 
 
 def integer(draw, depth: int):
