@@ -685,17 +685,29 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
     std::fill(p + at, p + std::max(at, a), T(0));  // max(): as in online_softmax_row
     std::fill(dp + at, dp + std::max(at, a), T(0));
     at = std::max(at, e);
-    score_row<T>(p + a, e - a, scale, bias != nullptr ? bias + a : nullptr, cap);
     if (cap > T(0)) {
+      score_row<T>(p + a, e - a, scale, bias != nullptr ? bias + a : nullptr, cap);
       capped_probabilities<T>(p + a, dp + a, e - a, cap, m, ll, dl);
       continue;
     }
-    const Vec mm(m), l(ll), dd(dl);
-    for (Index j = a; j < e; j += Vec::size()) {  // p and dS in one pass over the stored scores
-      const int w = static_cast<int>(std::min<Index>(Vec::size(), e - j));
-      const Vec pp = vexp<T>((Vec::loadu(p + j, w) - mm) - l);
-      pp.store(p + j, w);
-      (pp * (Vec::loadu(dp + j, w) - dd)).store(dp + j, w);
+    // p and dS in one pass over the raw scores, each scored in a register instead of by a pass that
+    // stores it first: with a bias, score_row's own fmadd (the same values); scaled alone, t - m in one
+    // fused multiply-add (one rounding, where score_row and the subtraction make two)
+    const Vec mm(m), l(ll), dd(dl), vs(scale), low(-m);
+    const auto pass = [&](auto shifted) {  // shifted(x, j, w): the score at j, less the row's maximum
+      for (Index j = a; j < e; j += Vec::size()) {
+        const int w = static_cast<int>(std::min<Index>(Vec::size(), e - j));
+        const Vec pp = vexp<T>(shifted(Vec::loadu(p + j, w), j, w) - l);
+        pp.store(p + j, w);
+        (pp * (Vec::loadu(dp + j, w) - dd)).store(dp + j, w);
+      }
+    };
+    if (bias != nullptr) {
+      pass([&](Vec x, Index j, int w) { return at::vec::fmadd(x, vs, Vec::loadu(bias + j, w)) - mm; });
+    } else if (scale != T(1)) {
+      pass([&](Vec x, Index, int) { return at::vec::fmadd(x, vs, low); });
+    } else {
+      pass([&](Vec x, Index, int) { return x - mm; });
     }
   }
   std::fill(p + at, p + n, T(0));
