@@ -281,9 +281,11 @@ class Pieces:
 
 
 #: The truth of a boolean true on one run of keys in each row, cuts ``[0, lo, hi, Lk]`` (a comparison
-#: of a value with one piece): known by identity, so ``&`` of two and their runs skip the general merge.
+#: of a value with one piece): known by identity, so ``&`` and ``|`` with it, and its rows, skip the
+#: general merge of cuts (see :func:`_one_run`).
 ONE_RUN = torch.tensor([[False, True, False]])
-_TWO_RUNS = torch.tensor([[False, True, False, True, False]])
+#: The truth of two runs in key order, cuts ``[0, lo1, hi1, lo2, hi2, Lk]`` (``|`` of two runs).
+TWO_RUNS = torch.tensor([[False, True, False, True, False]])
 
 
 class _Deferred:
@@ -364,8 +366,7 @@ class Periodic:
         rows = max(t.shape[0] for t in (*_bounds(self.cuts), self.phase, self.period, self.width))
         firsts, lasts = _runs(self, rows, MOST_PIECES // 2)
         runs = torch.stack([firsts, lasts], -1).flatten(1)  # first, last, first, last, ...: the true pieces
-        cuts = torch.cat([torch.zeros(rows, 1, dtype=torch.int64), runs,
-                          torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1)
+        cuts = _framed(runs)
         return _make(cuts, None, (torch.arange(cuts.shape[1] - 1) % 2 == 1).view(1, -1))
 
 
@@ -414,6 +415,13 @@ def _bounds(cuts: Tensor | None) -> tuple[Tensor, Tensor]:
     return cuts[:, :-1], cuts[:, 1:]
 
 
+def _framed(*inner: Tensor) -> Tensor:
+    """Cuts from 0 through ``inner`` (``[R|1, m]`` each, in order) to ``kv_len``."""
+    rows = max(t.shape[0] for t in inner)
+    return torch.cat([torch.zeros(rows, 1, dtype=torch.int64), *(t.expand(rows, -1) for t in inner),
+                      torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1)
+
+
 def _take(t: Tensor | None, at: Tensor) -> Tensor | None:
     """``t`` ``[R|1, P]`` read at pieces ``at`` ``[R', P']`` (None: as it is)."""
     if t is None or at is None or t.shape[1] == 1:
@@ -445,9 +453,7 @@ def _common(*xs: Pieces, extra: Tensor | None = None) -> Tensor | None:
         return cuts[0] if cuts else None
     inner = [c[:, 1:-1] for c in cuts] + ([extra] if extra is not None else [])
     rows = max(t.shape[0] for t in inner)
-    inner = _sorted(torch.cat([t.expand(rows, -1) for t in inner], 1))
-    return torch.cat([torch.zeros(rows, 1, dtype=torch.int64), inner,
-                      torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1)
+    return _framed(_sorted(torch.cat([t.expand(rows, -1) for t in inner], 1)))
 
 
 def _make(cuts: Tensor | None, slope: Tensor | None, icept: Tensor) -> Pieces:
@@ -682,14 +688,13 @@ def _compare(a, b, kind: str) -> Pieces:
             lo, hi = _larger(lo, lo2), _smaller(hi, hi2)
         lo = _smaller(_larger(lo, start), end)
         hi = _smaller(_larger(hi, lo), end)
-    rows = max(t.shape[0] for t in (start, lo, hi))
     p = lo.shape[1]
-    last = torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)
-    if p == 1:
-        return Pieces(torch.cat([start.expand(rows, 1), lo.expand(rows, 1), hi.expand(rows, 1), last], 1), None,
-                      ONE_RUN)
+    if p == 1:  # (one piece: it starts at 0)
+        return Pieces(_framed(lo, hi), None, ONE_RUN)
+    rows = max(t.shape[0] for t in (start, lo, hi))
     new = torch.stack([start.expand(rows, p), lo.expand(rows, p), hi.expand(rows, p)], -1).reshape(rows, 3 * p)
-    return _make(torch.cat([new, last], 1), None, torch.tensor([False, True, False]).repeat(p).view(1, -1))
+    new = torch.cat([new, torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1)
+    return _make(new, None, torch.tensor([False, True, False]).repeat(p).view(1, -1))
 
 
 def _compare_quotient(a, b, kind: str) -> Pieces:
@@ -805,17 +810,12 @@ def _one_run(a: Pieces, b: Pieces, op) -> Pieces | None:
         lo, hi = (lo, torch.where(c, hi, lo)) if op is torch.logical_and else \
             (torch.where(c, 0, lo), torch.where(c, _keys.kv_len, hi))
     elif op is torch.logical_and and b.cuts is not None:
-        inner = _smaller(_larger(b.cuts[:, 1:-1], lo), hi)
-        rows = max(t.shape[0] for t in (lo, hi, inner))
         outside = torch.zeros(b.icept.shape[0], 1, dtype=torch.bool)
-        return _make(torch.cat([torch.zeros(rows, 1, dtype=torch.int64), lo.expand(rows, 1), inner.expand(rows, -1),
-                                hi.expand(rows, 1), torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1),
-                     None, torch.cat([outside, b.icept, outside], 1))
+        return _make(_framed(lo, _smaller(_larger(b.cuts[:, 1:-1], lo), hi), hi), None,
+                     torch.cat([outside, b.icept, outside], 1))
     else:
         return None
-    rows = max(lo.shape[0], hi.shape[0])
-    return Pieces(torch.cat([torch.zeros(rows, 1, dtype=torch.int64), lo.expand(rows, 1), hi.expand(rows, 1),
-                             torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1), None, ONE_RUN)
+    return Pieces(_framed(lo, hi), None, ONE_RUN)
 
 
 def _either(lo_a: Tensor, hi_a: Tensor, lo_b: Tensor, hi_b: Tensor) -> Pieces:
@@ -827,9 +827,7 @@ def _either(lo_a: Tensor, hi_a: Tensor, lo_b: Tensor, hi_b: Tensor) -> Pieces:
     meet = _at_most(l2, h1)
     end = torch.where(meet, _larger(h1, h2), h1)
     l2, h2 = torch.where(meet, end, l2), torch.where(meet, end, h2)
-    rows = max(t.shape[0] for t in (l1, end, l2, h2))
-    return Pieces(torch.cat([torch.zeros(rows, 1, dtype=torch.int64), *(t.expand(rows, 1) for t in (l1, end, l2, h2)),
-                             torch.full((rows, 1), _keys.kv_len, dtype=torch.int64)], 1), None, _TWO_RUNS)
+    return Pieces(_framed(l1, end, l2, h2), None, TWO_RUNS)
 
 
 def _logic_periodic(a: Periodic, b: Periodic, op) -> Pieces | Periodic:
