@@ -690,24 +690,24 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
       capped_probabilities<T>(p + a, dp + a, e - a, cap, m, ll, dl);
       continue;
     }
-    // p and dS in one pass over the raw scores, each scored in a register instead of by a pass that
-    // stores it first: with a bias, score_row's own fmadd (the same values); scaled alone, t - m in one
-    // fused multiply-add (one rounding, where score_row and the subtraction make two)
-    const Vec mm(m), l(ll), dd(dl), vs(scale), low(-m);
-    const auto pass = [&](auto shifted) {  // shifted(x, j, w): the score at j, less the row's maximum
+    // p and dS in one pass over the scores. With a bias, each raw score is scored in a register by
+    // score_row's own fmadd (the same rounded value, so the same t - m) instead of by a pass that
+    // stores it first; scaled alone, the product is stored first (a product fused into the
+    // subtraction of m would not be the rounded score m came from: see the top of this file).
+    const Vec mm(m), l(ll), dd(dl), vs(scale);
+    const auto pass = [&](auto score) {  // score(x, j, w): the score at j from what p holds there
       for (Index j = a; j < e; j += Vec::size()) {
         const int w = static_cast<int>(std::min<Index>(Vec::size(), e - j));
-        const Vec pp = vexp<T>(shifted(Vec::loadu(p + j, w), j, w) - l);
+        const Vec pp = vexp<T>((score(Vec::loadu(p + j, w), j, w) - mm) - l);
         pp.store(p + j, w);
         (pp * (Vec::loadu(dp + j, w) - dd)).store(dp + j, w);
       }
     };
     if (bias != nullptr) {
-      pass([&](Vec x, Index j, int w) { return at::vec::fmadd(x, vs, Vec::loadu(bias + j, w)) - mm; });
-    } else if (scale != T(1)) {
-      pass([&](Vec x, Index, int) { return at::vec::fmadd(x, vs, low); });
+      pass([&](Vec x, Index j, int w) { return at::vec::fmadd(x, vs, Vec::loadu(bias + j, w)); });
     } else {
-      pass([&](Vec x, Index, int) { return x - mm; });
+      score_row<T>(p + a, e - a, scale, nullptr, cap);  // (scale 1: nothing to do)
+      pass([](Vec x, Index, int) { return x; });
     }
   }
   std::fill(p + at, p + n, T(0));
