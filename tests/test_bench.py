@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import re
+from pathlib import Path
+
+import pytest
 
 from attnkit.bench._util import interleaved_medians, median_time, progress
 
@@ -34,3 +38,28 @@ def test_interleaved_rounds_can_alternate_their_order():
     order.clear()
     interleaved_medians(fns, repeat=2, warmup=0)
     assert order == ["a", "b", "a", "b"]
+
+
+def test_the_window_budget_times_the_kernels_tiles_and_products():
+    """`bench blockwise` splits the window forward's time into its products and the rest: its tiles
+    must be the kernel's (each block's rows against the union of their windows, nothing more) and its
+    products, made through ctypes, must be the products the kernel makes."""
+    import torch
+
+    from attnkit.bench import blockwise
+
+    n, rows = 700, 64
+    tiles = blockwise._window_tiles(n, rows)
+    assert [t[0] for t in tiles] == list(range(0, n, rows)) and sum(t[1] for t in tiles) == n
+    for i0, r, a, e in tiles:
+        assert (a, e) == (max(0, i0 - blockwise.WINDOW), min(n, i0 + r + blockwise.WINDOW))
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if not library.exists() or not hasattr(ctypes.CDLL(str(library)), "sgemm_"):
+        pytest.skip("this torch has no sgemm_ in libtorch_cpu.so")
+    torch.manual_seed(0)
+    q, k, s = torch.randn(5, 64), torch.randn(9, 64), torch.empty(5, 9)
+    v, out = torch.randn(9, 3), torch.empty(5, 3)
+    products = blockwise._Products([(q, k, s, 5, 9, 64, True), (s, v, out, 5, 3, 9, False)])
+    products()
+    torch.testing.assert_close(s, q @ k.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, s @ v, rtol=1e-5, atol=1e-5)

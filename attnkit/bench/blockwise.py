@@ -12,11 +12,14 @@ Measures, in one run and interleaved (so that load from other processes hits eve
 * sparse patterns, forward+backward against SDPA with the dense mask: Longformer (window and
   global tokens) and a BigBird block layout; a user's own window predicate against ``window=``;
   a mask plan built once for a 12-layer encoder, its cost against the encoder's forward;
-* peak RSS of forward+backward with a score_mod against ``n``, each ``n`` in a fresh subprocess.
+* peak RSS of forward+backward with a score_mod against ``n``, each ``n`` in a fresh subprocess;
+* the same comparisons on one thread by CPU time, and where the window forward's time goes: the
+  tiles' matrix products alone (the kernel's BLAS at its shapes) against the softmax and the rest.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -148,6 +151,117 @@ def _cpu_child(n: int, n_alibi: int, rounds: int) -> None:
     a = torch.randn(2048, 2048)
     res["matmul_gflops"] = 2 * 2048**3 / cpu(lambda: a @ a) / 1e9
     print(json.dumps(res))
+
+
+def _window_tiles(n: int, rows: int) -> list[tuple[int, int, int, int]]:
+    """The banded kernel's tiles for the window: per block of ``rows`` query rows, (first row,
+    rows, first key, end key), the keys being the union of the block's rows' intervals (one segment,
+    the first row's start to the last row's end)."""
+    return [(i0, min(rows, n - i0), max(0, i0 - WINDOW), min(n, min(n, i0 + rows) + WINDOW))
+            for i0 in range(0, n, rows)]
+
+
+class _Products:
+    """Row-major products ``(a, b, c, m, n, k, b transposed)`` of float32 tensors, c = a op(b), made by
+    the BLAS the banded kernel calls (``sgemm_`` in torch's own library, through ctypes) when called.
+
+    Timing a call times the kernel's matrix products alone: same library, shapes and data.
+    """
+
+    def __init__(self, products: list[tuple]):
+        self.sgemm = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).sgemm_
+        self.products = products  # the tensors, and (below) the ctypes values, the argument lists point to
+        self.values, self.calls = [], []
+        ref = ctypes.byref
+        for a, b, c, m, n, k, bt in products:  # column-major C^T = op(B)^T A^T, as the kernel's gemm()
+            ints = [ctypes.c_int(x) for x in (n, m, k, b.stride(0), a.stride(0), c.stride(0))]
+            flags = [ctypes.c_char(b"T" if bt else b"N"), ctypes.c_char(b"N")]
+            one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+            self.values.append((ints, flags, one, zero))
+            self.calls.append((ref(flags[0]), ref(flags[1]), ref(ints[0]), ref(ints[1]), ref(ints[2]), ref(one),
+                               ctypes.c_void_p(b.data_ptr()), ref(ints[3]), ctypes.c_void_p(a.data_ptr()),
+                               ref(ints[4]), ref(zero), ctypes.c_void_p(c.data_ptr()), ref(ints[5])))
+
+    def __call__(self) -> None:
+        for args in self.calls:
+            self.sgemm(*args)
+
+
+def _budget_child(n: int, rounds: int) -> None:
+    """Where the window forward's time goes, one thread by CPU time; print JSON.
+
+    For the kernel's tile height and two others: the kernel's time, and the two products of each
+    tile alone (q k^T and p v, the kernel's BLAS on the same data at the kernel's shapes, less the
+    call overhead of as many 1 x 1 products). Products alone over the attended cells are the most
+    this tiling could reach with a free softmax.
+    """
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, n, D) for _ in range(3))
+    one = torch.ones(1, 1)
+
+    def cpu(fn) -> float:
+        return median_time(fn, repeat=rounds, warmup=1, clock=time.process_time)
+
+    def kernel():
+        with torch.no_grad():
+            attention(q, k, v, window=(WINDOW, WINDOW))
+
+    kernel_rows = _band.Q_ROWS
+    res = {"kernel_rows": kernel_rows, "rows": []}
+    for rows in (kernel_rows, kernel_rows // 2, kernel_rows * 2):
+        tiles = _window_tiles(n, rows)
+        s, acc = torch.empty(rows * (rows + 2 * WINDOW)), torch.empty(rows, D)
+        products = []
+        for h in range(H):
+            for i0, r, a, e in tiles:
+                scores = s[:r * (e - a)].view(r, e - a)  # the kernel's layout: one tile's scores, rows of e - a
+                products.append(((q[0, h, i0:i0 + r] * D**-0.5).contiguous(), k[0, h, a:e], scores,
+                                 r, e - a, D, True))
+                products.append((scores, v[0, h, a:e], acc[:r], r, D, e - a, False))
+        tile_products = _Products(products)
+        calls_alone = _Products([(one, one, one.clone(), 1, 1, 1, False)] * len(products))
+        _band.Q_ROWS = rows
+        try:
+            res["rows"].append({"rows": rows, "computed": H * sum(r * (e - a) for _, r, a, e in tiles),
+                                "kernel": cpu(kernel),
+                                "products": cpu(tile_products) - cpu(calls_alone)})
+        finally:
+            _band.Q_ROWS = kernel_rows
+    a = torch.randn(2048, 2048)
+    res["matmul_gflops"] = 2 * 2048**3 / cpu(lambda: a @ a) / 1e9
+    print(json.dumps(res))
+
+
+def _budget(n: int, rounds: int, cells: int) -> str:
+    """The section on where the window forward's time goes (``_budget_child``, in its own process)."""
+    c = _child(f"_budget_child({n}, {rounds})")
+    title = f"## Where the window forward's time goes, n = {n}, one thread"
+    if "error" in c:
+        return f"{title}\n\nfailed: {c['error']}"
+    flop = 4 * D  # per cell: q k^T and p v, a multiply and an add each
+    peak = c["matmul_gflops"]
+    rows, ceilings = [], []
+    for r in c["rows"]:
+        ceilings.append(100 * flop * cells * H / r["products"] / 1e9 / peak)
+        rows.append([f"{r['rows']}" + (" (the kernel's)" if r["rows"] == c["kernel_rows"] else ""),
+                     f"{r['computed'] / (H * cells):.2f}", r["kernel"] * 1e3, r["products"] * 1e3,
+                     f"{100 * (1 - r['products'] / r['kernel']):.0f}%",
+                     f"{100 * flop * r['computed'] / r['products'] / 1e9 / peak:.0f}%",
+                     f"{100 * flop * cells * H / r['kernel'] / 1e9 / peak:.0f}%", f"{ceilings[-1]:.0f}%"])
+    return (f"{title}\n\n"
+            "The kernel computes rectangles: each block of query rows multiplies against every key any of "
+            "its rows sees, so the window's slanted edges are computed and masked. Products alone: the two "
+            "products of every tile (q k^T, then p v) through the BLAS the kernel calls, on the same data at "
+            "the kernel's shapes, less the call overhead; the rest is the softmax, copies and memory traffic. The last "
+            "column is what the tiling reaches with a free softmax: products alone over the attended "
+            f"cells, against the single-thread matmul peak ({peak:.0f} GFLOP/s). The highest here is "
+            f"{max(ceilings):.0f}%, against the target of 85%: smaller tiles waste fewer cells but multiply "
+            "more slowly, larger ones the reverse.\n\n"
+            + markdown_table(["tile rows", "cells computed / attended", "kernel ms", "products alone ms",
+                              "softmax and the rest", "products, of peak over the cells they compute",
+                              "kernel, of peak over attended cells",
+                              "ceiling: products alone over attended cells"], rows))
 
 
 def _child(call: str) -> dict:
@@ -499,6 +613,9 @@ def run(quick: bool, out_dir: Path) -> str:
                         "the dense bool mask (window), `is_causal` (causal) or the dense float bias (ALiBi).\n\n"
                         + markdown_table(["case", "SDPA ms", "attnkit ms", "SDPA / attnkit",
                                           "attnkit of matmul peak"], rows1))
+
+    say("where the window forward's time goes, one thread (own process)")
+    sections.append(_budget(n, rounds, cells))
 
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     body = (f"B=1, H={H}, D={D}, float32 on CPU; medians of {rounds} interleaved rounds. Ratios are "
