@@ -137,6 +137,13 @@ def _cpu_child(n: int, n_alibi: int, rounds: int) -> None:
                                          q, k, v))
     res["window_fb_mine"] = cpu(_fwd_bwd(lambda a, b, c: attention(a, b, c, window=(WINDOW, WINDOW)), q, k, v))
     res["window_fb_tiles"] = cpu(_fwd_bwd(lambda a, b, c: _tiles(a, b, c, window=(WINDOW, WINDOW)), q, k, v))
+    first = torch.arange(32)  # Longformer, as in the sparse patterns' table: its wall times are the noisiest
+    longformer = masks.global_tokens(n, WINDOW, first)
+    res["longformer_fb_sdpa"] = cpu(_fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(
+        a, b, c, attn_mask=longformer), q, k, v))
+    res["longformer_fb_mine"] = cpu(_fwd_bwd(lambda a, b, c: attention(
+        a, b, c, mask_mod=masks.global_tokens_mod(WINDOW, first)), q, k, v))
+    res["longformer_cells"] = int(longformer.sum())
     qa, ka, va = (torch.randn(1, H, n_alibi, D, requires_grad=True) for _ in range(3))
     slopes = scores.alibi_slopes(H)
     pos = torch.arange(n_alibi)
@@ -192,24 +199,27 @@ def _budget_child(n: int, rounds: int) -> None:
 
     For the kernel's tile height and two others: the kernel's time, and the two products of each
     tile alone (q k^T and p v, the kernel's BLAS on the same data at the kernel's shapes, less the
-    call overhead of as many 1 x 1 products). Products alone over the attended cells are the most
-    this tiling could reach with a free softmax.
+    call overhead of as many 1 x 1 products), interleaved with each other and the matmul anchor.
+    Products alone over the attended cells are the most this tiling could reach with a free softmax.
     """
     torch.set_num_threads(1)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, H, n, D) for _ in range(3))
-    one = torch.ones(1, 1)
-
-    def cpu(fn) -> float:
-        return median_time(fn, repeat=rounds, warmup=1, clock=time.process_time)
-
-    def kernel():
-        with torch.no_grad():
-            attention(q, k, v, window=(WINDOW, WINDOW))
-
+    one, big = torch.ones(1, 1), torch.randn(2048, 2048)
     kernel_rows = _band.Q_ROWS
-    res = {"kernel_rows": kernel_rows, "rows": []}
-    for rows in (kernel_rows, kernel_rows // 2, kernel_rows * 2):
+
+    def kernel(rows: int):
+        def run():
+            _band.Q_ROWS = rows
+            try:
+                with torch.no_grad():
+                    attention(q, k, v, window=(WINDOW, WINDOW))
+            finally:
+                _band.Q_ROWS = kernel_rows
+        return run
+
+    sizes, fns, computed = (kernel_rows, kernel_rows // 2, kernel_rows * 2), {"peak": lambda: big @ big}, {}
+    for rows in sizes:
         tiles = _window_tiles(n, rows)
         s, acc = torch.empty(rows * (rows + 2 * WINDOW)), torch.empty(rows, D)
         products = []
@@ -219,17 +229,14 @@ def _budget_child(n: int, rounds: int) -> None:
                 products.append(((q[0, h, i0:i0 + r] * D**-0.5).contiguous(), k[0, h, a:e], scores,
                                  r, e - a, D, True))
                 products.append((scores, v[0, h, a:e], acc[:r], r, D, e - a, False))
-        tile_products = _Products(products)
-        calls_alone = _Products([(one, one, one.clone(), 1, 1, 1, False)] * len(products))
-        _band.Q_ROWS = rows
-        try:
-            res["rows"].append({"rows": rows, "computed": H * sum(r * (e - a) for _, r, a, e in tiles),
-                                "kernel": cpu(kernel),
-                                "products": cpu(tile_products) - cpu(calls_alone)})
-        finally:
-            _band.Q_ROWS = kernel_rows
-    a = torch.randn(2048, 2048)
-    res["matmul_gflops"] = 2 * 2048**3 / cpu(lambda: a @ a) / 1e9
+        computed[rows] = H * sum(r * (e - a) for _, r, a, e in tiles)
+        fns[f"kernel {rows}"] = kernel(rows)
+        fns[f"products {rows}"] = _Products(products)
+        fns[f"calls {rows}"] = _Products([(one, one, one.clone(), 1, 1, 1, False)] * len(products))
+    t = interleaved_medians(fns, repeat=max(rounds, 7), clock=time.process_time, alternate=True)
+    res = {"kernel_rows": kernel_rows, "matmul_gflops": 2 * 2048**3 / t["peak"] / 1e9,
+           "rows": [{"rows": rows, "computed": computed[rows], "kernel": t[f"kernel {rows}"],
+                     "products": t[f"products {rows}"] - t[f"calls {rows}"]} for rows in sizes]}
     print(json.dumps(res))
 
 
@@ -585,6 +592,8 @@ def run(quick: bool, out_dir: Path) -> str:
         cases = [("window fwd", "window_fwd", "mine", cells, False),
                  ("window fwd+bwd", "window_fb", "mine", cells, True),
                  ("causal fwd", "causal_fwd", "mine", n * (n + 1) // 2, False),
+                 ("Longformer fwd+bwd (window +-256, the first 32 tokens global)", "longformer_fb", "mine",
+                  c["longformer_cells"], True),
                  ("window fwd, backend='fused_tiles'", "window_fwd", "tiles", cells, False),
                  ("window fwd+bwd, backend='fused_tiles'", "window_fb", "tiles", cells, True),
                  ("causal fwd, backend='fused_tiles'", "causal_fwd", "tiles", n * (n + 1) // 2, False),
@@ -610,7 +619,8 @@ def run(quick: bool, out_dir: Path) -> str:
         sections.append("## One thread, CPU time (robust to other load)\n\n"
                         "The same comparisons in a subprocess with `torch.set_num_threads(1)`, timed by "
                         f"`time.process_time` (single-thread matmul: {c['matmul_gflops']:.0f} GFLOP/s). SDPA uses "
-                        "the dense bool mask (window), `is_causal` (causal) or the dense float bias (ALiBi).\n\n"
+                        "the dense bool mask (window, Longformer), `is_causal` (causal) or the dense float bias "
+                        "(ALiBi).\n\n"
                         + markdown_table(["case", "SDPA ms", "attnkit ms", "SDPA / attnkit",
                                           "attnkit of matmul peak"], rows1))
 
