@@ -92,27 +92,44 @@ def normalize(starts: Tensor, ends: Tensor, kv_len: int) -> Intervals:
     shared form: clipped to ``[0, kv_len]``, sorted by start, overlapping or adjacent ones merged,
     empties written ``(kv_len, kv_len)`` after the others, and ``K`` cut to the most non-empty
     intervals any row has (at least 1; under ``torch.compile`` it stays as given, since a shape
-    there may not depend on the data). Vectorised: a sort, a running maximum and a scatter."""
-    starts, ends = torch.broadcast_tensors(starts.long().clamp(0, kv_len), ends.long().clamp(0, kv_len))
+    there may not depend on the data). Vectorised: a sort, then, where some intervals overlap or touch,
+    a running maximum and a scatter."""
+    compiling = torch.compiler.is_compiling()  # there, neither a shape nor a branch may depend on the data
+    starts, ends = torch.broadcast_tensors(starts, ends)
+    # fresh, whole tensors (clamp_min then clamp_max: an int64 clamp with both bounds is not vectorised)
+    starts = starts.long().clamp_min(0).clamp_max_(kv_len)
+    ends = ends.long().clamp_min(0).clamp_max_(kv_len)
     empty = starts >= ends
-    starts = starts.masked_fill(empty, kv_len)
-    ends = ends.masked_fill(empty, kv_len)
-    starts, order = starts.sort(dim=-1, stable=True)  # empties (kv_len) go last
-    ends = ends.gather(-1, order)
-    empty = starts >= ends
+    starts.masked_fill_(empty, kv_len)
+    ends.masked_fill_(empty, kv_len)
+    if compiling or not bool((starts[..., 1:] >= starts[..., :-1]).all()):  # most builders' rows come in order
+        starts, order = starts.sort(dim=-1, stable=True)  # empties (kv_len) go last
+        ends = ends.gather(-1, order)
+        empty = starts >= ends
+    k = starts.shape[-1]
+    if not compiling and k > 0 and bool(((starts[..., 1:] > ends[..., :-1]) | empty[..., 1:]).all()):
+        # each apart from the one before (a builder's usual intervals): sorted, they are the answer, and
+        # the running maximum and the scatters below (most of the time on long rows) are not needed
+        return _cut(starts, ends)
     reach = ends.masked_fill(empty, -1).cummax(dim=-1).values  # furthest end so far
     before = torch.cat([torch.full_like(reach[..., :1], -1), reach[..., :-1]], dim=-1)
     fresh = ~empty & (starts > before)  # a gap before it: a new merged interval
-    k = starts.shape[-1]
     slot = (fresh.long().cumsum(-1) - 1).masked_fill(empty, k)  # empties go to a slot dropped below
     out_s = torch.full(starts.shape[:-1] + (k + 1,), kv_len, dtype=torch.long, device=starts.device)
     out_e = out_s.clone()
     out_s = out_s.scatter_reduce(-1, slot, starts, "amin", include_self=True)
     out_e = out_e.scatter_reduce(-1, slot, ends, "amax", include_self=False)
-    if torch.compiler.is_compiling():  # shapes must not depend on data: keep K slots, empties last
+    if compiling:  # keep K slots, empties last
         return out_s[..., :max(k, 1)].contiguous(), out_e[..., :max(k, 1)].contiguous()
-    width = max(1, int(fresh.sum(-1).max())) if fresh.numel() else 1
-    return out_s[..., :width].contiguous(), out_e[..., :width].contiguous()
+    return _cut(out_s, out_e)  # the last slot, where the empties went, is empty
+
+
+def _cut(starts: Tensor, ends: Tensor) -> Intervals:
+    """Sorted intervals ``[..., K >= 1]``, empties last, cut to the most non-empty ones any row
+    has (at least 1)."""
+    # empties last: the columns where some row has an interval are the first `width`
+    width = max(1, int((starts < ends).reshape(-1, starts.shape[-1]).any(0).sum())) if starts.numel() else 1
+    return starts[..., :width].contiguous(), ends[..., :width].contiguous()
 
 
 def intersect_intervals(a: Intervals, b: Intervals, kv_len: int) -> Intervals:
@@ -641,11 +658,37 @@ class GlobalTokens(Mask):
 
     def intervals(self, batch, q_len, kv_len):
         p = _positions(q_len, self.offset)
-        g = self.global_idx.view(1, 1, -1).expand(1, q_len, -1)
         glob_row = self._is_global(p)
-        starts = torch.cat([p - self.left, g], -1).masked_fill(glob_row, 0)
-        ends = torch.cat([p + self.right + 1, g + 1], -1).masked_fill(glob_row, kv_len)
-        return normalize(starts, ends, kv_len)
+        a, b = (p - self.left).clamp_min(0).clamp_max(kv_len), (p + self.right + 1).clamp_min(0).clamp_max(kv_len)
+        # The global keys as runs, made once for every row (sorted, apart): a row's window takes in the
+        # runs it touches, found by two binary searches, and the runs before and after stay as they are.
+        # Under torch.compile (no shape may depend on the data), with no global key among the keys or a
+        # row whose window holds none, each row's window and global keys are normalized instead.
+        compiling = torch.compiler.is_compiling()
+        run_s = run_e = torch.zeros(0, dtype=torch.long)
+        if not compiling:
+            edges = torch.diff(self._member[:kv_len].long(), prepend=torch.zeros(1, dtype=torch.long),
+                               append=torch.zeros(1, dtype=torch.long))
+            run_s, run_e = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
+        if run_s.numel() == 0 or not bool((a < b).all()):
+            g = self.global_idx.view(1, 1, -1).expand(1, q_len, -1)
+            starts = torch.cat([p - self.left, g], -1).masked_fill(glob_row, 0)
+            ends = torch.cat([p + self.right + 1, g + 1], -1).masked_fill(glob_row, kv_len)
+            return normalize(starts, ends, kv_len)
+        runs = run_s.numel()
+        lo = torch.searchsorted(run_e, a)  # the first run that ends at or after the window's start
+        hi = torch.searchsorted(run_s, b, right=True)  # the runs that start at or before its end
+        touched = lo < hi
+        a = torch.where(touched, torch.minimum(a, run_s[lo.clamp_max(runs - 1)]), a)
+        b = torch.where(touched, torch.maximum(b, run_e[(hi - 1).clamp_min(0)]), b)
+        j = torch.arange(runs + 1)
+        after = j - 1 - lo + hi  # the run in slot j after the window's
+        at = torch.where(j < lo, j, after).clamp_min(0).clamp_max(runs - 1)  # read where kept, else anywhere
+        kept = (j < lo) | ((j > lo) & (after < runs))
+        starts = torch.where(j == lo, a, torch.where(kept, run_s[at], kv_len))
+        ends = torch.where(j == lo, b, torch.where(kept, run_e[at], kv_len))
+        starts = torch.where(glob_row, torch.where(j == 0, 0, kv_len), starts)  # a global row: [0, kv_len)
+        return _cut(starts, ends.masked_fill(glob_row, kv_len))
 
 
 class DilatedWindow(Mask):
@@ -662,9 +705,22 @@ class DilatedWindow(Mask):
         return ok & (d >= 0) if self.causal else ok
 
     def intervals(self, batch, q_len, kv_len):
-        k = torch.arange(0 if self.causal else -self.window, self.window + 1)
-        keys = _positions(q_len, self.offset) - self.dilation * k
-        return normalize(keys, (keys + 1).masked_fill(keys < 0, 0), kv_len)
+        # Each row's keys in [0, kv_len) are every d-th from its first to its last: written at once,
+        # in order (normalizing the 2 * window + 1 candidates of each row costs ten times as much).
+        d, p = self.dilation, _positions(q_len, self.offset)
+        if torch.compiler.is_compiling():  # K may not depend on the data there: every candidate, normalized
+            keys = p - d * torch.arange(0 if self.causal else -self.window, self.window + 1)
+            return normalize(keys, (keys + 1).masked_fill(keys < 0, 0), kv_len)
+        lo, hi = p - d * self.window, p if self.causal else p + d * self.window
+        first = lo + d * (-lo).clamp_min(0).add_(d - 1).div_(d, rounding_mode="floor")
+        last = hi - d * (hi - (kv_len - 1)).clamp_min(0).add_(d - 1).div_(d, rounding_mode="floor")
+        if d == 1:  # one run
+            return normalize(first, last + 1, kv_len)
+        count = (last - first).div(d, rounding_mode="floor").add_(1).clamp_min_(0)
+        j = torch.arange(max(1, int(count.max())) if count.numel() else 1)
+        seen = j < count
+        starts = torch.where(seen, first + d * j, kv_len)
+        return starts, torch.where(seen, starts + 1, kv_len)
 
 
 class Strided(Mask):
@@ -684,7 +740,21 @@ class Strided(Mask):
         return ok & (d >= 0) if self.causal else ok
 
     def intervals(self, batch, q_len, kv_len):
-        p = _positions(q_len, self.offset)
+        p, s = _positions(q_len, self.offset), self.stride
+        if not torch.compiler.is_compiling() and s > 1 and q_len > 0 and 0 <= self.offset <= kv_len - q_len:
+            # Every row inside the keys: its strided keys before its local run (p - 2s, p - 3s, ... >= 0),
+            # the local run with the strided keys next to it (p - s and, both ways, p + s), then the
+            # strided keys after it (p + 2s, ... < kv_len): sorted and apart as they are written.
+            q = p.div(s, rounding_mode="floor")
+            before = (q - 1).clamp_min(0)
+            after = 0 if self.causal else (kv_len - 1 - p - 2 * s).div(s, rounding_mode="floor").add_(1).clamp_min_(0)
+            count = before + 1 + after
+            j = torch.arange(int(count.max()))
+            starts = torch.where(j < before, p - s * (q - j),
+                                 torch.where(j == before, (p - s).clamp_min(0), p + s * (j - before + 1)))
+            run_end = p + 1 if self.causal else (p + s + 1).clamp_max(kv_len)
+            ends = torch.where(j == before, run_end, starts + 1)
+            return starts.masked_fill(j >= count, kv_len), ends.masked_fill(j >= count, kv_len)
         keys = p % self.stride + self.stride * torch.arange(kv_len // self.stride + 1)  # j = p mod stride
         ends = keys + 1
         if self.causal:
@@ -735,9 +805,10 @@ class BlockSparse(Mask):
         starts = torch.arange(cols) * self.block
         ends = starts + self.block
         ends[-1] = max(cols * self.block, kv_len)  # the last key block reaches every key past the layout
+        on = layout[None]  # [1, rows, cols]: worked out once per block of rows, then given to its rows
+        starts, ends = normalize(torch.where(on, starts, kv_len), torch.where(on, ends, kv_len), kv_len)
         row = (torch.arange(q_len) // self.block).clamp(max=rows - 1)
-        on = layout[row][None]  # [1, Lq, cols]
-        return normalize(torch.where(on, starts, kv_len), torch.where(on, ends, kv_len), kv_len)
+        return starts[:, row].contiguous(), ends[:, row].contiguous()
 
 
 def global_tokens_mod(window: int | tuple[int, int], global_idx, offset: int = 0) -> GlobalTokens:
