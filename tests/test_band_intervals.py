@@ -338,7 +338,7 @@ def test_intervals_out_of_order_do_not_crash():
 def test_a_nan_key_in_a_dilated_rows_gap_stays_out_of_it(dtype):
     """Rows with many short intervals are computed over their whole span, the gaps masked: a NaN key
     in a gap must not reach the row; rows that see it are NaN, as everywhere."""
-    n = 40
+    n = 41  # odd: not folded into two plain bands (see the folding test below), so the gaps are computed
     i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
     grid = ((i - j).abs() <= 12) & ((i - j) % 2 == 0)  # up to 7 one-key intervals per row
     starts, ends = _band._intervals(grid[None])
@@ -350,3 +350,106 @@ def test_a_nan_key_in_a_dilated_rows_gap_stays_out_of_it(dtype):
     assert torch.isnan(out[0, :, sees]).all() and torch.isfinite(out[0, :, ~sees]).all()
     want = formula(q.detach().double(), k.double(), v.detach().double(), grid[None, None], None, 0.3, 0.0)
     close(out[0, :, ~sees], want[0, :, ~sees], dtype)
+
+
+# ---- every d-th key: folded into the batch --------------------------------------------------------------------
+
+def dilated_grids(n: int, d: int, causal: bool, sets: int) -> torch.Tensor:
+    """``[sets, n, n]``: every d-th key within a window (of 3 + set keys each way) in the row's own
+    class of positions mod d, causal or not; the last set's last 5 rows see nothing."""
+    i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+    grids = torch.stack([((i - j).abs() <= (3 + x) * d) & ((i - j) % d == 0) & ((i >= j) | (not causal))
+                         for x in range(sets)])
+    grids[-1, -5:] = False
+    return grids
+
+
+class Folds:
+    """Counts the calls of ``_band._fold`` (one per q, k and v of a folded call)."""
+
+    def __init__(self, monkeypatch):
+        self.calls, real = 0, _band._fold
+
+        def counted(x, d):
+            self.calls += 1
+            return real(x, d)
+
+        monkeypatch.setattr(_band, "_fold", counted)
+
+
+@pytest.mark.parametrize("sets", ["shared", "per batch", "per head"])
+@pytest.mark.parametrize("d, causal", [(2, False), (3, True), (4, False)])
+def test_every_dth_key_in_its_own_class_is_folded_into_the_batch(monkeypatch, d, causal, sets):
+    """Rows that see single keys d apart, each in its own class of positions mod d (a dilated
+    window), run as d plain bands, each class folded into the batch: outputs and every gradient
+    against the formula (GQA, several blocks of rows, rows with nothing to attend, intervals shared,
+    per batch element or per head, with and without a bias per diagonal), and the fold is taken."""
+    b, h, n = 2, 4, 45 * d
+    folds = Folds(monkeypatch)
+    p = {"shared": 1, "per batch": b, "per head": b * h}[sets]
+    starts, ends = _band._intervals(dilated_grids(n, d, causal, p))
+    for dtype in (torch.float64, torch.float32):
+        for softcap in (0.0, 1.5):
+            folds.calls = 0
+            for bias_heads in (0, h):  # a bias per head and diagonal: each class reads every d-th diagonal
+                q, k, v, bias = inputs(b, h, 2, n, n, 16, 8, bias_heads, dtype, d)
+                check(q, k, v, bias, starts, ends, 0.25, softcap, scaled=None if dtype == torch.float64 else 2e-6)
+            assert folds.calls == 6
+
+
+def test_what_is_not_every_dth_key_in_its_class_is_not_folded(monkeypatch):
+    """A length d does not divide, a row with a run of keys, keys of another class: computed as they
+    are, as the formula says."""
+    folds = Folds(monkeypatch)
+    n = 90
+    grid = dilated_grids(n, 2, False, 1)
+    odd = dilated_grids(n - 1, 2, False, 1)
+    run = grid.clone()
+    run[0, 40, 30:50] = True
+    other = grid.clone()
+    other[0, 41] = grid[0, 40]  # row 41 sees even keys
+    q, k, v, bias = inputs(1, 2, 2, n, n, 8, 8, 2, torch.float64, 0)
+    cases = [(odd, q[:, :, 1:], k[:, :, 1:], v[:, :, 1:], bias[:, 2:]), (run, q, k, v, bias), (other, q, k, v, None)]
+    for allowed, q_, k_, v_, bias_ in cases:
+        check(q_, k_, v_, bias_, *_band._intervals(allowed), 0.3, 0.0)
+    assert folds.calls == 0
+
+
+def test_a_plan_written_after_it_was_folded_is_seen_again(monkeypatch):
+    """What the fold found is kept per intervals tensor for the next call; a write to the tensor
+    (its version) makes it look again."""
+    folds = Folds(monkeypatch)
+    n = 60
+    starts, ends = _band._intervals(dilated_grids(n, 3, False, 1))
+    q, k, v, _ = inputs(1, 2, 1, n, n, 8, 8, 0, torch.float64, 1)
+    check(q, k, v, None, starts, ends, 0.3, 0.0)
+    check(q, k, v, None, starts, ends, 0.3, 0.0)
+    assert folds.calls == 6
+    grid = dilated_grids(n, 3, False, 1)
+    grid[0, 30, 21:40] = True  # a run of keys where every 3rd was: no longer foldable, as many intervals
+    new_starts, new_ends = _band._intervals(grid)
+    assert new_starts.shape == starts.shape
+    starts.copy_(new_starts)
+    ends.copy_(new_ends)
+    check(q, k, v, None, starts, ends, 0.3, 0.0)
+    assert folds.calls == 6
+
+
+def test_gradcheck_through_the_fold():
+    q, k, v, bias = inputs(2, 2, 1, 12, 12, 4, 3, 2, torch.float64, 0)
+    starts, ends = _band._intervals(dilated_grids(12, 2, True, 2))
+    assert _band._dilated(starts, ends, 2, 2, 12, 12)[0] == 2
+    assert torch.autograd.gradcheck(lambda a, b, c, t: _band.run(a, b, c, starts, ends, t, 0.7, 0.0), (q, k, v, bias))
+
+
+def test_intervals_made_in_inference_mode_are_folded_too(monkeypatch):
+    """Inference tensors have no version counter: what the fold finds for them is worked out per call."""
+    folds = Folds(monkeypatch)
+    q, k, v, _ = inputs(1, 2, 1, 30, 30, 8, 8, 0, torch.float64, 2)
+    starts, ends = _band._intervals(dilated_grids(30, 3, False, 1))
+    want = _band.run(q, k, v, starts, ends, None, 0.3, 0.0)
+    with torch.inference_mode():
+        frozen = starts.clone(), ends.clone()
+        for _ in range(2):
+            assert torch.equal(_band.run(q, k, v, *frozen, None, 0.3, 0.0), want)
+    assert folds.calls == 9
