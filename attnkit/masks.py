@@ -745,7 +745,7 @@ class Strided(Mask):
             # Every row inside the keys: its strided keys before its local run (p - 2s, p - 3s, ... >= 0),
             # the local run with the strided keys next to it (p - s and, both ways, p + s), then the
             # strided keys after it (p + 2s, ... < kv_len): sorted and apart as they are written.
-            q = p.div(s, rounding_mode="floor")
+            q = p.div(s, rounding_mode="floor")  # the strided keys up to p are p - s * (q - j), j = 0..q
             before = (q - 1).clamp_min(0)
             after = 0 if self.causal else (kv_len - 1 - p - 2 * s).div(s, rounding_mode="floor").add_(1).clamp_min_(0)
             count = before + 1 + after
@@ -808,7 +808,7 @@ class BlockSparse(Mask):
         on = layout[None]  # [1, rows, cols]: worked out once per block of rows, then given to its rows
         starts, ends = normalize(torch.where(on, starts, kv_len), torch.where(on, ends, kv_len), kv_len)
         row = (torch.arange(q_len) // self.block).clamp(max=rows - 1)
-        return starts[:, row].contiguous(), ends[:, row].contiguous()
+        return _cut(starts[:, row], ends[:, row])  # K: the most any of these rows has
 
 
 def global_tokens_mod(window: int | tuple[int, int], global_idx, offset: int = 0) -> GlobalTokens:

@@ -395,6 +395,10 @@ def test_every_dth_key_in_its_own_class_is_folded_into_the_batch(monkeypatch, d,
                 q, k, v, bias = inputs(b, h, 2, n, n, 16, 8, bias_heads, dtype, d)
                 check(q, k, v, bias, starts, ends, 0.25, softcap, scaled=None if dtype == torch.float64 else 2e-6)
             assert folds.calls == 6
+    # Lq < Lk (the last rows, as under a cache): query i sits at i + 3d, in the same class as i
+    q, k, v, bias = inputs(b, h, 2, n - 3 * d, n, 16, 8, h, torch.float64, d)
+    check(q, k, v, bias, *_band._intervals(dilated_grids(n, d, causal, p)[:, 3 * d:]), 0.25, 0.0)
+    assert folds.calls == 9
 
 
 def test_what_is_not_every_dth_key_in_its_class_is_not_folded(monkeypatch):

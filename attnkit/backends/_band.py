@@ -158,7 +158,7 @@ def _dilation(starts: Tensor, ends: Tensor, batch: int, heads: int, q_len: int, 
     it sees and each row walks one interval per key: 3x a plain band of the same span. Folding each
     class into the batch makes every row one interval of its class, a plain band with no masked
     cells between its keys (the same keys and scores, so the same results up to rounding)."""
-    if torch.compiler.is_compiling() or starts.shape[-1] < 2 or starts.shape[0] not in (1, batch, batch * heads):
+    if starts.shape[-1] < 2 or starts.shape[0] not in (1, batch, batch * heads):
         return 0
     first, second = starts[..., 0], starts[..., 1]
     pairs = second < kv_len
