@@ -126,7 +126,9 @@ def normalize(starts: Tensor, ends: Tensor, kv_len: int) -> Intervals:
 
 def _cut(starts: Tensor, ends: Tensor) -> Intervals:
     """Sorted intervals ``[..., K >= 1]``, empties last, cut to the most non-empty ones any row
-    has (at least 1)."""
+    has (at least 1; under ``torch.compile``, where a shape may not depend on the data, as given)."""
+    if torch.compiler.is_compiling():
+        return starts.contiguous(), ends.contiguous()
     # empties last: the columns where some row has an interval are the first `width`
     width = max(1, int((starts < ends).reshape(-1, starts.shape[-1]).any(0).sum())) if starts.numel() else 1
     return starts[..., :width].contiguous(), ends[..., :width].contiguous()
