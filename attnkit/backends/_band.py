@@ -133,8 +133,8 @@ def _dilated(starts: Tensor, ends: Tensor, batch: int, heads: int, q_len: int, k
              ) -> tuple[int, tuple[Tensor, Tensor] | None]:
     """:func:`_dilation` and, when it finds one, :func:`_folded_rows`: worked out once per intervals
     (a plan is reused from call to call; its tables are not written to, and a write is seen)."""
-    if torch.compiler.is_compiling():
-        return 0, None
+    if torch.compiler.is_compiling() or starts.shape[-1] < 2 or starts.shape[0] not in (1, batch, batch * heads):
+        return 0, None  # (one interval per row, as every call with no plan of its own: nothing kept)
     if starts.is_inference() or ends.is_inference():  # no version counter to see a write by: not kept
         d = _dilation(starts, ends, batch, heads, q_len, kv_len)
         return d, _folded_rows(starts, ends, d, batch, heads, kv_len) if d else None
@@ -153,13 +153,12 @@ def _dilated(starts: Tensor, ends: Tensor, batch: int, heads: int, q_len: int, k
 def _dilation(starts: Tensor, ends: Tensor, batch: int, heads: int, q_len: int, kv_len: int) -> int:
     """``d >= 2`` when every row's keys are single keys ``d`` apart, each row's in its own class of
     positions mod ``d`` (query ``i`` sees keys ``j = i (mod d)``; ``d`` divides both lengths); else 0.
+    ``starts``: ``[P, Lq, K >= 2]`` with ``P`` 1, B or B*H (:func:`_dilated` asks only then).
 
     A dilated window is such a mask. Computed as it is, a block of rows spans ``d`` times the keys
     it sees and each row walks one interval per key: 3x a plain band of the same span. Folding each
     class into the batch makes every row one interval of its class, a plain band with no masked
     cells between its keys (the same keys and scores, so the same results up to rounding)."""
-    if starts.shape[-1] < 2 or starts.shape[0] not in (1, batch, batch * heads):
-        return 0
     first, second = starts[..., 0], starts[..., 1]
     pairs = second < kv_len
     if not bool(pairs.any()):

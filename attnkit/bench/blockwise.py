@@ -138,12 +138,10 @@ def _cpu_child(n: int, n_alibi: int, rounds: int) -> None:
                                          q, k, v))
     res["window_fb_mine"] = cpu(_fwd_bwd(lambda a, b, c: attention(a, b, c, window=(WINDOW, WINDOW)), q, k, v))
     res["window_fb_tiles"] = cpu(_fwd_bwd(lambda a, b, c: _tiles(a, b, c, window=(WINDOW, WINDOW)), q, k, v))
-    first = torch.arange(32)  # Longformer, as in the sparse patterns' table: its wall times are the noisiest
-    longformer = masks.global_tokens(n, WINDOW, first)
-    res["longformer_fb_sdpa"] = cpu(_fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(
+    mod, longformer = _global_tokens(n, torch.arange(32))  # as in the sparse patterns' table, whose wall
+    res["longformer_fb_sdpa"] = cpu(_fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(  # times are noisiest
         a, b, c, attn_mask=longformer), q, k, v))
-    res["longformer_fb_mine"] = cpu(_fwd_bwd(lambda a, b, c: attention(
-        a, b, c, mask_mod=masks.global_tokens_mod(WINDOW, first)), q, k, v))
+    res["longformer_fb_mine"] = cpu(_fwd_bwd(lambda a, b, c: attention(a, b, c, mask_mod=mod), q, k, v))
     res["longformer_cells"] = int(longformer.sum())
     qa, ka, va = (torch.randn(1, H, n_alibi, D, requires_grad=True) for _ in range(3))
     slopes = scores.alibi_slopes(H)
@@ -280,6 +278,11 @@ def _child(call: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _global_tokens(n: int, tokens: torch.Tensor) -> tuple:
+    """The window +-WINDOW with these global tokens: its predicate and its dense ``[n, n]`` mask."""
+    return masks.global_tokens_mod(WINDOW, tokens), masks.global_tokens(n, WINDOW, tokens)
+
+
 def _window_cells(n: int) -> int:
     i = torch.arange(n)
     return int(((i.view(-1, 1) - i.view(1, -1)).abs() <= WINDOW).sum())
@@ -344,10 +347,8 @@ def _sparse_patterns(n: int, rounds: int, peak: float, plain: tuple, grads: tupl
     first, spread = torch.arange(32), torch.arange(32) * (n // 32)
     layout = masks.bigbird_layout(-(-n // 64), seed=0)
     patterns = {  # Longformer's global tokens are the first ones ([CLS], a question); spread, each is a lone key
-        "Longformer: window +-256, the first 32 tokens global": (masks.global_tokens_mod(WINDOW, first),
-                                                                  masks.global_tokens(n, WINDOW, first), 10),
-        "window +-256, 32 global tokens spread over the sequence": (masks.global_tokens_mod(WINDOW, spread),
-                                                                     masks.global_tokens(n, WINDOW, spread), None),
+        "Longformer: window +-256, the first 32 tokens global": (*_global_tokens(n, first), 10),
+        "window +-256, 32 global tokens spread over the sequence": (*_global_tokens(n, spread), None),
         "BigBird layout (blocks of 64: 3 window, 2 global, 3 random)": (masks.block_sparse_mod(layout, 64),
                                                                        masks.block_sparse(layout, 64)[:n, :n], 6),
         "dilated window: every 2nd key within +-128": (masks.dilated_window_mod(64, 2),
