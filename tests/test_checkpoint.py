@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from attnkit.models import GPT2, Bert, Tokenizer  # noqa: E402
 from attnkit.models import checkpoint as ckpt  # noqa: E402
+from attnkit.models.bert import BertConfig  # noqa: E402
 
 CONFIG = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": 50, "hidden_size": 16,
           "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 24,
@@ -362,3 +363,131 @@ def test_gpt2_hostile_configs(gpt2_dir, tmp_path, never_built, changes, pattern)
     _edit_config(broken, **changes)
     with pytest.raises(ValueError, match=pattern):
         GPT2.from_pretrained(broken)
+
+
+# ---------------------------------------------------------------- loading holds the weights once
+# The model is built with its parameters on the meta device and given the checkpoint's tensors,
+# instead of being initialised at random and copied into (twice the file in memory at the peak).
+
+
+def _bert_folder(tmp_path, seed=0):
+    """A random attnkit Bert (pooler included) written in Hugging Face names; returns (model, folder)."""
+    cfg = dict(CONFIG, architectures=["BertModel"])
+    torch.manual_seed(seed)
+    model = Bert(BertConfig.from_dict(cfg))
+    names = model._hf_names()
+    d = tmp_path / "saved"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file({names[k]: v.detach().clone() for k, v in model.state_dict().items()}, str(d / "model.safetensors"))
+    return model.eval(), d
+
+
+def test_loaded_bert_gives_the_saved_models_outputs_bit_for_bit(tmp_path):
+    model, d = _bert_folder(tmp_path)
+    back = Bert.from_pretrained(d)
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    with torch.no_grad():
+        want, got = model(ids, mask), back(ids, mask)
+    assert torch.equal(got.last_hidden_state, want.last_hidden_state)
+    assert torch.equal(got.pooler_output, want.pooler_output)
+    assert not any(t.is_meta for t in back.state_dict().values())
+    # Each parameter owns its memory: the loaded model can be saved again (safetensors refuses shared tensors).
+    save_file({k: v.contiguous() for k, v in back.state_dict().items()}, str(tmp_path / "again.safetensors"))
+
+
+def test_loading_initialises_no_random_weights(good, monkeypatch):
+    """Before: every Linear, Embedding and LayerNorm was initialised, then overwritten by a copy."""
+    real = []
+    for name in ("kaiming_uniform_", "uniform_", "normal_", "ones_", "zeros_"):
+        original = getattr(torch.nn.init, name)
+
+        def spy(tensor, *args, _original=original, _name=name, **kwargs):
+            if not tensor.is_meta:
+                real.append((_name, tuple(tensor.shape)))
+            return _original(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.init, name, spy)
+    bert = Bert.from_pretrained(good)
+    assert real == []
+    assert torch.equal(bert.embeddings.word_embeddings.weight, _tensors()["embeddings.word_embeddings.weight"])
+
+
+def test_loaded_gpt2_gives_the_saved_models_logits_bit_for_bit(gpt2_dir):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
+    copied, loaded = GPT2.from_hf(hf), GPT2.from_pretrained(gpt2_dir)
+    ids = torch.randint(0, 30, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, copied(ids).logits)
+    # q, k and v come from one fused tensor in the file; each is a parameter of its own.
+    attn = loaded.blocks[0].self_attn
+    ptrs = {p.untyped_storage().data_ptr() for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)}
+    assert len(ptrs) == 3 and all(p.is_contiguous() for p in loaded.parameters())
+
+
+def test_meta_build_keeps_the_buffers_a_module_computes(tmp_path):
+    """Rotary tables and ALiBi slopes are not in a checkpoint: they must be computed, not left empty."""
+    from attnkit import MultiHeadAttention
+    from attnkit.positional import ALiBi, RotaryEmbedding
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"attn": MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8)), "alibi": ALiBi(2)})
+
+    saved = build()
+    path = tmp_path / "m.safetensors"
+    save_file({k: v.detach().clone() for k, v in saved.state_dict().items()}, str(path))
+    with ckpt.parameters_on_meta():
+        torch.manual_seed(1)
+        empty = torch.nn.ModuleDict({"attn": MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8)), "alibi": ALiBi(2)})
+    assert all(p.is_meta for p in empty.parameters()) and not any(b.is_meta for b in empty.buffers())
+    ckpt.assign(empty, ckpt.load_tensors([path]), {k: k for k in saved.state_dict()}, [path])
+    for (name, a), (_, b) in zip(saved.named_buffers(), empty.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert torch.equal(empty["attn"](x), saved["attn"](x))
+
+
+def test_parameters_on_meta_leaves_other_threads_alone():
+    import threading
+
+    built = {}
+    with ckpt.parameters_on_meta():
+        here = torch.nn.Linear(2, 3)
+        other = threading.Thread(target=lambda: built.setdefault("other", torch.nn.Linear(2, 3)))
+        other.start()
+        other.join()
+    assert here.weight.is_meta and not built["other"].weight.is_meta
+    assert not torch.nn.Linear(2, 3).weight.is_meta  # and nothing is left behind after the block
+
+
+def test_a_weights_file_cut_short_is_named(good):
+    data = (good / "model.safetensors").read_bytes()
+    tensors = ckpt.load_tensors([good / "model.safetensors"])
+    (good / "model.safetensors").write_bytes(data[:-100])  # cut after the header was read
+    with pytest.raises(ValueError, match=r"model\.safetensors ends inside key '[^']+': the file was cut short"):
+        [tensors[k] for k in tensors]
+
+
+@pytest.mark.slow
+def test_loading_the_bundled_minilm_holds_its_weights_once():
+    """Peak RSS of the load above the RSS before it: about the file (86.7 MiB), not twice it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, torch, tokenizers, safetensors.torch\n"
+        "from attnkit.models import Bert, checkpoint\n"
+        "import attnkit.models.tokenizer\n"
+        "rss = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1])\n"
+        "size = (checkpoint.bundled_model_dir() / 'model.safetensors').stat().st_size\n"
+        "base = rss()\n"
+        "Bert.from_pretrained()\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024 / size)\n")
+    if not Path("/proc/self/status").exists():
+        pytest.skip("reads /proc/self/status")
+    ratio = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert ratio < 1.5, f"loading took {ratio:.2f}x the weights file at its peak"

@@ -232,9 +232,12 @@ class Bert(BackendChoice, nn.Module):
         n = config.num_hidden_layers
         ckpt.check_stored(stored, ((ours, prefix + key, shape) for ours, key, shape in
                                    _hf_layout(config, chain([n - 1], range(n)), with_pooler)), files)
-        tensors = ckpt.load_tensors(files)
-        model = cls(config, backend=backend, with_pooler=with_pooler)
-        ckpt.assign(model, tensors, {k: prefix + v for k, v in model._hf_names().items()}, files)
+        # Built with its parameters on the meta device, then given the checkpoint's tensors: the
+        # weights are in memory once, not a random model beside them.
+        with ckpt.parameters_on_meta():
+            model = cls(config, backend=backend, with_pooler=with_pooler)
+        ckpt.assign(model, ckpt.load_tensors(files), {k: prefix + v for k, v in model._hf_names().items()}, files,
+                    dtype=dtype)
         model._read_sentence_settings(folder)
         if ckpt.member(folder, "tokenizer.json").is_file() or ckpt.member(folder, "vocab.txt").is_file():
             model.tokenizer = Tokenizer.from_pretrained(folder, max_length=model.max_length)

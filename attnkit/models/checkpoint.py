@@ -13,12 +13,16 @@ headers store (:func:`read_headers`, :func:`check_stored`) before a model is bui
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
 import re
+import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path, PurePath
 
 import torch
@@ -294,19 +298,102 @@ def check_stored(stored: Mapping[str, Stored], expected: Iterable[tuple[str, str
         _check_one(key, s.shape, s.dtype, s.dtype.startswith(("F", "BF")), s.file, shape)
 
 
-def load_tensors(files: list[Path]) -> dict[str, tuple[Tensor, Path]]:
-    """Every tensor of ``files`` by name, with the file it came from."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+#: safetensors' dtype names -> torch dtypes (the 8-bit floats where this torch has them).
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+_DTYPES.update({name: getattr(torch, attr) for name, attr in (("F8_E4M3", "float8_e4m3fn"),
+                                                               ("F8_E5M2", "float8_e5m2")) if hasattr(torch, attr)})
 
-    out: dict[str, tuple[Tensor, Path]] = {}
-    for f in files:
-        try:
-            tensors = load_file(str(f))
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise ValueError(f"{f} is not a readable safetensors file: {e}") from None
-        out.update({k: (t, f) for k, t in tensors.items()})
-    return out
+
+class StoredTensors(Mapping):
+    """The tensors of safetensors files by name, ``name -> (tensor, file)``, each read when asked for.
+
+    A tensor is read from disk into memory of its own (not a view of a mapped file, which would
+    change or fault if the file were rewritten in place while the model lives), and is not kept:
+    loading holds one tensor beyond the model. The headers must have been read with
+    :func:`read_headers`, which checks the file is safetensors.
+    """
+
+    def __init__(self, files: list[Path]) -> None:
+        self._where: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
+        self._last: tuple[str, Tensor] | None = None  # GPT-2 reads its fused c_attn three times in a row
+        for f in files:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n))
+            for key, entry in header.items():
+                if key != "__metadata__":
+                    start, end = entry["data_offsets"]
+                    self._where[key] = (f, entry["dtype"], tuple(entry["shape"]), 8 + n + start, 8 + n + end)
+
+    def __getitem__(self, key: str) -> tuple[Tensor, Path]:
+        f, dtype, shape, start, end = self._where[key]
+        if self._last is None or self._last[0] != key:
+            self._last = (key, _read_tensor(f, key, dtype, shape, start, end))
+        return self._last[1], f
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _read_tensor(f: Path, key: str, dtype: str, shape: tuple[int, ...], start: int, end: int) -> Tensor:
+    if dtype not in _DTYPES or sys.byteorder != "little":  # safetensors stores little-endian
+        from safetensors import safe_open
+
+        with safe_open(str(f), framework="pt") as st:
+            return st.get_tensor(key).clone()
+    t = torch.empty(shape, dtype=_DTYPES[dtype])
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    if raw.nbytes != end - start:
+        raise ValueError(f"{f}: key {key!r} holds {end - start} bytes, expected {raw.nbytes} for {dtype} {shape}")
+    view, done = memoryview(raw), 0
+    with open(f, "rb", buffering=0) as fh:
+        fh.seek(start)
+        while done < raw.nbytes:
+            got = fh.readinto(view[done:])
+            if not got:
+                raise ValueError(f"{f} ends inside key {key!r}: the file was cut short or is being rewritten")
+            done += got
+    return t
+
+
+def load_tensors(files: list[Path]) -> StoredTensors:
+    """Every tensor of ``files`` by name, with the file it came from, read when asked for
+    (:class:`StoredTensors`).
+
+    Raises:
+        ValueError: a file that is not safetensors, naming it.
+    """
+    read_headers(files)
+    return StoredTensors(files)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built in the block, on this thread, get their parameters on the meta device.
+
+    A parameter then has its shape and dtype but no memory and no initialisation (nothing to
+    overwrite: :func:`assign` puts the checkpoint's tensors in its place, so loading holds the
+    weights once, not a random model beside them). Buffers are made as usual, so what a module
+    computes for itself (rotary tables, ALiBi slopes) is there and correct. Other threads'
+    modules are not affected.
+    """
+    me = threading.get_ident()
+
+    def to_meta(module: nn.Module, name: str, param):
+        if param is not None and not param.is_meta and threading.get_ident() == me:
+            return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        return None
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def assign(
@@ -316,20 +403,25 @@ def assign(
     files: list[Path],
     *,
     transform: Callable[[str, Tensor], Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """Copy checkpoint tensors into ``model``'s parameters and buffers.
+    """Put checkpoint tensors into ``model``'s parameters and buffers.
+
+    A parameter on the meta device (built under :func:`parameters_on_meta`) is replaced by the
+    tensor itself, converted to ``dtype`` (default: the parameter's); any other is copied into.
 
     Args:
         model: the freshly built module.
-        tensors: name -> ``(tensor, file)`` from :func:`load_tensors`.
+        tensors: name -> ``(tensor, file)``, e.g. from :func:`load_tensors`.
         mapping: our parameter name -> checkpoint key; every entry must be present.
         files: the weight files, named in the error when a key is missing.
         transform: ``fn(our_name, tensor) -> tensor`` applied before the shape check (e.g. a
             transpose).
+        dtype: what floating-point tensors become in place of meta parameters.
 
     Raises:
         ValueError: a missing key, or a tensor whose shape differs from the parameter's, naming the
-            file, the key, and both shapes.
+            file, the key, and both shapes; or parameters the mapping leaves on the meta device.
     """
     own = dict(model.named_parameters())
     own.update(dict(model.named_buffers()))
@@ -342,7 +434,28 @@ def assign(
                 t = transform(name, t)
             target = own[name]
             _check_one(key, t.shape, str(t.dtype), t.is_floating_point(), f, target.shape)
-            target.copy_(t.to(target.dtype))
+            if target.is_meta:
+                _put(model, name, t.to(dtype or target.dtype), target)
+            else:
+                target.copy_(t.to(target.dtype))
+    empty = [n for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if empty:
+        where = files[0] if len(files) == 1 else files[0].parent
+        raise ValueError(f"{where}: no tensor was given for {', '.join(empty[:5])}"
+                         + (f" and {len(empty) - 5} more" if len(empty) > 5 else ""))
+
+
+def _put(model: nn.Module, name: str, t: Tensor, target: Tensor) -> None:
+    """``t`` in place of the meta tensor ``target`` at ``name``; a view (a slice, a transpose) is
+    copied first, so no two parameters share memory (safetensors refuses to save those)."""
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone(memory_format=torch.contiguous_format)
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(t, requires_grad=target.requires_grad)
+    else:
+        module._buffers[leaf] = t
 
 
 def per_layer(layers: Iterable[int], ours: str, theirs: str, parts: Mapping[str, tuple[str, tuple[int, ...]]],

@@ -14,7 +14,7 @@ Shape notation: ``B`` batch, ``L`` new tokens, ``T`` tokens seen so far (cache i
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from itertools import chain
 from pathlib import Path
@@ -173,11 +173,14 @@ class GPT2(BackendChoice, nn.Module):
         n = config.n_layer
         ckpt.check_stored(stored, ((ours, prefix + key, shape) for ours, key, shape in
                                    _hf_layout(config, chain([n - 1], range(n)))), files)
-        gpt = cls(config, backend=backend)
-        gpt._load(ckpt.load_tensors(files), files)
+        # Built with its parameters on the meta device, then given the checkpoint's tensors: the
+        # weights are in memory once, not a random model beside them.
+        with ckpt.parameters_on_meta():
+            gpt = cls(config, backend=backend)
+        gpt._load(ckpt.load_tensors(files), files, dtype=dtype)
         return gpt.to(dtype=dtype, device=device).eval()
 
-    def _load(self, tensors: dict, files: list[Path]) -> None:
+    def _load(self, tensors: Mapping, files: list[Path], dtype: torch.dtype | None = None) -> None:
         prefix = ckpt.key_prefix(tensors, "wte.weight", ("transformer.",))
         e = self.config.n_embd
         names = {ours: theirs for ours, theirs, _ in _hf_layout(self.config, range(len(self.blocks)))}
@@ -195,7 +198,7 @@ class GPT2(BackendChoice, nn.Module):
                     t = t[which[proj] * e:(which[proj] + 1) * e]
             return t
 
-        ckpt.assign(self, tensors, {k: prefix + v for k, v in names.items()}, files, transform=transform)
+        ckpt.assign(self, tensors, {k: prefix + v for k, v in names.items()}, files, transform=transform, dtype=dtype)
 
     # ------------------------------------------------------------------ running
 
