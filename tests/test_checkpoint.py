@@ -491,3 +491,15 @@ def test_loading_the_bundled_minilm_holds_its_weights_once():
         pytest.skip("reads /proc/self/status")
     ratio = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert ratio < 1.5, f"loading took {ratio:.2f}x the weights file at its peak"
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "vocab.txt"])
+def test_oversized_tokenizer_refused_before_reading(good, name, monkeypatch):
+    """Before: tokenizer.json had no cap (500 MB was read whole: 794 MB peak RSS)."""
+    from attnkit.models.tokenizer import MAX_TOKENIZER_BYTES
+
+    with open(good / name, "wb") as f:  # sparse: no disk is used
+        f.truncate(MAX_TOKENIZER_BYTES + 1)
+    pattern = rf"{name.replace('.', r'[.]')} is 67,108,865 bytes, more than the 67,108,864 attnkit reads"
+    with pytest.raises(ValueError, match=pattern):
+        Tokenizer.from_pretrained(good)

@@ -95,13 +95,18 @@ def member(folder: Path, *parts: str) -> Path:
     return path
 
 
-def read_text(file: Path, limit: int = MAX_JSON_BYTES) -> str:
-    """The text of ``file``, refused beyond ``limit`` bytes, with errors naming the file."""
+def check_size(file: Path, limit: int) -> None:
+    """Refuse ``file`` when it is larger than ``limit`` bytes (or missing), naming it and both sizes."""
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found")
     size = file.stat().st_size
     if size > limit:
         raise ValueError(f"{file} is {size:,} bytes, more than the {limit:,} attnkit reads for such a file")
+
+
+def read_text(file: Path, limit: int = MAX_JSON_BYTES) -> str:
+    """The text of ``file``, refused beyond ``limit`` bytes, with errors naming the file."""
+    check_size(file, limit)
     try:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -47,6 +47,11 @@ class Encoded(Mapping):
         return len(self._KEYS)
 
 
+#: Largest ``tokenizer.json`` or ``vocab.txt`` read. Real ones are 0.2 to 35 MB (BERT's 0.7 MB,
+#: XLM-R's and Gemma's the largest); a file is read whole and parsed, taking several times its size.
+MAX_TOKENIZER_BYTES = 64 * 2**20
+
+
 class Tokenizer:
     """Text to BERT inputs (and back), backed by a ``tokenizers.Tokenizer``.
 
@@ -78,7 +83,8 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: neither file is there.
-            ValueError: a file that cannot be read, naming it.
+            ValueError: a file that cannot be read, or one larger than :data:`MAX_TOKENIZER_BYTES`,
+                naming it.
         """
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers.implementations import BertWordPieceTokenizer
@@ -88,11 +94,13 @@ class Tokenizer:
         tok_cfg = ckpt.read_json(tok_cfg_file) if tok_cfg_file.is_file() else {}
         tj, vocab = ckpt.member(folder, "tokenizer.json"), ckpt.member(folder, "vocab.txt")
         if tj.is_file():
+            text = ckpt.read_text(tj, MAX_TOKENIZER_BYTES)
             try:
-                backend = HFTokenizer.from_file(str(tj))
+                backend = HFTokenizer.from_str(text)
             except Exception as e:  # tokenizers raises a bare Exception on bad files
                 raise ValueError(f"{tj} is not a valid tokenizers file: {e}") from None
         elif vocab.is_file():
+            ckpt.check_size(vocab, MAX_TOKENIZER_BYTES)
             try:
                 backend = BertWordPieceTokenizer(str(vocab), lowercase=bool(tok_cfg.get("do_lower_case", True)),
                                                  strip_accents=tok_cfg.get("strip_accents"))
