@@ -124,37 +124,150 @@ def save(dir: str | Path, model: nn.Module, config: dict) -> Path:
     return dir
 
 
-def load(dir: str | Path, build: Callable[[dict], nn.Module]) -> nn.Module:
+@dataclass(frozen=True)
+class Field:
+    """How :func:`load` checks one ``config.json`` field before the model is built.
+
+    Build one with :func:`size`, :func:`layers`, :func:`heads`, :func:`probability`,
+    :func:`words` or :func:`one_of`. A size must equal what the weights' header stores, so a
+    config can ask for no more memory than the weights file holds.
+    """
+
+    kind: str
+    tensor: str = ""  # size, words: the tensor whose shape gives the value; layers: the prefix
+    dim: int = 0
+    stored: Callable[[int], int] = int  # size: what the tensor's dimension holds for a value
+    of: str = ""  # heads: the width they divide
+    choices: tuple = ()  # one_of: the values allowed
+    default: object = None  # one_of: the value when absent (required when None)
+
+
+def size(tensor: str, dim: int, stored: Callable[[int], int] = int) -> Field:
+    """A positive int whose ``stored(value)`` is dimension ``dim`` of ``tensor`` in the weights."""
+    return Field("size", tensor, dim, stored)
+
+
+def layers(prefix: str) -> Field:
+    """A positive int: how many ``prefix.0``, ``prefix.1``, ... the weights hold."""
+    return Field("layers", prefix)
+
+
+def heads(of: str) -> Field:
+    """A positive int that divides the field ``of`` (the width the heads share)."""
+    return Field("heads", of=of)
+
+
+def probability() -> Field:
+    """A number in ``[0, 1]`` (a dropout rate)."""
+    return Field("probability")
+
+
+def words(tensor: str) -> Field:
+    """A list of strings, one per row of ``tensor`` (a vocabulary and its embedding)."""
+    return Field("words", tensor)
+
+
+def one_of(*choices, default=None) -> Field:
+    """One of ``choices``; ``default`` when absent (required when ``None``)."""
+    return Field("choice", choices=choices, default=default)
+
+
+def _check_fields(config: dict, fields: dict[str, Field], cfg_path: Path, stored: dict, w_path: Path) -> None:
+    from ..models import checkpoint as ckpt
+
+    def bad(key: str, why: str) -> ValueError:
+        return ValueError(f"{cfg_path}: key {key!r} {why}")
+
+    def shape(key: str, tensor: str) -> tuple[int, ...]:
+        if tensor not in stored:
+            raise bad(key, f"cannot be checked: {w_path.name} has no tensor {tensor!r}")
+        return stored[tensor].shape
+
+    for key, f in fields.items():
+        if f.kind == "choice":
+            value = config.get(key, f.default)
+            if value not in f.choices:
+                raise bad(key, f"is {value!r}, expected one of {list(f.choices)}")
+            continue
+        if key not in config:
+            raise bad(key, "is missing")
+        value = config[key]
+        if f.kind == "probability":
+            ckpt.config_value(config, key, (int, float), cfg_path, probability=True)
+            continue
+        if f.kind == "words":
+            if not isinstance(value, list) or not all(isinstance(w, str) for w in value):
+                raise bad(key, f"must be a list of strings, got {type(value).__name__}")
+            rows = shape(key, f.tensor)[0]
+            if len(value) != rows:
+                raise bad(key, f"has {len(value):,} entries, but {w_path.name} stores {rows:,} rows of {f.tensor!r}")
+            continue
+        ckpt.config_value(config, key, int, cfg_path, positive=True)  # ints only from here
+        if f.kind == "heads":
+            width = config.get(f.of)
+            if isinstance(width, int) and width % value:
+                raise bad(key, f"({value}) must divide {f.of!r} ({width})")
+        elif f.kind == "layers":
+            found = {int(k[len(f.tensor) + 1:].split(".", 1)[0]) for k in stored
+                     if k.startswith(f.tensor + ".") and k[len(f.tensor) + 1:].split(".", 1)[0].isdigit()}
+            if value != len(found):
+                held = {0: "none", 1: f"1 ({f.tensor}.0)"}.get(len(found), f"{len(found)} ({f.tensor}.0 .. "
+                                                                          f"{f.tensor}.{max(found)})")
+                raise bad(key, f"is {value:,}, but {w_path.name} holds {held}")
+        elif f.kind == "size":
+            have = shape(key, f.tensor)
+            if f.dim >= len(have) or f.stored(value) != have[f.dim]:
+                raise bad(key, f"is {value:,}, but {f.tensor!r} in {w_path.name} has shape {tuple(have)} "
+                               f"(dimension {f.dim} would be {f.stored(value):,})")
+
+
+def load(dir: str | Path, build: Callable[[dict], nn.Module],
+         fields: dict[str, Field] | Callable[[dict], dict[str, Field]] | None = None) -> nn.Module:
     """Rebuild a model saved by :func:`save`: ``build(config)``, then its weights (strict), in eval mode.
 
-    Weights are read with safetensors only, never pickle.
+    Nothing is built before it is checked: ``config.json`` is read with the size and nesting limits
+    of :mod:`attnkit.models.checkpoint`, each of ``fields`` is checked against the weights' header
+    (so no size can ask for more than the file holds), the model is built with its parameters on the
+    meta device and compared with the header tensor by tensor, and only then are the weights read,
+    straight into the parameters' places. Weights are read with safetensors' format only, never pickle.
+
+    Args:
+        dir: the folder :func:`save` wrote.
+        build: ``config -> module``.
+        fields: ``config.json`` field -> :class:`Field`, or ``config -> that`` when the fields
+            depend on the config (a task saving one of two models).
 
     Raises:
-        ValueError: a file is missing or unreadable, or the weights do not fit the model built
-            from the config; the message names the file.
+        ValueError: a file is missing, unreadable or too large; a field is missing, ill-typed or
+            does not fit the weights; or the weights do not fit the model built from the config.
+            The message names the file, and the field or tensor.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from ..models import checkpoint as ckpt
 
     dir = Path(dir)
-    cfg_path, w_path = dir / CONFIG, dir / WEIGHTS
-    for p in (cfg_path, w_path):
-        if not p.is_file():
-            raise ValueError(f"{p}: no such file (a checkpoint folder holds {CONFIG} and {WEIGHTS})")
+    for name in (CONFIG, WEIGHTS):
+        if not (dir / name).is_file():
+            raise ValueError(f"{dir / name}: no such file (a checkpoint folder holds {CONFIG} and {WEIGHTS})")
+    cfg_path, w_path = ckpt.member(dir, CONFIG), ckpt.member(dir, WEIGHTS)
+    config = ckpt.read_json(cfg_path)
+    stored = ckpt.read_headers([w_path])
+    _check_fields(config, (fields(config) if callable(fields) else fields) or {}, cfg_path, stored, w_path)
     try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
-    model = build(config)
-    try:
-        state = load_file(w_path)
-    except SafetensorError as e:
-        raise ValueError(f"{w_path}: not a readable safetensors file ({e})") from None
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
+        with ckpt.parameters_on_meta():
+            model = build(config)
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise ValueError(f"{cfg_path}: cannot build the model from it ({type(e).__name__}: {e})") from None
+    wanted = model.state_dict()
+    problems = [f"missing {k!r}" for k in wanted if k not in stored]
+    problems += [f"unexpected {k!r}" for k in stored if k not in wanted]
+    problems += [f"{k!r} stored {stored[k].shape}, model has {tuple(t.shape)}" for k, t in wanted.items()
+                 if k in stored and stored[k].shape != tuple(t.shape)]
+    problems += [f"{k!r} stored as {stored[k].dtype}, not a floating-point tensor" for k, t in wanted.items()
+                 if k in stored and t.is_floating_point() and not stored[k].dtype.startswith(("F", "BF"))]
+    if problems:
         raise ValueError(f"{w_path}: weights do not fit the model built from {CONFIG}: "
-                         f"{' '.join(str(e).split())}") from None
+                         + "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
+    ckpt.assign(model, ckpt.load_tensors([w_path]), {k: k for k in wanted}, [w_path])
     return model.eval()
 
 

@@ -123,9 +123,19 @@ def build(config: dict) -> Seq2Seq:
                    decoder_layers=config["decoder_layers"], ffn_dim=config["ffn_dim"])
 
 
+#: What :func:`load` checks in ``config.json`` against the weights before building.
+FIELDS = {
+    "embed_dim": _common.size("src_embed.proj.weight", 0),
+    "num_heads": _common.heads("embed_dim"),
+    "encoder_layers": _common.layers("transformer.encoder.layers"),
+    "decoder_layers": _common.layers("transformer.decoder.layers"),
+    "ffn_dim": _common.size("transformer.encoder.layers.0.ff.linear1.weight", 0),
+}
+
+
 def load(dir: str | Path) -> Seq2Seq:
-    """The model saved by :func:`run` into ``dir``."""
-    return _common.load(dir, build)
+    """The model saved by :func:`run` into ``dir`` (checked first: :func:`attnkit.apps._common.load`)."""
+    return _common.load(dir, build, FIELDS)
 
 # -------------------------------------------------------------------------------------- evaluate
 

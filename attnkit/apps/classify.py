@@ -176,9 +176,22 @@ def build(config: dict) -> AttentionPoolClassifier:
     return AttentionPoolClassifier(**{k: config[k] for k in keys})
 
 
+#: What :func:`load` checks in ``config.json`` against the weights before building.
+FIELDS = {
+    "vocab": _common.words("embed.weight"),
+    "max_len": _common.size("pos.weight", 0),
+    "embed_dim": _common.size("embed.weight", 1),
+    "num_heads": _common.heads("embed_dim"),
+    "num_layers": _common.layers("encoder.layers"),
+    "ffn_dim": _common.size("encoder.layers.0.ff.linear1.weight", 0),
+    "dropout": _common.probability(),
+}
+
+
 def load(dir: str | Path) -> AttentionPoolClassifier:
-    """The classifier saved by :func:`run` into ``dir``; ``encode(texts, model.vocab, model.max_len)`` feeds it."""
-    return _common.load(dir, build)
+    """The classifier saved by :func:`run` into ``dir`` (checked first: :func:`attnkit.apps._common.load`);
+    ``encode(texts, model.vocab, model.max_len)`` feeds it."""
+    return _common.load(dir, build, FIELDS)
 
 
 def trim(ids: Tensor) -> Tensor:

@@ -138,9 +138,21 @@ def build(config: dict) -> SASRec:
                                              "ffn_dim", "dropout")})
 
 
+#: What :func:`load` checks in ``config.json`` against the weights before building.
+FIELDS = {
+    "num_items": _common.size("item.weight", 0, lambda n: n + 1),  # row 0 is PAD
+    "max_len": _common.size("pos.weight", 0),
+    "embed_dim": _common.size("item.weight", 1),
+    "num_heads": _common.heads("embed_dim"),
+    "num_layers": _common.layers("encoder.layers"),
+    "ffn_dim": _common.size("encoder.layers.0.ff.linear1.weight", 0),
+    "dropout": _common.probability(),
+}
+
+
 def load(dir: str | Path) -> SASRec:
-    """The model saved by :func:`run` into ``dir``."""
-    return _common.load(dir, build)
+    """The model saved by :func:`run` into ``dir`` (checked first: :func:`attnkit.apps._common.load`)."""
+    return _common.load(dir, build, FIELDS)
 
 
 @contextmanager

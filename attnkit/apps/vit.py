@@ -345,6 +345,22 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
     return Result("vit", metrics, time.perf_counter() - t0, sections)
 
 
+def fields(config: dict) -> dict[str, _common.Field]:
+    """What :func:`load` checks in ``config.json`` against the weights before building (the ViT's
+    fields, or the CNN's when ``model`` is ``"cnn"``)."""
+    if config.get("model") == "cnn":
+        return {"cnn_width": _common.size("features.0.weight", 0), "dropout": _common.probability()}
+    return {
+        "model": _common.one_of("vit", "cnn", default="vit"),
+        "embed_dim": _common.size("embed.weight", 0),
+        "patch": _common.size("embed.weight", 1, lambda p: p * p),
+        "num_heads": _common.heads("embed_dim"),
+        "num_layers": _common.layers("layers"),
+        "ffn_dim": _common.size("layers.0.ff.linear1.weight", 0),
+        "dropout": _common.probability(),
+    }
+
+
 def load(dir: str | Path) -> nn.Module:
-    """The ViT saved by :func:`run` into ``dir``, in eval mode."""
-    return _common.load(dir, build)
+    """The ViT saved by :func:`run` into ``dir``, in eval mode (checked first: :func:`attnkit.apps._common.load`)."""
+    return _common.load(dir, build, fields)

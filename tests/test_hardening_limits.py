@@ -1,0 +1,155 @@
+"""Resource limits on what attnkit reads and computes: an app checkpoint's config is checked against its
+weights before a model is built; approximate attention refuses sizes that cannot fit, and names what
+it is missing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from attnkit.apps import TASKS, _common, task
+
+# ---------------------------------------------------------------- app checkpoints
+
+_BUILD = {name: task(name).build for name in TASKS}  # the real ones, for tests that replace them
+
+
+def _config(name: str) -> dict:
+    m = task(name)
+    cfg = {**m.DEFAULTS, **m.QUICK}
+    if name == "classify":
+        cfg["vocab"] = ["<pad>", "<unk>", "river", "bank"]
+    if name == "vit":
+        cfg["model"] = "vit"
+    return cfg
+
+
+@pytest.fixture(params=TASKS)
+def saved(request, tmp_path):
+    """(task module, config, the saved model in eval mode, its folder) for each task, quick sizes."""
+    m = task(request.param)
+    cfg = _config(request.param)
+    torch.manual_seed(0)
+    model = _BUILD[request.param](cfg).eval()
+    _common.save(tmp_path, model, cfg)
+    return m, cfg, model, tmp_path
+
+
+def _layers_key(cfg: dict) -> str:
+    return "num_layers" if "num_layers" in cfg else "encoder_layers"
+
+
+def _write(folder, cfg):
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_each_task_loads_what_it_saved_bit_for_bit(saved):
+    m, cfg, model, folder = saved
+    back = m.load(folder)
+    assert not back.training and back.state_dict().keys() == model.state_dict().keys()
+    for k, v in model.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    assert not any(p.is_meta for p in back.parameters())
+    g = torch.Generator().manual_seed(1)
+    inputs = {"vit": lambda: torch.rand(3, 8, 8, generator=g),  # the models whose forward takes one tensor
+              "classify": lambda: torch.randint(0, 4, (3, 6), generator=g),
+              "recommend": lambda: torch.randint(1, cfg.get("num_items", 2), (3, 6), generator=g)}
+    name = m.__name__.rsplit(".")[-1]
+    if name in inputs:
+        x = inputs[name]()
+        with torch.no_grad():
+            assert torch.equal(back(x), model(x))
+
+
+@pytest.fixture
+def never_built(monkeypatch):
+    """Each task's build fails the test: a refusal must come before anything is built."""
+    def built(config):
+        raise AssertionError("the model was built before config.json was checked against the weights")
+
+    for name in TASKS:
+        monkeypatch.setattr(task(name), "build", built)
+
+
+# Before: num_layers 10**5 built for over 40 s; embed_dim 2**20 tried to allocate 4.4 TB; a missing
+# key was a KeyError, a string a TypeError, a deep file a RecursionError.
+@pytest.mark.parametrize("change, pattern", [
+    ("layers", r"config\.json: key '(num|encoder)_layers' is 100,000, but model\.safetensors holds \d+ \("),
+    ({"embed_dim": 2**20}, r"config\.json: key 'embed_dim' is 1,048,576, but '[\w.]+' in model\.safetensors has shape"),
+    ({"num_heads": "4"}, r"config\.json: key 'num_heads' must be int, got '4'"),
+    ({"num_heads": 5}, r"config\.json: key 'num_heads' \(5\) must divide 'embed_dim' \(\d+\)"),
+    ({"num_heads": 10**40}, r"config\.json: key 'num_heads' is a 41-digit number"),
+    ({"embed_dim": None}, r"config\.json: key 'embed_dim' is missing"),
+    ({"ffn_dim": -3}, r"config\.json: key 'ffn_dim' must be positive, got -3"),
+])
+def test_a_hostile_config_is_refused_before_building(saved, never_built, change, pattern):
+    m, cfg, _, folder = saved
+    cfg = dict(cfg)
+    for k, v in ({_layers_key(cfg): 10**5} if change == "layers" else change).items():
+        if v is None:
+            cfg.pop(k)
+        else:
+            cfg[k] = v
+    _write(folder, cfg)
+    with pytest.raises(ValueError, match=pattern):
+        m.load(folder)
+
+
+@pytest.mark.parametrize("name, change, pattern", [
+    ("vit", {"patch": 4}, r"key 'patch' is 4, but 'embed\.weight' in model\.safetensors has shape \(32, 4\) "
+                          r"\(dimension 1 would be 16\)"),
+    ("vit", {"model": "resnet"}, r"key 'model' is 'resnet', expected one of \['vit', 'cnn'\]"),
+    ("vit", {"dropout": 2.0}, r"key 'dropout' must be a probability in \[0, 1\], got 2\.0"),
+    ("classify", {"vocab": ["a"] * 7},
+     r"key 'vocab' has 7 entries, but model\.safetensors stores 4 rows of 'embed\.weight'"),
+    ("classify", {"vocab": "abc"}, r"key 'vocab' must be a list of strings, got str"),
+    ("recommend", {"num_items": 10**6}, r"key 'num_items' is 1,000,000, but 'item\.weight' in model\.safetensors"),
+    ("translate", {"decoder_layers": 3}, r"key 'decoder_layers' is 3, but model\.safetensors holds 1 "
+                                         r"\(transformer\.decoder\.layers\.0\)"),
+])
+def test_task_specific_keys_are_checked(tmp_path, never_built, name, change, pattern):
+    m, cfg = task(name), _config(name)
+    _common.save(tmp_path, _BUILD[name](cfg), cfg)
+    _write(tmp_path, {**cfg, **change})
+    with pytest.raises(ValueError, match=pattern):
+        m.load(tmp_path)
+
+
+def test_a_deeply_nested_or_oversized_config_is_refused(tmp_path, never_built):
+    _common.save(tmp_path, _BUILD["recommend"](_config("recommend")), _config("recommend"))
+    (tmp_path / "config.json").write_text('{"num_items": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match=r"config\.json: nested more than 32 levels deep under key \"num_items\""):
+        task("recommend").load(tmp_path)
+    _write(tmp_path, {**_config("recommend"), "notes": "x" * (9 * 2**20)})
+    with pytest.raises(ValueError, match=r"config\.json is 9,4\d\d,\d{3} bytes, more than the 8,388,608"):
+        task("recommend").load(tmp_path)
+
+
+def test_weights_of_another_model_are_named_tensor_by_tensor(tmp_path):
+    _common.save(tmp_path, nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), {"hidden": 8})
+    with pytest.raises(ValueError, match=r"model\.safetensors: weights do not fit the model built from config\.json: "
+                                         r"'1\.weight' stored \(2, 8\), model has \(3, 8\); '1\.bias' stored"):
+        _common.load(tmp_path, lambda c: nn.Sequential(nn.Linear(4, c["hidden"]), nn.Linear(c["hidden"], 3)))
+    with pytest.raises(ValueError, match=r"config\.json: cannot build the model from it \(KeyError: 'width'\)"):
+        _common.load(tmp_path, lambda c: nn.Linear(4, c["width"]))
+
+
+def test_a_loaded_model_keeps_the_buffers_it_computes(tmp_path):
+    """A rotary table is not in the file: built with the parameters on the meta device, it is still right."""
+    from attnkit import MultiHeadAttention
+    from attnkit.positional import RotaryEmbedding
+
+    def build(c):
+        return MultiHeadAttention(c["width"], 2, rotary=RotaryEmbedding(c["width"] // 2))
+
+    torch.manual_seed(0)
+    model = build({"width": 16}).eval()
+    _common.save(tmp_path, model, {"width": 16})
+    back = _common.load(tmp_path, build)
+    assert torch.equal(back.rotary.inv_freq, model.rotary.inv_freq)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert torch.equal(back(x), model(x))
