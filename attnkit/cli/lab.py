@@ -18,13 +18,15 @@ def add_parser(sub) -> None:
     p.add_argument("names", nargs="*", metavar="NAME",
                    help=f"experiments to run (default: all): {', '.join(EXPERIMENTS)}")
     p.add_argument("--out", type=Path, default=Path("attnkit-lab"),
-                   help="folder for report.html and the PNGs (default: ./attnkit-lab/)")
+                   help="folder for report.html and the PNGs (default: ./attnkit-lab/); an existing one must be "
+                        "yours and not writable by others")
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer training steps (seconds each)")
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    from .._io import own_folder
     from ..lab import EXPERIMENTS, check_names
     from . import UserError, prepare_out
 
@@ -37,6 +39,12 @@ def run(args) -> int:
         names = check_names(args.names)
     except ValueError as e:
         raise UserError(str(e)) from None
+    try:  # the default ./attnkit-lab, run from /tmp, may have been made by someone else
+        own_folder(args.out, "--out")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"--out {args.out}: cannot create this folder ({e.strerror or e})") from None
     prepare_out(args.out)
     from ..lab import run_one, verdict_table, write_report
 

@@ -72,7 +72,11 @@ def check_names(names: list[str]) -> list[str]:
 
 
 def run_one(name: str, *, quick: bool, out: Path) -> Finding:
-    """Run the experiment ``name``, writing its pictures into ``out`` (created if missing).
+    """Run the experiment ``name``, writing its pictures into ``out``.
+
+    ``out`` is created if missing; an existing one must be the user's own and not writable by
+    others (:func:`attnkit._io.own_folder`, which raises ``ValueError`` saying why not). Every
+    file is written whole or not at all, replacing (never writing through) a link in its place.
 
     It runs on one thread: the experiments' tensors are small, so on a shared machine extra
     threads mostly wait for each other, and one thread keeps the timings comparable.
@@ -81,9 +85,10 @@ def run_one(name: str, *, quick: bool, out: Path) -> Finding:
 
     import torch
 
+    from .._io import own_folder
+
     check_names([name])
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = own_folder(out)
     module = importlib.import_module(f".{EXPERIMENTS[name][0]}", __name__)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

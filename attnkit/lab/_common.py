@@ -95,13 +95,17 @@ def figure(ncols: int = 1, width: float = 4.2, height: float = 3.0):
 
 
 def save(fig, path: Path) -> Path:
-    """Write ``fig`` as a small PNG and close it."""
+    """Write ``fig`` as a small PNG, whole or not at all (a link in its place is replaced, not written
+    through: :func:`attnkit._io.atomic_write`), and close it."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    from .._io import atomic_write
+
+    try:
+        fig.tight_layout()
+        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=80))
+    finally:
+        plt.close(fig)
 
 
 @functools.cache
