@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .plan import MaskPlan, mask_plan
 
 __version__ = "0.1.0"
+"""The version of attnkit, as ``pip`` and ``attnkit --version`` show it."""
 
 __all__ = ["MaskPlan", "MultiHeadAttention", "attention", "backends", "mask_plan", "masks", "which_backend",
            "__version__"]

@@ -29,6 +29,7 @@ from . import elementwise
 from ._text import describe
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+"""A predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention's signature): ``True`` = may attend."""
 
 __all__ = [
     "MaskMod",
@@ -85,6 +86,8 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 Intervals = tuple[Tensor, Tensor]
+"""Each row's allowed keys: ``(starts, ends)``, int64 ``[1 or B, Lq, K]``, row ``i`` attending keys
+``starts[..., i, j] <= key < ends[..., i, j]``; sorted, disjoint, empty intervals ``(Lk, Lk)`` last."""
 
 
 def normalize(starts: Tensor, ends: Tensor, kv_len: int) -> Intervals:

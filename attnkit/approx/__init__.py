@@ -65,7 +65,9 @@ SUPPORTS = {
     "multiplicative": ("any mask", "is_causal"),
     "additive": ("any mask", "is_causal"),
 }
+"""Each kind -> the masks it honours exactly; any other mask raises a ``ValueError`` naming the kind."""
 KINDS = tuple(SUPPORTS)
+"""The names ``attention(..., kind=)`` accepts, in the order of :data:`SUPPORTS`."""
 _SCORES = ("dot", "multiplicative", "additive")  # exact attention with another score: unscaled by default
 
 

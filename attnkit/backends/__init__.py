@@ -18,6 +18,9 @@ from ..request import Request
 
 
 class Backend(Protocol):
+    """What a backend is: a ``name``, ``not_supported_reasons(request)`` (empty when it can serve the
+    validated :class:`attnkit.request.Request` exactly) and ``__call__(request) -> (out, weights or None)``."""
+
     name: str
 
     def not_supported_reasons(self, req: Request) -> list[str]: ...
@@ -47,6 +50,11 @@ def available() -> list[str]:
 
 
 def get(name: str) -> Backend:
+    """The registered backend called ``name``.
+
+    Raises:
+        ValueError: no backend has that name (the message lists those that do).
+    """
     if name not in _REGISTRY:
         raise ValueError(f"backend must be 'auto' or one of {available() + list(FAMILIES)}, got {name!r}")
     return _REGISTRY[name]

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 LAYOUTS = ("contiguous", "zigzag")
+"""How a sequence is split over ``P`` ranks: ``"contiguous"`` (rank ``r`` holds the ``r``-th slice) or
+``"zigzag"`` (chunks ``r`` and ``2P - 1 - r`` of ``2P``, which balances the work under a causal mask)."""
 
 __all__ = ["LAYOUTS", "shard", "unshard", "shard_sizes", "shard_positions", "positions_from_sizes", "group_info"]
 
