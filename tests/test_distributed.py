@@ -553,3 +553,54 @@ def test_example_trains_with_the_single_process_loss():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stdout.count("single process") == 2 and "losses match the single-process run" in res.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# unshard called differently: every rank raises, naming the rank and what differs
+# --------------------------------------------------------------------------------------------
+
+# (what differs, rank 0's x, rank 1's x, what both ranks raise). Before, a different dtype or size
+# made gloo abort a rank (SIGABRT), and sizes swapped between two dimensions mixed up rows silently.
+_UNSHARD_MISMATCHES = [
+    ("heads", dict(shape=(2, 4, 3, 8)), dict(shape=(2, 3, 3, 8)),
+     r"unshard: rank 1 has shape=\(2, 3, L_local, 8\) but rank 0 has shape=\(2, 4, L_local, 8\)"),
+    ("head size", dict(shape=(2, 4, 3, 8)), dict(shape=(2, 4, 3, 6)), r"rank 1 has shape=\(2, 4, L_local, 6\)"),
+    ("swapped", dict(shape=(2, 4, 3, 6)), dict(shape=(2, 6, 3, 4)), r"rank 1 has shape=\(2, 6, L_local, 4\)"),
+    ("dtype", dict(shape=(2, 4, 3, 8)), dict(shape=(2, 4, 3, 8), dtype=torch.float32),
+     r"rank 1 has dtype=torch\.float32 but rank 0 has dtype=torch\.float64"),
+    ("dimensions", dict(shape=(2, 4, 3, 8)), dict(shape=(8, 3, 8)), r"rank 1 has ndim=3 but rank 0 has ndim=4"),
+    ("layout", dict(shape=(2, 4, 3, 8)), dict(shape=(2, 4, 3, 8), layout="zigzag"),
+     r"rank 1 has layout='zigzag' but rank 0 has layout='contiguous'"),
+    ("refused", dict(shape=(2, 4, 3, 8)), dict(shape=(2, 4, 3, 8), dim=7),
+     (r"unshard: rank 1 refused its arguments", r"dim must be an int in \[-4, 4\)")),
+]
+
+
+def _mismatched_unshards(rank, world, cases):
+    got = []
+    for _, *calls, _ in cases:
+        c = calls[rank]
+        x = torch.zeros(c["shape"], dtype=c.get("dtype", torch.float64))
+        try:
+            out = unshard(x, c.get("dim", 2 if len(c["shape"]) == 4 else 1), layout=c.get("layout", "contiguous"))
+        except (TypeError, ValueError) as e:
+            got.append(str(e))
+        else:
+            got.append(f"no error: returned {tuple(out.shape)}")
+    # Still in step: lengths 3 and 2 joined in rank order.
+    full = unshard(torch.full((1, 2, 3 - rank, 4), float(rank)), 2)
+    got.append(full[0, 0, :, 0].tolist())
+    return got
+
+
+@pytest.mark.timeout(60)
+def test_unshard_called_differently_raises_on_every_rank_naming_what_differs():
+    results = run_local(_mismatched_unshards, 2, _UNSHARD_MISMATCHES, timeout=40.0)
+    wrong = []
+    for i, (what, _, _, want) in enumerate(_UNSHARD_MISMATCHES):
+        for rank in range(2):
+            pattern = want[rank] if isinstance(want, tuple) else want
+            if not re.search(pattern, results[rank][i]):
+                wrong.append(f"{what}: rank {rank} said {results[rank][i]!r}, expected /{pattern}/")
+    assert not wrong, "\n".join(wrong)
+    assert results[0][-1] == results[1][-1] == [0.0, 0.0, 0.0, 1.0, 1.0]

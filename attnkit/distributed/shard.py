@@ -149,15 +149,55 @@ def shard(x: Tensor, dim: int, *, layout: str = "contiguous", group=None) -> Ten
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
+#: Dimensions of ``x`` an unshard call describes to the other ranks one by one; more are folded into a checksum.
+_SHOWN_DIMS = 8
+
+
+def _unshard_fields():
+    """What an :func:`unshard` call looks like to the other ranks (:mod:`.agree`): every field but the
+    shard length must agree, or gloo aborts a rank (a different dtype or size) or the gather mixes up
+    rows (sizes that multiply to the same count)."""
+    from .agree import Field, name_of
+
+    def show_shape(code: tuple[int, ...]) -> str:
+        dims = [("L_local" if c == -1 else str(c)) for c in code if c != -2]
+        if len(code) == _SHOWN_DIMS and code[-1] >= 2**32:  # the checksum of dimensions past the shown ones
+            dims[-1] = "..."
+        return f"({', '.join(dims)})"
+
+    return (
+        Field("length", same=False),
+        Field("dtype", 3, show=lambda c: f"torch.{name_of(c)}"),
+        Field("ndim"),
+        Field("dim"),
+        Field("shape", _SHOWN_DIMS, show=show_shape),  # every size but the sequence dimension's (L_local)
+        Field("layout", show=lambda c: repr(LAYOUTS[c[0]])),
+    )
+
+
+def _unshard_call(x: Tensor, dim: int, layout: str) -> dict[str, tuple[int, ...]]:
+    import zlib
+
+    from .agree import name_code
+
+    sizes = [-1 if i == dim else n for i, n in enumerate(x.shape)]
+    if len(sizes) > _SHOWN_DIMS:
+        sizes = sizes[:_SHOWN_DIMS - 1] + [2**32 + zlib.crc32(repr(sizes[_SHOWN_DIMS - 1:]).encode())]
+    return {"length": (x.shape[dim],), "dtype": name_code(str(x.dtype).removeprefix("torch."), 3),
+            "ndim": (x.dim(),), "dim": (dim,), "shape": tuple(sizes + [-2] * (_SHOWN_DIMS - len(sizes))),
+            "layout": (LAYOUTS.index(layout),)}
+
+
 class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, layout, group):
+        from .agree import agree
+
         rank, world = group_info(group)
-        # One gather of the sizes, then one of the (padded) shards; every rank issues both.
-        n = torch.tensor([x.shape[dim]], dtype=torch.int64, device=collective_device(x, group))
-        sizes = [torch.zeros_like(n) for _ in range(world)]
-        dist.all_gather(sizes, n, group=group)
-        sizes = [int(s) for s in sizes]
+        # One small gather checks that every rank was called alike and tells each the shard lengths,
+        # then one gathers the (padded) shards; every rank issues both.
+        calls = agree("unshard", _unshard_fields(), _unshard_call(x, dim, layout), group, x)
+        sizes = [c["length"][0] for c in calls]
         length = sum(sizes)
         positions = positions_from_sizes(sizes, layout, "x", x.device)
         width = max(sizes)
@@ -199,8 +239,17 @@ def unshard(x: Tensor, dim: int, *, layout: str = "contiguous", group=None) -> T
         the full sequence, ``L = sum of L_local`` along ``dim``.
 
     Raises:
-        ValueError: zigzag shard lengths across ranks that are not the split ``shard`` makes.
+        ValueError: zigzag shard lengths across ranks that are not the split ``shard`` makes; or, on
+            every rank alike, ranks called differently (dtype, dimensions, sizes other than the
+            sequence length, layout), naming the first rank that differs and what differs. A rank
+            whose own arguments are refused tells the others before it raises, so none is left waiting.
     """
-    dim = _check_tensor_dim(x, dim)
-    _check_layout(layout)
+    try:
+        dim = _check_tensor_dim(x, dim)
+        _check_layout(layout)
+    except (TypeError, ValueError):
+        from .agree import refuse
+
+        refuse(_unshard_fields(), group, x)
+        raise
     return _Unshard.apply(x, dim, layout, group)
