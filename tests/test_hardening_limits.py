@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+import attnkit.approx as approx
+from attnkit.approx import kernel
 from attnkit.apps import _common, task
 
 # ---------------------------------------------------------------- app checkpoints
@@ -155,3 +157,63 @@ def test_a_loaded_model_keeps_the_buffers_it_computes(tmp_path):
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         assert torch.equal(back(x), model(x))
+
+
+# ---------------------------------------------------------------- approximate attention
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("make", [
+    lambda: approx.attention(*[torch.randn(1, 2, 5, 64)] * 3, kind="performer", num_features=10**9),
+    lambda: approx.ApproxAttention("performer", num_heads=2, head_dim=64, num_features=10**9),
+    lambda: kernel.orthogonal_features(10**9, 64),
+])
+def test_performer_features_that_cannot_fit_are_refused_naming_the_size(make):
+    """Before: num_features=10**9 drew QR blocks for well past 60 s before running out of memory."""
+    with pytest.raises(ValueError, match=r"performer: num_features=1,000,000,000 with head_dim=64 .* needs 953\.7 GiB, "
+                                         r"more than the [\d.]+ \w+ of memory this machine has"):
+        make()
+
+
+def test_random_feature_map_that_cannot_fit_is_refused():
+    with pytest.raises(ValueError, match=r"performer: num_features=10,000,000,000 with head_dim=64 needs 4\.7 TiB"):
+        kernel.random_feature_map(64, 10**10)
+
+
+def test_a_call_whose_features_cannot_fit_is_refused(monkeypatch):
+    """Causal FAVOR+ builds every token's features at once: 2 heads x 64 features x (3 x 1024 tokens + 9) x 4 bytes."""
+    monkeypatch.setattr(kernel, "memory_limit", lambda device=None: 2**20)
+    q = torch.randn(1, 2, 512, 8)
+    with pytest.raises(ValueError, match=r"performer: num_features=64 over 2 heads \(all 1,024 tokens' at once "
+                                         r"\(causal\) features, torch\.float32\) needs 1\.5 MiB, more than "
+                                         r"the 1\.0 MiB"):
+        approx.attention(q, q, q, kind="performer", num_features=64, is_causal=True)
+    approx.attention(q, q, q, kind="performer", num_features=64, chunk_size=16)  # 16 tokens at a time fit
+
+
+def test_orthogonal_features_draw_what_they_drew_before():
+    """Written into one tensor instead of concatenated blocks (half the peak memory): the same numbers per seed."""
+    import math
+
+    def before(m, d, g):
+        blocks = []
+        for _ in range(math.ceil(m / d)):
+            qr = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+            blocks.append((qr.Q * qr.R.diagonal().sign()).transpose(0, 1))
+        return torch.cat(blocks)[:m] * torch.randn(m, d, generator=g, dtype=torch.float64).norm(dim=1)[:, None]
+
+    for m, d in ((64, 16), (10, 16), (37, 8), (1, 1)):
+        assert torch.equal(kernel.orthogonal_features(m, d, generator=torch.Generator().manual_seed(3)),
+                           before(m, d, torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.parametrize("kind, args, error, pattern", [
+    ("linformer", {}, ValueError, r"linformer needs projection=: a LinformerProjection\(max_len, k\)"),
+    ("additive", {}, ValueError, r"additive needs score_vector=: the score's vector w, \[A\] or per head \[H, A\]"),
+    ("multiplicative", {}, ValueError, r"multiplicative needs weight=: the score's matrix W, \[E, E\]"),
+    ("additive", {"score_vector": [1.0, 2.0]}, TypeError, r"additive: score_vector must be a torch\.Tensor, got list"),
+])
+def test_a_missing_kind_argument_is_named(kind, args, error, pattern):
+    """Before: TypeError: linformer_attention() missing 1 required keyword-only argument: 'projection'."""
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(error, match=pattern):
+        approx.attention(q, q, q, kind=kind, **args)

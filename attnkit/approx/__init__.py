@@ -26,6 +26,7 @@ for :class:`attnkit.MultiHeadAttention` (``kind=``).
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 from torch import Tensor
@@ -35,6 +36,7 @@ from .kernel import (
     LinearState,
     check_causal_lengths,
     check_chunk_size,
+    check_fits,
     elu_feature_map,
     favor_attention,
     favor_feature_map,
@@ -78,6 +80,7 @@ def _kernel(phi_name):
         check_chunk_size(chunk_size)
         if phi_name == "performer":
             w = _performer_projection(num_features, q.shape[-1], seed, projection)
+            _check_features_fit(q, k, v, w.shape[0], is_causal, chunk_size)
             if not is_causal:
                 return favor_attention(q, k, v, w, scale, key_column=key_column, chunk_size=chunk_size, eps=eps)
             phi = favor_feature_map(w, scale)
@@ -90,6 +93,17 @@ def _kernel(phi_name):
             fk = fk * key_column
         return kernel_attention(fq, fk, v, is_causal=is_causal, chunk_size=chunk_size, eps=eps)
     return run
+
+
+def _check_features_fit(q: Tensor, k: Tensor, v: Tensor, m: int, is_causal: bool, chunk_size: int) -> None:
+    """Refuse a call whose random features cannot fit in memory. Causal attention builds every token's
+    ``m`` features at once, non-causal ``chunk_size`` tokens' at a time (with a few temporaries of that
+    size each), beside the ``[m, Ev]`` sums of every head."""
+    heads = math.prod(q.shape[:-2])
+    tokens = q.shape[-2] + k.shape[-2] if is_causal else min(chunk_size, max(q.shape[-2], k.shape[-2]))
+    how = f"all {tokens:,} tokens' at once (causal)" if is_causal else f"{tokens:,} tokens' at a time"
+    check_fits(heads * m * (3 * tokens + v.shape[-1] + 1) * q.element_size(),
+               f"num_features={m:,} over {heads:,} heads ({how} features, {q.dtype})", q.device)
 
 
 def _performer_projection(num_features, head_dim: int, seed, projection: Tensor | None) -> Tensor:
@@ -115,6 +129,20 @@ _RUN = {"elu": _kernel("elu"), "relu": _kernel("relu"), "performer": _kernel("pe
         "linformer": linformer_attention, "dot": dot_attention, "multiplicative": multiplicative_attention,
         "additive": additive_attention}
 _FIXED = {"q", "k", "v", "key_column", "is_causal", "scale", "mask"}
+#: What each kind without a default for an argument needs it to be, for the error when it is missing.
+_NEEDS = {
+    "projection": "a LinformerProjection(max_len, k) (or use MultiHeadAttention(kind='linformer'), which holds one)",
+    "weight": "the score's matrix W, [E, E] or per head [H, E, E]",
+    "score_vector": "the score's vector w, [A] or per head [H, A] (with query_weight/key_weight [A, E] or "
+                    "[H, A, E] unless q and k are already projected to A features)",
+}
+
+
+def required_arguments(kind: str) -> list[str]:
+    """The keyword arguments ``kind`` cannot do without (its parameters when called directly)."""
+    check_kind(kind)
+    return [name for name, p in inspect.signature(_RUN[kind]).parameters.items()
+            if name not in _FIXED and p.kind is p.KEYWORD_ONLY and p.default is p.empty]
 
 
 def kind_arguments(kind: str) -> list[str]:
@@ -155,6 +183,11 @@ def attention(query: Tensor, key: Tensor, value: Tensor, *, kind: str, mask: Ten
     unknown = sorted(set(kind_args) - set(kind_arguments(kind)))
     if unknown:
         raise ValueError(f"{kind}: unknown argument(s) {unknown}; it takes {kind_arguments(kind)}")
+    for name in required_arguments(kind):
+        if kind_args.get(name) is None:
+            raise ValueError(f"{kind} needs {name}=: {_NEEDS.get(name, 'see attnkit.approx.kind_arguments')}")
+        if name != "projection" and not isinstance(kind_args[name], Tensor):
+            raise TypeError(f"{kind}: {name} must be a torch.Tensor, got {type(kind_args[name]).__name__}")
     if kind in _SCORES and scale is None:
         scale = 1.0
     req = build_request(query, key, value, mask=mask, is_causal=is_causal, scale=scale)

@@ -21,6 +21,7 @@ at a time is the same step with chunks of one (:func:`scan_step`).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,6 +47,52 @@ def relu_feature_map(x: Tensor) -> Tensor:
     return F.relu(x)
 
 
+def memory_limit(device: torch.device | str | None = None) -> int | None:
+    """Bytes of memory a tensor on ``device`` can have at most: the GPU's for CUDA, else the machine's
+    RAM (or its container's limit, when lower); ``None`` where this is not known."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type != "cpu" or not hasattr(os, "sysconf"):
+        return None
+    try:
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+        if text.isdigit():
+            limit = min(limit, int(text))
+    except OSError:
+        pass
+    return limit
+
+
+def check_fits(need: int, what: str, device: torch.device | str | None = None) -> None:
+    """Refuse ``need`` bytes beyond :func:`memory_limit`, naming ``what`` needs them and both sizes.
+
+    Raises:
+        ValueError: ``need`` exceeds the memory of ``device``.
+    """
+    limit = memory_limit(device)
+    if limit is not None and need > limit:
+        where = "this GPU" if torch.device("cpu" if device is None else device).type == "cuda" else "this machine"
+        raise ValueError(f"performer: {what} needs {_size(need)}, more than the {_size(limit)} of memory "
+                         f"{where} has; use fewer features")
+
+
+def _size(n: int) -> str:
+    return next(f"{n / 2**e:.1f} {unit}" for e, unit in ((50, "PiB"), (40, "TiB"), (30, "GiB"), (20, "MiB"), (0, "B"))
+                if n >= 2**e or e == 0)
+
+
+def _check_feature_count(num_features, head_dim) -> None:
+    for name, val in (("num_features", num_features), ("head_dim", head_dim)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"performer: {name} must be an int >= 1, got {val!r}")
+
+
 def orthogonal_features(num_features: int, head_dim: int, *, generator: torch.Generator | None = None) -> Tensor:
     """``[num_features, head_dim]`` float64 Gaussian rows, orthogonal within each block of ``head_dim``.
 
@@ -53,18 +100,26 @@ def orthogonal_features(num_features: int, head_dim: int, *, generator: torch.Ge
     matrix gives orthonormal directions; each row is rescaled by the norm of an independent
     Gaussian vector so that every row is still marginally ``N(0, I)`` (the estimator stays
     unbiased) while orthogonality lowers its variance.
+
+    Raises:
+        ValueError: ``num_features`` or ``head_dim`` not a positive int, or the draw (the features
+            and the Gaussian rows of their norms, ``2 * num_features * head_dim`` float64) larger
+            than the machine's memory.
     """
-    if num_features < 1 or head_dim < 1:
-        raise ValueError(f"performer: num_features and head_dim must be >= 1, got {num_features}, {head_dim}")
-    blocks = []
-    for _ in range(math.ceil(num_features / head_dim)):
+    _check_feature_count(num_features, head_dim)
+    blocks = math.ceil(num_features / head_dim)
+    check_fits(2 * blocks * head_dim * head_dim * 8,
+               f"num_features={num_features:,} with head_dim={head_dim} ([{num_features:,}, {head_dim}] float64 "
+               f"features, drawn beside as many Gaussian numbers)")
+    w = torch.empty(blocks * head_dim, head_dim, dtype=torch.float64)
+    for i in range(blocks):
         g = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
         qr = torch.linalg.qr(g)
         # signs fixed by R's diagonal make Q uniformly (Haar) distributed, not biased by the algorithm
-        blocks.append((qr.Q * qr.R.diagonal().sign()).transpose(0, 1))  # rows orthonormal
-    w = torch.cat(blocks)[:num_features]
+        w[i * head_dim:(i + 1) * head_dim] = (qr.Q * qr.R.diagonal().sign()).transpose(0, 1)  # rows orthonormal
+    w = w[:num_features]
     norms = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64).norm(dim=1)
-    return w * norms[:, None]
+    return w.mul_(norms[:, None])
 
 
 def favor_feature_map(w: Tensor, scale: float, *, shift: bool = True) -> FeatureMap:
@@ -93,8 +148,8 @@ def random_feature_map(head_dim: int, num_features: int, *, generator: torch.Gen
 
     With ``scale`` defaulting to ``1 / sqrt(head_dim)`` the estimate targets softmax attention's weights.
     """
-    if num_features <= 0 or head_dim <= 0:
-        raise ValueError(f"head_dim and num_features must be positive, got {head_dim}, {num_features}")
+    _check_feature_count(num_features, head_dim)
+    check_fits(num_features * head_dim * 8, f"num_features={num_features:,} with head_dim={head_dim}", device)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     w = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device)
     return favor_feature_map(w, scale)
