@@ -139,6 +139,9 @@ def test_weights_of_another_model_are_named_tensor_by_tensor(tmp_path):
         _common.load(tmp_path, lambda c: nn.Sequential(nn.Linear(4, c["hidden"]), nn.Linear(c["hidden"], 3)))
     with pytest.raises(ValueError, match=r"config\.json: cannot build the model from it \(KeyError: 'width'\)"):
         _common.load(tmp_path, lambda c: nn.Linear(4, c["width"]))
+    # A load that declares no keys still names the file when no allocator takes a size (2**62 elements here).
+    with pytest.raises(ValueError, match=r"config\.json: cannot build the model from it \(RuntimeError: "):
+        _common.load(tmp_path, lambda c: nn.Linear(2**31, 2**31))
 
 
 def test_a_loaded_model_keeps_the_buffers_it_computes(tmp_path):

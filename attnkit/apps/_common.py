@@ -255,7 +255,7 @@ def load(dir: str | Path, build: Callable[[dict], nn.Module],
     try:
         with ckpt.parameters_on_meta():
             model = build(config)
-    except (ValueError, TypeError, KeyError, IndexError) as e:
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:  # RuntimeError: a size no allocator takes
         raise ValueError(f"{cfg_path}: cannot build the model from it ({type(e).__name__}: {e})") from None
     wanted = model.state_dict()
     problems = [f"missing {k!r}" for k in wanted if k not in stored]
