@@ -25,7 +25,7 @@ SECTION = "api"
 
 #: The public modules, in the order of the reference, each with a line saying what it is for.
 MODULES = {
-    "attnkit": "The entry point: `attention`, `which_backend`, `mask_plan` and `MaskPlan`, the module.",
+    "attnkit": "The entry point (`attention`, `which_backend`), the mask plan (`mask_plan`, `MaskPlan`), the module.",
     "attnkit.masks": "Mask predicates (`*_mod`) and dense builders; `True` = may attend.",
     "attnkit.scores": "Score mods: ALiBi, relative-position tables, soft-capping, and their typed forms.",
     "attnkit.positional": "Positional schemes: sinusoidal, learned, RoPE, ALiBi, T5 buckets, Shaw.",
