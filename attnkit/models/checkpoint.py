@@ -8,7 +8,9 @@ is refused with a hint on how to convert it.
 A folder may come from anyone, so nothing in it is trusted to be small or well-formed: JSON
 files are read with a size and nesting limit, every file read must lie inside the folder (links
 included), and every size in ``config.json`` is checked against the shapes the safetensors
-headers store (:func:`read_headers`, :func:`check_stored`) before a model is built.
+headers store (:func:`read_headers`, :func:`check_stored`) before a model is built. The model is
+then built with its parameters on the meta device (:func:`parameters_on_meta`) and each is given
+the file's tensor (:func:`load_tensors`, :func:`assign`): the weights are in memory once.
 """
 
 from __future__ import annotations
