@@ -11,6 +11,10 @@ evaluate -> pictures), is built from :mod:`attnkit.modules`, and exposes ``DEFAU
   decoding with the KV cache; the alignment matrix.
 * ``classify``: text classification with attention pooling against a bag-of-words baseline.
 * ``recommend``: next-item prediction over sessions with causal self-attention (SASRec-style).
+* ``lm``: a character-level GPT on the Python standard library's own docstrings, against smoothed
+  bigram and trigram baselines; samples through the KV cache; previous-token and induction heads.
+* ``recall``: recall of a cued token across a distance, ``nn.RNN`` and ``nn.LSTM`` against
+  attention of the same size; accuracy against distance, time per step against length.
 
 ``attnkit train TASK`` runs one and writes its checkpoint, pictures and an HTML report. Tasks are
 imported on first use (:func:`task`), so importing this package imports no torch.
@@ -21,7 +25,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-TASKS = ("vit", "caption", "translate", "classify", "recommend")
+TASKS = ("vit", "caption", "translate", "classify", "recommend", "lm", "recall")
 
 
 def task(name: str) -> ModuleType:

@@ -59,6 +59,22 @@ def _recommend(runs: list[Metrics]) -> tuple[str, bool]:
             ours >= 2 * pop and ours > trans)
 
 
+def _lm(runs: list[Metrics]) -> tuple[str, bool]:
+    (m,) = runs
+    ppl = {name: m[f"validation perplexity per char, {name}"] for name in ("GPT", "trigram", "bigram")}
+    return (f"validation perplexity per char: GPT {ppl['GPT']:.2f}, trigram {ppl['trigram']:.2f}, bigram "
+            f"{ppl['bigram']:.2f}; previous-token head {m['previous-token score']:.2f}, induction head "
+            f"{m['induction score']:.2f}"), ppl["GPT"] < ppl["trigram"]
+
+
+def _recall(runs: list[Metrics]) -> tuple[str, bool]:
+    (m,) = runs
+    far = max(int(k.rsplit(" ", 1)[1]) for k in m if k.startswith("attention accuracy at distance "))
+    acc = {name: m[f"{name} accuracy at distance {far}"] for name in ("attention", "LSTM", "RNN")}
+    return (f"accuracy at distance {far}: " + ", ".join(f"{name} {a:.1%}" for name, a in acc.items()),
+            acc["attention"] >= 0.95)
+
+
 #: task -> (the target in words, seeds to run, judge(metrics of each seed) -> (what was reached, met?)).
 TARGETS: dict[str, tuple[str, tuple[int, ...], Callable[[list[Metrics]], tuple[str, bool]]]] = {
     "vit": ("test accuracy >= 96% (mean of 3 seeds), CNN beside it", (0, 1, 2), _vit),
@@ -66,6 +82,8 @@ TARGETS: dict[str, tuple[str, tuple[int, ...], Callable[[list[Metrics]], tuple[s
     "translate": ("greedy exact match >= 98%, beam no worse", (0,), _translate),
     "classify": ("attention pooling beats bag of words", (0,), _classify),
     "recommend": ("hit@10 >= 2x most-popular and > transition", (0,), _recommend),
+    "lm": ("validation perplexity per character below the smoothed trigram's", (0,), _lm),
+    "recall": ("attention >= 95% at the farthest distance; the LSTM and RNN beside it", (0,), _recall),
 }
 
 

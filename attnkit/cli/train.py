@@ -11,7 +11,7 @@ from . import positive_int
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "train", help="train a small attention model from scratch (vit, caption, translate, classify, recommend)",
+        "train", help="train a small attention model from scratch (" + ", ".join(TASKS) + ")",
         description="Train one application of self-attention from scratch on this machine's CPU (minutes, "
                     "offline, reproducible), print its evaluation as a table, and write the checkpoint "
                     "(model.safetensors + config.json), its pictures (PNG) and report.html into --out.")

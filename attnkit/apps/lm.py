@@ -1,0 +1,521 @@
+"""A character-level GPT trained from scratch on the Python standard library's own docstrings.
+
+Data: the docstrings of a fixed, sorted list of standard-library modules, read at run time with
+:mod:`inspect` (:mod:`attnkit.apps._corpus`: which modules, and why the text is the same on every
+machine with the same Python). Every 10th docstring is held out for validation. Tokens are
+characters; a character seen fewer than ``min_char_count`` times in the training text is one
+"unknown" token.
+
+Model: token + learned position embeddings, a stack of pre-norm :class:`TransformerEncoderLayer`
+blocks with causal self-attention (GPT-2's block), a final LayerNorm, and the output layer tied to
+the token embeddings. Trained to predict every next character of random windows of the training text.
+
+Evaluation, all in the same units (nats per character, and perplexity ``exp`` of it), on the same
+validation characters: the GPT (every character predicted from at least ``block_size / 2``
+characters before it, except at the very start), and two baselines counted on the same training
+text: a smoothed bigram and trigram (:mod:`attnkit.apps._ngram`). Then samples generated through
+the KV cache, and two head detectors on the trained model (:func:`previous_token_score`,
+:func:`induction_score`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..analysis.record import recorded_weights
+from ..cache import KVCache, make_caches
+from ..modules import TransformerEncoderLayer
+from ..viz.report import Section
+from . import _common, _corpus, _ngram
+from ._common import Result, Timer, save_png
+
+DEFAULTS: dict = {
+    "steps": 1200, "lr": 2e-3, "warmup": 100, "batch_size": 32, "block_size": 128, "embed_dim": 128,
+    "num_heads": 4, "num_layers": 4, "ffn_dim": 512, "dropout": 0.1, "min_char_count": 20,
+    "modules": _corpus.MODULES, "samples": 3, "sample_chars": 240, "temperature": 0.8, "probe_batch": 16,
+}
+# Seconds: five small modules, a two-layer model.
+QUICK: dict = {"steps": 60, "warmup": 6, "batch_size": 16, "block_size": 64, "embed_dim": 32, "num_layers": 2,
+               "ffn_dim": 64, "min_char_count": 2, "modules": ("heapq", "json", "shlex", "string", "textwrap"),
+               "samples": 2, "sample_chars": 80, "probe_batch": 4}
+
+#: A head "formed" when its detector scores at least this: that share of each row's weight on
+#: the one position the pattern names.
+FORMED = 0.4
+MODEL_KEYS = ("vocab_size", "block_size", "embed_dim", "num_heads", "num_layers", "ffn_dim", "dropout")
+
+
+# --------------------------------------------------------------------------- data
+
+class CharVocab:
+    """Characters <-> ids: characters are the tokens, so the comparison with the n-gram baselines
+    is per character, free of any tokenizer's choices.
+
+    Id 0 is the unknown character; the rest are the characters seen at least
+    ``min_count`` times in the text the vocabulary is built from, in code-point order.
+
+    Args:
+        chars: the known characters, in id order from 1 (see :meth:`from_text`).
+    """
+
+    UNK = 0
+    UNK_TEXT = "\ufffd"  # how an unknown character prints
+
+    def __init__(self, chars: str) -> None:
+        if len(set(chars)) != len(chars) or self.UNK_TEXT in chars:
+            raise ValueError(f"chars must be distinct and without {self.UNK_TEXT!r}, got {chars!r}")
+        self.chars = chars
+        self._id = {c: i + 1 for i, c in enumerate(chars)}
+        self._lut = np.array([self.UNK_TEXT, *chars])
+
+    @classmethod
+    def from_text(cls, text: str, *, min_count: int = 1) -> CharVocab:
+        counts = Counter(text)
+        return cls("".join(sorted(c for c, n in counts.items() if n >= min_count and c != cls.UNK_TEXT)))
+
+    def __len__(self) -> int:
+        return len(self.chars) + 1
+
+    def encode(self, text: str) -> np.ndarray:
+        """``text`` -> int64 ids ``[len(text)]``; an unknown character -> :attr:`UNK`."""
+        get = self._id.get
+        return np.fromiter((get(c, self.UNK) for c in text), dtype=np.int64, count=len(text))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self._lut[np.asarray(list(ids), dtype=np.int64)])
+
+
+class Corpus(NamedTuple):
+    """The docstring corpus as the model sees it."""
+
+    vocab: CharVocab  #: built from the training text only
+    train: np.ndarray  #: int64 ids of the training text
+    val: np.ndarray  #: int64 ids of the validation text
+    val_docs: list[str]  #: the held-out docstrings, in order (their first lines prompt the samples)
+
+
+def corpus(modules=_corpus.MODULES, *, min_char_count: int = 20) -> Corpus:
+    """The docstring corpus of ``modules``, every 10th docstring held out (:func:`attnkit.apps._corpus.split`)."""
+    docs = _corpus.documents(modules)
+    train_text, val_text = _corpus.split(docs, every=10)
+    vocab = CharVocab.from_text(train_text, min_count=min_char_count)
+    return Corpus(vocab, vocab.encode(train_text), vocab.encode(val_text), docs[9::10])
+
+
+def windows(ids: Tensor, starts: Tensor, length: int) -> Tensor:
+    """``[len(starts), length]``: ``ids[s : s + length]`` for each start."""
+    return ids[starts[:, None] + torch.arange(length)]
+
+
+# --------------------------------------------------------------------------- model
+
+class GPT(nn.Module):
+    """Decoder-only Transformer: next-character logits for every position.
+
+    Shape notation: ``B`` batch, ``L`` positions (``<= block_size``), ``E`` = ``embed_dim``,
+    ``V`` = ``vocab_size``.
+    """
+
+    def __init__(self, *, vocab_size: int, block_size: int, embed_dim: int, num_heads: int, num_layers: int,
+                 ffn_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok = nn.Embedding(vocab_size, embed_dim)
+        self.pos = nn.Embedding(block_size, embed_dim)
+        self.dropout = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(
+            TransformerEncoderLayer(embed_dim, num_heads, ffn_dim=ffn_dim, dropout=dropout, activation="gelu",
+                                    norm_first=True) for _ in range(num_layers))
+        self.norm = nn.LayerNorm(embed_dim)
+        # GPT-2's 0.02: with the output tied to these, the first logits are near 0 (loss ~ ln V).
+        for table in (self.tok, self.pos):
+            nn.init.normal_(table.weight, std=0.02)
+
+    def forward(self, ids: Tensor, caches: list[KVCache] | None = None) -> Tensor:
+        """``ids [B, L]`` -> logits ``[B, L, V]``; with ``caches`` (one per layer) only the new ids,
+        which sit after the ``caches[0].seq_len`` already cached."""
+        start = 0 if caches is None else caches[0].seq_len
+        if start + ids.shape[1] > self.block_size:
+            raise ValueError(f"positions {start} .. {start + ids.shape[1] - 1} run past block_size "
+                             f"{self.block_size}: give at most {self.block_size} ids")
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)
+        x = self.dropout(self.tok(ids) + self.pos(positions))  # (B, L, E)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, is_causal=True, cache=None if caches is None else caches[i])
+        return self.norm(x) @ self.tok.weight.T  # (B, L, V): tied output layer
+
+    def make_caches(self, batch_size: int) -> list[KVCache]:
+        """One empty cache per layer, ``block_size`` long."""
+        return make_caches((layer.self_attn for layer in self.layers), batch_size, self.block_size)
+
+
+def build(config: dict) -> GPT:
+    """The model described by a checkpoint's ``config.json``."""
+    return GPT(**{k: config[k] for k in MODEL_KEYS})
+
+
+def load(dir: str | Path) -> GPT:
+    """The model saved by :func:`run` into ``dir``."""
+    return _common.load(dir, build)
+
+
+def load_vocab(dir: str | Path) -> CharVocab:
+    """The character vocabulary saved with the model in ``dir``'s ``config.json``."""
+    return CharVocab(json.loads((Path(dir) / _common.CONFIG).read_text(encoding="utf-8"))["chars"])
+
+
+@contextmanager
+def recorded_attention(model: GPT):
+    """Within the block, each layer's self-attention weights ``[B, H, L, L]`` are appended to the
+    yielded list, in layer order, for every forward pass."""
+    maps: list[Tensor] = []
+    with recorded_weights(layer.self_attn for layer in model.layers) as rec:
+        yield maps
+    maps.extend(w for calls in zip(*rec, strict=True) for w in calls)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def cross_entropy(model: GPT, ids: np.ndarray | Tensor, *, batch_size: int = 64) -> float:
+    """Mean ``-log P(ids[t] | ids[:t])`` over ``t = 1 .. len(ids) - 1``, nats per character.
+
+    Windows of ``block_size`` ids, ``block_size // 2`` apart; each id is scored once, in the first
+    window where it has at least ``block_size // 2`` ids before it (in the first window, all).
+    """
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    n, block = len(ids), model.block_size
+    if n < 2:
+        raise ValueError(f"ids must hold at least 2 ids, got {n}")
+    block = min(block, n - 1)
+    half = max(block // 2, 1)
+    starts = list(range(0, n - 1 - block + 1, half))
+    if starts[-1] != n - 1 - block:
+        starts.append(n - 1 - block)  # the tail, in a window ending at the last id
+    total, count, done = 0.0, 0, 0  # done: targets 1 .. done are scored
+    for i in range(0, len(starts), batch_size):
+        s = torch.tensor(starts[i: i + batch_size])
+        x, y = windows(ids, s, block), windows(ids, s + 1, block)
+        nll = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none").view(len(s), block)
+        for row, start in zip(nll, s.tolist(), strict=True):
+            first = done + 1 - (start + 1)  # the first target of this window not yet scored
+            total += float(row[first:].double().sum())
+            count += block - first
+            done = start + block
+    assert count == n - 1, (count, n)
+    return total / count
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt: Tensor, n: int, *, temperature: float = 0.8,
+             generator: torch.Generator | None = None) -> Tensor:
+    """``n`` ids sampled after ``prompt [L]``, one at a time through the KV cache.
+
+    When the cache is full (``block_size`` ids), generation goes on from the last
+    ``block_size // 2`` ids with fresh caches (the positions are learned up to ``block_size``).
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    context = prompt[-model.block_size:].tolist()
+    caches = model.make_caches(1)
+    logits = model(torch.tensor([context]), caches)[0, -1]
+    out: list[int] = []
+    for _ in range(n):
+        nxt = int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator))
+        out.append(nxt)
+        context.append(nxt)
+        if caches[0].seq_len == model.block_size:
+            context = context[-(model.block_size // 2):]
+            caches = model.make_caches(1)
+            logits = model(torch.tensor([context]), caches)[0, -1]
+        else:
+            logits = model(torch.tensor([[nxt]]), caches)[0, -1]
+    return torch.tensor(out)
+
+
+# --------------------------------------------------------------------------- heads
+
+def _check_square(attn: Tensor) -> None:
+    if attn.dim() < 2 or attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(f"attn must be [..., L, L] (self-attention), got shape {tuple(attn.shape)}")
+
+
+def previous_token_score(attn: Tensor) -> Tensor:
+    """How much a head attends to the position just before each query.
+
+    ``mean over i = 1 .. L-1 of attn[..., i, i - 1]``: 1 for a head that puts all of each row's
+    weight on the previous position, ``mean 1 / (i + 1)`` for uniform causal attention.
+
+    Args:
+        attn: ``[..., L, L]`` weights of self-attention, ``L >= 2``.
+
+    Returns:
+        ``[...]``, one score per map.
+    """
+    _check_square(attn)
+    if attn.shape[-1] < 2:
+        raise ValueError(f"attn needs L >= 2 for a previous position, got L = {attn.shape[-1]}")
+    return attn.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)
+
+
+def induction_score(attn: Tensor, period: int) -> Tensor:
+    """How much a head attends to the token that followed the earlier copy of the current one.
+
+    On a sequence that repeats with ``period`` (``x[i] = x[i - period]`` for ``i >= period``), an
+    induction head at query ``i`` looks back to ``i - period + 1``: the token after the previous
+    occurrence of ``x[i]``, which is the one to predict next (Olsson et al. 2022). The score is
+    ``mean over i = period .. L-1 of attn[..., i, i - period + 1]``: 1 for a pure induction head.
+
+    Args:
+        attn: ``[..., L, L]`` weights of self-attention on the repeated sequence.
+        period: the length of the repeated part, ``1 <= period < L``.
+
+    Returns:
+        ``[...]``, one score per map.
+    """
+    _check_square(attn)
+    if not isinstance(period, int) or not 1 <= period < attn.shape[-1]:
+        raise ValueError(f"period must be an int in [1, {attn.shape[-1]}), got {period!r}")
+    return attn.diagonal(offset=-(period - 1), dim1=-2, dim2=-1)[..., 1:].mean(-1)
+
+
+def uniform_causal(length: int) -> Tensor:
+    """``[L, L]`` causal attention spread evenly over each row's keys: what the scores are compared with."""
+    return torch.ones(length, length).tril() / torch.arange(1, length + 1)[:, None]
+
+
+def repeated_random(batch: int, period: int, vocab_size: int, gen: torch.Generator) -> Tensor:
+    """``[batch, 2 * period]``: random known characters (no unknown id), then the same again."""
+    first = torch.randint(1, vocab_size, (batch, period), generator=gen)
+    return torch.cat([first, first], dim=1)
+
+
+@torch.no_grad()
+def head_scores(model: GPT, val: Tensor, gen: torch.Generator, *, batch: int = 16) -> dict[str, Tensor]:
+    """The detectors on every layer and head, each ``[layers, heads]``, means over ``batch`` inputs.
+
+    ``previous``: on ``batch`` validation windows of ``block_size``, evenly spaced.
+    ``induction``: on ``batch`` random sequences of ``block_size // 2`` known characters repeated once;
+    ``first_copy`` / ``second_copy``: the model's loss (nats per character) on the characters
+    of each copy (the first copy's first character, which has nothing before it, left out).
+    """
+    block = model.block_size
+    starts = torch.linspace(0, len(val) - block - 1, batch).long()
+    with recorded_attention(model) as maps:
+        model(windows(val, starts, block))
+    previous = torch.stack([previous_token_score(w).mean(0) for w in maps])
+    period = block // 2
+    seq = repeated_random(batch, period, model.tok.num_embeddings, gen)
+    with recorded_attention(model) as maps:
+        logits = model(seq)
+    induction = torch.stack([induction_score(w, period).mean(0) for w in maps])
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), seq[:, 1:].flatten(), reduction="none").view(batch, -1)
+    return {"previous": previous, "induction": induction,
+            "first_copy": nll[:, :period - 1].mean(), "second_copy": nll[:, period:].mean()}
+
+
+# --------------------------------------------------------------------------- pictures
+
+def _label(ch: str) -> str:
+    return {" ": "\u2423", "\n": "\u23ce"}.get(ch, ch)
+
+
+def draw_loss(losses: list[float], baselines: dict[str, float], gpt_val: float):
+    """Training loss (running mean of 20 steps) with the validation cross-entropies as lines."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.8), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    w = min(20, len(losses))
+    smooth = np.convolve(losses, np.ones(w) / w, mode="valid")
+    ax.plot(np.arange(len(smooth)) + w, smooth, color="C0", label="GPT, training batches (mean of 20 steps)")
+    ax.axhline(gpt_val, color="C0", ls="--", label=f"GPT, validation ({gpt_val:.3f})")
+    for (name, ce), color in zip(baselines.items(), ("C3", "C2"), strict=False):
+        ax.axhline(ce, color=color, ls=":", label=f"{name}, validation ({ce:.3f})")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("cross-entropy (nats per character)")
+    ax.set_ylim(0, max(5.0, float(smooth[0]) * 1.05))
+    ax.legend(fontsize=8)
+    ax.set_title("Character-level GPT on standard-library docstrings")
+    return fig
+
+
+def draw_scores(scores: dict[str, Tensor]):
+    """Two panels of layer x head cells: the previous-token and induction scores, with their values."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    layers, heads = scores["previous"].shape
+    fig = Figure(figsize=(2.0 + 1.6 * heads, 0.8 + 0.75 * layers), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    for ax, key, title in zip(axes, ("previous", "induction"),
+                              ("previous-token score", "induction score"), strict=True):
+        s = scores[key].numpy()
+        im = ax.imshow(s, vmin=0, vmax=1, cmap="Blues")
+        for (r, c), v in np.ndenumerate(s):
+            ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=8, color="white" if v > 0.6 else "black")
+        ax.set_xticks(range(heads), [f"h{h}" for h in range(heads)])
+        ax.set_yticks(range(layers), [f"layer {k + 1}" for k in range(layers)])
+        ax.set_title(title, fontsize=10)
+    fig.colorbar(im, ax=axes, shrink=0.8)
+    return fig
+
+
+def _head_picture(model: GPT, ids: Tensor, vocab: CharVocab, layer: int, head: int, title: str, path: Path):
+    from ..viz.heatmap import heatmap
+
+    with torch.no_grad(), recorded_attention(model) as maps:
+        model(ids[None])
+    labels = [_label(c) for c in vocab.decode(ids.tolist())]
+    causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
+    return save_png(heatmap(maps[layer][0, head], labels, labels, mask=causal, title=title), path)
+
+
+# --------------------------------------------------------------------------- run
+
+def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = False, progress: bool = True) -> Result:
+    """Read the docstrings, count the n-gram baselines, train the GPT from scratch, evaluate it on
+    the held-out docstrings, sample from it, find its heads; save checkpoint and pictures in ``out``."""
+    cfg = _common.settings(DEFAULTS, QUICK, quick=quick, steps=steps)
+    out = Path(out)
+    with Timer() as total:
+        data = corpus(cfg["modules"], min_char_count=cfg["min_char_count"])
+        vocab, train_np, val_np = data.vocab, data.train, data.val
+        train, val = torch.from_numpy(train_np), torch.from_numpy(val_np)
+        v = len(vocab)
+        ngrams = {name: _ngram.fit(train_np, v, order=k) for name, k in (("bigram", 2), ("trigram", 3))}
+        baselines = {name: m.cross_entropy(val_np) for name, m in ngrams.items()}
+
+        gen = _common.seed_all(seed)
+        config = {**{k: cfg[k] for k in MODEL_KEYS if k != "vocab_size"}, "vocab_size": v, "chars": vocab.chars}
+        model = build(config)
+        block = cfg["block_size"]
+
+        def batch(step: int) -> Tensor:
+            return windows(train, torch.randint(len(train) - block, (cfg["batch_size"],), generator=gen), block + 1)
+
+        def loss_fn(m: nn.Module, b: Tensor) -> Tensor:
+            return F.cross_entropy(m(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten())
+
+        with Timer() as train_time:
+            losses = _common.fit(model, batch, loss_fn, steps=cfg["steps"], lr=cfg["lr"], warmup=cfg["warmup"],
+                                 desc="lm", progress=progress)
+        gpt_val = cross_entropy(model, val)
+        _common.save(out, model, config)
+
+        samples = _samples(model, vocab, data.val_docs, cfg, gen)
+        scores = head_scores(model, val, gen, batch=cfg["probe_batch"])
+        pictures = _pictures(model, vocab, val, losses, baselines, gpt_val, scores, out)
+
+    chance_prev = float(previous_token_score(uniform_causal(block)))
+    chance_ind = float(induction_score(uniform_causal(block), block // 2))
+    (pl, ph), (il, ih) = _best(scores["previous"]), _best(scores["induction"])
+    best_prev, best_ind = float(scores["previous"][pl, ph]), float(scores["induction"][il, ih])
+    first_copy, second_copy = float(scores["first_copy"]), float(scores["second_copy"])
+    ce = {"GPT": gpt_val, **baselines}
+    metrics = {
+        "modules read": len(cfg["modules"]), "train chars": len(train), "validation chars": len(val),
+        "vocabulary (characters)": v,
+        **{f"validation perplexity per char, {name}": _ngram.perplexity(x) for name, x in ce.items()},
+        **{f"validation nats per char, {name}": x for name, x in ce.items()},
+        "first_loss": losses[0], "final_loss": float(np.mean(losses[-50:])), "steps": cfg["steps"],
+        "train seconds": train_time.seconds,
+        "best previous-token head": f"layer {pl + 1} head {ph}", "previous-token score": best_prev,
+        "best induction head": f"layer {il + 1} head {ih}", "induction score": best_ind,
+        "repeat loss, first copy": first_copy, "repeat loss, second copy": second_copy,
+    }
+    formed = _verdict(best_prev, best_ind, chance_prev, chance_ind, first_copy, second_copy, (pl, ph), (il, ih))
+    sections = [
+        Section("Data and validation perplexity",
+                f"The docstrings of {len(cfg['modules'])} standard-library modules (Python's own, read with inspect; "
+                f"{', '.join(cfg['modules'][:6])}, ...): {len(train):,} training and {len(val):,} validation "
+                f"characters (every 10th docstring held out), {v} tokens (characters seen at least "
+                f"{cfg['min_char_count']} times in training, and one for the rest). Every model scores the same "
+                f"{len(val) - 1:,} validation characters; cross-entropy in nats per character and perplexity "
+                "exp(cross-entropy), per character. The n-gram baselines are counted on the same training "
+                f"text, smoothed towards the order below (Dirichlet, alpha chosen on the training text: bigram "
+                f"{ngrams['bigram'].alpha:g}, trigram {ngrams['trigram'].alpha:g}).",
+                table=[{"model": name, "nats per char": x, "bits per char": x / np.log(2),
+                        "perplexity per char": _ngram.perplexity(x)} for name, x in ce.items()],
+                images=[pictures["loss"]]),
+        Section("Samples",
+                f"Sampled at temperature {cfg['temperature']}, one character at a time through the KV cache, "
+                "after the first line of a held-out docstring (the prompt, before the bar |).\n\n"
+                + "\n\n".join(f"{p}|{s}" for p, s in samples)),
+        Section("Heads",
+                f"Previous-token score: mean weight from each position to the one before it, on {cfg['probe_batch']} "
+                f"validation windows of {block} characters (uniform causal attention scores {chance_prev:.3f}). "
+                f"Induction score: on {cfg['probe_batch']} sequences of {block // 2} random characters repeated "
+                "once, mean weight from each position of the second copy to the character that followed the "
+                f"same character in the first copy (uniform: {chance_ind:.3f}). A head counts as formed at a "
+                f"score of {FORMED} or more.\n\n{formed}",
+                images=[pictures["scores"], pictures["previous"], pictures["induction"]]),
+    ]
+    return Result("lm", metrics, total.seconds, sections)
+
+
+def _best(score: Tensor) -> tuple[int, int]:
+    layer, head = divmod(int(score.argmax()), score.shape[1])
+    return layer, head
+
+
+def _verdict(prev: float, ind: float, chance_prev: float, chance_ind: float, first: float, second: float,
+             prev_at: tuple[int, int], ind_at: tuple[int, int]) -> str:
+    def said(name: str, score: float, chance: float, at: tuple[int, int]) -> str:
+        where = f"layer {at[0] + 1} head {at[1]}"
+        if score >= FORMED:
+            return f"A {name} head formed: {where} scores {score:.2f} (uniform attention {chance:.3f})."
+        return (f"No {name} head formed: the best, {where}, scores {score:.2f}, below {FORMED} "
+                f"(uniform attention {chance:.3f}).")
+
+    copy = (f"On the repeated random characters the model's loss falls from {first:.2f} nats per character on "
+            f"the first copy to {second:.2f} on the second" if second < first else
+            f"On the repeated random characters the model's loss is {first:.2f} nats per character on the "
+            f"first copy and {second:.2f} on the second")
+    return (f"{said('previous-token', prev, chance_prev, prev_at)} {said('induction', ind, chance_ind, ind_at)} "
+            f"{copy}: {'it copies from earlier in its context' if second < 0.5 * first else 'little copying'}. "
+            "These scores measure this trained model with this seed; a head below the threshold may still do "
+            "part of the job.")
+
+
+def _samples(model: GPT, vocab: CharVocab, val_docs: list[str], cfg: dict,
+             gen: torch.Generator) -> list[tuple[str, str]]:
+    """Prompts: the first lines (name and signature) of the first held-out docstrings that fit in half a block."""
+    heads = [doc.split("\n", 1)[0] + "\n" for doc in val_docs]
+    heads = [h for h in heads if len(h) <= model.block_size // 2][:cfg["samples"]]
+    out = []
+    for prompt in heads:
+        ids = generate(model, torch.from_numpy(vocab.encode(prompt)), cfg["sample_chars"],
+                       temperature=cfg["temperature"], generator=gen)
+        out.append((prompt, vocab.decode(ids.tolist())))
+    return out
+
+
+def _pictures(model: GPT, vocab: CharVocab, val: Tensor, losses: list[float], baselines: dict[str, float],
+              gpt_val: float, scores: dict[str, Tensor], out: Path) -> dict[str, Path]:
+    pics = {"loss": save_png(draw_loss(losses, baselines, gpt_val), out / "lm_loss.png"),
+            "scores": save_png(draw_scores(scores), out / "lm_head_scores.png")}
+    (pl, ph), (il, ih) = _best(scores["previous"]), _best(scores["induction"])
+    snippet = val[:48]
+    pics["previous"] = _head_picture(
+        model, snippet, vocab, pl, ph, f"Layer {pl + 1} head {ph} on held-out text "
+        f"(previous-token score {float(scores['previous'][pl, ph]):.2f})", out / "lm_previous_token_head.png")
+    period = 20
+    seq = repeated_random(1, period, len(vocab), torch.Generator().manual_seed(0))[0]
+    pics["induction"] = _head_picture(
+        model, seq, vocab, il, ih, f"Layer {il + 1} head {ih} on {period} random characters, repeated "
+        f"(induction score {float(scores['induction'][il, ih]):.2f})", out / "lm_induction_head.png")
+    return pics
