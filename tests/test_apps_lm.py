@@ -6,6 +6,7 @@ forward, and the checkpoint reloads to the same numbers."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -226,8 +227,11 @@ def test_the_report_holds_the_pictures_and_samples(trained):
     result, out = trained
     assert sorted(report_embeds_pictures(result, out)) == sorted(
         ["lm_loss.png", "lm_head_scores.png", "lm_previous_token_head.png", "lm_induction_head.png"])
-    samples = next(s for s in result.sections if s.title == "Samples").text
-    assert samples.count("|") >= Q["samples"]
+    samples = next(s for s in result.sections if s.title == "Samples").table
+    assert len(samples) == Q["samples"] and all(len(row["sample"]) >= Q["sample_chars"] for row in samples)
+    text = (out / "lm_samples.txt").read_text(encoding="utf-8")
+    assert text.count("--- prompt\n") == Q["samples"]
+    assert [lm._shown(p) for p in re.findall(r"--- prompt\n(.*?\n)--- sample", text)] == [r["prompt"] for r in samples]
 
 
 def test_same_seed_same_checkpoint(tmp_path):

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._io import atomic_write
 from ..analysis.record import recorded_weights
 from ..cache import KVCache, make_caches
 from ..modules import TransformerEncoderLayer
@@ -326,8 +327,15 @@ def head_scores(model: GPT, val: Tensor, gen: torch.Generator, *, batch: int = 1
 
 # --------------------------------------------------------------------------- pictures
 
+NEWLINE = "\u23ce"  # how a new line is shown where lines cannot break (labels, table cells)
+
+
 def _label(ch: str) -> str:
-    return {" ": "\u2423", "\n": "\u23ce"}.get(ch, ch)
+    return {" ": "\u2423", "\n": NEWLINE}.get(ch, ch)
+
+
+def _shown(text: str) -> str:
+    return text.replace("\n", NEWLINE + " ")
 
 
 def draw_loss(losses: list[float], baselines: dict[str, float], gpt_val: float):
@@ -419,6 +427,8 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
         samples = _samples(model, vocab, data.val_docs, cfg, gen)
         scores = head_scores(model, val, gen, batch=cfg["probe_batch"])
         pictures = _pictures(model, vocab, val, losses, baselines, gpt_val, scores, out)
+        samples_txt = atomic_write(out / "lm_samples.txt", lambda f: f.write(
+            "\n\n".join(f"--- prompt\n{p}--- sample\n{s}" for p, s in samples).encode("utf-8") + b"\n"))
 
     chance_prev = float(previous_token_score(uniform_causal(block)))
     chance_ind = float(induction_score(uniform_causal(block), block // 2))
@@ -453,8 +463,9 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
                 images=[pictures["loss"]]),
         Section("Samples",
                 f"Sampled at temperature {cfg['temperature']}, one character at a time through the KV cache, "
-                "after the first line of a held-out docstring (the prompt, before the bar |).\n\n"
-                + "\n\n".join(f"{p}|{s}" for p, s in samples)),
+                f"after the first line (name and signature) of a held-out docstring; {NEWLINE} marks a new line. "
+                f"As plain text in {samples_txt.name}.",
+                table=[{"prompt": _shown(p), "sample": _shown(s)} for p, s in samples]),
         Section("Heads",
                 f"Previous-token score: mean weight from each position to the one before it, on {cfg['probe_batch']} "
                 f"validation windows of {block} characters (uniform causal attention scores {chance_prev:.3f}). "
