@@ -20,6 +20,7 @@ Converters turn the other libraries' conventions into ours:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -270,6 +271,8 @@ class Document(Mask):
         if q_ids.dim() != kv_ids.dim() or q_ids.dim() not in (1, 2) or q_ids.shape[-1] < q_len \
                 or kv_ids.shape[-1] < kv_len or (q_ids.dim() == 2 and min(len(q_ids), len(kv_ids)) < batch):
             return None
+        if any(t.is_floating_point() or t.is_complex() for t in (q_ids, kv_ids)):
+            return None  # not integer ids (the operator's contract): the engine reads the predicate instead
         if q_ids.dim() == 1:
             q_ids, kv_ids = q_ids[None], kv_ids[None]
         q_ids = q_ids[:batch, :q_len].detach().cpu()
@@ -277,23 +280,81 @@ class Document(Mask):
         if kv_len == 0:
             return normalize(torch.zeros(len(q_ids), q_len, 1), torch.zeros(len(q_ids), q_len, 1), 0)
         # Under torch.compile how many runs there are is data, not read here: the operator's K is unknown
-        if not torch.compiler.is_compiling() and q_len * _most_runs(kv_ids) > 1 << 24:
-            return None  # too many runs to list: the engine reads the predicate instead
+        if not torch.compiler.is_compiling():
+            runs = _most_runs(kv_ids)
+            if q_len * runs > 1 << 24 or _over_limit(len(q_ids) * q_len * runs * _RUN_SLOT_BYTES) is not None:
+                return None  # too many runs to list: the engine reads the predicate instead
         return normalize(*torch.ops.attnkit.document_runs(q_ids, kv_ids), kv_len)
 
 
+#: Bytes ``attnkit::document_runs`` allocates per slot of its ``[P, Lq, R]`` outputs (two int64, two bool).
+_RUN_SLOT_BYTES = 18
+
+
 def _most_runs(ids: Tensor) -> int:
-    """The most runs of one id any row of ``ids [P, L]`` has."""
-    return int(((ids[:, 1:] != ids[:, :-1]).sum(-1) + 1).max())
+    """The most runs of one id any row of ``ids [P, L]`` has (1 when there are no rows)."""
+    return int(((ids[:, 1:] != ids[:, :-1]).sum(-1) + 1).max()) if len(ids) else 1
+
+
+def _over_limit(nbytes: int) -> float | None:
+    """The memory limit of :func:`attnkit.request.max_dense_bytes` (``ATTNKIT_MAX_DENSE_BYTES``, else
+    the memory available now) when ``nbytes`` exceeds it, else None."""
+    from . import request  # here: the request module builds on this one
+
+    if nbytes == 0 or (request.MAX_DENSE_BYTES_ENV not in os.environ and nbytes <= request._free_memory()):
+        return None  # fits in free memory: /proc/meminfo not read
+    limit = request.max_dense_bytes()
+    return limit if nbytes > limit else None
+
+
+def check_op_fits(op: str, what: str, nbytes: int, way_out: str) -> None:
+    """Refuse, before allocating, ``nbytes`` for native op ``op`` beyond the memory limit
+    (:func:`_over_limit`), with ``what`` it would allocate and ``way_out`` in the message."""
+    from . import request
+
+    limit = _over_limit(nbytes)
+    if limit is not None:
+        source = (f"set by {request.MAX_DENSE_BYTES_ENV}" if request.MAX_DENSE_BYTES_ENV in os.environ
+                  else f"the memory available now; {request.MAX_DENSE_BYTES_ENV} overrides it")
+        raise ValueError(f"{op} would allocate {what} = {request._human_bytes(nbytes)}, more than the limit of "
+                         f"{request._human_bytes(limit)} ({source}); {way_out}")
+
+
+def _check_document_ids(q_ids: Tensor, kv_ids: Tensor) -> None:
+    """``attnkit::document_runs``' arguments, as PyTorch's own ops check theirs (in its fake too)."""
+    for name, t in (("q_ids", q_ids), ("kv_ids", kv_ids)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"attnkit::document_runs: {name} must be a tensor, got {type(t).__name__}")
+        if t.is_floating_point() or t.is_complex():
+            raise TypeError(f"attnkit::document_runs: {name} must hold integer document ids, got dtype {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"attnkit::document_runs: {name} must be 2-D [P, L] (one row of ids per batch "
+                             f"element), got shape {tuple(t.shape)}")
+    if q_ids.shape[0] != kv_ids.shape[0]:
+        raise ValueError(f"attnkit::document_runs: q_ids [P, Lq] and kv_ids [P, Lk] must have the same P, got "
+                         f"shapes {tuple(q_ids.shape)} and {tuple(kv_ids.shape)}")
+    if q_ids.device != kv_ids.device:
+        raise ValueError(f"attnkit::document_runs: q_ids is on {q_ids.device} but kv_ids is on {kv_ids.device}")
 
 
 @torch.library.custom_op("attnkit::document_runs", mutates_args=(), device_types="cpu")
 def _document_runs(q_ids: Tensor, kv_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Each query's keys of its own document, ``q_ids [P, Lq]`` and ``kv_ids [P, Lk]`` (``Lk >= 1``):
-    ``(starts, ends)`` ``[P, Lq, R]``, one slot per run of one id in the keys (``R`` the most runs
-    any row has), ``(Lk, Lk)`` where the run is another document's. An operator, so that
-    torch.compile traces it with ``R`` as a size known only when it runs."""
+    """Each query's keys of its own document, ``q_ids [P, Lq]`` and ``kv_ids [P, Lk]`` (integer ids,
+    CPU): ``(starts, ends)`` int64 ``[P, Lq, R]``, one slot per run of one id in the keys (``R`` the
+    most runs any row has, at least 1), ``(Lk, Lk)`` where the run is another document's. An
+    operator, so that torch.compile traces it with ``R`` as a size known only when it runs.
+
+    Raises:
+        TypeError: an argument that is not a tensor of integer ids.
+        ValueError: other than 2-D arguments of one ``P`` on one device, or outputs (``P * Lq * R``
+            slots) beyond the memory limit (:func:`check_op_fits`).
+    """
+    _check_document_ids(q_ids, kv_ids)
     kv_len, runs = kv_ids.shape[-1], _most_runs(kv_ids)
+    p, q_len = q_ids.shape
+    check_op_fits("attnkit::document_runs", f"2 x int64 and 2 x bool [P, Lq, R] = {(p, q_len, runs)} (R: the most "
+                  "runs of one id in a row of kv_ids)", p * q_len * runs * _RUN_SLOT_BYTES,
+                  "call it on fewer rows at a time")
     new = torch.ones_like(kv_ids, dtype=torch.bool)
     new[:, 1:] = kv_ids[:, 1:] != kv_ids[:, :-1]  # where a run of one id begins
     slot = new.long().cumsum(-1) - 1
@@ -307,6 +368,7 @@ def _document_runs(q_ids: Tensor, kv_ids: Tensor) -> tuple[Tensor, Tensor]:
 
 @_document_runs.register_fake
 def _(q_ids, kv_ids):
+    _check_document_ids(q_ids, kv_ids)
     runs = torch.library.get_ctx().new_dynamic_size(min=1)
     return q_ids.new_empty(len(q_ids), q_ids.shape[-1], runs, dtype=torch.int64), \
         q_ids.new_empty(len(q_ids), q_ids.shape[-1], runs, dtype=torch.int64)

@@ -381,18 +381,45 @@ def _traced_derive(mod, batch: int, heads: int, q_len: int, kv_len: int, device)
     return starts.expand(-1, q_len, -1), ends.expand(-1, q_len, -1)
 
 
+def _check_allowed(allowed: Tensor) -> None:
+    """``attnkit::mask_runs``' argument, as PyTorch's own ops check theirs (in its fake too)."""
+    if not isinstance(allowed, Tensor):
+        raise TypeError(f"attnkit::mask_runs: allowed must be a tensor, got {type(allowed).__name__}")
+    if allowed.dtype != torch.bool:
+        raise TypeError(f"attnkit::mask_runs: allowed must be a bool tensor (True = may attend), got dtype "
+                        f"{allowed.dtype}")
+    if allowed.dim() != 3:
+        raise ValueError(f"attnkit::mask_runs: allowed must be 3-D [P, R, Lk] (rows of keys per batch element), "
+                         f"got shape {tuple(allowed.shape)}; pass allowed[None] for one set of rows")
+
+
 @torch.library.custom_op("attnkit::mask_runs", mutates_args=(), device_types="cpu")
 def _mask_runs(allowed: Tensor) -> tuple[Tensor, Tensor]:
-    """Each row's runs of True in a bool ``[P, R, Lk]``, as ``(starts, ends)`` ``[P, R, K]`` (``K`` the
-    most runs a row has, at least 1; empty slots ``(Lk, Lk)``)."""
+    """Each row's runs of True in a bool CPU ``[P, R, Lk]``, as ``(starts, ends)`` int64 ``[P, R, K]``
+    (``K`` the most runs a row has, at least 1; empty slots ``(Lk, Lk)``).
+
+    Raises:
+        TypeError: ``allowed`` not a bool tensor.
+        ValueError: ``allowed`` not 3-D, or outputs (``P * R * K`` slots) beyond the memory limit
+            (:func:`attnkit.masks.check_op_fits`).
+    """
+    _check_allowed(allowed)
     p, r, lk = allowed.shape
+    if allowed.numel() == 0:  # no rows, or no keys: every row's one slot empty
+        return torch.full((p, r, 1), lk, dtype=torch.int64), torch.full((p, r, 1), lk, dtype=torch.int64)
+    rows = allowed.reshape(-1, lk)
+    # runs per row: its rising edges; K known before the [runs, 2] edge lists and [P, R, K] slots are made
+    k = int(((rows[:, 1:] & ~rows[:, :-1]).sum(-1) + rows[:, 0]).max())
+    _masks.check_op_fits("attnkit::mask_runs", f"2 x int64 [P, R, K] = {(p, r, k)} and its runs' edges "
+                         "(K: the most runs of True in a row)", p * r * k * 48, "call it on fewer rows at a time")
     buf = torch.zeros(p * r, lk + 2, dtype=torch.bool)
-    starts, ends = _ranges.runs(allowed.reshape(-1, lk), buf)
+    starts, ends = _ranges.runs(rows, buf)
     return _assemble([(0, p, r, starts, ends)], p, r, lk, most=None)
 
 
 @_mask_runs.register_fake
 def _(allowed):
+    _check_allowed(allowed)
     k = torch.library.get_ctx().new_dynamic_size(min=1)
     return (allowed.new_empty(*allowed.shape[:2], k, dtype=torch.int64),
             allowed.new_empty(*allowed.shape[:2], k, dtype=torch.int64))
