@@ -65,19 +65,22 @@ _LARGE = 1 << 40
 
 
 class _Keys(threading.local):
-    """The derivation under way, per thread: its key length, and in block mode its blocks of rows."""
+    """The derivation under way, per thread: its key length, and in block mode its blocks of rows.
+    Every field is set per thread (``__init__`` runs in each thread that reads it): no thread sees
+    another's list."""
 
-    kv_len = 0
-    #: Block mode (None: each row on its own): R blocks of consecutive query rows, every row value
-    #: given at the blocks' first rows (rows [0, R) of a tensor), then at their last (rows [R, 2R));
-    #: ``first`` and ``span`` (last - first) ``[R, 1]``.
-    first: Tensor | None = None
-    span: Tensor | None = None
-    #: Rows where a decision came out differently at a block's two ends: the blocks are cut there.
-    flips: list = []
-    #: Whether something here cannot be followed across a block (a product of two values that both
-    #: change with the row, a divisor that does): each row is then worked out on its own.
-    not_blocks = False
+    def __init__(self):
+        self.kv_len = 0
+        #: Block mode (None: each row on its own): R blocks of consecutive query rows, every row value
+        #: given at the blocks' first rows (rows [0, R) of a tensor), then at their last (rows [R, 2R));
+        #: ``first`` and ``span`` (last - first) ``[R, 1]``.
+        self.first: Tensor | None = None
+        self.span: Tensor | None = None
+        #: Rows where a decision came out differently at a block's two ends: the blocks are cut there.
+        self.flips: list = []
+        #: Whether something here cannot be followed across a block (a product of two values that both
+        #: change with the row, a divisor that does): each row is then worked out on its own.
+        self.not_blocks = False
 
 
 _keys = _Keys()

@@ -34,16 +34,32 @@ can follow it:
 All three give the same, exact intervals.
 
 ``attnkit.attention(..., mask_mod=fn)`` builds the plan itself and keeps it, with the predicate
-(weakly: nothing is kept alive by the cache), keyed on the lengths, the batch, the device and the
-version counters of the tensors the predicate captures (an in-place change to captured document
-ids makes a new plan). A predicate that reads anything else that changes between calls (a
-global, a Python list) should be given a fresh plan, or a fresh function, when it changes.
+(weakly: nothing is kept alive by the cache), keyed on the lengths, the batch, the device and
+what the predicate reaches (:func:`attnkit.backends._captured.captured_state`): the identity and
+version counter of each tensor (an in-place change to captured document ids, or a module's buffer
+edited or reassigned, makes a new plan) and the plain values (``int``, ``float``, ``bool``,
+``str``) in its closure, defaults, globals and the attributes of a bound module or callable object.
+What that cannot see: an edit through ``tensor.data`` or numpy memory (the version counter does
+not move), a numpy array, the fields of an object that is neither callable nor a module. A
+predicate that reads such state should be given a plan built for it (``mask=attnkit.mask_plan(...)``,
+built again when the state changes), or the cache turned off (:data:`PLANS_PER_PREDICATE` = 0).
+Under ``torch.inference_mode`` captured tensors keep no version counter: such a predicate's plan
+is built on every call.
+
+A plan's ``starts`` and ``ends`` are fixed once it is built: every backend reads them or the
+predicate they were derived from, so a plan changed in place would make backends disagree.
+:meth:`MaskPlan.check`, called wherever a plan meets a call, refuses a plan whose tensors were
+written since it was built (their version counters moved) and checks, once per plan, the
+invariants the kernels rely on (:func:`check_intervals`); on later calls it compares two version
+counters. The cache is safe to use from several threads (one lock around its reads and writes;
+plans are built outside it, and each derivation's state is the thread's own).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 from collections import OrderedDict
 
@@ -55,12 +71,15 @@ from . import masks as _masks
 from .backends import _captured
 from .request import check_window, combined_mask_mod
 
-#: How many automatically built plans ``attnkit.attention`` keeps per predicate (sizes, tensor versions).
+#: How many automatically built plans ``attnkit.attention`` keeps per predicate (sizes, tensor versions);
+#: 0 turns the cache off (a plan is built on every call that has no ``mask=plan``).
 PLANS_PER_PREDICATE = 8
 #: Rows with more intervals than this are not worth the band kernel's per-row bookkeeping.
 MAX_INTERVALS = 256
 
-_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # predicate -> {key: plan}
+#: predicate -> {key: (weak references to the tensors the key names, plan)}; read and written under _lock.
+_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
 
 
 class MaskPlan:
@@ -74,17 +93,48 @@ class MaskPlan:
     head shares them), ``predicate``, and ``derived_by``: how a predicate's intervals were found
     (``"closed form"``, ``"ranges"``, ``"every cell"``; ``"its own intervals"`` for a typed mask
     of :mod:`attnkit.masks`, ``"is_causal/window"`` for those alone; None without a mask).
+
+    ``starts`` and ``ends`` are the plan's own: they cannot be reassigned, and a plan whose tensors
+    were written in place after it was built is refused where it meets a call (:meth:`check`).
+    Intervals given here are checked (:func:`check_intervals`) the first time the plan meets a call.
     """
 
     derived_by: str | None = None
 
     def __init__(self, predicate, *, q_len: int, kv_len: int, batch: int, device: torch.device,
                  starts: Tensor | None, ends: Tensor | None, heads: int | None = None):
+        if (starts is None) != (ends is None):
+            raise ValueError("starts and ends must both be tensors or both be None, got "
+                             f"starts {type(starts).__name__} and ends {type(ends).__name__}")
+        if starts is not None and not torch.compiler.is_compiling() and (starts.is_inference() or ends.is_inference()):
+            with torch.inference_mode(False):  # inference tensors keep no version counter: a write could not be seen
+                starts, ends = starts.clone(), ends.clone()
         self.predicate = predicate
         self.heads = heads
         self.q_len, self.kv_len, self.batch, self.device = q_len, kv_len, batch, device
-        self.starts, self.ends = starts, ends
+        self._starts, self._ends = starts, ends
         self._kinds: dict[tuple[int, int], Tensor] = {}
+        #: the version counters of (starts, ends) when their invariants last held; None: not checked yet
+        self._checked: tuple[int, int] | None = None
+
+    @property
+    def starts(self) -> Tensor | None:
+        """Each row's interval starts, int64 ``[P, Lq, K]`` (None without an interval form)."""
+        return self._starts
+
+    @starts.setter
+    def starts(self, value) -> None:
+        raise AttributeError("a MaskPlan's starts and ends are fixed when it is built; build a new plan "
+                             "(attnkit.mask_plan, or MaskPlan(...) with your own intervals)")
+
+    @property
+    def ends(self) -> Tensor | None:
+        """Each row's interval ends (exclusive), int64 ``[P, Lq, K]`` (None without an interval form)."""
+        return self._ends
+
+    @ends.setter
+    def ends(self, value) -> None:
+        self.starts = value  # the same refusal
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.predicate(b, h, q_idx, kv_idx)
@@ -98,7 +148,12 @@ class MaskPlan:
     def check(self, batch: int, q_len: int, kv_len: int, device: torch.device | None = None,
               heads: int | None = None) -> None:
         """Raise ``ValueError`` unless this plan was built for these sizes (and device, and heads
-        where its rows differ by head)."""
+        where its rows differ by head) and its intervals are sound: unchanged since it was built
+        and, the first time, every invariant of :func:`check_intervals`. O(1) once checked (two
+        version counters compared); ``O(P * Lq * K)`` the first time for intervals given to the
+        constructor. Not checked under ``torch.compile``, where a plan built outside was checked
+        when it was first used outside."""
+        self._check_intervals()
         if self.heads is not None and heads is not None and heads != self.heads:
             raise ValueError(f"mask plan was built per head for {self.heads} heads, but the call has {heads}")
         got = (q_len, kv_len)
@@ -111,6 +166,37 @@ class MaskPlan:
         if device is not None and torch.device(device).type != self.device.type:
             raise ValueError(f"mask plan was built for {self.device}, but the call is on {device}")
 
+    def _check_intervals(self) -> None:
+        """:meth:`check`'s part on the intervals: refuse a plan changed in place since it was built,
+        and check a new plan's intervals once."""
+        if self._starts is None or torch.compiler.is_compiling():
+            return
+        if self._checked is None:
+            sizes = self.batch, self.heads or 1
+            check_intervals(self._starts, self._ends, q_len=self.q_len, kv_len=self.kv_len,
+                            parts=sorted({1, sizes[0], sizes[0] * sizes[1]}))
+            self._checked = (self._starts._version, self._ends._version)
+            return
+        now = (self._starts._version, self._ends._version)
+        if now != self._checked:
+            raise ValueError(
+                "mask plan's starts/ends were written in place since it was built or first used (version counters "
+                f"{self._checked} -> {now}): they no longer match its predicate or its tile kinds, and backends "
+                "would disagree; build a new plan (attnkit.mask_plan, or MaskPlan(...) with the new intervals)")
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy``, pickling) has fresh tensors whose version counters start again:
+        its intervals are checked once more where it first meets a call."""
+        self.__dict__.update(state)
+        self._checked = None
+
+    def _trusted(self) -> MaskPlan:
+        """This plan, its intervals taken as sound without :func:`check_intervals` (the derivations'
+        own; their tests hold them to it)."""
+        if self._starts is not None and not torch.compiler.is_compiling():
+            self._checked = (self._starts._version, self._ends._version)
+        return self
+
     def kinds(self, q_tile: int, kv_block: int) -> Tensor | None:
         """``[tiles, blocks]`` int8 EMPTY/FULL/PARTIAL (``attnkit.backends._tiling``) from the
         intervals, cached per tile size; None without intervals (the tile backends then evaluate
@@ -121,6 +207,42 @@ class MaskPlan:
         if key not in self._kinds:
             self._kinds[key] = _tile_kinds(self.starts, self.ends, self.q_len, self.kv_len, q_tile, kv_block)
         return self._kinds[key]
+
+
+def check_intervals(starts: Tensor, ends: Tensor, *, q_len: int, kv_len: int, parts=None) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the first thing that breaks what every kernel relies on
+    in a plan's intervals: ``starts``/``ends`` int64 CPU tensors of one shape ``[P, q_len, K]`` with
+    ``K >= 1`` (``P`` in ``parts`` when given), ``0 <= start <= end <= kv_len``, each row's intervals
+    sorted and disjoint (``end <= next start``), an empty one written ``(kv_len, kv_len)`` (so empties
+    come last). ``O(P * q_len * K)``; tensors only read.
+    """
+    for name, t in (("starts", starts), ("ends", ends)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"mask plan's {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int64 or t.device.type != "cpu":
+            raise TypeError(f"mask plan's {name} must be an int64 CPU tensor, got {t.dtype} on {t.device}")
+        if t.dim() != 3 or t.shape[1] != q_len or t.shape[2] < 1:
+            raise ValueError(f"mask plan's {name} must have shape [P, Lq={q_len}, K >= 1], got {tuple(t.shape)}")
+    if starts.shape != ends.shape:
+        raise ValueError(f"mask plan's starts and ends must have the same shape, got {tuple(starts.shape)} "
+                         f"and {tuple(ends.shape)}")
+    if parts is not None and starts.shape[0] not in parts:
+        raise ValueError(f"mask plan's intervals are for {starts.shape[0]} batch elements/heads (P = "
+                         f"{starts.shape[0]}); expected P in {tuple(parts)} (1 shared, B, or B*H per head)")
+    empty = starts == ends
+    bad = (starts < 0) | (starts > ends) | (ends > kv_len) | (empty & (starts != kv_len))
+    if bool(bad.any()):
+        p, i, k = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"mask plan's interval {k} of row {i} (of part {p}) is [{int(starts[p, i, k])}, "
+                         f"{int(ends[p, i, k])}); expected 0 <= start <= end <= kv_len = {kv_len}, an empty one "
+                         f"written ({kv_len}, {kv_len})")
+    out_of_order = ends[..., :-1] > starts[..., 1:]
+    if bool(out_of_order.any()):
+        p, i, k = (int(x) for x in out_of_order.nonzero()[0])
+        raise ValueError(f"mask plan's intervals of row {i} (of part {p}) are not sorted and disjoint: "
+                         f"[{int(starts[p, i, k])}, {int(ends[p, i, k])}) then [{int(starts[p, i, k + 1])}, "
+                         f"{int(ends[p, i, k + 1])}); expected each to end at or before the next starts, "
+                         f"empties ({kv_len}, {kv_len}) last")
 
 
 def mask_plan(mask_mod=None, *, q_len: int, kv_len: int | None = None, batch: int = 1, heads: int = 1,
@@ -160,7 +282,11 @@ def for_request(req) -> MaskPlan | None:
 
     Plans built here keep no predicate (the request has it) and are cached per predicate, weakly:
     the cache does not keep a predicate, or the tensors it captures, alive. Plans of a dense mask
-    are not cached (the mask may be large, and a freed mask's address may come back).
+    are not cached (the mask may be large, and a freed mask's address may come back). Every plan
+    returned has passed :meth:`MaskPlan.check` (O(1) once a plan was checked).
+
+    Raises:
+        ValueError: the request's own plan does not fit the call, or its intervals are not sound.
     """
     dense = req.mask if req.mask is not None and req.query.dim() == 4 else None
     if req.mask_mod is None and not req.is_causal and req.window is None and dense is None:
@@ -177,19 +303,30 @@ def for_request(req) -> MaskPlan | None:
         mod = _dense_predicate(dense) if mod is None else _masks.and_masks(mod, _dense_predicate(dense))
     sizes = (req.q_len, req.kv_len, batch, req.heads, req.is_causal, req.window, dev)
     # Under torch.compile the plan is part of the traced graph (computed in it, per call): no cache.
-    cached = dense is None and not torch.compiler.is_compiling()
-    owner, key = _cache_key(req.mask_mod, sizes) if cached else (None, None)
-    plans = _cache.get(owner) if owner is not None else None
-    if plans is not None and key in plans:
-        plans.move_to_end(key)
-        return plans[key]
+    cached = dense is None and PLANS_PER_PREDICATE > 0 and not torch.compiler.is_compiling()
+    owner, key, found = _cache_key(req.mask_mod, sizes) if cached else (None, None, ())
+    if owner is not None:
+        with _lock:
+            plans = _cache.get(owner)
+            hit = plans.get(key) if plans is not None else None
+            if hit is not None:
+                plans.move_to_end(key)
+        # the same tensors, not others that came to the same addresses with the same versions
+        if hit is not None and (not found or all(r() is t for r, t in zip(hit[0], found, strict=True))):
+            got = hit[1]
+            if got._starts is not None and (got._starts._version, got._ends._version) != got._checked:
+                got._check_intervals()  # refuses a plan written in place (reachable as req.plan)
+            return got
     plan = _build(mod, req.q_len, req.kv_len, batch, req.heads, req.is_causal, req.window, dev)
     plan.predicate = None
     if owner is not None:
-        plans = _cache.setdefault(owner, OrderedDict())
-        plans[key] = plan
-        while len(plans) > PLANS_PER_PREDICATE:
-            plans.popitem(last=False)
+        entry = tuple(weakref.ref(t) for t in found), plan
+        with _lock:
+            plans = _cache.setdefault(owner, OrderedDict())
+            plans[key] = entry
+            plans.move_to_end(key)
+            while len(plans) > PLANS_PER_PREDICATE:
+                plans.popitem(last=False)
     return plan
 
 
@@ -229,7 +366,7 @@ def _build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> 
     plan = MaskPlan(predicate, q_len=q_len, kv_len=kv_len, batch=batch, device=device, starts=starts, ends=ends,
                     heads=heads if per_head and starts is not None else None)
     plan.derived_by = derived_by
-    return plan
+    return plan._trusted()
 
 
 def row_bounds(q_len: int, kv_len: int, is_causal: bool = False, window=None) -> tuple[Tensor, Tensor]:
@@ -248,23 +385,26 @@ def row_bounds(q_len: int, kv_len: int, is_causal: bool = False, window=None) ->
 
 
 def _cache_key(mask_mod, sizes: tuple) -> tuple:
-    """``(owner, key)``: the object the cached plans hang on (the predicate, or ``_NO_MOD`` for
-    is_causal/window alone; None when it cannot be weakly referenced) and what a plan depends on
-    besides it: the sizes and the address and version counter of every tensor the predicate
-    reaches (an in-place change to captured document ids makes a new plan). Inference tensors
-    (made under ``torch.inference_mode``) keep no version counter: such a predicate is not cached."""
+    """``(owner, key, tensors)``: the object the cached plans hang on (the predicate, or ``_NO_MOD``
+    for is_causal/window alone; None when it cannot be weakly referenced), what a plan depends on
+    besides it, and the tensors the key names (a hit must find these very tensors: another one may
+    come to a freed one's address with the same version). The key: the sizes, the address, version
+    counter and shape of every tensor the predicate reaches, and the plain values it reaches
+    (:func:`attnkit.backends._captured.captured_state`). Inference tensors (made under
+    ``torch.inference_mode``) keep no version counter: such a predicate is not cached."""
     mask_mod = getattr(mask_mod, "__wrapped__", mask_mod)  # a per-element wrapper, made per call: its mod
     if mask_mod is None:
-        return _NO_MOD, sizes
+        return _NO_MOD, sizes, ()
     try:
         weakref.ref(mask_mod)
         hash(mask_mod)
     except TypeError:
-        return None, None
-    found = _captured.captured_tensors(mask_mod, requiring_grad=False)
+        return None, None, ()
+    found, values = _captured.captured_state(mask_mod)
     if any(t.is_inference() for t in found):  # no version counter: an in-place change would go unseen
-        return None, None
-    return mask_mod, (tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in found), *sizes)
+        return None, None, ()
+    tensors = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in found)
+    return mask_mod, (tensors, tuple((type(v), v) for v in values) if values else (), *sizes), found
 
 
 class _NoMod:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import threading
 import weakref
 
 import torch
@@ -377,9 +378,10 @@ def _probe(score_mod, batch, heads, q_len, kv_len, dtype, device) -> Tensor | No
 
 
 #: Probes that passed, per mod (weakly: nothing is kept alive), keyed on the sizes, the captured
-#: tensors' versions and the table's sum: a mod whose tensors have not changed is not checked again
-#: (its table is still read on every call).
+#: tensors' versions, the plain values the mod reaches and the table's sum: a mod whose state has not
+#: changed is not checked again (its table is still read on every call). Written under _verified_lock.
 _verified: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_verified_lock = threading.Lock()
 
 
 def _check_once(owner, key, check) -> bool:
@@ -391,25 +393,27 @@ def _check_once(owner, key, check) -> bool:
         if not check():
             return False
     if key is not None:
-        passed = _verified.setdefault(owner, collections.OrderedDict())
-        passed[key] = True
-        while len(passed) > 8:
-            passed.popitem(last=False)
+        with _verified_lock:  # an eviction may free tensors, and a thread switch there must not see half of it
+            passed = _verified.setdefault(owner, collections.OrderedDict())
+            passed[key] = True
+            while len(passed) > 8:
+                passed.popitem(last=False)
     return True
 
 
 def _verified_key(score_mod, table, *sizes) -> tuple | None:
-    from .backends._captured import captured_tensors  # the backends build on this module
+    from .backends._captured import captured_state  # the backends build on this module
 
     try:
         weakref.ref(score_mod)
         hash(score_mod)
     except TypeError:
         return None
-    found = captured_tensors(score_mod, requiring_grad=False)
+    found, values = captured_state(score_mod)
     if any(t.is_inference() for t in found):  # no version counter (torch.inference_mode): check every call
         return None
-    return (tuple((t.data_ptr(), t._version) for t in found), table.detach().sum().item(), *sizes)
+    return (tuple((t.data_ptr(), t._version) for t in found), tuple((type(v), v) for v in values),
+            table.detach().sum().item(), *sizes)
 
 
 def _adds_the_score(score_mod, heads, q_len, kv_len, dtype, device) -> bool:

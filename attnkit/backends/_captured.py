@@ -4,9 +4,10 @@ A score_mod such as ``alibi(slopes)`` or ``relative_position_bias(table)`` captu
 be ``nn.Parameter``s. The tiles backend recomputes the score_mod tile by tile in its backward
 pass and asks autograd for the gradient of each captured tensor; to do that it must know them. They
 are found by walking the function's closure cells, default arguments, the module globals it names,
-``functools.partial`` arguments, bound ``nn.Module``s and callable objects. :func:`check_covered`
-then proves, on a one-cell probe, that no other tensor requiring grad feeds the score_mod, so a
-gradient can never be dropped silently.
+``functools.partial`` arguments, bound ``nn.Module``s (parameters, buffers, tensor attributes) and
+callable objects; the mask plan's cache keys on what the same walk finds (:func:`captured_state`).
+:func:`check_covered` then proves, on a one-cell probe, that no other tensor requiring grad feeds
+the score_mod, so a gradient can never be dropped silently.
 """
 
 from __future__ import annotations
@@ -19,23 +20,59 @@ from torch import Tensor
 
 _MAX_DEPTH = 8
 
+#: What every ``nn.Module`` keeps in its ``__dict__`` for itself (hooks; the parameter, buffer and
+#: submodule dicts, walked through ``parameters()``, ``buffers()`` and ``modules()``): not the user's
+#: state. ``training`` is left in: a predicate may read it.
+_MODULE_OWN = frozenset(vars(torch.nn.Module())) - {"training"}
+
+#: Plain values a predicate may read and a caller may change between calls (a window's width, a mode).
+_SCALARS = (bool, int, float, str, type(None))
+
 
 def captured_tensors(fn, *, requiring_grad: bool = True) -> list[Tensor]:
     """Tensors that ``fn`` can reach (only those that require grad, unless ``requiring_grad`` is
-    False), in a fixed order, without duplicates."""
+    False), in a fixed order, without duplicates: see :func:`captured_state`."""
+    if requiring_grad:
+        return [t for t in captured_state(fn)[0] if t.requires_grad]
+    return captured_state(fn)[0]
+
+
+def captured_state(fn) -> tuple[list[Tensor], list]:
+    """What ``fn`` can reach: its tensors (in a fixed order, without duplicates) and its plain values
+    (``bool``, ``int``, ``float``, ``str``, None: in the order met, repeats included).
+
+    Walked: closure cells, default arguments, the globals its code names (tensors, modules, plain
+    values and functions of its own module), ``functools.partial`` arguments, lists, tuples, sets
+    and dict values, a bound method's object, the attributes of callable objects, and of an
+    ``nn.Module`` (and each of its submodules) its parameters, buffers and every attribute it was
+    given (plain tensors included), up to a depth of 8.
+
+    Not seen: objects that are neither callable nor modules (a config object's fields), numpy
+    arrays, and what a tensor holds beyond its identity and version counter (an edit through
+    ``.data`` or through numpy memory leaves the counter as it was).
+    """
     found: list[Tensor] = []
+    values: list = []
     seen: set[int] = set()
 
     def visit(obj, depth: int) -> None:
+        if isinstance(obj, _SCALARS):
+            values.append(obj)  # before `seen`: a value met twice counts twice, so positions stay put
+            return
         if depth > _MAX_DEPTH or id(obj) in seen:
             return
         seen.add(id(obj))
         if isinstance(obj, Tensor):
-            if obj.requires_grad or not requiring_grad:
-                found.append(obj)
+            found.append(obj)
         elif isinstance(obj, torch.nn.Module):
-            for p in obj.parameters():
-                visit(p, depth + 1)
+            for sub in obj.modules():  # one walk of the tree (parameters(), buffers() would walk it again)
+                for t in sub._parameters.values():
+                    visit(t, depth + 1)
+                for t in sub._buffers.values():
+                    visit(t, depth + 1)
+                for name, value in vars(sub).items():
+                    if name not in _MODULE_OWN:
+                        visit(value, depth + 1)
         elif isinstance(obj, list | tuple | set | frozenset):
             for item in obj:
                 visit(item, depth + 1)
@@ -59,7 +96,7 @@ def captured_tensors(fn, *, requiring_grad: bool = True) -> list[Tensor]:
             visit(obj.__kwdefaults__, depth + 1)
             for name in obj.__code__.co_names:
                 g = obj.__globals__.get(name)
-                if isinstance(g, Tensor | torch.nn.Module) or (
+                if isinstance(g, (Tensor, torch.nn.Module, *_SCALARS)) and g is not None or (
                         inspect.isfunction(g) and g.__module__ == obj.__module__):
                     visit(g, depth + 1)
         elif callable(obj) and hasattr(obj, "__dict__") and not inspect.ismodule(obj) \
@@ -67,7 +104,7 @@ def captured_tensors(fn, *, requiring_grad: bool = True) -> list[Tensor]:
             visit(vars(obj), depth + 1)
 
     visit(fn, 0)
-    return found
+    return found, values
 
 
 def check_covered(score_mod, captured: list[Tensor], dtype: torch.dtype, device) -> None:
