@@ -104,6 +104,7 @@ def test_threads_building_plans_at_once_each_get_the_single_threaded_plan(monkey
     assert not wrong, wrong
 
 
+@pytest.mark.slow
 def test_threads_reusing_and_evicting_cached_plans_at_once_never_fail(monkeypatch):
     """Three sizes of one mask, one plan kept: every lookup races an eviction by another thread (a
     lookup then a reorder without a lock raised KeyError here about once in 3,000 calls)."""
