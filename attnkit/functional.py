@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from . import backends
+from . import backends, nonfinite
 from .request import build_request
 
 
@@ -51,7 +51,10 @@ def attention(
 
     Returns:
         ``out [..., H, Lq, Ev]``, or ``(out, weights)`` with ``return_weights=True``. A query row
-        with no key to attend gives zeros (and zero weights and gradients), never NaN.
+        with no key to attend gives zeros (and zero weights and gradients), never NaN. A NaN or an
+        infinity in the inputs makes exactly the rows that see it NaN, on every backend, and leaves
+        every other row as it would be without it: the rule, forward and backward, is in
+        :mod:`attnkit.nonfinite`.
 
     Raises:
         TypeError, ValueError: bad input, naming the argument, what came and what was expected
@@ -69,7 +72,7 @@ def attention(
                         mask_mod=mask_mod, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
                         return_weights=return_weights)
     chosen = backends.select(req, backend)
-    out, weights = chosen(req)
+    out, weights = nonfinite.call(chosen, req)
     return (out, weights) if return_weights else out
 
 

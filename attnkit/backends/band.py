@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
-from .. import scores
+from .. import nonfinite, scores
 from ..request import Request
 from . import _band
 from ._fused import compute_dtype
@@ -47,7 +48,38 @@ class BandBackend:
         reasons = self.not_supported_reasons(req)
         if reasons:  # select() asks first; this is a direct call
             raise ValueError("backend 'band' cannot serve this call: " + "; ".join(reasons))
-        return _band.attention(req, _kernel_plan(req)[0]), None
+        plan = _kernel_plan(req)[0]
+        if plan.bias is not None and not torch.compiler.is_compiling():  # compiled: no check (attnkit.nonfinite)
+            # The score_mod's table is the kernel's input: a NaN in it (or +inf, uncapped) is kept to the rows that
+            # allow its diagonal like a NaN in q, k or v (attnkit.nonfinite), not left to the kernel's vectorised exp.
+            bad = torch.isnan(plan.bias) if plan.softcap else torch.isnan(plan.bias) | torch.isposinf(plan.bias)
+            if bool(bad.any()):
+                return _bad_diagonals(req, plan, bad)
+        return _band.attention(req, plan), None
+
+
+def _bad_diagonals(req: Request, plan: _band.Plan, bad: Tensor) -> tuple[Tensor, None]:
+    """The kernel with the table's ``bad`` diagonals (``[1 or H, Lq + Lk - 1]``) at 0 and the rows that allow
+    one of them poisoned (:func:`attnkit.nonfinite.exact`); the table's gradient is NaN once a row is."""
+    b, h, lq = math.prod(req.batch_shape), req.heads, req.q_len
+    starts, ends = (_per_head(t, req) for t in (plan.starts, plan.ends))  # [B|1, H|1, Lq, K]
+    cum = torch.nn.functional.pad(bad.cumsum(-1), (1, 0))  # bad diagonals before each column
+    cum = cum.view(1, bad.shape[0], 1, -1)
+    bx, hx = starts.shape[0], max(starts.shape[1], bad.shape[0])
+    cum = cum.expand(bx, hx, lq, cum.shape[-1])
+    first = lq - 1 - torch.arange(lq, device=starts.device).view(-1, 1)  # column of key 0 in row i
+    at = (bx, hx, lq, starts.shape[-1])
+    seen = cum.gather(-1, (ends + first).expand(at)) - cum.gather(-1, (starts + first).expand(at))
+    rows = (seen.sum(-1) > 0).expand(b, h, lq)
+    table = nonfinite.sanitized(plan.bias, ~bad, rows.any().expand(plan.bias.shape))
+    clean = plan._replace(bias=table)
+    return nonfinite.exact(lambda r: (_band.attention(r, clean), None), req, rows)
+
+
+def _per_head(t: Tensor, req: Request) -> Tensor:
+    """The kernel's intervals ``[P, Lq, K]`` (``P`` 1, B or B*H) as ``[B|1, H|1, Lq, K]``."""
+    per_head = t.shape[0] > 1 and req.plan is not None and req.plan.heads is not None
+    return t.view(-1, req.heads if per_head else 1, *t.shape[1:])
 
 
 def _kernel_plan(req: Request) -> tuple[_band.Plan | None, str | None]:

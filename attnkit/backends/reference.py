@@ -48,9 +48,15 @@ class ReferenceBackend:
         s = torch.matmul(q, k.transpose(-2, -1)) * req.scale  # [..., H, Lq, Lk]
         if req.bias is not None:
             s = s + req.bias.to(compute)
+        allowed = req.dense_mask()
         if req.score_mod is not None:
             s = apply_score_mod(req, s)
-        weights = masked_softmax(s, req.dense_mask())
+            # What the mod makes -inf is masked too; masked cells are selected out (never -inf added), and
+            # zero in a row the mod made NaN, so that its NaN reaches the allowed keys' gradients only.
+            allowed = ~torch.isneginf(s) if allowed is None else allowed & ~torch.isneginf(s)
+        weights = masked_softmax(s, allowed)
+        if req.score_mod is not None:
+            weights = weights.masked_fill(~allowed, 0.0)
         p = F.dropout(weights, req.dropout_p) if req.dropout_p > 0 else weights
         out = torch.matmul(p, v)  # [..., H, Lq, Ev]
         # A row with no visible key has all-zero weights and gives 0, even against a NaN value (0 * NaN);

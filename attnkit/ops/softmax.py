@@ -28,4 +28,4 @@ def masked_softmax(scores: Tensor, allowed: Tensor | None = None) -> Tensor:
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(scores - m)
     s = e.sum(dim=-1, keepdim=True)
-    return e / torch.where(s > 0, s, torch.ones_like(s))
+    return e / torch.where(s == 0, torch.ones_like(s), s)  # a NaN sum stays NaN: the row's NaN is not hidden
