@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from . import masks as _masks
+from . import nonfinite
 from ._text import describe
 
 __all__ = ["KVCache", "Cached", "visible", "make_caches"]
@@ -91,6 +92,8 @@ class KVCache(nn.Module):
     them here and attends over the whole buffers, the unwritten tail masked out by
     :func:`visible` (causal masks align bottom-right to the written length).
 
+    :attr:`finite` (a 0-d bool buffer) says whether everything written since the last :meth:`reset` is finite.
+
     Args:
         batch_size: ``B``.
         max_len: the most tokens the cache can hold.
@@ -137,6 +140,11 @@ class KVCache(nn.Module):
         # Its host mirror, for what needs a Python int (the overflow check, position offsets):
         # reading the tensor would synchronise with the device on every token.
         self._len = 0
+        # Whether everything written since the last reset is finite: attention's finiteness check
+        # (attnkit.nonfinite) then reads only each step's new tokens, not the whole buffers.
+        self.register_buffer("finite", torch.ones((), dtype=torch.bool, device=device), persistent=False)
+        self._vouched: tuple | None = None  # the buffers' versions when last vouched for
+        self._vouch()
 
     @property
     def seq_len(self) -> int:
@@ -152,9 +160,15 @@ class KVCache(nn.Module):
         return self.cache_pos.clone() if torch.compiler.is_compiling() else self.seq_len
 
     def reset(self) -> None:
-        """Forget everything cached (the buffers keep their memory; stale entries are never read)."""
+        """Forget everything cached: the buffers keep their memory and are zeroed, so that nothing of an
+        earlier sequence (a NaN token, say) stays behind them. The attention masks the unwritten tail anyway;
+        zeros also keep it out of the one finiteness check each call makes (:mod:`attnkit.nonfinite`)."""
         self._len = 0
         self.cache_pos.zero_()
+        self.k.zero_()
+        self.v.zero_()
+        self.finite.fill_(True)
+        self._vouch()
 
     def reorder(self, index: Tensor) -> None:
         """Row ``i`` takes row ``index[i]``'s cached keys and values, in place (beam search: each
@@ -169,8 +183,10 @@ class KVCache(nn.Module):
         if bool(((index < 0) | (index >= b)).any()):
             raise ValueError(f"index entries must be in [0, {b}), got {index.tolist()}")
         index = index.to(self.k.device)
+        self._recheck()
         self.k.copy_(self.k.index_select(0, index))  # whole buffers: the unwritten tail is never read
         self.v.copy_(self.v.index_select(0, index))
+        self._vouch()  # rows of finite buffers are finite
 
     def update(self, k: Tensor, v: Tensor) -> Cached:
         """Write ``L`` new positions at ``cache_pos`` and return the whole buffers.
@@ -211,10 +227,33 @@ class KVCache(nn.Module):
                                  "allocate a longer cache or call reset()")
             self._len = pos + n
         where = self.cache_pos + torch.arange(n, device=self.cache_pos.device)  # (L,) positions to write
+        self._recheck()
+        self.finite.logical_and_(nonfinite.finite(k) & nonfinite.finite(v))
         self.k.index_copy_(2, where, k)
         self.v.index_copy_(2, where, v)
+        self._vouch()
         self.cache_pos.add_(n)
         return Cached(self.k, self.v, self.cache_pos.clone(), self._len)
+
+    def _vouch(self) -> None:
+        """Tell attention's finiteness check what :attr:`finite` says of the buffers as they are now
+        (eager only: under torch.compile the writes void it, and the next eager call reads the buffers)."""
+        if not torch.compiler.is_compiling():
+            nonfinite.vouch(self.k, self.finite)
+            nonfinite.vouch(self.v, self.finite)
+            self._vouched = self._versions()
+
+    def _recheck(self) -> None:
+        """Work :attr:`finite` out from the whole buffers again when they were written since they were
+        vouched for by anything but this cache (a hand-made write, a compiled step)."""
+        if not torch.compiler.is_compiling() and self._versions() != self._vouched:
+            self.finite.copy_(nonfinite.finite(self.k) & nonfinite.finite(self.v))
+
+    def _versions(self) -> tuple | None:
+        try:
+            return self.k._version, self.v._version
+        except RuntimeError:  # inference tensors keep no version counter: nothing was vouched for
+            return self._vouched
 
     def extra_repr(self) -> str:
         return (f"batch_size={self.batch_size}, max_len={self.max_len}, num_kv_heads={self.num_kv_heads}, "

@@ -215,3 +215,43 @@ def test_reorder_refuses_a_bad_index_naming_it(index):
     cache = KVCache(3, 4, num_kv_heads=1, head_dim=2)
     with pytest.raises(ValueError, match="index"):
         cache.reorder(index)
+
+
+def test_reset_zeroes_the_buffers():
+    cache = KVCache(1, 5, num_kv_heads=2, head_dim=3)
+    cache.update(torch.randn(1, 2, 4, 3), torch.full((1, 2, 4, 3), float("nan")))
+    cache.reset()
+    assert torch.equal(cache.k, torch.zeros_like(cache.k)) and torch.equal(cache.v, torch.zeros_like(cache.v))
+
+
+@pytest.mark.parametrize("backend", ["auto", *available()])
+def test_a_nan_token_before_reset_does_not_reach_a_shorter_clean_sequence(backend):
+    torch.manual_seed(3)
+    mha = MultiHeadAttention(8, 2, backend=backend).double().eval()
+    cache = KVCache(1, 8, 2, 4, dtype=torch.float64)
+    poisoned = torch.randn(1, 6, 8, dtype=torch.float64)
+    poisoned[0, 4] = float("nan")
+    with torch.no_grad():
+        assert mha(poisoned, cache=cache, is_causal=True)[0, 4:].isnan().all()  # the NaN token, and after it
+        cache.reset()
+        x = torch.randn(1, 3, 8, dtype=torch.float64)
+        got = torch.cat([mha(x[:, :2], cache=cache, is_causal=True), mha(x[:, 2:], cache=cache, is_causal=True)], 1)
+        fresh = KVCache(1, 8, 2, 4, dtype=torch.float64)
+        want = torch.cat([mha(x[:, :2], cache=fresh, is_causal=True), mha(x[:, 2:], cache=fresh, is_causal=True)], 1)
+    assert torch.equal(got, want)
+
+
+def test_the_finiteness_of_what_was_written_is_kept_and_a_write_by_hand_is_seen():
+    torch.manual_seed(4)
+    mha = MultiHeadAttention(8, 2).double().eval()
+    cache = KVCache(1, 8, 2, 4, dtype=torch.float64)
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        mha(x[:, :2], cache=cache, is_causal=True)
+        assert bool(cache.finite)
+        cache.v[0, 0, 1, 0] = float("nan")  # not through update(): the cache cannot vouch for it
+        assert mha(x[:, 2:3], cache=cache, is_causal=True).isnan().all()
+        assert not bool(cache.finite)
+        cache.reset()
+        assert bool(cache.finite)
+        assert torch.isfinite(mha(x[:, :3], cache=cache, is_causal=True)).all()
