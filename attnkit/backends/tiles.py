@@ -37,6 +37,7 @@ Plain PyTorch, for a reader (what one tile computes)::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -644,6 +645,17 @@ def _scatter_kv(dk: Tensor, dv: Tensor, bt: _tiling.Batch, c: _Chunk, dk_j: Tens
         dv.index_add_(2, index, dv_j.flatten(2, 3))
 
 
+#: The largest |log-sum-exp| whose float32 rounding (half an ulp: 2**-24 relative) keeps the fused
+#: backward's recomputed probabilities within float32's tolerance; beyond it the backward runs in float64.
+LSE_FLOAT32_LIMIT = 128.0
+
+
+def _lse_beyond_float32(lse: Tensor) -> bool:
+    """Whether some row's finite log-sum-exp is too large for the fused float32 backward."""
+    finite = torch.where(torch.isfinite(lse), lse, 0.0)
+    return bool(finite.abs().amax() > LSE_FLOAT32_LIMIT) if finite.numel() else False
+
+
 class _TilesFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, st: _Setup, query: Tensor, key: Tensor, value: Tensor, *captured: Tensor) -> Tensor:
@@ -661,6 +673,13 @@ class _TilesFn(torch.autograd.Function):
         query, key, value, out, lse, *captured = ctx.saved_tensors
         st: _Setup = ctx.st
         compute = _fused.compute_dtype(query.dtype)
+        if st.fused and compute == torch.float32 and _lse_beyond_float32(lse):
+            # PyTorch's fused backward recomputes p = exp(s - lse) from the saved float32 log-sum-exp,
+            # off by up to half its ulp: a relative error of |lse| * 2**-24 in every probability, which
+            # grows past float32's tolerance once scores reach the hundreds. Such rows are recomputed
+            # in float64 (forward statistics included), then rounded once.
+            compute, st = torch.float64, dataclasses.replace(st, fused=False)
+            out, lse = _forward(st, *(t.to(compute) for t in (query, key, value)))
         dq, dk, dv, dcap = _backward(st, query.to(compute), key.to(compute), value.to(compute), out, lse,
                                      dout.to(compute), tuple(captured))
         return (None, dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
