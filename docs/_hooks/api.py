@@ -31,6 +31,7 @@ MODULES = {
     "attnkit.positional": "Positional schemes: sinusoidal, learned, RoPE, ALiBi, T5 buckets, Shaw.",
     "attnkit.modules": "`MultiHeadAttention` and the Transformer blocks.",
     "attnkit.cache": "The static KV cache for decoding.",
+    "attnkit.nonfinite": "The NaN/inf rule every backend keeps, forward and backward, and the check that keeps it.",
     "attnkit.backends": "The backend registry behind `attnkit.attention`.",
     "attnkit.ops": "Numerical primitives: a safe masked softmax, tiles with log-sum-exp.",
     "attnkit.models": "BERT, its tokenizer and GPT-2, built from attnkit's modules.",
