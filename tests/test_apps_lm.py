@@ -152,6 +152,14 @@ def test_repeated_random_sequences_repeat_known_characters():
 
 # --------------------------------------------------------------------------- model and evaluation
 
+def test_head_scores_cover_every_layer_and_head(small_gpt):
+    val = torch.randint(1, 11, (200,), generator=torch.Generator().manual_seed(6))
+    scores = lm.head_scores(small_gpt, val, torch.Generator().manual_seed(7), batch=3)
+    for key in ("previous", "induction", "induction_text"):
+        assert scores[key].shape == (2, 2) and ((scores[key] >= 0) & (scores[key] <= 1)).all(), key
+    assert scores["copy_loss"].shape == (2, 2) and (scores["copy_loss"] > 0).all()
+
+
 def test_the_evaluator_scores_every_character_once(small_gpt):
     ids = torch.randint(11, (50,), generator=torch.Generator().manual_seed(2))
     # One window: the plain formula.
@@ -204,7 +212,8 @@ def test_the_quick_run_learns_and_reports_the_baselines(trained):
     # The smoothed n-grams do better than a uniform guess over the vocabulary.
     assert m["validation perplexity per char, trigram"] < m["validation perplexity per char, bigram"] \
         < m["vocabulary (characters)"]
-    assert 0 <= m["previous-token score"] <= 1 and 0 <= m["induction score"] <= 1
+    for key in ("previous-token score", "induction score", "induction score, held-out text repeated"):
+        assert 0 <= m[key] <= 1, key
 
 
 def test_the_checkpoint_reloads_to_the_same_numbers_bit_for_bit(trained):

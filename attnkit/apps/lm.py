@@ -301,14 +301,27 @@ def repeated_random(batch: int, period: int, vocab_size: int, gen: torch.Generat
     return torch.cat([first, first], dim=1)
 
 
+def _repeat_probe(model: GPT, seq: Tensor, period: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Induction scores ``[layers, heads]`` on ``seq [B, 2 * period]`` (one repeat), and the mean loss
+    on each copy, each without its first character (nothing before it tells what it will be)."""
+    with recorded_attention(model) as maps:
+        logits = model(seq)
+    scores = torch.stack([induction_score(w, period).mean(0) for w in maps])
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), seq[:, 1:].flatten(), reduction="none").view(len(seq), -1)
+    return scores, nll[:, :period - 1].mean(), nll[:, period:].mean()
+
+
 @torch.no_grad()
 def head_scores(model: GPT, val: Tensor, gen: torch.Generator, *, batch: int = 16) -> dict[str, Tensor]:
-    """The detectors on every layer and head, each ``[layers, heads]``, means over ``batch`` inputs.
+    """The detectors on every layer and head, means over ``batch`` inputs.
 
-    ``previous``: on ``batch`` validation windows of ``block_size``, evenly spaced.
-    ``induction``: on ``batch`` random sequences of ``block_size // 2`` known characters repeated once;
-    ``first_copy`` / ``second_copy``: the model's loss (nats per character) on the characters
-    of each copy (the first copy's first character, which has nothing before it, left out).
+    Returns:
+        ``previous [layers, heads]``: on ``batch`` validation windows of ``block_size``, evenly spaced.
+        ``induction [layers, heads]``: on ``batch`` sequences of ``block_size // 2`` random known
+        characters, repeated once (the usual probe: only a head that copies can predict them);
+        ``induction_text``: the same on held-out snippets repeated once (text like the training text).
+        ``copy_loss``: ``[2, 2]`` mean loss, nats per character, on the first and second copy
+        (columns), of the random characters and of the held-out text (rows).
     """
     block = model.block_size
     starts = torch.linspace(0, len(val) - block - 1, batch).long()
@@ -316,13 +329,12 @@ def head_scores(model: GPT, val: Tensor, gen: torch.Generator, *, batch: int = 1
         model(windows(val, starts, block))
     previous = torch.stack([previous_token_score(w).mean(0) for w in maps])
     period = block // 2
-    seq = repeated_random(batch, period, model.tok.num_embeddings, gen)
-    with recorded_attention(model) as maps:
-        logits = model(seq)
-    induction = torch.stack([induction_score(w, period).mean(0) for w in maps])
-    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), seq[:, 1:].flatten(), reduction="none").view(batch, -1)
-    return {"previous": previous, "induction": induction,
-            "first_copy": nll[:, :period - 1].mean(), "second_copy": nll[:, period:].mean()}
+    induction, *random_loss = _repeat_probe(model, repeated_random(batch, period, model.tok.num_embeddings, gen),
+                                            period)
+    snippets = windows(val, starts, period)
+    induction_text, *text_loss = _repeat_probe(model, torch.cat([snippets, snippets], dim=1), period)
+    return {"previous": previous, "induction": induction, "induction_text": induction_text,
+            "copy_loss": torch.tensor([random_loss, text_loss])}
 
 
 # --------------------------------------------------------------------------- pictures
@@ -361,16 +373,17 @@ def draw_loss(losses: list[float], baselines: dict[str, float], gpt_val: float):
 
 
 def draw_scores(scores: dict[str, Tensor]):
-    """Two panels of layer x head cells: the previous-token and induction scores, with their values."""
+    """Three panels of layer x head cells: the previous-token score and both induction scores, with their values."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     layers, heads = scores["previous"].shape
-    fig = Figure(figsize=(2.0 + 1.6 * heads, 0.8 + 0.75 * layers), dpi=110, layout="constrained")
+    fig = Figure(figsize=(2.0 + 2.4 * heads, 1.2 + 0.75 * layers), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 2)
-    for ax, key, title in zip(axes, ("previous", "induction"),
-                              ("previous-token score", "induction score"), strict=True):
+    axes = fig.subplots(1, 3)
+    for ax, key, title in zip(axes, ("previous", "induction", "induction_text"),
+                              ("previous-token score", "induction score,\nrandom characters repeated",
+                               "induction score,\nheld-out text repeated"), strict=True):
         s = scores[key].numpy()
         im = ax.imshow(s, vmin=0, vmax=1, cmap="Blues")
         for (r, c), v in np.ndenumerate(s):
@@ -432,9 +445,9 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
 
     chance_prev = float(previous_token_score(uniform_causal(block)))
     chance_ind = float(induction_score(uniform_causal(block), block // 2))
-    (pl, ph), (il, ih) = _best(scores["previous"]), _best(scores["induction"])
-    best_prev, best_ind = float(scores["previous"][pl, ph]), float(scores["induction"][il, ih])
-    first_copy, second_copy = float(scores["first_copy"]), float(scores["second_copy"])
+    best = {key: _best(scores[key]) for key in ("previous", "induction", "induction_text")}
+    top = {key: float(scores[key][at]) for key, at in best.items()}
+    (rand_first, rand_second), (text_first, text_second) = scores["copy_loss"].tolist()
     ce = {"GPT": gpt_val, **baselines}
     metrics = {
         "modules read": len(cfg["modules"]), "train chars": len(train), "validation chars": len(val),
@@ -443,11 +456,20 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
         **{f"validation nats per char, {name}": x for name, x in ce.items()},
         "first_loss": losses[0], "final_loss": float(np.mean(losses[-50:])), "steps": cfg["steps"],
         "train seconds": train_time.seconds,
-        "best previous-token head": f"layer {pl + 1} head {ph}", "previous-token score": best_prev,
-        "best induction head": f"layer {il + 1} head {ih}", "induction score": best_ind,
-        "repeat loss, first copy": first_copy, "repeat loss, second copy": second_copy,
+        "best previous-token head": _where(best["previous"]), "previous-token score": top["previous"],
+        "best induction head": _where(best["induction"]), "induction score": top["induction"],
+        "best induction head, held-out text repeated": _where(best["induction_text"]),
+        "induction score, held-out text repeated": top["induction_text"],
+        "repeat loss, random characters, 1st copy": rand_first, "repeat loss, random characters, 2nd copy": rand_second,
+        "repeat loss, held-out text, 1st copy": text_first, "repeat loss, held-out text, 2nd copy": text_second,
     }
-    formed = _verdict(best_prev, best_ind, chance_prev, chance_ind, first_copy, second_copy, (pl, ph), (il, ih))
+    formed = " ".join([
+        _said("previous-token", top["previous"], chance_prev, best["previous"]),
+        _said("induction", top["induction"], chance_ind, best["induction"], "on the random characters"),
+        _said("induction", top["induction_text"], chance_ind, best["induction_text"], "on the repeated held-out text"),
+        _copied("random characters", rand_first, rand_second), _copied("held-out text", text_first, text_second),
+        "These scores describe this trained model, with this seed; a head below the threshold may still do part "
+        "of the job."])
     sections = [
         Section("Data and validation perplexity",
                 f"The docstrings of {len(cfg['modules'])} standard-library modules (Python's own, read with inspect; "
@@ -471,8 +493,10 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
                 f"validation windows of {block} characters (uniform causal attention scores {chance_prev:.3f}). "
                 f"Induction score: on {cfg['probe_batch']} sequences of {block // 2} random characters repeated "
                 "once, mean weight from each position of the second copy to the character that followed the "
-                f"same character in the first copy (uniform: {chance_ind:.3f}). A head counts as formed at a "
-                f"score of {FORMED} or more.\n\n{formed}",
+                f"same character in the first copy (uniform: {chance_ind:.3f}); the same on {cfg['probe_batch']} "
+                f"held-out snippets of {block // 2} characters repeated once (text like the training text, where "
+                "the first copy alone already predicts much). Repeat loss: the model's cross-entropy on each "
+                f"copy. A head counts as formed at a score of {FORMED} or more.\n\n{formed}",
                 images=[pictures["scores"], pictures["previous"], pictures["induction"]]),
     ]
     return Result("lm", metrics, total.seconds, sections)
@@ -483,23 +507,22 @@ def _best(score: Tensor) -> tuple[int, int]:
     return layer, head
 
 
-def _verdict(prev: float, ind: float, chance_prev: float, chance_ind: float, first: float, second: float,
-             prev_at: tuple[int, int], ind_at: tuple[int, int]) -> str:
-    def said(name: str, score: float, chance: float, at: tuple[int, int]) -> str:
-        where = f"layer {at[0] + 1} head {at[1]}"
-        if score >= FORMED:
-            return f"A {name} head formed: {where} scores {score:.2f} (uniform attention {chance:.3f})."
-        return (f"No {name} head formed: the best, {where}, scores {score:.2f}, below {FORMED} "
-                f"(uniform attention {chance:.3f}).")
+def _where(at: tuple[int, int]) -> str:
+    return f"layer {at[0] + 1} head {at[1]}"
 
-    copy = (f"On the repeated random characters the model's loss falls from {first:.2f} nats per character on "
-            f"the first copy to {second:.2f} on the second" if second < first else
-            f"On the repeated random characters the model's loss is {first:.2f} nats per character on the "
-            f"first copy and {second:.2f} on the second")
-    return (f"{said('previous-token', prev, chance_prev, prev_at)} {said('induction', ind, chance_ind, ind_at)} "
-            f"{copy}: {'it copies from earlier in its context' if second < 0.5 * first else 'little copying'}. "
-            "These scores measure this trained model with this seed; a head below the threshold may still do "
-            "part of the job.")
+
+def _said(name: str, score: float, chance: float, at: tuple[int, int], probe: str = "") -> str:
+    probe = f" {probe}" if probe else ""
+    if score >= FORMED:
+        return f"A {name} head formed{probe}: {_where(at)} scores {score:.2f} (uniform attention {chance:.3f})."
+    return (f"No {name} head formed{probe}: the best, {_where(at)}, scores {score:.2f}, below {FORMED} "
+            f"(uniform attention {chance:.3f}).")
+
+
+def _copied(what: str, first: float, second: float) -> str:
+    change = "falls" if second < first else "does not fall"
+    return (f"Repeated {what}: the loss {change} from {first:.2f} nats per character on the first copy to "
+            f"{second:.2f} on the second.")
 
 
 def _samples(model: GPT, vocab: CharVocab, val_docs: list[str], cfg: dict,
@@ -519,14 +542,13 @@ def _pictures(model: GPT, vocab: CharVocab, val: Tensor, losses: list[float], ba
               gpt_val: float, scores: dict[str, Tensor], out: Path) -> dict[str, Path]:
     pics = {"loss": save_png(draw_loss(losses, baselines, gpt_val), out / "lm_loss.png"),
             "scores": save_png(draw_scores(scores), out / "lm_head_scores.png")}
-    (pl, ph), (il, ih) = _best(scores["previous"]), _best(scores["induction"])
-    snippet = val[:48]
+    (pl, ph), (il, ih) = _best(scores["previous"]), _best(scores["induction_text"])
     pics["previous"] = _head_picture(
-        model, snippet, vocab, pl, ph, f"Layer {pl + 1} head {ph} on held-out text "
+        model, val[:48], vocab, pl, ph, f"Layer {pl + 1} head {ph} on held-out text "
         f"(previous-token score {float(scores['previous'][pl, ph]):.2f})", out / "lm_previous_token_head.png")
-    period = 20
-    seq = repeated_random(1, period, len(vocab), torch.Generator().manual_seed(0))[0]
+    snippet = val[len(val) // 2:][:24]
     pics["induction"] = _head_picture(
-        model, seq, vocab, il, ih, f"Layer {il + 1} head {ih} on {period} random characters, repeated "
-        f"(induction score {float(scores['induction'][il, ih]):.2f})", out / "lm_induction_head.png")
+        model, torch.cat([snippet, snippet]), vocab, il, ih, f"Layer {il + 1} head {ih} on held-out text, repeated "
+        f"(induction score on such repeats {float(scores['induction_text'][il, ih]):.2f})",
+        out / "lm_induction_head.png")
     return pics

@@ -63,8 +63,9 @@ def _lm(runs: list[Metrics]) -> tuple[str, bool]:
     (m,) = runs
     ppl = {name: m[f"validation perplexity per char, {name}"] for name in ("GPT", "trigram", "bigram")}
     return (f"validation perplexity per char: GPT {ppl['GPT']:.2f}, trigram {ppl['trigram']:.2f}, bigram "
-            f"{ppl['bigram']:.2f}; previous-token head {m['previous-token score']:.2f}, induction head "
-            f"{m['induction score']:.2f}"), ppl["GPT"] < ppl["trigram"]
+            f"{ppl['bigram']:.2f}; best previous-token score {m['previous-token score']:.2f}, induction "
+            f"{m['induction score']:.2f} (random characters repeated), "
+            f"{m['induction score, held-out text repeated']:.2f} (held-out text repeated)"), ppl["GPT"] < ppl["trigram"]
 
 
 def _recall(runs: list[Metrics]) -> tuple[str, bool]:
