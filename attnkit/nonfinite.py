@@ -49,10 +49,12 @@ bias. Small autograd functions put NaN into the gradients the rule names and let
 clean gradients through everywhere else. A false alarm (a sum that overflows) only costs the exact
 path, which then changes nothing.
 
-A ``score_mod`` is a function, so it cannot be sanitized up front: every backend applies its mask
-by selection after the mod (``where(allowed, score, -inf)``, never by adding ``-inf``), and masks
-the probabilities and score gradients of a NaN row the same way, so a NaN the mod makes at a
-masked cell goes nowhere and one at an allowed cell poisons its row in the backend's own arithmetic.
+A ``score_mod`` is a function, so it cannot be sanitized up front: the backends that call it (the
+tiles, the reference) apply the mask by selection after the mod (``where(allowed, score, -inf)``,
+never by adding ``-inf``) and mask the probabilities and score gradients of a NaN row the same
+way, so a NaN the mod makes at a masked cell goes nowhere and one at an allowed cell poisons its
+row in the backend's own arithmetic. The banded kernel takes a score_mod as a table per diagonal,
+small enough to check on every call: its bad diagonals go through :func:`exact` like bad keys.
 
 Under ``torch.compile`` the check is skipped and the backend runs on the inputs as they are: a
 check read on the host would break the graph, and the exact path taken on every call (it has no
