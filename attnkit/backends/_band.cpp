@@ -312,9 +312,10 @@ struct KeyScratch {
 };
 
 // The keys rows row(0..g-1) of set p see (segments, gaps shorter than `gap` closed), in chunks of at
-// most `chunk` keys of head hkv of batch element b: each segment of LONE keys or more read in place,
-// then the shorter ones (a global token's key far from the rows' window) gathered, up to `chunk`
-// keys together, so that they take one product instead of one each. For each chunk,
+// most `chunk` keys of head hkv of batch element b: each segment of LONE keys or more (or more than a
+// chunk) read in place, then the shorter ones (a global token's key far from the rows' window)
+// gathered, up to `chunk` keys together, so that they take one product instead of one each (each
+// fits in a chunk: a longer one would never be taken, and the gathering would not end). For each chunk,
 // body(kp, ldk, vp, ldv, kc, visible, bias_of): its keys and values (rows ldk, ldv apart),
 // visible(i, rg) row i's visible columns as ranges in rg (returns how many), bias_of(i) row i's
 // bias of head h at the chunk's columns.
@@ -323,7 +324,7 @@ void key_chunks(const Rows& R, Index p, Index g, const RowOf& row, Index gap, In
                 const Tensor& v, const Tensor& bias, Index b, Index h, Index hkv, KeyScratch<T>& w, const Body& body) {
   w.lone.clear();
   for (const auto& seg : segments(R, p, g, row, gap, w.iv, w.segs)) {
-    if (seg.second - seg.first < LONE) {
+    if (seg.second - seg.first < LONE && seg.second - seg.first <= chunk) {
       w.lone.push_back(seg);
       continue;
     }
@@ -1023,52 +1024,136 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   });
 }
 
-void check(const Tensor& q, const Tensor& k, const Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "band kernel: q, k, v must be [B, H, L, E]");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "band kernel: last dims must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "band kernel: one dtype");
-  TORCH_CHECK(q.size(1) % k.size(1) == 0, "band kernel: heads must be a multiple of key/value heads");
+bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
+
+// What the entry points check: every argument, before any memory is read or written, as PyTorch's
+// own operators do. A failed check is a RuntimeError naming the argument, what came and what was
+// expected. Each check is O(1) (sizes, strides, dtypes, devices) except the intervals' bounds, one
+// pass over starts and ends; q, k, v are never read for it.
+
+// Block and chunk sizes: at least 1 (work is divided by them), at most this (a thread's scratch is
+// rows x chunk, and a vector per block is sized by them).
+constexpr Index MAX_BLOCK = Index(1) << 20;
+// The BLAS takes sizes and row strides as int.
+constexpr Index MAX_INT = std::numeric_limits<int>::max();
+
+std::string dtype_name(at::ScalarType t) {
+  return t == at::kFloat ? "float32" : t == at::kDouble ? "float64" : t == at::kLong ? "int64" : c10::toString(t);
 }
 
-// Shapes and bounds of the intervals (sortedness and disjointness are the caller's: the plan builds
-// them so; out-of-order intervals would give wrong sums, never out-of-bounds reads).
-void check_rows(const Tensor& q, const Tensor& k, const Tensor& starts, const Tensor& ends) {
-  for (const Tensor* t : {&starts, &ends}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 3 && t->is_contiguous() && t->size(1) == q.size(2) &&
-                    (t->size(0) == 1 || t->size(0) == q.size(0) || t->size(0) == q.size(0) * q.size(1)) &&
-                    t->size(2) >= 1,
-                "band kernel: starts/ends must be contiguous int64 [P, L, K], P 1, B or B*H");
+std::string described(const Tensor& t) {
+  if (!t.defined()) return "an undefined tensor";
+  return c10::str(dtype_name(t.scalar_type()), " ", t.sizes(), t.layout() == at::kStrided ? "" : " (not strided)",
+                  " on ", t.device());
+}
+
+// `name` is a dense CPU tensor of `dtype` with `dims` dimensions (`shape` names them).
+void check_tensor(const Tensor& t, const char* name, at::ScalarType dtype, int64_t dims, const char* shape) {
+  TORCH_CHECK(t.defined() && t.layout() == at::kStrided && t.device().is_cpu() && t.scalar_type() == dtype &&
+                  t.dim() == dims,
+              "band kernel: ", name, " must be a dense ", dtype_name(dtype), " CPU tensor ", shape, ", got ",
+              described(t));
+}
+
+// `name` ([..., rows, width]) has rows the BLAS reads in place: entries contiguous, rows at least a
+// row apart (its leading dimension), that distance an int.
+void check_blas_rows(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1 && t.stride(-2) >= t.size(-1) && t.stride(-2) <= MAX_INT, "band kernel: ", name,
+              " must have unit stride along its last dim and rows at least a row apart (as .contiguous() makes "
+              "it), got strides ",
+              t.strides(), " for sizes ", t.sizes());
+}
+
+// q [B, H, Lq, E], k [B, Hkv, Lk, E], v [B, Hkv, Lk, Ev]: float32 or float64, one dtype, H a multiple of Hkv.
+void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
+  TORCH_CHECK(q.defined() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble),
+              "band kernel: q must be float32 or float64, got ", described(q));
+  const auto dtype = q.scalar_type();
+  check_tensor(q, "q", dtype, 4, "[B, H, Lq, E]");
+  check_tensor(k, "k", dtype, 4, "[B, Hkv, Lk, E] in q's dtype");
+  check_tensor(v, "v", dtype, 4, "[B, Hkv, Lk, Ev] in q's dtype");
+  const Index B = q.size(0), H = q.size(1), E = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == E, "band kernel: k must be [B, Hkv, Lk, E] with q's B = ", B,
+              " and E = ", E, ", got ", k.sizes());
+  TORCH_CHECK(Hkv > 0 ? H % Hkv == 0 : H == 0, "band kernel: q's heads (H = ", H,
+              ") must be a multiple of k's heads (Hkv = ", Hkv, ")");
+  TORCH_CHECK(v.size(0) == B && v.size(1) == Hkv && v.size(2) == S,
+              "band kernel: v must be [B, Hkv, Lk, Ev] with q's B = ", B, " and k's Hkv = ", Hkv, " and Lk = ", S,
+              ", got ", v.sizes());
+  TORCH_CHECK(q.size(2) <= MAX_INT && S <= MAX_INT && E <= MAX_INT && v.size(3) <= MAX_INT,
+              "band kernel: lengths and head sizes must be below 2^31 (the BLAS's int), got q ", q.sizes(), ", v ",
+              v.sizes());
+}
+
+// starts, ends: contiguous int64 [P, Lq, K >= 1], P 1, B or B*H, each 0 <= start <= end <= Lk (their
+// order within a row is the caller's: intervals out of order give wrong sums, never out-of-bounds reads).
+void check_intervals(const Tensor& q, const Tensor& k, const Tensor& starts, const Tensor& ends) {
+  const Index B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&starts, "starts"}, {&ends, "ends"}}) {
+    check_tensor(*t, name, at::kLong, 3, "[P, L, K]");
+    const Index P = t->size(0);
+    TORCH_CHECK(t->is_contiguous() && (P == 1 || P == B || P == B * H) && t->size(1) == L && t->size(2) >= 1,
+                "band kernel: ", name, " must be a contiguous [P, L, K], P 1, B or B*H (1, ", B, " or ", B * H,
+                "), L q's length ", L, " and K >= 1, got ", t->sizes(), t->is_contiguous() ? "" : " (not contiguous)");
   }
-  TORCH_CHECK(starts.sizes() == ends.sizes(), "band kernel: starts and ends must have one shape");
-  const int64_t S = k.size(2);
-  TORCH_CHECK(starts.numel() == 0 || (starts.min().item<int64_t>() >= 0 && ends.max().item<int64_t>() <= S &&
-                                      (ends >= starts).all().item<bool>()),
-              "band kernel: intervals must satisfy 0 <= start <= end <= S");
+  TORCH_CHECK(starts.sizes() == ends.sizes(), "band kernel: starts and ends must have one shape, got ",
+              starts.sizes(), " and ", ends.sizes());
+  const int64_t* s = starts.data_ptr<int64_t>();
+  const int64_t* e = ends.data_ptr<int64_t>();
+  const Index n = starts.numel(), K = starts.size(2);
+  for (Index x = 0; x < n; ++x) {
+    TORCH_CHECK(0 <= s[x] && s[x] <= e[x] && e[x] <= S, "band kernel: intervals must satisfy 0 <= start <= end <= S",
+                " (k's length ", S, "), got (", s[x], ", ", e[x], ") at starts/ends[", x / (L * K), ", ", x / K % L,
+                ", ", x % K, "]");
+  }
 }
 
-void check_softcap(double softcap) {
-  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "band kernel: softcap must be a finite float >= 0 (0: off), got ",
-              softcap);
-}
-
+// bias: [0, 0] for none, else contiguous [1 or H, Lq + Lk - 1], in q's dtype.
 void check_bias(const Tensor& q, const Tensor& k, const Tensor& bias) {
-  if (bias.numel() == 0) return;
-  TORCH_CHECK(bias.scalar_type() == q.scalar_type() && bias.dim() == 2 && bias.is_contiguous() &&
-                  (bias.size(0) == 1 || bias.size(0) == q.size(1)) && bias.size(1) == q.size(2) + k.size(2) - 1,
-              "band kernel: bias must be contiguous [1 or H, L + S - 1] in the inputs' dtype");
+  check_tensor(bias, "bias", q.scalar_type(), 2, "[1 or H, Lq + Lk - 1] in q's dtype ([0, 0] for none)");
+  const Index H = q.size(1), D = q.size(2) + k.size(2) - 1;
+  const bool none = bias.size(0) == 0 && bias.size(1) == 0;
+  TORCH_CHECK(none || ((bias.size(0) == 1 || bias.size(0) == H) && bias.size(1) == D && bias.is_contiguous()),
+              "band kernel: bias must be contiguous [1 or H = ", H, ", Lq + Lk - 1 = ", D, "] ([0, 0] for none), got ",
+              bias.sizes(), bias.is_contiguous() ? "" : " (not contiguous)");
+}
+
+// scale finite and softcap finite and >= 0 (0: off), both in q's dtype; block sizes in [1, MAX_BLOCK].
+void check_numbers(const Tensor& q, double scale, double softcap, Index rows, const char* rows_name, Index chunk,
+                   const char* chunk_name) {
+  const auto finite = [&](double x) {
+    return std::isfinite(x) && (q.scalar_type() != at::kFloat || std::abs(x) <= std::numeric_limits<float>::max());
+  };
+  TORCH_CHECK(finite(scale), "band kernel: scale must be finite in q's dtype, got ", scale);
+  TORCH_CHECK(finite(softcap) && softcap >= 0, "band kernel: softcap must be a finite float >= 0 (0: off), got ",
+              softcap);
+  for (const auto& [x, name] : {std::pair<Index, const char*>{rows, rows_name}, {chunk, chunk_name}}) {
+    TORCH_CHECK(x >= 1 && x <= MAX_BLOCK, "band kernel: ", name, " must be between 1 and ", MAX_BLOCK, ", got ", x);
+  }
+}
+
+void check_blas() {
+  TORCH_CHECK(has_blas(), "band kernel: this torch does not export the BLAS functions (sgemm_/dgemm_) it calls");
 }
 
 std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
                                  const Tensor& ends, const Tensor& bias, double scale, double softcap, Index q_rows,
                                  Index kv_chunk) {
-  check(q, k, v);
-  check_softcap(softcap);
-  check_rows(q, k, starts, ends);
+  check_qkv(q, k, v);
+  check_intervals(q, k, starts, ends);
   check_bias(q, k, bias);
+  check_numbers(q, scale, softcap, q_rows, "q_rows", kv_chunk, "kv_chunk");
   // [B, H, L, Ev] laid out as [B, L, H, Ev], as PyTorch's CPU flash kernel does: merging the heads
   // after attention (what every model does next) is then a view, not a copy
   Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
   Tensor stats = at::empty({2, q.size(0), q.size(1), q.size(2)}, q.options());  // row maximum, log of row sum
+  if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) {  // nothing to compute; empty views may have any strides
+    return {out.zero_(), stats.fill_(-std::numeric_limits<double>::infinity())};
+  }
+  check_blas_rows(q, "q");
+  check_blas_rows(k, "k");
+  check_blas_rows(v, "v");
+  check_blas();
   const Rows R(starts, ends, q.size(0), q.size(1));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_forward", [&] {
     forward_impl<scalar_t>(q, k, v, out, stats, R, bias, static_cast<scalar_t>(scale), static_cast<scalar_t>(softcap),
@@ -1081,21 +1166,39 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
                                   const Tensor& out, const Tensor& stats, const Tensor& starts, const Tensor& ends,
                                   const Tensor& bias, double scale, double softcap, Index kv_rows, Index q_chunk,
                                   bool deterministic, bool bias_grad) {
-  check(q, k, v);
-  check_softcap(softcap);
-  check_rows(q, k, starts, ends);
+  check_qkv(q, k, v);
+  const Index B = q.size(0), H = q.size(1), L = q.size(2);
+  // dout and out [B, H, Lq, Ev], stats the forward's [2, B, H, Lq], in q's dtype
+  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&dout, "dout"}, {&out, "out"}}) {
+    check_tensor(*t, name, q.scalar_type(), 4, "[B, H, Lq, Ev] in q's dtype");
+    TORCH_CHECK(t->sizes() == at::IntArrayRef({B, H, L, v.size(3)}), "band kernel: ", name,
+                " must be [B, H, Lq, Ev] = ", at::IntArrayRef({B, H, L, v.size(3)}), " (q's B, H, Lq and v's Ev), got ",
+                t->sizes());
+  }
+  check_tensor(stats, "stats", q.scalar_type(), 4, "[2, B, H, Lq] in q's dtype");
+  TORCH_CHECK(stats.sizes() == at::IntArrayRef({2, B, H, L}) && stats.is_contiguous(),
+              "band kernel: stats must be the forward's contiguous [2, B, H, Lq] = ", at::IntArrayRef({2, B, H, L}),
+              ", got ", stats.sizes(), stats.is_contiguous() ? "" : " (not contiguous)");
+  check_intervals(q, k, starts, ends);
   check_bias(q, k, bias);
+  check_numbers(q, scale, softcap, kv_rows, "kv_rows", q_chunk, "q_chunk");
+  if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) {  // as in the forward
+    return {at::zeros_like(q, at::MemoryFormat::Contiguous), at::zeros_like(k, at::MemoryFormat::Contiguous),
+            at::zeros_like(v, at::MemoryFormat::Contiguous), at::zeros_like(bias, at::MemoryFormat::Contiguous)};
+  }
+  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"},
+                                {&out, "out"}}) {
+    check_blas_rows(*t, name);
+  }
+  check_blas();
   // The bias gradient, per thread (no slots when none is wanted: a constant table, such as ALiBi's
   // fixed slopes, skips the pass over dS that sums it)
   Tensor dbias = at::zeros({bias.numel() > 0 && bias_grad ? at::get_num_threads() : 0, bias.size(0), bias.size(1)},
                            q.options());
-  TORCH_CHECK(dout.stride(3) == 1 && out.stride(3) == 1 && out.sizes() == dout.sizes() && stats.is_contiguous() &&
-                  stats.dim() == 4 && stats.size(0) == 2,
-              "band kernel: dout and out rows must be contiguous and stats the forward's [2, B, H, L]");
-  Tensor delta = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  Tensor delta = at::empty({B, H, L}, q.options());
   Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
   Tensor dv = at::zeros(v.sizes(), v.options());
-  const Rows R(starts, ends, q.size(0), q.size(1));
+  const Rows R(starts, ends, B, H);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
     row_dots<scalar_t>(dout, out, delta);
     backward_impl<scalar_t>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, static_cast<scalar_t>(scale),
@@ -1104,12 +1207,20 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
   return {dq, dk, dv, dbias.size(0) > 0 ? dbias.sum(0) : at::zeros_like(bias)};
 }
 
-bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &band_forward, "out and [2, B, H, L] row maxima and log row sums of banded attention");
-  m.def("backward", &band_backward, "dq, dk, dv, dbias of banded attention");
+  m.def("forward", &band_forward,
+        "forward(q, k, v, starts, ends, bias, scale, softcap, q_rows, kv_chunk) -> [out, stats]: out [B, H, Lq, Ev] "
+        "and stats [2, B, H, Lq] (row maxima, log row sums) of banded attention. Checks every argument first "
+        "(RuntimeError naming it): q [B, H, Lq, E] float32/float64, k [B, Hkv, Lk, E] and v [B, Hkv, Lk, Ev] in its "
+        "dtype with H a multiple of Hkv, all dense CPU with rows the BLAS can read; starts/ends contiguous int64 "
+        "[P, Lq, K >= 1], P 1, B or B*H, 0 <= start <= end <= Lk; bias [0, 0] or contiguous [1 or H, Lq + Lk - 1]; "
+        "scale finite, softcap finite >= 0; q_rows, kv_chunk in [1, 2^20]");
+  m.def("backward", &band_backward,
+        "backward(dout, q, k, v, out, stats, starts, ends, bias, scale, softcap, kv_rows, q_chunk, deterministic, "
+        "bias_grad) -> [dq, dk, dv, dbias] of banded attention. Checks what forward checks, and dout, out "
+        "[B, H, Lq, Ev] with rows the BLAS can read, stats the forward's contiguous [2, B, H, Lq], all in q's dtype; "
+        "kv_rows, q_chunk in [1, 2^20]");
   m.def("has_blas", &has_blas, "whether torch exposes the BLAS this module calls");
 }

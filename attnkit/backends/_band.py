@@ -22,15 +22,20 @@ matches; :mod:`._build` does the caching and says how. ``ATTNKIT_BUILD=0`` forbi
 cached build is still used); a failed build is not retried for an hour unless ``ATTNKIT_BUILD=1``.
 If anything fails (no compiler, a cache folder others may write to, a torch without the BLAS
 symbols, a self-check against the formula that does not match), :func:`available` is False, the
-reason is in :func:`unavailable_reason`, and the blockwise backend uses its other paths.
+reason is in :func:`unavailable_reason`, and the blockwise backend uses its other paths. The module
+is loaded and self-checked once per process, under a lock (:func:`._build.once`): threads making
+their first call together wait for that one load and all get the module (or the same reason).
+
+Both operators check every argument before touching memory and name the one that does not fit
+("What they check", above the operators below).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import sys
+import threading
 import weakref
 from pathlib import Path
 from typing import NamedTuple
@@ -38,7 +43,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._tracing import real_tensors
+from .._tracing import assume_constant_result, real_tensors
 from ..request import Request
 from . import _build
 from ._fused import compute_dtype
@@ -71,7 +76,7 @@ class Plan(NamedTuple):
     softcap: float = 0.0
 
 
-@torch.compiler.assume_constant_result  # asked once while tracing, not traced (it builds and self-checks)
+@assume_constant_result  # asked once while tracing, not traced (it builds and self-checks)
 def available() -> bool:
     """Whether the kernel is built (building it now if needed) and passed its self-check."""
     return _checked() is not None
@@ -120,13 +125,20 @@ def run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor,
     if d:  # every d-th key: each class of positions mod d is a plain band of its own (see _dilation)
         (q, k, v), (starts, ends) = (_fold(t, d) for t in (q, k, v)), rows
         table = table[:, d - 1::d]  # diagonal x of a class is x * d of the positions: column y -> d * y + d - 1
-    out, _ = torch.ops.attnkit.band_forward(q, k, v, starts, ends, table, float(scale), float(softcap))
+    if _plain_call(q, k, v, table):  # the operator's own work without its dispatch (see _plain_call)
+        out, _ = _forward(q, k, v, starts, ends, table, float(scale), float(softcap))
+    else:
+        out, _ = torch.ops.attnkit.band_forward(q, k, v, starts, ends, table, float(scale), float(softcap))
     if d:
         out = _unfold(out, d)
     return out.reshape(*query.shape[:-1], value.shape[-1]).to(query.dtype)
 
 
-_DILATED: dict[int, tuple] = {}  # id(starts) -> (a weak reference to it, then what _dilated found for it)
+# id(starts) -> (weak references to starts and ends, their versions and the sizes, then what _dilated found).
+# Both tensors are held weakly and compared by identity, so an id recycled by a new tensor never
+# returns another tensor's result; threads read it freely and change it one at a time.
+_DILATED: dict[int, tuple] = {}
+_DILATED_LOCK = threading.Lock()
 
 
 def _dilated(starts: Tensor, ends: Tensor, batch: int, heads: int, q_len: int, kv_len: int
@@ -138,16 +150,18 @@ def _dilated(starts: Tensor, ends: Tensor, batch: int, heads: int, q_len: int, k
     if starts.is_inference() or ends.is_inference():  # no version counter to see a write by: not kept
         d = _dilation(starts, ends, batch, heads, q_len, kv_len)
         return d, _folded_rows(starts, ends, d, batch, heads, kv_len) if d else None
-    key = (starts._version, id(ends), ends._version, batch, heads, q_len, kv_len)
+    key = (starts._version, ends._version, batch, heads, q_len, kv_len)
     hit = _DILATED.get(id(starts))
-    if hit is None or hit[0]() is not starts or hit[1] != key:
+    if hit is None or hit[0]() is not starts or hit[1]() is not ends or hit[2] != key:
         d = _dilation(starts, ends, batch, heads, q_len, kv_len)
-        if len(_DILATED) >= 64:  # plans come and go: keep the live ones
-            for gone in [i for i, h in _DILATED.items() if h[0]() is None]:
-                del _DILATED[gone]
-        hit = weakref.ref(starts), key, d, _folded_rows(starts, ends, d, batch, heads, kv_len) if d else None
-        _DILATED[id(starts)] = hit
-    return hit[2], hit[3]
+        hit = (weakref.ref(starts), weakref.ref(ends), key, d,
+               _folded_rows(starts, ends, d, batch, heads, kv_len) if d else None)
+        with _DILATED_LOCK:
+            if len(_DILATED) >= 64:  # plans come and go: keep the live ones
+                for gone in [i for i, h in _DILATED.items() if h[0]() is None or h[1]() is None]:
+                    del _DILATED[gone]
+            _DILATED[id(starts)] = hit
+    return hit[3], hit[4]
 
 
 def _dilation(starts: Tensor, ends: Tensor, batch: int, heads: int, q_len: int, kv_len: int) -> int:
@@ -237,8 +251,9 @@ def _table(bias: Tensor | None, like: Tensor) -> Tensor:
 
 
 def _rows(x: Tensor) -> Tensor:
-    """``x [B, H, L, E]`` with rows the BLAS can read: unit stride along E, rows at least E apart."""
-    return x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous()
+    """``x [B, H, L, E]`` with rows the BLAS can read: unit stride along E, rows at least E apart
+    (a tensor of another shape is passed as it is, for the kernel to refuse by name)."""
+    return x if x.dim() < 2 or (x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1]) else x.contiguous()
 
 
 # The kernel as two PyTorch operators (``torch.ops.attnkit.band_forward`` / ``band_backward``): a
@@ -248,14 +263,46 @@ def _rows(x: Tensor) -> Tensor:
 # ``starts``/``ends`` as in :func:`run`, ``bias`` ``[1 or H, Lq + Lk - 1]`` or ``[0, 0]`` for none.
 # Outputs: ``out [B, H, Lq, Ev]`` (laid out as ``[B, Lq, H, Ev]``: merging heads after it is a view)
 # and ``stats [2, B, H, Lq]`` (each row's maximum and log row sum).
+#
+# What they check. Both operators, and the compiled module's ``forward``/``backward`` under them,
+# check every argument before any memory is touched and raise a RuntimeError that names the
+# argument, what came and what was expected (the checks are in ``_band.cpp``, O(1) but for one
+# pass over the intervals):
+# - band_forward: q float32 or float64, 4-D; k, v 4-D in its dtype; k's batch and head size q's,
+#   v's batch, heads and length k's, q's heads a multiple of k's; every tensor dense and on the
+#   CPU; lengths and head sizes below 2^31; starts and ends contiguous int64 ``[P, Lq, K]`` of one
+#   shape, P 1, B or B*H, K >= 1, each ``0 <= start <= end <= Lk``; bias 2-D in q's dtype, ``[0, 0]``
+#   or contiguous ``[1 or H, Lq + Lk - 1]``; scale finite, softcap finite and >= 0 (in q's dtype);
+#   unless q, k or v is empty (zeros and -inf statistics then), q, k and v with unit stride along
+#   the last dim and rows at least a row apart (what the BLAS reads in place; the operator makes
+#   them so, the module's forward refuses them otherwise). The module's own block sizes (q_rows,
+#   kv_chunk) must be in [1, 2^20].
+# - band_backward: all of that, and dout and out ``[B, H, Lq, Ev]`` (q's B, H, Lq, v's Ev) with rows as
+#   q's, stats the forward's contiguous ``[2, B, H, Lq]``, all in q's dtype; kv_rows, q_chunk in [1, 2^20].
+# What is not checked: that each row's intervals are sorted and disjoint (the plan builds them
+# so; out of order they give wrong sums, never a read out of bounds).
+
+def _plain_call(*tensors: Tensor) -> bool:
+    """Whether the forward can skip the operator's dispatch and call the module directly: plain CPU
+    tensors (no subclass, no functorch transform, nothing being traced) with no gradient to record.
+    The dispatch of a ``torch.library.custom_op`` costs tens of microseconds per call (a decode step
+    calls the kernel once per layer) and its first call imports ``torch._dynamo`` (seconds); the
+    module computes the same thing either way."""
+    return (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)) and all(
+        type(t) is Tensor for t in tensors) and not torch._C._are_functorch_transforms_active() and (
+        not torch.compiler.is_compiling())
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tensor, bias: Tensor, scale: float,
+             softcap: float) -> tuple[Tensor, Tensor]:
+    return _module().forward(_rows(q), _rows(k), _rows(v), starts.contiguous(), ends.contiguous(),
+                             bias.contiguous(), scale, softcap, Q_ROWS, KV_CHUNK)
+
 
 @torch.library.custom_op("attnkit::band_forward", mutates_args=(), device_types="cpu")
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tensor, bias: Tensor, scale: float,
                   softcap: float) -> tuple[Tensor, Tensor]:
-    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:  # nothing to compute; empty views may have any strides
-        return _new_out(q, v).zero_(), q.new_full((2, *q.shape[:-1]), float("-inf"))
-    out, stats = _module().forward(_rows(q), _rows(k), _rows(v), starts.contiguous(), ends.contiguous(),
-                                   bias.contiguous(), scale, softcap, Q_ROWS, KV_CHUNK)
+    out, stats = _forward(q, k, v, starts, ends, bias, scale, softcap)
     return out, stats
 
 
@@ -274,8 +321,6 @@ def _new_out(q: Tensor, v: Tensor) -> Tensor:
 def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor, starts: Tensor,
                    ends: Tensor, bias: Tensor, scale: float, softcap: float, deterministic: bool,
                    bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), bias.new_zeros(bias.shape)
     return tuple(_module().backward(_rows(dout), _rows(q), _rows(k), _rows(v), _rows(out), stats.contiguous(),
                                     starts.contiguous(), ends.contiguous(), bias.contiguous(), scale, softcap,
                                     KV_ROWS, Q_CHUNK, deterministic, bias_grad))
@@ -304,7 +349,7 @@ def _gradient(ctx, dout, _dstats):
 _forward_impl.register_autograd(_gradient, setup_context=_save_for_backward)
 
 
-@functools.cache
+@_build.once  # threads making their first call together wait for one load and self-check
 def _checked():
     """The compiled module once it has matched the formula, else None (reason in ``_reason``)."""
     global _reason
@@ -314,11 +359,14 @@ def _checked():
         _reason = f"could not build {SOURCE.name}: {e}"
         print(f"attnkit: {_reason}; the blockwise backend uses its tile plan instead", file=sys.stderr)
         return None
-    if not mod.has_blas():
-        _reason = "this torch does not export the BLAS functions (sgemm_/dgemm_) the kernel calls"
-        return None
-    with real_tensors(), torch.inference_mode(False), torch.enable_grad():  # the first caller may be under no_grad
-        err = _self_check(mod)
+    try:
+        if not mod.has_blas():
+            _reason = "this torch does not export the BLAS functions (sgemm_/dgemm_) the kernel calls"
+            return None
+        with real_tensors(), torch.inference_mode(False), torch.enable_grad():  # the first caller may be under no_grad
+            err = _self_check(mod)
+    except Exception as e:  # a module that raises where it should compute is not used either
+        err = f"{type(e).__name__}: {e}"
     if err is not None:
         _reason = f"self-check against the formula failed: {err}"
         print(f"attnkit: banded kernel {_reason}; not used", file=sys.stderr)
@@ -403,13 +451,9 @@ def _intervals(allowed: Tensor) -> tuple[Tensor, Tensor]:
                     j = e
                 j += 1
     k = max(1, max(len(r) for batch in rows for r in batch))
-    starts = torch.full((allowed.shape[0], allowed.shape[1], k), lk, dtype=torch.long)
-    ends = starts.clone()
-    for p, batch in enumerate(rows):
-        for i, row in enumerate(batch):
-            for n, (a, e) in enumerate(row):
-                starts[p, i, n], ends[p, i, n] = a, e
-    return starts, ends
+    padded = torch.tensor([[row + [(lk, lk)] * (k - len(row)) for row in batch] for batch in rows],
+                          dtype=torch.long).view(allowed.shape[0], allowed.shape[1], k, 2)
+    return padded[..., 0].contiguous(), padded[..., 1].contiguous()
 
 
 def _formula(q, k, v, dout, starts, ends, bias, scale, softcap=0.0):
@@ -430,7 +474,7 @@ def _formula(q, k, v, dout, starts, ends, bias, scale, softcap=0.0):
     return out.detach(), (q.grad, k.grad, v.grad, dbias)
 
 
-@functools.cache
+@_build.once  # one load per process; a failure is remembered with its reason (a BuildError each call)
 def _module():
     """The compiled kernel, from the cache or built now (:func:`._build.load`; raises its BuildError)."""
     name, cflags, _ = _target()

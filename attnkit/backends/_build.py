@@ -22,12 +22,18 @@ or raises :class:`BuildError` with a one-line reason. The cache (``$ATTNKIT_CACH
 
 ``ATTNKIT_BUILD=0`` forbids compiling (a verified cached build is still used); ``ATTNKIT_BUILD=1``
 retries a build that failed recently.
+
+Within a process, modules are imported one at a time (pybind11 3 keeps a completed module per name
+and skips the initialisation of a second object made for that name meanwhile: two threads importing
+together could get a module with no functions), and :func:`once` makes a lazily built global (a
+loaded and self-checked module) once, under a lock, remembering a failure with its reason.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -36,9 +42,12 @@ import os
 import stat
 import sys
 import tempfile
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from .._io import atomic_write
 
@@ -48,9 +57,42 @@ RETRY_AFTER_S = 3600
 #: How long a process waits for another one's build before giving up (builds take 40-80 s on 2 cores).
 LOCK_WAIT_S = 600
 
+_T = TypeVar("_T")
+_IMPORTING = threading.Lock()  # one import of an extension module at a time in this process
+
 
 class BuildError(RuntimeError):
     """Why the module could not be loaded or built, in one line."""
+
+
+def once(build: Callable[[], _T]) -> Callable[[], _T]:
+    """``build`` as a lazily built global: run on the first call only, under a lock, so that threads
+    making their first call together wait for the one that builds and all get the same object.
+
+    A :class:`BuildError` it raises is remembered: that call and every later one raise a BuildError
+    with the same reason (a failed load stays a failure with its reason, never a half-made result,
+    and is not tried again in this process). Any other exception is not remembered: the next call
+    builds again. ``.cache_clear()`` forgets the outcome, as :func:`functools.cache`'s does.
+    """
+    lock = threading.RLock()  # (a build that calls itself recurses instead of deadlocking)
+    outcome: list[tuple] = []  # [(value, None)] or [(None, reason)] once decided
+
+    @functools.wraps(build)
+    def get() -> _T:
+        if not outcome:  # (after the first call, no lock: the list is appended to once, when complete)
+            with lock:
+                if not outcome:
+                    try:
+                        outcome.append((build(), None))
+                    except BuildError as e:
+                        outcome.append((None, str(e)))
+        value, reason = outcome[0]
+        if reason is not None:
+            raise BuildError(reason)
+        return value
+
+    get.cache_clear = outcome.clear
+    return get
 
 
 def cache_dir() -> Path:
@@ -156,8 +198,9 @@ def _load_cached(name: str):
 
 def _import(name: str, path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    with _IMPORTING:  # made and initialised before another import of the name may start (see the top)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
     return mod
 
 

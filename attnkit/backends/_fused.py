@@ -22,12 +22,11 @@ gives log-sum-exp 0 from the kernel (torch 2.13); callers pass ``dead`` rows and
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
-from .._tracing import real_tensors
+from .._tracing import assume_constant_result, real_tensors
+from ._build import once
 
 _NEG_INF = float("-inf")
 
@@ -86,13 +85,13 @@ def dead_rows(mask: Tensor | None) -> Tensor | None:
     return dead if bool(dead.any()) else None
 
 
-@torch.compiler.assume_constant_result  # asked once while tracing, not traced (it runs a self-check)
+@assume_constant_result  # asked once while tracing, not traced (it runs a self-check)
 def available() -> bool:
     """True when this torch has the kernel and it agrees with the formula (checked once)."""
     return _checked()
 
 
-@functools.cache
+@once  # threads asking first together wait for one self-check
 def _checked() -> bool:
     if _FWD is None or _BWD is None:
         return False

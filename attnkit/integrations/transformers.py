@@ -152,8 +152,10 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(NAME, attnkit_attention_forward)
+    # The mask first: a thread that finds "attnkit" among the attention functions finds its mask too.
+    # (Each register is one dict update; calling this from several threads writes the same values.)
     AttentionMaskInterface.register(NAME, attnkit_mask)
+    AttentionInterface.register(NAME, attnkit_attention_forward)
 
 
 register()

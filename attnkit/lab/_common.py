@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..backends._build import once
 from ..positional import SinusoidalPositionalEncoding
 
 #: The tiny task: reverse a sequence of LENGTH tokens drawn from VOCAB symbols. Output ``i`` is
@@ -108,9 +108,10 @@ def save(fig, path: Path) -> Path:
         plt.close(fig)
 
 
-@functools.cache
+@once
 def minilm():
-    """The bundled MiniLM (loaded once per process: several experiments read it)."""
+    """The bundled MiniLM (loaded once per process, by one thread while others wait: several
+    experiments read it; a failed load is not remembered, the next call tries again)."""
     from ..models import Bert
 
     return Bert.from_pretrained()
