@@ -3,8 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 from torch import Tensor
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def assume_constant_result(fn: _F) -> _F:
+    """:func:`torch.compiler.assume_constant_result` without importing ``torch._dynamo`` (seconds of
+    start-up that every process using attnkit would pay, compiling or not): the decorator only marks
+    the function (``_dynamo_marked_constant``), which is what torch 2.5-2.13 do; tests check that the
+    mark is still torch's and that compiled calls still treat these functions as constants."""
+    if "torch._dynamo" in sys.modules:  # already paid for: torch's own decorator
+        import torch
+
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 @contextlib.contextmanager

@@ -62,7 +62,7 @@ def probe_indices(grid: tuple[int, ...], device) -> tuple[Tensor, ...]:
                  for i, p in enumerate(picks))
 
 
-@torch.compiler.assume_constant_result  # while tracing: decided on real tensors, a constant of the graph
+@_tracing.assume_constant_result  # while tracing: decided on real tensors, a constant of the graph
 def _needs_per_element(mod, grid: tuple[int, ...], device: torch.device, score_dtype) -> bool:
     try:
         needed = _per_element.get(mod)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import elementwise
 from . import masks as _masks
+from ._tracing import assume_constant_result
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 Window = tuple[int | None, int | None]
@@ -295,7 +296,7 @@ def _probe_mods(mask_mod, score_mod, sample: tuple[Tensor, ...], query: Tensor) 
                          "the score's shape (a reduction such as score.sum() would make attention uniform)")
 
 
-@torch.compiler.assume_constant_result  # read once while tracing, not a graph break at every call
+@assume_constant_result  # read once while tracing, not a graph break at every call
 def max_dense_bytes() -> float:
     """The most bytes of dense ``[..., H, Lq, Lk]`` tensors one call may materialise.
 
@@ -343,7 +344,7 @@ def check_dense_fits(what: str, shape, dtype: torch.dtype, copies: int) -> None:
                          "a window= also restricts the work to nearby keys")
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _free_memory() -> int:
     """Unused physical memory, a cheap lower bound of what is available (0 where unknown)."""
     try:

@@ -56,13 +56,12 @@ def longformer_intervals(n: int, window: int, globals_: int) -> tuple[torch.Tens
 
 
 def dense(starts: torch.Tensor, ends: torch.Tensor, lk: int) -> torch.Tensor:
-    """Bool ``[P, 1, Lq, Lk]``: cell (i, j) allowed iff some interval of row i holds j, cell by cell."""
-    p, lq, k = starts.shape
-    allowed = torch.zeros(p, 1, lq, lk, dtype=torch.bool)
-    for b in range(p):
-        for i in range(lq):
-            for n in range(k):
-                allowed[b, 0, i, int(starts[b, i, n]):int(ends[b, i, n])] = True
+    """Bool ``[P, 1, Lq, Lk]``: cell (i, j) allowed iff some interval of row i holds j (each of the K
+    interval slots compared with every column)."""
+    j = torch.arange(lk)
+    allowed = torch.zeros(starts.shape[0], 1, starts.shape[1], lk, dtype=torch.bool)
+    for n in range(starts.shape[2]):
+        allowed[:, 0] |= (starts[:, :, n, None] <= j) & (j < ends[:, :, n, None])
     return allowed
 
 

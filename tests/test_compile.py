@@ -216,3 +216,36 @@ def test_an_exported_encoder_layer_runs_the_banded_kernel(strict):
     assert "attnkit.band_forward.default" in ops
     x2 = torch.randn(2, 50, 32, dtype=torch.float64)
     close(program.module()(x2, key_mask), Windowed()(x2, key_mask))
+
+
+def test_the_constant_mark_is_the_one_torch_sets():
+    """attnkit marks its once-decided functions without importing torch._dynamo (start-up cost); the
+    mark must stay the one torch's own decorator sets, or compiled calls would trace them."""
+    from attnkit import _tracing
+    from attnkit.backends import _fused
+
+    def probe():
+        return 0
+
+    torch.compiler.assume_constant_result(probe)
+    marked = [k for k in vars(probe)]
+    assert marked == ["_dynamo_marked_constant"] and probe._dynamo_marked_constant is True
+    for fn in (_band.available, _fused.available, _tracing.assume_constant_result(lambda: 1)):
+        assert getattr(fn, "_dynamo_marked_constant", False) is True, fn
+
+
+def test_eager_attention_without_gradients_does_not_import_the_compiler(tmp_path):
+    """Importing attnkit and calling the banded kernel (no gradient) leaves torch._dynamo unimported:
+    its import costs seconds every process would pay at its first call."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, attnkit\n"
+            "q = torch.randn(1, 2, 64, 8)\n"
+            "attnkit.attention(q, q, q, window=(4, 4))\n"
+            "print(attnkit.which_backend(q, q, q, window=(4, 4)), 'torch._dynamo' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "ATTNKIT_BUILD": "0"})
+    assert proc.returncode == 0, proc.stderr
+    backend, imported = proc.stdout.split()
+    assert imported == "False", (backend, proc.stderr)
