@@ -17,8 +17,10 @@ from attnkit.apps import _common, task
 # ---------------------------------------------------------------- app checkpoints
 
 #: The tasks whose load declares its config keys (``FIELDS``); a task added later joins by declaring them.
-CHECKED = ("vit", "caption", "translate", "classify", "recommend")
-_BUILD = {name: task(name).build for name in CHECKED}  # the real ones, for tests that replace them
+CHECKED = ("vit", "caption", "translate", "classify", "recommend", "lm")
+#: Tasks whose keys have other names (the generic hostile configs below do not apply): own cases only.
+OWN_NAMES = ("recall",)
+_BUILD = {name: task(name).build for name in CHECKED + OWN_NAMES}  # the real ones, for tests that replace them
 
 
 def _config(name: str) -> dict:
@@ -28,16 +30,27 @@ def _config(name: str) -> dict:
         cfg["vocab"] = ["<pad>", "<unk>", "river", "bank"]
     if name == "vit":
         cfg["model"] = "vit"
+    if name == "lm":
+        cfg.update(vocab_size=12, chars=list("abcdefghijk"))
     return cfg
+
+
+@pytest.fixture(params=CHECKED + OWN_NAMES)
+def saved_any(request, tmp_path):
+    return _saved(request.param, tmp_path)
 
 
 @pytest.fixture(params=CHECKED)
 def saved(request, tmp_path):
+    return _saved(request.param, tmp_path)
+
+
+def _saved(name, tmp_path):
     """(task module, config, the saved model in eval mode, its folder) for each task, quick sizes."""
-    m = task(request.param)
-    cfg = _config(request.param)
+    m = task(name)
+    cfg = _config(name)
     torch.manual_seed(0)
-    model = _BUILD[request.param](cfg).eval()
+    model = _BUILD[name](cfg).eval()
     _common.save(tmp_path, model, cfg)
     return m, cfg, model, tmp_path
 
@@ -50,8 +63,8 @@ def _write(folder, cfg):
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
-def test_each_task_loads_what_it_saved_bit_for_bit(saved):
-    m, cfg, model, folder = saved
+def test_each_task_loads_what_it_saved_bit_for_bit(saved_any):
+    m, cfg, model, folder = saved_any
     back = m.load(folder)
     assert not back.training and back.state_dict().keys() == model.state_dict().keys()
     for k, v in model.state_dict().items():
@@ -74,7 +87,7 @@ def never_built(monkeypatch):
     def built(config):
         raise AssertionError("the model was built before config.json was checked against the weights")
 
-    for name in CHECKED:
+    for name in CHECKED + OWN_NAMES:
         monkeypatch.setattr(task(name), "build", built)
 
 
@@ -111,6 +124,12 @@ def test_a_hostile_config_is_refused_before_building(saved, never_built, change,
      r"key 'vocab' has 7 entries, but model\.safetensors stores 4 rows of 'embed\.weight'"),
     ("classify", {"vocab": "abc"}, r"key 'vocab' must be a list of strings, got str"),
     ("recommend", {"num_items": 10**6}, r"key 'num_items' is 1,000,000, but 'item\.weight' in model\.safetensors"),
+    ("lm", {"block_size": 10**6}, r"key 'block_size' is 1,000,000, but 'pos\.weight' in model\.safetensors"),
+    ("lm", {"vocab_size": 7}, r"key 'vocab_size' is 7, but 'tok\.weight' in model\.safetensors has shape"),
+    ("recall", {"attn_heads": 5}, r"key 'attn_heads' \(5\) must divide 'embed_dim' \(\d+\)"),
+    ("recall", {"attn_layers": 10**5}, r"key 'attn_layers' is 100,000, but model\.safetensors holds \d+ \("),
+    ("recall", {"lstm_hidden": 2**20}, r"key 'lstm_hidden' is 1,048,576, but 'LSTM\.head\.weight'"),
+    ("recall", {"num_values": "8"}, r"key 'num_values' must be int, got '8'"),
     ("translate", {"decoder_layers": 3}, r"key 'decoder_layers' is 3, but model\.safetensors holds 1 "
                                          r"\(transformer\.decoder\.layers\.0\)"),
 ])
@@ -220,3 +239,13 @@ def test_a_missing_kind_argument_is_named(kind, args, error, pattern):
     q = torch.randn(1, 2, 5, 8)
     with pytest.raises(error, match=pattern):
         approx.attention(q, q, q, kind=kind, **args)
+
+
+@pytest.mark.parametrize("chars, got", [("abc", "str"), (["ab", "c"], "2 entries"), (["a", "a"], "2 entries")])
+def test_a_language_model_vocabulary_must_be_distinct_characters(tmp_path, chars, got):
+    from attnkit.apps import lm
+
+    _write(tmp_path, {"chars": chars})
+    with pytest.raises(ValueError, match=rf"config\.json: key 'chars' must be a list of distinct single "
+                                         rf"characters, got {got}"):
+        lm.load_vocab(tmp_path)

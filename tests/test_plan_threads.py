@@ -59,72 +59,19 @@ def same(a, b) -> bool:
                                                          and a[2] == b[2]))
 
 
-@pytest.mark.slow
-def test_threads_building_plans_at_once_each_get_the_single_threaded_plan(monkeypatch):
-    mods = predicates()
-    want = [intervals(attnkit.mask_plan(mod, q_len=lq, kv_len=lk, batch=b, heads=h)) for (lq, lk, b, h), mod in mods]
-    assert all(w is not None for w in want)
-    ways = {w[2] for w in want}
-    assert ways == {"closed form", "ranges", "every cell"}, ways
-    requests = [build_request(*(torch.randn(b, h, n, 4) for n in (lq, lk, lk)), mask_mod=mod)
-                for (lq, lk, b, h), mod in mods]
-    monkeypatch.setattr(plan, "PLANS_PER_PREDICATE", 1)  # evictions all the time, while others look up
+def race(body, interval: float) -> None:
+    """``body(me, together)`` in THREADS threads released together (``together()`` holds each until
+    all reach it again), with threads switching every ``interval`` seconds (far more often than
+    usual: a race shows sooner); fails with the errors any raised."""
     old_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # threads switch far more often than usual: a race shows sooner
-    barrier = threading.Barrier(THREADS)
-    wrong: list[str] = []
-    errors: list[BaseException] = []
-
-    def work(me: int) -> None:
-        try:
-            for r in range(ROUNDS):
-                barrier.wait()
-                order = [(me * 5 + r * 3 + n) % len(mods) for n in range(len(mods))]
-                for n in order:
-                    (lq, lk, b, h), mod = mods[n]
-                    if (me + r + n) % 2:
-                        got = attnkit.mask_plan(mod, q_len=lq, kv_len=lk, batch=b, heads=h)
-                    else:  # through the cache (for_request, not req.plan: that keeps the plan in the request)
-                        got = plan.for_request(requests[n])
-                    if not same(intervals(got), want[n]):
-                        wrong.append(f"thread {me}, round {r}, predicate {n}")
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-            barrier.abort()
-
-    try:
-        threads = [threading.Thread(target=work, args=(me,)) for me in range(THREADS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old_interval)
-    assert not errors, errors
-    assert not wrong, wrong
-
-
-@pytest.mark.slow
-def test_threads_reusing_and_evicting_cached_plans_at_once_never_fail(monkeypatch):
-    """Three sizes of one mask, one plan kept: every lookup races an eviction by another thread (a
-    lookup then a reorder without a lock raised KeyError here about once in 3,000 calls)."""
-    requests = [build_request(*(torch.randn(1, 1, n, 4) for _ in range(3)), is_causal=True) for n in (8, 9, 10)]
-    want = [intervals(plan.for_request(req)) for req in requests]
-    monkeypatch.setattr(plan, "PLANS_PER_PREDICATE", 1)
-    plan._cache.clear()  # from here every size's plan is built and cached in turn, evicting another's
-    old_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
+    sys.setswitchinterval(interval)
     barrier = threading.Barrier(THREADS)
     errors: list[BaseException] = []
-    wrong: list[tuple[int, int]] = []
 
     def work(me: int) -> None:
         try:
             barrier.wait()
-            for r in range(CALLS):  # each plan dropped at once: evicted plans are freed inside the cache's calls
-                n = (me + r) % len(requests)
-                if not same(intervals(plan.for_request(requests[n])), want[n]):
-                    wrong.append((me, r))
+            body(me, barrier.wait)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
             barrier.abort()
@@ -138,4 +85,52 @@ def test_threads_reusing_and_evicting_cached_plans_at_once_never_fail(monkeypatc
     finally:
         sys.setswitchinterval(old_interval)
     assert not errors, errors[:3]
+
+
+@pytest.mark.slow
+def test_threads_building_plans_at_once_each_get_the_single_threaded_plan(monkeypatch):
+    mods = predicates()
+    want = [intervals(attnkit.mask_plan(mod, q_len=lq, kv_len=lk, batch=b, heads=h)) for (lq, lk, b, h), mod in mods]
+    assert all(w is not None for w in want)
+    ways = {w[2] for w in want}
+    assert ways == {"closed form", "ranges", "every cell"}, ways
+    requests = [build_request(*(torch.randn(b, h, n, 4) for n in (lq, lk, lk)), mask_mod=mod)
+                for (lq, lk, b, h), mod in mods]
+    monkeypatch.setattr(plan, "PLANS_PER_PREDICATE", 1)  # evictions all the time, while others look up
+    wrong: list[str] = []
+
+    def body(me: int, together) -> None:
+        for r in range(ROUNDS):
+            together()
+            order = [(me * 5 + r * 3 + n) % len(mods) for n in range(len(mods))]
+            for n in order:
+                (lq, lk, b, h), mod = mods[n]
+                if (me + r + n) % 2:
+                    got = attnkit.mask_plan(mod, q_len=lq, kv_len=lk, batch=b, heads=h)
+                else:  # through the cache (for_request, not req.plan: that keeps the plan in the request)
+                    got = plan.for_request(requests[n])
+                if not same(intervals(got), want[n]):
+                    wrong.append(f"thread {me}, round {r}, predicate {n}")
+
+    race(body, 1e-5)
+    assert not wrong, wrong
+
+
+@pytest.mark.slow
+def test_threads_reusing_and_evicting_cached_plans_at_once_never_fail(monkeypatch):
+    """Three sizes of one mask, one plan kept: every lookup races an eviction by another thread (a
+    lookup then a reorder without a lock raised KeyError here about once in 3,000 calls)."""
+    requests = [build_request(*(torch.randn(1, 1, n, 4) for _ in range(3)), is_causal=True) for n in (8, 9, 10)]
+    want = [intervals(plan.for_request(req)) for req in requests]
+    monkeypatch.setattr(plan, "PLANS_PER_PREDICATE", 1)
+    plan._cache.clear()  # from here every size's plan is built and cached in turn, evicting another's
+    wrong: list[tuple[int, int]] = []
+
+    def body(me: int, together) -> None:
+        for r in range(CALLS):  # each plan dropped at once: evicted plans are freed inside the cache's calls
+            n = (me + r) % len(requests)
+            if not same(intervals(plan.for_request(requests[n])), want[n]):
+                wrong.append((me, r))
+
+    race(body, 1e-6)
     assert not wrong, wrong[:3]

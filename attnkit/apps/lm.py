@@ -20,7 +20,6 @@ the KV cache, and two head detectors on the trained model (:func:`previous_token
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -40,9 +39,11 @@ from ..viz.report import Section
 from . import _common, _corpus, _ngram
 from ._common import Result, Timer, save_png
 
+# No dropout: about two passes over the training text leave little to overfit, and on the CPU
+# dropout's random masks cost a third of a step.
 DEFAULTS: dict = {
-    "steps": 1200, "lr": 2e-3, "warmup": 100, "batch_size": 32, "block_size": 128, "embed_dim": 128,
-    "num_heads": 4, "num_layers": 4, "ffn_dim": 512, "dropout": 0.1, "min_char_count": 20,
+    "steps": 1000, "lr": 4e-3, "warmup": 100, "batch_size": 16, "block_size": 128, "embed_dim": 96,
+    "num_heads": 4, "num_layers": 3, "ffn_dim": 384, "dropout": 0.0, "min_char_count": 20,
     "modules": _corpus.MODULES, "samples": 3, "sample_chars": 240, "temperature": 0.8, "probe_batch": 16,
 }
 # Seconds: five small modules, a two-layer model.
@@ -165,14 +166,35 @@ def build(config: dict) -> GPT:
     return GPT(**{k: config[k] for k in MODEL_KEYS})
 
 
+#: What :func:`load` checks in ``config.json`` against the weights before building.
+FIELDS = {
+    "vocab_size": _common.size("tok.weight", 0),
+    "block_size": _common.size("pos.weight", 0),
+    "embed_dim": _common.size("tok.weight", 1),
+    "num_heads": _common.heads("embed_dim"),
+    "num_layers": _common.layers("layers"),
+    "ffn_dim": _common.size("layers.0.ff.linear1.weight", 0),
+    "dropout": _common.probability(),
+}
+
+
 def load(dir: str | Path) -> GPT:
-    """The model saved by :func:`run` into ``dir``."""
-    return _common.load(dir, build)
+    """The model saved by :func:`run` into ``dir`` (checked first: :func:`attnkit.apps._common.load`)."""
+    return _common.load(dir, build, FIELDS)
 
 
 def load_vocab(dir: str | Path) -> CharVocab:
-    """The character vocabulary saved with the model in ``dir``'s ``config.json``."""
-    return CharVocab(json.loads((Path(dir) / _common.CONFIG).read_text(encoding="utf-8"))["chars"])
+    """The character vocabulary saved with the model in ``dir``'s ``config.json`` (read with the
+    checkpoint reader's size limits; ``chars`` must be distinct single characters)."""
+    from ..models import checkpoint as ckpt
+
+    path = ckpt.member(Path(dir), _common.CONFIG)
+    chars = ckpt.read_json(path).get("chars")
+    if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars) or (
+            len(set(chars)) != len(chars)):
+        got = f"{len(chars)} entries" if isinstance(chars, list) else type(chars).__name__
+        raise ValueError(f"{path}: key 'chars' must be a list of distinct single characters, got {got}")
+    return CharVocab(chars)
 
 
 @contextmanager
@@ -513,16 +535,19 @@ def _where(at: tuple[int, int]) -> str:
 
 def _said(name: str, score: float, chance: float, at: tuple[int, int], probe: str = "") -> str:
     probe = f" {probe}" if probe else ""
+    times = f"{score / chance:.0f} times" if score >= 2 * chance else "about" if score >= chance / 2 else "below"
+    against = f"{times} uniform attention's {chance:.3f}"
     if score >= FORMED:
-        return f"A {name} head formed{probe}: {_where(at)} scores {score:.2f} (uniform attention {chance:.3f})."
-    return (f"No {name} head formed{probe}: the best, {_where(at)}, scores {score:.2f}, below {FORMED} "
-            f"(uniform attention {chance:.3f}).")
+        article = "An" if name[0] in "aeiou" else "A"
+        return f"{article} {name} head formed{probe}: {_where(at)} scores {score:.2g}, {against}."
+    return f"No {name} head formed{probe}: the best, {_where(at)}, scores {score:.2g}, below {FORMED} ({against})."
 
 
 def _copied(what: str, first: float, second: float) -> str:
-    change = "falls" if second < first else "does not fall"
-    return (f"Repeated {what}: the loss {change} from {first:.2f} nats per character on the first copy to "
-            f"{second:.2f} on the second.")
+    loss = f"{first:.2f} nats per character on the first copy, {second:.2f} on the second"
+    if second < 0.8 * first:
+        return f"Repeated {what}: {loss}; the model copies from earlier in its context."
+    return f"Repeated {what}: {loss}; no sign of copying from earlier in the context."
 
 
 def _samples(model: GPT, vocab: CharVocab, val_docs: list[str], cfg: dict,

@@ -168,9 +168,22 @@ def build(config: dict) -> nn.ModuleDict:
     return nn.ModuleDict({name: build_one(name, config) for name in MODELS})
 
 
+#: What :func:`load` checks in ``config.json`` against the weights before building.
+FIELDS = {
+    "num_values": _common.size("RNN.head.weight", 0),
+    "embed_dim": _common.size("RNN.embed.weight", 1),
+    "rnn_hidden": _common.size("RNN.head.weight", 1),
+    "lstm_hidden": _common.size("LSTM.head.weight", 1),
+    "attn_heads": _common.heads("embed_dim"),
+    "attn_layers": _common.layers("attention.encoder.layers"),
+    "attn_ffn": _common.size("attention.encoder.layers.0.ff.linear1.weight", 0),
+}
+
+
 def load(dir: str | Path) -> nn.ModuleDict:
-    """The three models saved by :func:`run` into ``dir``, by name (``models["LSTM"]``...)."""
-    return _common.load(dir, build)
+    """The three models saved by :func:`run` into ``dir``, by name (``models["LSTM"]``...), checked
+    first (:func:`attnkit.apps._common.load`)."""
+    return _common.load(dir, build, FIELDS)
 
 
 def param_count(model: nn.Module) -> int:
@@ -226,6 +239,10 @@ def cpu_name() -> str:
 
 # --------------------------------------------------------------------------- pictures
 
+_STYLES = ({"marker": "o", "lw": 4, "ms": 9, "alpha": 0.6}, {"marker": "s", "lw": 3, "ms": 7, "alpha": 0.8},
+           {"marker": "^", "lw": 1.5, "ms": 5, "ls": "--"})
+
+
 def draw_accuracy(acc: dict[str, dict[int, float]], chance: float, steps: int):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -233,12 +250,13 @@ def draw_accuracy(acc: dict[str, dict[int, float]], chance: float, steps: int):
     fig = Figure(figsize=(6.0, 3.8), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for name, by_d in acc.items():
-        ax.plot(list(by_d), [100 * a for a in by_d.values()], marker="o", label=name)
+    # Wide solid lines under thin dashed ones: equal curves (two models at 100%) stay both visible.
+    for (name, by_d), style in zip(acc.items(), _STYLES, strict=False):
+        ax.plot(list(by_d), [100 * a for a in by_d.values()], label=name, **style)
     ax.axhline(100 * chance, color="grey", ls=":", label=f"chance ({chance:.0%})")
     ax.set_xlabel("distance (tokens between the answer and the query)")
     ax.set_ylabel("held-out accuracy (%)")
-    ax.set_ylim(0, 102)
+    ax.set_ylim(0, 105)
     ax.set_title(f"Recall after {steps} training steps")
     ax.legend(fontsize=8)
     return fig
@@ -252,8 +270,8 @@ def draw_step_time(times: dict[int, dict[str, float]], cpu: str, threads: int):
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     lengths = list(times)
-    for name in MODELS:
-        ax.plot(lengths, [1e3 * times[n][name] for n in lengths], marker="o", label=name)
+    for name, style in zip(MODELS, _STYLES, strict=True):
+        ax.plot(lengths, [1e3 * times[n][name] for n in lengths], label=name, **style)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length")

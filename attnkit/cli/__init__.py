@@ -51,9 +51,14 @@ positive_int = int_at_least(1)
 
 
 def prepare_out(out: Path) -> None:
-    """Create the ``--out`` folder, or raise :class:`UserError` saying in one line why it cannot be."""
+    """Create the ``--out`` folder, or raise :class:`UserError` saying in one line why it cannot be
+    (not the user's own, writable by others, a dangling link: :func:`attnkit._io.own_folder`)."""
+    from .._io import own_folder
+
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        own_folder(out, "--out")
+    except ValueError as e:
+        raise UserError(str(e)) from None
     except OSError as e:
         raise UserError(f"--out {out}: cannot create this folder ({e.strerror or e})") from None
     if not os.access(out, os.W_OK | os.X_OK):

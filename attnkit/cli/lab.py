@@ -26,7 +26,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from .._io import own_folder
     from ..lab import EXPERIMENTS, check_names
     from . import UserError, prepare_out
 
@@ -39,13 +38,7 @@ def run(args) -> int:
         names = check_names(args.names)
     except ValueError as e:
         raise UserError(str(e)) from None
-    try:  # the default ./attnkit-lab, run from /tmp, may have been made by someone else
-        own_folder(args.out, "--out")
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    except OSError as e:
-        raise UserError(f"--out {args.out}: cannot create this folder ({e.strerror or e})") from None
-    prepare_out(args.out)
+    prepare_out(args.out)  # the default ./attnkit-lab, run from /tmp, may have been made by someone else
     from ..lab import run_one, verdict_table, write_report
 
     findings = []
