@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnkit.lab import EXPERIMENTS, VERDICTS, Finding, check_names, run_one, write_report
+from attnkit.lab import EXPERIMENTS, VERDICTS, Finding, check_names, label, run_one, write_report
 from attnkit.modules import MultiHeadAttention
 
+from .test_report import label_problems, readability_problems
 from .tolerances import close
 
 
@@ -122,8 +123,39 @@ def test_init_zero_and_identical_heads_stay_stuck(findings):
 
 def test_report_holds_every_experiment(findings, tmp_path):
     page = write_report(list(findings.values()), tmp_path, quick=True).read_text(encoding="utf-8")
-    for name in EXPERIMENTS:
-        assert f"<td>{name}</td>" in page
+    for name, (_, title) in EXPERIMENTS.items():
+        assert f"<td>{title}</td>" in page and f"<h2>{title}</h2>" in page
+        assert f"Run alone: attnkit lab {name}" in page
+
+
+def test_every_figure_has_a_label_for_people(findings):
+    for f in findings.values():
+        assert set(f.figures) <= set(f.labels), f"{f.name}: no label for {sorted(set(f.figures) - set(f.labels))}"
+        for key in f.figures:
+            assert label_problems(f.labels[key]) == [], f.name
+
+
+def test_the_report_shows_labels_and_tables_not_variable_names_or_reprs(findings, tmp_path):
+    page = write_report(list(findings.values()), tmp_path, quick=True).read_text(encoding="utf-8")
+    assert readability_problems(page, first_column=True) == []
+    for f in findings.values():
+        shown = [k for k in f.figures if "_" in k and k in page]
+        assert shown == [], f"{f.name}: figure keys visible in the report: {shown}"
+    # The per-d_k table is a table of its own, with its columns labelled; nested figures are tables.
+    assert "<td>Softmax Jacobian trace, sum a(1 - a), unscaled (d_k = 4096)</td>" in page
+    assert "Scores and softmax slope by d_k</h2>" in page and "<th>Jacobian trace, unscaled</th>" in page
+    assert '<th scope="row">Reverse</th>' in page and "<th>Convolution 3</th>" in page
+    assert '<td class="num">0, 1, 0, 1, 0, 1</td>' in page
+
+
+def test_a_figure_without_a_label_is_shown_without_underscores(tmp_path):
+    assert label("frac_saturated", {}) == "Frac saturated" and label(16, {}) == 16
+    assert label("x_y", {"x_y": "Chosen"}) == "Chosen"
+    f = Finding("cost", "claim", {"time_ms_by_n": {1024: 9.5}, "some_ratio": 2.0}, "supported", "why")
+    page = write_report([f], tmp_path, quick=True).read_text(encoding="utf-8")
+    assert "<td>Some ratio</td>" in page and "<td>Time ms by n</td>" in page
+    assert '<th scope="row">1024</th><td class="num">9.5</td>' in page
+    assert readability_problems(page, first_column=True) == []
 
 
 def test_unknown_names_and_bad_verdicts_are_refused():

@@ -10,11 +10,13 @@ Usage::
     from attnkit import lab
     finding = lab.run_one("scaling", quick=True, out=Path("lab-out"))
     print(finding.verdict, finding.figures["frac_saturated_unscaled_4096"])
+    print(finding.labels["frac_saturated_unscaled_4096"])  # what the report calls that figure
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,11 +44,16 @@ class Finding:
     Args:
         name: the experiment's key in :data:`EXPERIMENTS`.
         claim: the claim tested, in words.
-        figures: the measured numbers, by name (floats, ints or short strings).
+        figures: the measured numbers, by key (floats, ints, short strings, or mappings and lists
+            of them); the keys are for code, the report shows ``labels``.
         verdict: ``supported``, ``refuted`` or ``depends``.
         why: one sentence explaining the verdict.
         pictures: PNG files written into the output folder.
         seconds: how long the experiment took.
+        labels: what the report calls each figure key, and each key inside a figure that is a
+            mapping (a table's column, a dictionary's entry): words with units, such as
+            ``"Jacobian trace, unscaled (d_k = 4096)"``. A key without one is shown with its
+            underscores as spaces.
     """
 
     name: str
@@ -56,6 +63,7 @@ class Finding:
     why: str
     pictures: list[Path] = field(default_factory=list)
     seconds: float = 0.0
+    labels: dict[object, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -102,22 +110,54 @@ def run_one(name: str, *, quick: bool, out: Path) -> Finding:
 
 
 def verdict_table(findings: list[Finding]) -> list[dict[str, object]]:
-    """One row per finding: experiment, verdict, seconds and why (for printing and for the report)."""
+    """One row per finding: experiment (its name), verdict, seconds and why, for printing (the
+    report shows the claims' titles instead: :func:`write_report`)."""
     return [{"experiment": f.name, "verdict": f.verdict, "seconds": round(f.seconds, 1), "why": f.why}
             for f in findings]
 
 
+def label(key: object, labels: Mapping[object, str]) -> object:
+    """What the report calls ``key``: its entry in ``labels``; else a string key with its
+    underscores as spaces and its first letter capitalised; else the key itself (a number)."""
+    if key in labels:
+        return labels[key]
+    if isinstance(key, str):
+        words = key.replace("_", " ").strip()
+        return words[:1].upper() + words[1:]
+    return key
+
+
+def _shown(value: object, labels: Mapping[object, str]) -> object:
+    """``value`` with every mapping key inside it replaced by its :func:`label`."""
+    if isinstance(value, Mapping):
+        return {label(k, labels): _shown(v, labels) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_shown(v, labels) for v in value]
+    return value
+
+
+def _is_rows(value: object) -> bool:
+    return isinstance(value, list | tuple) and bool(value) and all(isinstance(v, Mapping) for v in value)
+
+
 def write_report(findings: list[Finding], out: Path, *, quick: bool) -> Path:
-    """``out/report.html``: the verdict table, then each experiment's claim, verdict, figures and pictures."""
+    """``out/report.html``: the verdict table, then each experiment's claim, verdict, figures and
+    pictures. Figures appear under their :attr:`Finding.labels`; one that is a list of rows (a
+    table of its own) gets its own section after the experiment's."""
     from ..viz import report
 
     intro = ("Each claim that tutorials make about attention, tested by a small experiment"
              + (" (quick settings: fewer steps and sizes)." if quick else "."))
-    sections = [report.Section("Verdicts", intro, table=[{k: v for k, v in row.items() if k != "why"}
-                                                         for row in verdict_table(findings)])]
+    sections = [report.Section("Verdicts", intro, table=[
+        {"Experiment": EXPERIMENTS[f.name][1], "Verdict": f.verdict, "Seconds": round(f.seconds, 1)}
+        for f in findings])]
     for f in findings:
-        figures = [{"figure": k, "value": v if isinstance(v, int | float) else str(v)} for k, v in f.figures.items()]
-        sections.append(report.Section(f"{f.name}: {EXPERIMENTS[f.name][1]}",
-                                       f"Claim: {f.claim}\n\nVerdict: {f.verdict}. {f.why}", table=figures,
-                                       images=f.pictures))
+        title = EXPERIMENTS[f.name][1]
+        tables = {k: v for k, v in f.figures.items() if _is_rows(v)}
+        figures = [{"Figure": label(k, f.labels), "Value": _shown(v, f.labels)}
+                   for k, v in f.figures.items() if k not in tables]
+        sections.append(report.Section(title, f"Claim: {f.claim}\n\nVerdict: {f.verdict}. {f.why}\n\n"
+                                              f"Run alone: attnkit lab {f.name}", table=figures, images=f.pictures))
+        sections += [report.Section(f"{title}: {label(k, f.labels)}", table=_shown(v, f.labels))
+                     for k, v in tables.items()]
     return report.write_report(Path(out) / "report.html", "attnkit lab", sections)

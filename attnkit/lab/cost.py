@@ -89,4 +89,15 @@ def run(quick: bool, out: Path) -> Finding:
            f"so O(n^2 d m) for m heads is wrong (the heads split d); their time rose "
            f"x{figures['time_ratio_16_vs_1_heads']:.1f} here with a backend that materialises the scores, from "
            "writing, normalising and reading h score matrices, not from arithmetic.")
-    return Finding("cost", CLAIM, figures, "supported" if ok else "depends", why, [pic])
+    labels = {"flops_exponent_n": f"Exponent of the counted FLOPs in n (d = {d_fixed})",
+              "memory_exponent_n": f"Exponent of the counted score memory in n (d = {d_fixed})",
+              "measured_memory_exponent_n": "Exponent of the measured score memory in n (weights returned)",
+              "flops_exponent_d": f"Exponent of the counted FLOPs in d (n = {n_fixed})",
+              "time_exponent_n": f"Exponent of the measured time in n (d = {d_fixed})",
+              "time_exponent_d": f"Exponent of the measured time in d (n = {n_fixed})",
+              "flops_ratio_16_vs_1_heads": f"FLOPs, 16 heads / 1 head (n = 512, width {width})",
+              "score_memory_ratio_16_vs_1_heads": f"Score memory, 16 heads / 1 head (n = 512, width {width})",
+              "time_ratio_16_vs_1_heads": f"Time, 16 heads / 1 head (n = 512, width {width})",
+              "time_ms_by_n": f"Time by n (ms, d = {d_fixed})",
+              "time_ms_by_heads": f"Time by number of heads (ms, n = 512, width {width})"}
+    return Finding("cost", CLAIM, figures, "supported" if ok else "depends", why, [pic], labels=labels)

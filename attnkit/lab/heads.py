@@ -106,7 +106,7 @@ def run(quick: bool, out: Path) -> Finding:
     overlap = len(links["river"]["top3"] & links["china"]["top3"])
     figures = {"sentences": len(texts), **{f"heads_{k}": v for k, v in counts.items()},
                **{f"{w}_{f}": v for w, d in links.items() for f, v in d.items() if f != "top3"},
-               "top3_overlap_river_china": overlap, "kinds_by_layer": [" ".join(r) for r in kinds]}
+               "top3_overlap_river_china": overlap, "kinds_by_layer": {i: " ".join(r) for i, r in enumerate(kinds)}}
     fig, axes = figure(len(KINDS), width=2.3, height=2.6)
     for ax, kind in zip(axes[0], KINDS, strict=True):
         im = ax.imshow(stats[kind].numpy(), vmin=0, vmax=1, cmap="viridis")
@@ -120,4 +120,15 @@ def run(quick: bool, out: Path) -> Finding:
            f"{counts['broad']} and mixed {counts['mixed']}; after removing what a position-matched control sentence "
            f"gets, the heads that link bank to river ({links['river']['top_head_excess']}) and to China "
            f"({links['china']['top_head_excess']}) share {overlap} of their top 3.")
-    return Finding("heads", CLAIM, figures, verdict, why, [pic])
+    kind_words = {"previous": "the previous token", "next": "the next token", "self": "the token itself",
+                  "delimiter": "[CLS] or [SEP]"}
+    labels = {"sentences": "Sentences",
+              **{f"heads_{k}": f"Heads attending to {w}" for k, w in kind_words.items()},
+              "heads_broad": "Heads spreading broadly", "heads_mixed": "Heads of mixed kind",
+              **{f"{w}_{f}": f"From bank to {w.replace('china', 'China')}: {what}" for w in links for f, what in (
+                  ("top_head_raw", "strongest head"), ("weight_raw", "its weight"),
+                  ("top_head_excess", "strongest head over the control sentence"),
+                  ("excess", "its weight over the control sentence"))},
+              "top3_overlap_river_china": "Top-3 heads shared by bank to river and bank to China",
+              "kinds_by_layer": f"Kind of each head by layer (heads 0 to {len(kinds[0]) - 1}, left to right)"}
+    return Finding("heads", CLAIM, figures, verdict, why, [pic], labels=labels)

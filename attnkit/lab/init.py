@@ -69,4 +69,10 @@ def run(quick: bool, out: Path) -> Finding:
            f"and nothing flows back through them), identical constant weights give every head the same gradient, "
            f"so after {steps} steps the heads still differ by {res['constant']['weight_head_spread_q']:g} "
            f"(accuracy {res['constant']['accuracy']:.2f}), while Xavier reaches {res['xavier']['accuracy']:.2f}.")
-    return Finding("init", CLAIM, figures, "supported" if ok else "depends", why, [pic])
+    starts = {"xavier": "Xavier start", "zero": "Zero start", "constant": "Constant start (0.05)"}
+    labels = {f"{fill}_{k}": f"{start}: {what}" for fill, start in starts.items() for k, what in (
+        ("grad_norm_q", "norm of W_q's first gradient"),
+        ("grad_head_spread_q", "largest difference between heads in W_q's first gradient"),
+        ("weight_head_spread_q", f"largest difference between heads in W_q after {steps} steps"),
+        ("accuracy", f"reversal-task accuracy after {steps} steps"))}
+    return Finding("init", CLAIM, figures, "supported" if ok else "depends", why, [pic], labels=labels)

@@ -66,4 +66,9 @@ def run(quick: bool, out: Path) -> Finding:
                f"({figures['params_with_wo'] - figures['params_without_wo']:,} fewer parameters): each head then "
                f"writes its own slice of the residual stream and the next layers mix them, and {fold}; W_O is "
                "needed where the concatenated width differs from the model's, not everywhere.")
-    return Finding("output_projection", CLAIM, figures, verdict, why, [pic])
+    labels = {"accuracy_with_wo": f"Reversal-task accuracy after {steps} steps, with W_O",
+              "accuracy_without_wo": f"Reversal-task accuracy after {steps} steps, without W_O",
+              "params_with_wo": "Attention parameters, with W_O",
+              "params_without_wo": "Attention parameters, without W_O",
+              "fold_error": "Largest difference after folding W_O into the next linear layer"}
+    return Finding("output_projection", CLAIM, figures, verdict, why, [pic], labels=labels)

@@ -61,4 +61,11 @@ def run(quick: bool, out: Path) -> Finding:
            f"with them); PE(pos + k) = PE(pos) M_k holds to {max(residuals.values()):.1e} for k in {offsets}; "
            "and it is odd dimensions, not odd positions, that use cosine (position 1 starts with "
            f"sin(1) = {table[1, 0].item():.3f}).")
-    return Finding("positions", CLAIM, figures, "supported" if ok else "depends", why, [pic])
+    labels = {"permutation_error_no_pe": "Largest change when the input is permuted, without positions",
+              "permutation_error_with_pe": "Largest change when the input is permuted, with sinusoidal positions",
+              "max_linear_map_residual": "Largest residual of PE(pos + k) = PE(pos) M_k, over k = "
+                                         + ", ".join(map(str, offsets)),
+              "pe_row_pos0": "Sinusoidal table, position 0 (dimensions 0 to 5)",
+              "pe_row_pos1": "Sinusoidal table, position 1 (dimensions 0 to 5)",
+              "pe_pos1_dim0_is_sin1": "Sinusoidal table, position 1, dimension 0 (sin(1) = 0.8415)"}
+    return Finding("positions", CLAIM, figures, "supported" if ok else "depends", why, [pic], labels=labels)

@@ -62,4 +62,10 @@ def run(quick: bool, out: Path) -> Finding:
            f"MiniLM's input embeddings, against {figures['self_weight_random_proj']:.2f} with random projections "
            f"(uniform would be {1 / n:.2f}) and {figures['self_weight_minilm_layer0_proj']:.2f} with MiniLM's own "
            "first-layer projections.")
-    return Finding("projections", CLAIM, figures, verdict, why, [pic])
+    labels = {"self_weight_random_no_proj": f"Mean self-weight, random vectors, Q = K = V = X (d = {e})",
+              "self_weight_random_proj": "Mean self-weight, random vectors, random projections (4 heads)",
+              "uniform": f"Uniform weight, 1/n (n = {n})",
+              "self_weight_minilm_no_proj": "Mean self-weight, MiniLM's input embeddings, Q = K = V = X",
+              "self_weight_minilm_layer0_proj": "Mean self-weight, MiniLM's input embeddings, its first layer's "
+                                                "projections"}
+    return Finding("projections", CLAIM, figures, verdict, why, [pic], labels=labels)

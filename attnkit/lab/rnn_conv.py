@@ -133,4 +133,16 @@ def run(quick: bool, out: Path) -> Finding:
            f"({acc['reverse']['attention']:.2f}, against {acc['reverse'][f'window {k}']:.2f} and "
            f"{acc['reverse'][f'conv {k}']:.2f}).")
     verdict = "supported" if local_ok and paths_ok and depth_ok else "depends"
-    return Finding("rnn_conv", CLAIM, figures, verdict, why, [pic])
+    labels = {"flops_per_layer": f"FLOPs per layer (n = {n}, d = {d}, convolution width {k})",
+              "sequential_steps": f"Sequential steps per layer, as the table counts them (n = {n})",
+              "graph_depth_by_n": "Longest chain of dependent operations, measured, by n",
+              "layers_to_link_first_and_last_of_64": f"Layers to link the first and last of {n_path} positions, "
+                                                     "measured",
+              "expected_conv_layers": f"Layers to link them, expected, convolution: ceil({n_path - 1} / {k - 1})",
+              "expected_dilated_layers": f"Layers to link them, expected, dilated convolution: ceil(log base {k} "
+                                         f"of {n_path})",
+              "accuracy": f"Accuracy after {steps} steps, by task and mixing layer",
+              "attention": "Attention", "recurrent": "Recurrent", "convolution": "Convolution",
+              "dilated convolution": "Dilated convolution", f"window {k}": f"Attention window {k}",
+              f"conv {k}": f"Convolution {k}", "shift by 1": "Shift by 1", "reverse": "Reverse"}
+    return Finding("rnn_conv", CLAIM, figures, verdict, why, [pic], labels=labels)

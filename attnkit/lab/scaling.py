@@ -17,6 +17,31 @@ CLAIM = ("Dot products of d_k-dimensional queries and keys have variance d_k; di
          "gradients). Some tutorials instead say the scaling keeps the scores out of the softmax's "
          "large-gradient region.")
 
+#: What the report calls each figure and each column of the per-d_k table ("scaled": divided by sqrt(d_k)).
+LABELS = {
+    "var_unscaled_4096": "Score variance, unscaled (d_k = 4096)",
+    "var_scaled_4096": "Score variance, scaled (d_k = 4096)",
+    "jacobian_trace_unscaled_4096": "Softmax Jacobian trace, sum a(1 - a), unscaled (d_k = 4096)",
+    "jacobian_trace_scaled_4096": "Softmax Jacobian trace, sum a(1 - a), scaled (d_k = 4096)",
+    "jacobian_norm_unscaled_4096": "Softmax Jacobian Frobenius norm, unscaled (d_k = 4096)",
+    "jacobian_norm_scaled_4096": "Softmax Jacobian Frobenius norm, scaled (d_k = 4096)",
+    "frac_saturated_unscaled_4096": "Share of rows with a weight above 0.99, unscaled (d_k = 4096)",
+    "frac_saturated_scaled_4096": "Share of rows with a weight above 0.99, scaled (d_k = 4096)",
+    "grad_q_unscaled_64": "Mean gradient norm with respect to q, unscaled (d_k = 64)",
+    "grad_q_scaled_64": "Mean gradient norm with respect to q, scaled (d_k = 64)",
+    "accuracy_scaled": "Reversal-task accuracy after training, scaled (one head, d_k = 256)",
+    "accuracy_unscaled": "Reversal-task accuracy after training, unscaled (one head, d_k = 256)",
+    "loss_scaled": "Reversal-task loss after training, scaled (nats per token)",
+    "loss_unscaled": "Reversal-task loss after training, unscaled (nats per token)",
+    "table": "Scores and softmax slope by d_k",
+    "d_k": "d_k",
+    "var_unscaled": "Variance, unscaled", "var_scaled": "Variance, scaled",
+    "trace_unscaled": "Jacobian trace, unscaled", "trace_scaled": "Jacobian trace, scaled",
+    "jac_norm_unscaled": "Jacobian norm, unscaled", "jac_norm_scaled": "Jacobian norm, scaled",
+    "saturated_unscaled": "Rows above 0.99, unscaled", "saturated_scaled": "Rows above 0.99, scaled",
+    "grad_q_unscaled": "Gradient norm wrt q, unscaled", "grad_q_scaled": "Gradient norm wrt q, scaled",
+}
+
 
 def softmax_stats(scores: torch.Tensor) -> dict[str, float]:
     """Saturation of ``softmax(scores)`` over the last dim, measured on its Jacobian ``diag(a) - a a^T``.
@@ -108,4 +133,4 @@ def run(quick: bool, out: Path) -> Finding:
            f"which is why checking only d/dq misleads; trained from unit-variance q and k (d_k = 256), after {steps} "
            f"steps a one-head model reaches accuracy {trained['scaled']['accuracy']:.2f} scaled and "
            f"{trained['unscaled']['accuracy']:.2f} unscaled.")
-    return Finding("scaling", CLAIM, figures, "supported" if supported else "depends", why, [pic])
+    return Finding("scaling", CLAIM, figures, "supported" if supported else "depends", why, [pic], labels=LABELS)

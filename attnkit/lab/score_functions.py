@@ -89,4 +89,8 @@ def run(quick: bool, out: Path) -> Finding:
     why = (f"Additive scores took {figures['additive_vs_dot_time']:.1f}x the dot product's time at n = {n} (a tanh "
            f"over n x n x d values), and after {steps} steps the accuracies are {acc['dot']:.2f} (dot), "
            f"{acc['multiplicative']:.2f} (multiplicative), {acc['additive']:.2f} (additive).")
-    return Finding("score_functions", CLAIM, figures, verdict, why, [pic])
+    names = {"dot": "dot product", "multiplicative": "multiplicative", "additive": "additive"}
+    labels = {**{f"accuracy_{k}": f"Reversal-task accuracy after {steps} steps, {w}" for k, w in names.items()},
+              **{f"forward_ms_{k}_n{n}": f"Forward time, {w} (ms, n = {n}, d = 64)" for k, w in names.items()},
+              "additive_vs_dot_time": "Forward time, additive / dot product"}
+    return Finding("score_functions", CLAIM, figures, verdict, why, [pic], labels=labels)

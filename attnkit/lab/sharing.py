@@ -62,4 +62,12 @@ def run(quick: bool, out: Path) -> Finding:
            f"share_kv saves {saved:,} of {figures['params_separate']:,} parameters; on the reversal task the "
            f"accuracy is {acc['separate']:.2f} separate, {acc['share_qk']:.2f} Q = K, {acc['share_kv']:.2f} K = V "
            "(after the same training steps).")
-    return Finding("sharing", CLAIM, figures, "supported" if ok else "depends", why, [pic])
+    kinds = {"separate": "separate Q and K", "share_qk": "Q = K shared"}
+    labels = {**{f"asymmetry_{k}": f"Score asymmetry, max |S - S^T| / max |S|, {w}" for k, w in kinds.items()},
+              **{f"self_weight_{k}": f"Mean self-weight, {w}" for k, w in kinds.items()},
+              "params_separate": f"Parameters, separate projections (width {e}, {h} heads)",
+              "params_share_qk": "Parameters, Q = K shared", "params_share_kv": "Parameters, K = V shared",
+              "accuracy_separate": f"Reversal-task accuracy after {steps} steps, separate projections",
+              "accuracy_share_qk": f"Reversal-task accuracy after {steps} steps, Q = K shared",
+              "accuracy_share_kv": f"Reversal-task accuracy after {steps} steps, K = V shared"}
+    return Finding("sharing", CLAIM, figures, "supported" if ok else "depends", why, [pic], labels=labels)
