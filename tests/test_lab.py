@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnkit.lab import EXPERIMENTS, VERDICTS, Finding, check_names, label, run_one, write_report
+from attnkit.lab import EXPERIMENTS, VERDICTS, Finding, check_names, run_one, write_report
 from attnkit.modules import MultiHeadAttention
+from attnkit.viz.report import label
 
 from .test_report import label_problems, readability_problems
 from .tolerances import close

@@ -53,7 +53,7 @@ class Finding:
         labels: what the report calls each figure key, and each key inside a figure that is a
             mapping (a table's column, a dictionary's entry): words with units, such as
             ``"Jacobian trace, unscaled (d_k = 4096)"``. A key without one is shown with its
-            underscores as spaces.
+            underscores as spaces (:func:`attnkit.viz.report.label`).
     """
 
     name: str
@@ -116,19 +116,10 @@ def verdict_table(findings: list[Finding]) -> list[dict[str, object]]:
             for f in findings]
 
 
-def label(key: object, labels: Mapping[object, str]) -> object:
-    """What the report calls ``key``: its entry in ``labels``; else a string key with its
-    underscores as spaces and its first letter capitalised; else the key itself (a number)."""
-    if key in labels:
-        return labels[key]
-    if isinstance(key, str):
-        words = key.replace("_", " ").strip()
-        return words[:1].upper() + words[1:]
-    return key
-
-
 def _shown(value: object, labels: Mapping[object, str]) -> object:
-    """``value`` with every mapping key inside it replaced by its :func:`label`."""
+    """``value`` with every mapping key inside it replaced by its label (:func:`attnkit.viz.report.label`)."""
+    from ..viz.report import label
+
     if isinstance(value, Mapping):
         return {label(k, labels): _shown(v, labels) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -145,6 +136,7 @@ def write_report(findings: list[Finding], out: Path, *, quick: bool) -> Path:
     pictures. Figures appear under their :attr:`Finding.labels`; one that is a list of rows (a
     table of its own) gets its own section after the experiment's."""
     from ..viz import report
+    from ..viz.report import label
 
     intro = ("Each claim that tutorials make about attention, tested by a small experiment"
              + (" (quick settings: fewer steps and sizes)." if quick else "."))

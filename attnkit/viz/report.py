@@ -60,6 +60,18 @@ class Section:
     images: Sequence[str | Path] = field(default_factory=tuple)
 
 
+def label(key: object, labels: Mapping[object, str] | None = None) -> object:
+    """What a report calls ``key`` (a metric's or figure's name in code): its entry in ``labels``;
+    else a string key with its underscores as spaces and its first letter capitalised
+    (``"final_loss"`` -> ``"Final loss"``); else the key itself (a number)."""
+    if labels is not None and key in labels:
+        return labels[key]
+    if isinstance(key, str):
+        words = key.replace("_", " ").strip()
+        return words[:1].upper() + words[1:]
+    return key
+
+
 def _esc(value: object) -> str:
     return html.escape(utf8_safe(str(value)), quote=True)
 
