@@ -10,6 +10,7 @@ from attnkit.apps import caption as cap
 from attnkit.apps.translate import EOS, PAD
 from attnkit.modules import MultiHeadAttention
 from tests.apps_checks import report_embeds_pictures, same_seed_same_checkpoint
+from tests.test_report import app_report_problems
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +138,10 @@ def test_quick_run_learns_and_reports(quick_run):
 
 def test_same_seed_same_checkpoint(tmp_path):
     same_seed_same_checkpoint(cap, tmp_path)
+
+
+def test_the_report_shows_labels_for_people(quick_run):
+    _, result = quick_run
+    assert app_report_problems(result) == []
+    rows = {row["Metric"]: row["Value"] for row in result.evaluation_rows()}
+    assert rows["Exact caption (share of test strips)"] == result.metrics["exact_caption"]

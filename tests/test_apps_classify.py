@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from attnkit.apps import classify
 from attnkit.modules import MultiHeadAttention
 from attnkit.viz.report import report_html
+from tests.test_report import app_report_problems
 from tests.tolerances import close
 
 
@@ -92,3 +93,10 @@ def test_the_picture_is_written_and_the_report_holds_it(trained):
     assert [p.name for p in images] == ["classify_pooling.png"]
     assert (out / "classify_pooling.png").read_bytes().startswith(b"\x89PNG")
     assert report_html("classify", result.sections).count("data:image/png;base64,") == len(images)
+
+
+def test_the_report_shows_labels_for_people(trained):
+    result, _ = trained
+    assert app_report_problems(result) == []
+    rows = {row["Metric"]: row["Value"] for row in result.evaluation_rows()}
+    assert rows["Test accuracy, attention pooling"] == result.metrics["attention pooling accuracy"]

@@ -169,3 +169,13 @@ def test_bench_apps_judges_the_mean_of_seeds_and_the_time_and_lists_missing_task
     assert cells[3] == verdict and cells[4] == " / ".join(f"{s:.0f}" for s in seconds)
     assert "| nosuch | not in this version |" in text
     assert ("took 200 s, above the 180 s target" in text) == (max(seconds) > 180)
+
+
+def test_evaluation_rows_show_each_metric_under_its_label_and_the_keys_stay():
+    result = _common.Result("vit", {"vit_acc": 0.5, "final_loss": 1.25, "data set": "digits"}, 2.04,
+                            labels={"vit_acc": "ViT test accuracy"})
+    assert result.evaluation_rows() == [{"Metric": "ViT test accuracy", "Value": 0.5},
+                                        {"Metric": "Final loss", "Value": 1.25},
+                                        {"Metric": "Data set", "Value": "digits"},
+                                        {"Metric": "Seconds in all", "Value": 2.0}]
+    assert result.metrics["vit_acc"] == 0.5

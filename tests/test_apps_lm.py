@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from attnkit.apps import _corpus, _ngram, lm
 from tests.apps_checks import report_embeds_pictures, same_seed_same_checkpoint
+from tests.test_report import app_report_problems
 from tests.tolerances import MODEL_PARITY, close
 
 Q = {**lm.DEFAULTS, **lm.QUICK}
@@ -247,10 +248,10 @@ def test_the_report_holds_the_pictures_and_samples(trained):
     assert sorted(report_embeds_pictures(result, out)) == sorted(
         ["lm_loss.png", "lm_head_scores.png", "lm_previous_token_head.png", "lm_induction_head.png"])
     samples = next(s for s in result.sections if s.title == "Samples").table
-    assert len(samples) == Q["samples"] and all(len(row["sample"]) >= Q["sample_chars"] for row in samples)
+    assert len(samples) == Q["samples"] and all(len(row["Sample"]) >= Q["sample_chars"] for row in samples)
     text = (out / "lm_samples.txt").read_text(encoding="utf-8")
     assert text.count("--- prompt\n") == Q["samples"]
-    assert [lm._shown(p) for p in re.findall(r"--- prompt\n(.*?\n)--- sample", text)] == [r["prompt"] for r in samples]
+    assert [lm._shown(p) for p in re.findall(r"--- prompt\n(.*?\n)--- sample", text)] == [r["Prompt"] for r in samples]
 
 
 def test_same_seed_same_checkpoint(tmp_path):
@@ -266,3 +267,10 @@ def test_a_short_training_beats_the_bigram_on_held_out_docstrings(tmp_path, monk
         "embed_dim": 64, "num_layers": 2, "ffn_dim": 256, "samples": 1, "sample_chars": 20, "probe_batch": 4})
     m = lm.run(out=tmp_path, quick=True, progress=False).metrics
     assert m["validation perplexity per char, GPT"] < m["validation perplexity per char, bigram"]
+
+
+def test_the_report_shows_labels_for_people(trained):
+    result, _ = trained
+    assert app_report_problems(result) == []
+    rows = {row["Metric"]: row["Value"] for row in result.evaluation_rows()}
+    assert rows["Final training loss (nats per character, mean of the last 50 steps)"] == result.metrics["final_loss"]

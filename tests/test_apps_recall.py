@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from attnkit.apps import recall
 from attnkit.modules import MultiHeadAttention
 from tests.apps_checks import report_embeds_pictures, same_seed_same_checkpoint
+from tests.test_report import app_report_problems
 
 Q = {**recall.DEFAULTS, **recall.QUICK}
 
@@ -104,10 +105,17 @@ def test_the_report_holds_the_table_and_plots(trained):
     result, out = trained
     assert sorted(report_embeds_pictures(result, out)) == ["recall_accuracy.png", "recall_step_time.png"]
     acc, times = result.sections
-    assert [row["distance"] for row in acc.table] == list(Q["eval_distances"])
-    assert [row["length"] for row in times.table] == list(Q["time_lengths"])
+    assert [row["Distance"] for row in acc.table] == list(Q["eval_distances"])
+    assert [row["Length"] for row in times.table] == list(Q["time_lengths"])
     assert recall.cpu_name() in times.text
 
 
 def test_same_seed_same_checkpoint(tmp_path):
     same_seed_same_checkpoint(recall, tmp_path)
+
+
+def test_the_report_shows_labels_for_people(trained):
+    result, _ = trained
+    assert app_report_problems(result) == []
+    rows = {row["Metric"]: row["Value"] for row in result.evaluation_rows()}
+    assert rows["Attention accuracy at distance 0"] == result.metrics["attention accuracy at distance 0"]

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from attnkit.apps import recommend
 from attnkit.modules import MultiHeadAttention
 from attnkit.viz.report import report_html
+from tests.test_report import app_report_problems
 from tests.tolerances import MODEL_PARITY, close
 
 Q = {**recommend.DEFAULTS, **recommend.QUICK}
@@ -127,3 +128,10 @@ def test_one_seed_gives_the_same_checkpoint_to_the_last_bit(trained, tmp_path):
     other = tmp_path / "seed1"
     recommend.run(out=other, quick=True, seed=1, progress=False)
     assert (other / "model.safetensors").read_bytes() != (trained[1] / "model.safetensors").read_bytes()
+
+
+def test_the_report_shows_labels_for_people(trained):
+    result, _ = trained
+    assert app_report_problems(result) == []
+    rows = {row["Metric"]: row["Value"] for row in result.evaluation_rows()}
+    assert rows["Hit rate@10 by chance"] == result.metrics["chance HR@10"]

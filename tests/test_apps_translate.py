@@ -11,6 +11,7 @@ from attnkit.apps import _common
 from attnkit.apps import translate as tr
 from attnkit.modules import MultiHeadAttention
 from tests.apps_checks import report_embeds_pictures, same_seed_same_checkpoint
+from tests.test_report import app_report_problems
 from tests.tolerances import close
 
 
@@ -162,3 +163,10 @@ def test_quick_run_learns_and_reports(quick_run):
 
 def test_same_seed_same_checkpoint(tmp_path):
     same_seed_same_checkpoint(tr, tmp_path)
+
+
+def test_the_report_shows_labels_for_people(quick_run):
+    _, result = quick_run
+    assert app_report_problems(result) == []
+    rows = {row["Metric"]: row["Value"] for row in result.evaluation_rows()}
+    assert rows["Exact match, greedy decoding (share of held-out dates)"] == result.metrics["greedy_exact"]

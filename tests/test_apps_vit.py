@@ -9,6 +9,7 @@ from torch import nn
 from attnkit.apps import vit
 from attnkit.modules import MultiHeadAttention
 from tests.apps_checks import report_embeds_pictures
+from tests.test_report import app_report_problems
 from tests.tolerances import close
 
 PICTURES = ("vit_data_efficiency.png", "vit_rollout.png", "vit_losses.png")
@@ -132,3 +133,11 @@ def test_pictures_are_written_and_the_report_holds_them(quick_run):
     for name in PICTURES:
         data = (out / name).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 5_000
+
+
+def test_the_report_shows_labels_and_tables_for_people(quick_run):
+    _, result = quick_run
+    assert app_report_problems(result) == []
+    rows = {row["Metric"]: row["Value"] for row in result.evaluation_rows()}
+    assert rows["ViT test accuracy"] == result.metrics["vit_acc"]  # the key stays for code, people see the label
+    assert rows["CNN test accuracy, 10% of the training images"] == result.metrics["cnn_acc_10%"]

@@ -185,3 +185,12 @@ def test_the_readability_check_passes_symbols_and_plain_text():
     page = ("<h2>Scores by d_k</h2><table><tr><th>n</th><th>Q = K shared</th></tr>"
             "<tr><td>Score variance, unscaled (d_k = 4096)</td><td>not run (quick)</td><td>0, 1, 0</td></tr></table>")
     assert readability_problems(page, first_column=True) == []
+
+
+def app_report_problems(result) -> list[str]:
+    """:func:`readability_problems` of an application's report: its evaluation table as
+    ``Result.evaluation_rows`` gives it (the first column holds the metrics' labels), and the
+    task's own sections."""
+    evaluation = report_html(result.task, [Section("Evaluation", table=result.evaluation_rows())])
+    return readability_problems(evaluation, first_column=True) + readability_problems(
+        report_html(result.task, result.sections))

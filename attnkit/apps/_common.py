@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .._io import atomic_write
-from ..viz.report import Section
+from ..viz.report import Section, label
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -277,15 +277,24 @@ class Result:
 
     Attributes:
         task: the task's name.
-        metrics: the evaluation, name -> value (printed with :func:`table`).
+        metrics: the evaluation, key -> value; the keys are for code (``metrics["final_loss"]``).
         seconds: wall time of the whole run (data, training, evaluation, pictures).
         sections: the report's sections; pictures are PNG paths inside them.
+        labels: what people are shown for each metric key, with its units where it has one
+            (:meth:`evaluation_rows`); a key without one is shown by :func:`attnkit.viz.report.label`.
     """
 
     task: str
     metrics: dict[str, float | int | str]
     seconds: float
     sections: list[Section] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def evaluation_rows(self) -> list[dict[str, object]]:
+        """The evaluation as table rows for people (:func:`table`, a report's ``Section``): each
+        metric under its label, then the seconds of the whole run."""
+        return [*({"Metric": label(k, self.labels), "Value": v} for k, v in self.metrics.items()),
+                {"Metric": "Seconds in all", "Value": round(self.seconds, 1)}]
 
 
 class Timer:

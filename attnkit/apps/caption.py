@@ -240,5 +240,11 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
             f"For {metrics['attention_on_digit']:.1%} of the generated words, the patch the decoder's "
             "cross-attention weighs most (last layer, mean over heads) lies on the digit that word names. "
             "Nothing in training says where the digits are; the picture shows each word's attention in red.")
+    labels = {"exact_caption": "Exact caption (share of test strips)",
+              "digit_accuracy": "Digits right (share, position by position)",
+              "attention_on_digit": "Generated words whose strongest patch lies on their digit (share)",
+              "test_strips": "Test strips", "first_loss": "First training loss (nats per token)",
+              "final_loss": "Final training loss (nats per token, mean of the last 20 steps)",
+              "steps": "Training steps", "train_seconds": "Training seconds"}
     return _common.Result("caption", metrics, total.seconds,
-                          [Section("Captioning digit strips", text, images=[png])])
+                          [Section("Captioning digit strips", text, images=[png])], labels)

@@ -321,9 +321,17 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
         "steps": cfg["steps"], "train seconds": train_time.seconds,
     }
     start = "word vectors started from MiniLM's word pieces" if cfg["minilm_words"] else "from scratch"
-    rows = [{"model": f"attention pooling ({start})", "test accuracy": accuracy},
-            {"model": "bag-of-words logistic regression", "test accuracy": bow},
-            {"model": "MiniLM features + logistic regression", "test accuracy": minilm}]
+    labels = {"data set": "Data set", "train sentences": "Training sentences", "test sentences": "Test sentences",
+              "chance (majority class)": "Chance accuracy (majority class)",
+              "attention pooling accuracy": "Test accuracy, attention pooling",
+              "bag-of-words LR accuracy": "Test accuracy, bag-of-words logistic regression",
+              "MiniLM + LR accuracy": "Test accuracy, MiniLM features + logistic regression",
+              "first loss": "First training loss (nats per sentence)",
+              "last loss (mean of 50)": "Last training loss (nats per sentence, mean of the last 50 steps)",
+              "steps": "Training steps", "train seconds": "Training seconds"}
+    rows = [{"Model": f"attention pooling ({start})", "Test accuracy": accuracy},
+            {"Model": "bag-of-words logistic regression", "Test accuracy": bow},
+            {"Model": "MiniLM features + logistic regression", "Test accuracy": minilm}]
     sections = [
         Section("Data and accuracy",
                 f"{DATASET}: {len(texts):,} labelled snippets (fresh / rotten), {len(train_idx):,} for training "
@@ -336,7 +344,7 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
                 "(the sentence's representation is the weighted mean of its encoded words).",
                 images=[picture]),
     ]
-    return Result("classify", metrics, total.seconds, sections)
+    return Result("classify", metrics, total.seconds, sections, labels)
 
 
 def _pooling_picture(model, test_texts, test_x, test_y, path: Path) -> Path:

@@ -502,14 +502,14 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
                 "exp(cross-entropy), per character. The n-gram baselines are counted on the same training "
                 f"text, smoothed towards the order below (Dirichlet, alpha chosen on the training text: bigram "
                 f"{ngrams['bigram'].alpha:g}, trigram {ngrams['trigram'].alpha:g}).",
-                table=[{"model": name, "nats per char": x, "bits per char": x / np.log(2),
-                        "perplexity per char": _ngram.perplexity(x)} for name, x in ce.items()],
+                table=[{"Model": name, "Nats per character": x, "Bits per character": x / np.log(2),
+                        "Perplexity per character": _ngram.perplexity(x)} for name, x in ce.items()],
                 images=[pictures["loss"]]),
         Section("Samples",
                 f"Sampled at temperature {cfg['temperature']}, one character at a time through the KV cache, "
                 f"after the first line (name and signature) of a held-out docstring; {NEWLINE} marks a new line. "
                 f"As plain text in {samples_txt.name}.",
-                table=[{"prompt": _shown(p), "sample": _shown(s)} for p, s in samples]),
+                table=[{"Prompt": _shown(p), "Sample": _shown(s)} for p, s in samples]),
         Section("Heads",
                 f"Previous-token score: mean weight from each position to the one before it, on {cfg['probe_batch']} "
                 f"validation windows of {block} characters (uniform causal attention scores {chance_prev:.3f}). "
@@ -521,7 +521,18 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
                 f"copy. A head counts as formed at a score of {FORMED} or more.\n\n{formed}",
                 images=[pictures["scores"], pictures["previous"], pictures["induction"]]),
     ]
-    return Result("lm", metrics, total.seconds, sections)
+    labels = {"modules read": "Standard-library modules read", "train chars": "Training characters",
+              "validation chars": "Validation characters", "vocabulary (characters)": "Vocabulary (characters)",
+              **{f"validation perplexity per char, {name}": f"Validation perplexity per character, {name}"
+                 for name in ce},
+              **{f"validation nats per char, {name}": f"Validation cross-entropy, {name} (nats per character)"
+                 for name in ce},
+              "first_loss": "First training loss (nats per character)",
+              "final_loss": "Final training loss (nats per character, mean of the last 50 steps)",
+              "steps": "Training steps", "train seconds": "Training seconds",
+              **{k: f"Repeat loss{k.removeprefix('repeat loss')} (nats per character)"
+                 for k in metrics if k.startswith("repeat loss")}}  # the rest read as they are, capitalised
+    return Result("lm", metrics, total.seconds, sections, labels)
 
 
 def _best(score: Tensor) -> tuple[int, int]:

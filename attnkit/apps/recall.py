@@ -327,9 +327,19 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
         metrics[f"{name} final loss (mean of 50)"] = float(np.mean(losses[name][-50:]))
         metrics[f"{name} train seconds"] = train_seconds[name]
     metrics["final_loss"] = sum(float(np.mean(losses[name][-50:])) for name in MODELS)
-    acc_rows = [{"distance": d, **{name: acc[name][d] for name in MODELS}} for d in cfg["eval_distances"]]
-    time_rows = [{"length": n, **{f"{name} ms": 1e3 * times[n][name] for name in MODELS},
-                  "attention / LSTM": times[n]["attention"] / times[n]["LSTM"]} for n in cfg["time_lengths"]]
+    labels = {"steps": "Training steps", "sequence length": "Sequence length (tokens)",
+              "chance accuracy": "Chance accuracy",
+              "final_loss": "Final training loss, the three models summed (nats, each a mean of the last 50 steps)"}
+    shown = {name: name[:1].upper() + name[1:] for name in MODELS}  # as a label or column starts
+    for name in MODELS:
+        labels |= {f"{name} train seconds": f"{shown[name]} training seconds",
+                   f"{name} final loss (mean of 50)": f"{shown[name]} final training loss (nats, mean of the last "
+                                                      "50 steps)",
+                   **{f"{name} {what}": f"{shown[name]} {what}" for what in (
+                       "parameters", f"accuracy at distance {near}", f"accuracy at distance {far}")}}
+    acc_rows = [{"Distance": d, **{shown[name]: acc[name][d] for name in MODELS}} for d in cfg["eval_distances"]]
+    time_rows = [{"Length": n, **{f"{shown[name]} (ms)": 1e3 * times[n][name] for name in MODELS},
+                  "Attention / LSTM": times[n]["attention"] / times[n]["LSTM"]} for n in cfg["time_lengths"]]
     sections = [
         Section("Accuracy against distance",
                 f"{cfg['eval_per_distance']} held-out sequences per distance, {cfg['num_values']} values (chance "
@@ -347,7 +357,7 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
                 "guarantee: other work on the machine slows every cell.",
                 table=time_rows, images=[pictures[1]]),
     ]
-    return Result("recall", metrics, total.seconds, sections)
+    return Result("recall", metrics, total.seconds, sections, labels)
 
 
 def _verdict(acc: dict[str, dict[int, float]], cfg: dict) -> str:

@@ -275,13 +275,19 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
                 f"from {cfg['num_themes']} themes (fixed paths of {cfg['path_len']} items; each item lies on several "
                 "paths). A session follows its theme's path, sometimes skipping an item or taking a detour to a "
                 f"popular one. Hit rate@{K}: how often the held-out last item is among the ten recommended.",
-                table=[{"model": name, f"HR@{K}": v} for name, v in hr.items()]),
+                table=[{"Model": name, f"Hit rate@{K}": v} for name, v in hr.items()]),
         Section("Attention over a session",
                 "Each row is a position of one held-out session predicting the next item; the columns are the "
                 "earlier items it reads (causal: nothing to the right of the diagonal). Detours are starred.",
                 images=[picture]),
     ]
-    return Result("recommend", metrics, total.seconds, sections)
+    labels = {"items": "Items", "themes": "Themes", "train sessions": "Training sessions",
+              "test sessions": "Held-out sessions",
+              **{f"HR@{K} {name}": f"Hit rate@{K}, {name}" for name in hr},
+              "chance HR@10": "Hit rate@10 by chance", "first loss": "First training loss (nats per item)",
+              "last loss (mean of 50)": "Last training loss (nats per item, mean of the last 50 steps)",
+              "steps": "Training steps", "train seconds": "Training seconds"}
+    return Result("recommend", metrics, total.seconds, sections, labels)
 
 
 def _session_picture(model: SASRec, test: Tensor, paths: Tensor, path: Path) -> Path:

@@ -367,8 +367,13 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
             f"{cfg['beam']} {beam_acc:.1%}; both decode through the KV cache.\n\n"
             "The picture is the cross-attention of the first decoder layer (mean over heads) while it "
             "writes one held-out date: each output character looks at the words it comes from.")
+    labels = {"greedy_exact": "Exact match, greedy decoding (share of held-out dates)",
+              f"beam{cfg['beam']}_exact": f"Exact match, beam search of {cfg['beam']} (share of held-out dates)",
+              "held_out": "Held-out dates", "first_loss": "First training loss (nats per character)",
+              "final_loss": "Final training loss (nats per character, mean of the last 20 steps)",
+              "steps": "Training steps", "train_seconds": "Training seconds"}
     return _common.Result("translate", metrics, total.seconds,
                           [Section("Translation: dates in words -> ISO", text,
-                                   table=[{"decoding": "greedy", "exact match": greedy_acc},
-                                          {"decoding": f"beam {cfg['beam']}", "exact match": beam_acc}],
-                                   images=[png])])
+                                   table=[{"Decoding": "greedy", "Exact match": greedy_acc},
+                                          {"Decoding": f"beam search of {cfg['beam']}", "Exact match": beam_acc}],
+                                   images=[png])], labels)

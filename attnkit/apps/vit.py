@@ -305,8 +305,8 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
             train_seconds += timer.seconds
             acc = accuracy(model, x_te, y_te)
             curves[name].append((len(idx), acc))
-            rows.append({"model": name, "train share": f"{fraction:.0%}", "train images": len(idx),
-                         "parameters": n_params(model), "test accuracy": acc})
+            rows.append({"Model": name, "Share of the training images": f"{fraction:.0%}", "Training images": len(idx),
+                         "Parameters": n_params(model), "Test accuracy": acc})
             if fraction == 1.0:
                 if kind == "vit":
                     vit, vit_losses = model, losses
@@ -318,15 +318,24 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
                 plot_rollout(vit, x_te[:8], y_te[:8], out / "vit_rollout.png"),
                 plot_losses({"ViT": vit_losses, "CNN": cnn_losses}, out / "vit_losses.png")]
 
-    full = {r["model"]: r for r in rows if r["train share"] == "100%"}
-    metrics = {"vit_acc": full["ViT"]["test accuracy"], "cnn_acc": full["CNN"]["test accuracy"]}
+    share = "Share of the training images"
+    full = {r["Model"]: r for r in rows if r[share] == "100%"}
+    metrics = {"vit_acc": full["ViT"]["Test accuracy"], "cnn_acc": full["CNN"]["Test accuracy"]}
+    labels = {"vit_acc": "ViT test accuracy", "cnn_acc": "CNN test accuracy"}
     for r in rows:
-        if r["train share"] != "100%":
-            metrics[f"{r['model'].lower()}_acc_{r['train share']}"] = r["test accuracy"]
-    metrics |= {"vit_params": full["ViT"]["parameters"], "cnn_params": full["CNN"]["parameters"],
+        if r[share] != "100%":
+            key = f"{r['Model'].lower()}_acc_{r[share]}"
+            metrics[key] = r["Test accuracy"]
+            labels[key] = f"{r['Model']} test accuracy, {r[share]} of the training images"
+    metrics |= {"vit_params": full["ViT"]["Parameters"], "cnn_params": full["CNN"]["Parameters"],
                 "train_images": len(y_tr), "test_images": len(y_te), "steps": cfg["steps"],
                 "train_seconds": round(train_seconds, 1), "first_loss": vit_losses[0],
                 "last_loss": float(np.mean(vit_losses[-20:]))}
+    labels |= {"vit_params": "ViT parameters", "cnn_params": "CNN parameters", "train_images": "Training images",
+               "test_images": "Test images", "steps": "Training steps per model",
+               "train_seconds": "Training seconds, all models",
+               "first_loss": "ViT first training loss (nats per image)",
+               "last_loss": "ViT last training loss (nats per image, mean of the last 20 steps)"}
     sections = [
         Section("Data", f"scikit-learn's handwritten digits: 8x8 images, 10 classes; {len(y_tr)} training and "
                         f"{len(y_te)} test images (a fixed stratified split)."),
@@ -342,7 +351,7 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
                 "2020): bright = more; the digit is outlined.", images=pictures[1:2]),
         Section("Training loss", images=pictures[2:]),
     ]
-    return Result("vit", metrics, time.perf_counter() - t0, sections)
+    return Result("vit", metrics, time.perf_counter() - t0, sections, labels)
 
 
 def fields(config: dict) -> dict[str, _common.Field]:
