@@ -185,15 +185,14 @@ def load(dir: str | Path) -> GPT:
 
 def load_vocab(dir: str | Path) -> CharVocab:
     """The character vocabulary saved with the model in ``dir``'s ``config.json`` (read with the
-    checkpoint reader's size limits; ``chars`` must be distinct single characters)."""
+    checkpoint reader's size limits; ``chars`` must be a string of distinct characters)."""
     from ..models import checkpoint as ckpt
 
     path = ckpt.member(Path(dir), _common.CONFIG)
     chars = ckpt.read_json(path).get("chars")
-    if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars) or (
-            len(set(chars)) != len(chars)):
-        got = f"{len(chars)} entries" if isinstance(chars, list) else type(chars).__name__
-        raise ValueError(f"{path}: key 'chars' must be a list of distinct single characters, got {got}")
+    if not isinstance(chars, str) or len(set(chars)) != len(chars):
+        got = "repeated characters" if isinstance(chars, str) else type(chars).__name__
+        raise ValueError(f"{path}: key 'chars' must be a string of distinct characters, got {got}")
     return CharVocab(chars)
 
 
