@@ -47,5 +47,5 @@ def test_a_run_prints_the_verdict_table_and_writes_the_report(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "positions  supported" in out
     page = (tmp_path / "report.html").read_text(encoding="utf-8")
-    assert "positions: " in page and "data:image/png;base64," in page
+    assert "Run alone: attnkit lab positions" in page and "data:image/png;base64," in page
     assert (tmp_path / "lab_positions.png").stat().st_size > 0

@@ -67,8 +67,8 @@ def test_a_run_prints_its_table_and_writes_checkpoint_pictures_and_report(tmp_pa
     rc, stdout, stderr = run_cli("train", "vit", "--quick", "--steps", "3", "--out", str(out))
     assert rc == 0, stderr
     lines = stdout.splitlines()
-    assert lines[0].split() == ["metric", "value"] and any(line.split()[:1] == ["vit_acc"] for line in lines)
-    assert any(line.split()[:1] == ["seconds"] for line in lines)
+    assert lines[0].split() == ["Metric", "Value"] and any(line.startswith("ViT test accuracy") for line in lines)
+    assert any(line.startswith("Seconds in all") for line in lines)
     assert str(out) in lines[-1] and "report.html" in lines[-1]
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     page = (out / "report.html").read_text()
@@ -76,4 +76,4 @@ def test_a_run_prints_its_table_and_writes_checkpoint_pictures_and_report(tmp_pa
     assert len(pngs) == 3
     for png in pngs:
         assert base64.b64encode(png.read_bytes()).decode("ascii") in page
-    assert "<td>steps</td><td class=\"num\">3</td>" in page
+    assert "<td>Training steps per model</td><td class=\"num\">3</td>" in page

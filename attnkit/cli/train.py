@@ -41,8 +41,7 @@ def run(args) -> int:
 
     prepare_out(out)  # an unwritable --out fails here, before minutes of training
     result = task.run(out=out, steps=args.steps, seed=args.seed, quick=args.quick)
-    rows = [{"metric": k, "value": v} for k, v in result.metrics.items()]
-    rows.append({"metric": "seconds", "value": round(result.seconds, 1)})
+    rows = result.evaluation_rows()  # labels with units, as the report shows them
     print(table(rows))
     title = f"attnkit train {args.task}" + (" --quick" if args.quick else "")
     summary = Section("Evaluation", f"--seed {args.seed}; {result.seconds:.0f} s in all.", table=rows)
