@@ -12,4 +12,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("attnkit")
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+# Threads per test process: ATTNKIT_TEST_THREADS when set (run the suite once with 1 and once with 2);
+# else one per pytest-xdist worker (the README's command runs one worker per core) and at most two
+# in a single process. Tests about threading set their own count.
+_threads = os.environ.get("ATTNKIT_TEST_THREADS")
+if _threads is not None:
+    torch.set_num_threads(int(_threads))
+elif os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
