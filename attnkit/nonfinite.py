@@ -99,12 +99,18 @@ def call(backend, req: Request) -> tuple[Tensor, Tensor | None]:
 def all_finite(req: Request) -> bool:
     """True when ``q``, ``k`` and ``v`` are finite and ``bias`` holds no NaN or ``+inf`` (False also
     when a sum overflows: a false alarm, which only sends the call to :func:`exact`). One host sync."""
+    inputs = {id(t): t for t in (req.query, req.key, req.value)}.values()
+    bias = req.bias if req.bias is not None and req.bias.numel() else None
     with torch.no_grad():
-        parts = [finite(t) for t in {id(t): t for t in (req.query, req.key, req.value)}.values()]
-        if req.bias is not None and req.bias.numel():
-            parts.append(req.bias.amax() < math.inf)  # NaN < inf is False; -inf masks
-    if parts[0].device.type == "cpu":  # reading a CPU tensor costs no sync: the fewest tensor ops
-        return all(bool(p) for p in parts)
+        if req.query.device.type == "cpu":  # a CPU number is read without a sync: Python floats, fewest ops
+            for t in inputs:
+                seen = _vouched(t)
+                if not (bool(seen) if seen is not None else math.isfinite(_sum(t).item())):
+                    return False
+            return bias is None or bias.amax().item() < math.inf  # NaN < inf is False; -inf masks
+        parts = [finite(t) for t in inputs]
+        if bias is not None:
+            parts.append(bias.amax() < math.inf)
     ok = parts[0]
     for p in parts[1:]:
         ok = ok & p
@@ -115,11 +121,19 @@ def finite(x: Tensor) -> Tensor:
     """0-d bool tensor, True when every element of ``x`` is finite (or what :func:`vouch` recorded for
     ``x`` as it is now). One read of ``x``, no host sync: a sum is finite unless an element is not (or
     it overflows)."""
+    seen = _vouched(x)
+    return seen if seen is not None else torch.isfinite(_sum(x))
+
+
+def _vouched(x: Tensor) -> Tensor | None:
+    """What :func:`vouch` recorded for ``x`` as it is now, else None."""
     seen = getattr(x, "_attnkit_finite", None)
-    if seen is not None and seen[0] == _version(x):
-        return seen[1]
+    return seen[1] if seen is not None and seen[0] == _version(x) else None
+
+
+def _sum(x: Tensor) -> Tensor:
     # Half types sum in float32: their own range would overflow on ordinary inputs.
-    return torch.isfinite(x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum())
+    return x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum()
 
 
 def vouch(x: Tensor, is_finite: Tensor) -> None:
