@@ -132,8 +132,9 @@ def _vouched(x: Tensor) -> Tensor | None:
 
 
 def _sum(x: Tensor) -> Tensor:
-    # Half types sum in float32: their own range would overflow on ordinary inputs.
-    return x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum()
+    # float16 sums in float32: its own range (65504) would overflow on ordinary inputs. bfloat16 has
+    # float32's range and PyTorch accumulates its sum in float32: summed as it is, without a copy.
+    return x.sum(dtype=torch.float32) if x.dtype == torch.float16 else x.sum()
 
 
 def vouch(x: Tensor, is_finite: Tensor) -> None:

@@ -211,3 +211,27 @@ def test_weights_are_pre_dropout_probabilities():
     q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
     _, w = attnkit.attention(q, k, v, dropout_p=0.3, return_weights=True)
     close(w.sum(-1), torch.ones(1, 2, 6))
+
+
+def test_float16_on_a_cpu_without_float16_products_is_computed_in_float32_and_rounded(monkeypatch):
+    """The SDPA backend's float16 on such a CPU: PyTorch's float32 kernel on the exactly widened
+    inputs, rounded once (its float16 kernel is slower there); gradients come back in float16."""
+    import torch.nn.functional as F
+
+    from attnkit import _cpu
+
+    monkeypatch.setattr(_cpu, "flags", lambda: frozenset({"avx2"}))
+    assert not _cpu.has_fp16_products()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 33, 16, generator=g).half().requires_grad_() for _ in range(3))
+    assert attnkit.which_backend(q, k, v, is_causal=True) == "sdpa"
+    out = attnkit.attention(q, k, v, is_causal=True)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).half()
+    assert out.dtype == torch.float16 and torch.equal(out, want)
+    out.sum().backward()
+    assert all(t.grad.dtype == torch.float16 and torch.isfinite(t.grad).all() for t in (q, k, v))
+    monkeypatch.setattr(_cpu, "flags", lambda: frozenset({"avx512_fp16"}))
+    assert _cpu.has_fp16_products()
+    with torch.no_grad():
+        native = attnkit.attention(q, k, v, is_causal=True)
+        assert torch.equal(native, F.scaled_dot_product_attention(q, k, v, is_causal=True))

@@ -7,6 +7,11 @@ no NaN they would make can reach the output or the gradient). A NaN in the input
 in the rows that see it, as on every backend: only rows whose mask is all ``False`` (bias all
 ``-inf``) are zeroed, and on CPU, where the kernel's own causal mode returns 0 for a NaN row, a
 causal call with a NaN in its inputs takes an explicit mask.
+
+float16 on a CPU without float16 products (:func:`attnkit._cpu.has_fp16_products`) is computed in
+float32 and rounded back: PyTorch's CPU kernel accumulates half types in float32 anyway, and its
+float16 path is slower than its float32 one there (``attnkit bench dtypes``). bfloat16 stays
+bfloat16, whose CPU path is not slower.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import masks
+from .. import _cpu, masks
 from ..request import Request, check_dense_fits
 from .reference import expand_kv
 
@@ -37,6 +42,9 @@ class SDPABackend:
 
     def __call__(self, req: Request) -> tuple[Tensor, None]:
         q, k, v = req.query, req.key, req.value
+        rounded = q.dtype == torch.float16 and q.device.type == "cpu" and not _cpu.has_fp16_products()
+        if rounded:
+            q, k, v = q.float(), k.float(), v.float()
         if req.heads != req.kv_heads:
             k, v = expand_kv(k, req.heads), expand_kv(v, req.heads)
         mask = req.mask
@@ -66,5 +74,5 @@ class SDPABackend:
             # PyTorch's CPU causal kernel returns 0, not NaN, for a query row holding a NaN (a NaN key or
             # value does reach the rows that see it); NaN in, NaN out, in one pass and without a sync
             out = out.masked_fill(q.isnan().any(-1, keepdim=True), float("nan"))
-        return out, None
+        return (out.to(torch.float16) if rounded else out), None
 

@@ -5,4 +5,4 @@ writes its markdown table to ``out_dir/<suite>.md`` and returns the table. ``att
 runs one; ``python -m attnkit.bench SUITE`` does the same.
 """
 
-SUITES = ["core", "blockwise", "mods", "models", "ring", "apps", "approx", "hf", "compile"]
+SUITES = ["core", "blockwise", "mods", "models", "ring", "apps", "approx", "hf", "compile", "dtypes"]
