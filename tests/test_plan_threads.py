@@ -3,15 +3,14 @@ the plan cache's reads and writes do not race (evictions by one thread while ano
 
 from __future__ import annotations
 
-import sys
-import threading
-
 import pytest
 import torch
 
 import attnkit
 from attnkit import plan
 from attnkit.request import build_request
+
+from .racing import race
 
 THREADS = 4
 ROUNDS = 12
@@ -59,34 +58,6 @@ def same(a, b) -> bool:
                                                          and a[2] == b[2]))
 
 
-def race(body, interval: float) -> None:
-    """``body(me, together)`` in THREADS threads released together (``together()`` holds each until
-    all reach it again), with threads switching every ``interval`` seconds (far more often than
-    usual: a race shows sooner); fails with the errors any raised."""
-    old_interval = sys.getswitchinterval()
-    sys.setswitchinterval(interval)
-    barrier = threading.Barrier(THREADS)
-    errors: list[BaseException] = []
-
-    def work(me: int) -> None:
-        try:
-            barrier.wait()
-            body(me, barrier.wait)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-            barrier.abort()
-
-    try:
-        threads = [threading.Thread(target=work, args=(me,)) for me in range(THREADS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old_interval)
-    assert not errors, errors[:3]
-
-
 @pytest.mark.slow
 def test_threads_building_plans_at_once_each_get_the_single_threaded_plan(monkeypatch):
     mods = predicates()
@@ -112,7 +83,7 @@ def test_threads_building_plans_at_once_each_get_the_single_threaded_plan(monkey
                 if not same(intervals(got), want[n]):
                     wrong.append(f"thread {me}, round {r}, predicate {n}")
 
-    race(body, 1e-5)
+    race(body, THREADS, 1e-5)
     assert not wrong, wrong
 
 
@@ -132,5 +103,5 @@ def test_threads_reusing_and_evicting_cached_plans_at_once_never_fail(monkeypatc
             if not same(intervals(plan.for_request(requests[n])), want[n]):
                 wrong.append((me, r))
 
-    race(body, 1e-6)
+    race(body, THREADS, 1e-6)
     assert not wrong, wrong[:3]

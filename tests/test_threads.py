@@ -24,6 +24,8 @@ import torch
 
 from attnkit.backends import _band
 
+from .racing import race
+
 ROOT = Path(__file__).resolve().parents[1]
 THREADS, RUNS = 8, 8
 
@@ -131,27 +133,12 @@ def test_threads_share_the_folds_cache():
     cache stays full and every call that adds an entry sweeps it (before the lock: KeyError and
     "dictionary changed size during iteration" in every run)."""
     starts, ends = _dilated()
-    barrier, errors = threading.Barrier(THREADS), []
 
-    def work():
+    def work(me, together):
         live = collections.deque(maxlen=10)  # plans in use, as a model's layers hold theirs
-        barrier.wait()
-        try:
-            for _ in range(300):
-                live.append((starts.clone(), ends.clone()))
-                d, rows = _band._dilated(*live[-1], 1, 1, 24, 24)
-                assert d == 2 and rows[0].shape == (2, 12, 1), (d, rows)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(f"{type(e).__name__}: {e}")
+        for _ in range(300):
+            live.append((starts.clone(), ends.clone()))
+            d, rows = _band._dilated(*live[-1], 1, 1, 24, 24)
+            assert d == 2 and rows[0].shape == (2, 12, 1), (d, rows)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=work) for _ in range(THREADS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
-    assert errors == []
+    race(work, THREADS, 1e-6)
