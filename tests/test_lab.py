@@ -33,7 +33,9 @@ def test_every_experiment_gives_a_verdict_a_reason_and_pictures(findings):
 
 def test_scaling_keeps_the_softmax_slope_and_its_absence_saturates(findings):
     f = findings["scaling"]
-    assert f.verdict == "supported"
+    # The saturation holds, but the gradient reaching q is not smaller and the training gap needs
+    # unit-variance q and k: the verdict says it depends (tests/test_lab_recheck.py rechecks why).
+    assert f.verdict == "depends"
     fig = f.figures
     close(_scalar(fig["var_scaled_4096"]), _scalar(1.0), atol=0.2, rtol=0)
     assert fig["var_unscaled_4096"] > 2000

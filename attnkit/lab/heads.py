@@ -26,6 +26,9 @@ THRESHOLD = 0.5
 #: (sentence, control with the same positions, query word, key word).
 BANK_PAIRS = [("the bank of the river was muddy.", "the edge of the river was muddy.", "bank", "river"),
               ("the bank of china raised rates.", "the city of china raised rates.", "bank", "china")]
+#: Other words in place of "bank" in the control sentences (river's, China's), one pair per control:
+#: a finding about "bank" should not hang on which control word is subtracted.
+CONTROL_WORDS = [("edge", "city"), ("side", "people"), ("mouth", "government"), ("water", "state")]
 
 
 def sentences(count: int) -> list[str]:
@@ -80,6 +83,44 @@ def link(model, text: str, query: str, key: str) -> torch.Tensor:
     return attn[:, 0, :, tokens.index(query), tokens.index(key)]
 
 
+def top3(excess: torch.Tensor, first_layer: int = 0) -> set[tuple[int, int]]:
+    """The three ``(layer, head)`` with the largest ``excess``, from ``first_layer`` on."""
+    sub = excess[first_layer:]
+    return {(first_layer + int(i) // sub.shape[1], int(i) % sub.shape[1]) for i in sub.flatten().topk(3).indices}
+
+
+def bank_controls(model) -> dict[str, object]:
+    """The bank links against every control of :data:`CONTROL_WORDS`: per control, each key word's
+    strongest head over the control, the river/China top-3 overlap over all layers and from layer 1
+    on (layer 0 sees the same input vector for "bank" in both sentences)."""
+    raw = {k: link(model, text, q, k) for text, _, q, k in BANK_PAIRS}
+    rows = []
+    for words in CONTROL_WORDS:
+        excess, top = {}, {}
+        for (text, _, q, k), word in zip(BANK_PAIRS, words, strict=True):
+            excess[k] = raw[k] - link(model, text.replace(q, word, 1), word, k)
+            top[k] = divmod(int(excess[k].argmax()), excess[k].shape[1])
+        rows.append({"control": " / ".join(words).capitalize(),
+                     "river_top_head": f"layer {top['river'][0]} head {top['river'][1]}",
+                     "china_top_head": f"layer {top['china'][0]} head {top['china'][1]}",
+                     "top_layers": (top["river"][0], top["china"][0]),
+                     "overlap": len(top3(excess["river"]) & top3(excess["china"])),
+                     "overlap_from_layer_1": len(top3(excess["river"], 1) & top3(excess["china"], 1))})
+    return {"rows": rows}
+
+
+def bank_input_difference(model) -> float:
+    """Largest difference between the layer-0 inputs (embeddings) of "bank" in the two sentences."""
+    vecs = []
+    for text, _, q, _ in BANK_PAIRS:
+        enc = model.tokenizer([text])
+        pos = model.tokenizer.convert_ids_to_tokens(enc["input_ids"][0]).index(q)
+        with torch.no_grad():
+            out = model(enc["input_ids"], enc["attention_mask"], output_hidden_states=True)
+        vecs.append(out.hidden_states[0][0, pos])
+    return (vecs[0] - vecs[1]).abs().max().item()
+
+
 def run(quick: bool, out: Path) -> Finding:
     model = minilm()
     texts = sentences(48 if quick else 320)
@@ -104,22 +145,51 @@ def run(quick: bool, out: Path) -> Finding:
                     "excess": excess.max().item(),
                     "top3": {divmod(int(i), raw.shape[1]) for i in excess.flatten().topk(3).indices}}
     overlap = len(links["river"]["top3"] & links["china"]["top3"])
+    controls = bank_controls(model)["rows"]
+    input_diff = bank_input_difference(model)
+    specialised = sum(counts[k] for k in KINDS)
+    positional = counts["previous"] + counts["next"] + counts["self"]
+    in_layer_0 = sum(layer == 0 for row in controls for layer in row["top_layers"])
+    distinct = {w: len({row[f"{w}_top_head"] for row in controls}) for w in ("river", "china")}
     figures = {"sentences": len(texts), **{f"heads_{k}": v for k, v in counts.items()},
+               "heads_specialised": specialised, "heads_positional": positional,
+               "delimiter_share_of_specialised": counts["delimiter"] / max(specialised, 1),
                **{f"{w}_{f}": v for w, d in links.items() for f, v in d.items() if f != "top3"},
-               "top3_overlap_river_china": overlap, "kinds_by_layer": {i: " ".join(r) for i, r in enumerate(kinds)}}
+               "top3_overlap_river_china": overlap,
+               "bank_layer0_input_difference": input_diff,
+               "bank_top_heads_in_layer_0": in_layer_0, "bank_top_heads_compared": 2 * len(controls),
+               "distinct_river_top_heads_over_controls": distinct["river"],
+               "distinct_china_top_heads_over_controls": distinct["china"],
+               "bank_by_control": [{k: v for k, v in row.items() if k != "top_layers"} for row in controls],
+               "kinds_by_layer": {i: " ".join(r) for i, r in enumerate(kinds)}}
     fig, axes = figure(len(KINDS), width=2.3, height=2.6)
     for ax, kind in zip(axes[0], KINDS, strict=True):
         im = ax.imshow(stats[kind].numpy(), vmin=0, vmax=1, cmap="viridis")
         ax.set(title=kind, xlabel="head", ylabel="layer")
     fig.colorbar(im, ax=axes[0][-1])
     pic = save(fig, out / "lab_heads.png")
-    specialised = sum(counts[k] for k in KINDS)
-    verdict = "supported" if specialised >= 6 and overlap < 3 else "depends"
-    why = (f"Over {len(texts)} sentences MiniLM's heads sort into previous-token {counts['previous']}, next-token "
-           f"{counts['next']}, self {counts['self']}, delimiter ([CLS]/[SEP]) {counts['delimiter']}, broad "
-           f"{counts['broad']} and mixed {counts['mixed']}; after removing what a position-matched control sentence "
-           f"gets, the heads that link bank to river ({links['river']['top_head_excess']}) and to China "
-           f"({links['china']['top_head_excess']}) share {overlap} of their top 3.")
+    # Supported only if the figures show every part of the claim: several positional heads of each kind
+    # besides the delimiter heads, and bank heads that stay the same whichever control word is
+    # subtracted and that sit past layer 0 (where "bank" enters both sentences as the same vector).
+    kinds_present = all(counts[k] > 0 for k in ("previous", "next", "self"))
+    bank_robust = (in_layer_0 == 0 and distinct["river"] == 1 and distinct["china"] == 1
+                   and all(row["overlap"] < 3 for row in controls))
+    if positional >= 6 and kinds_present and bank_robust:
+        verdict = "supported"
+    else:
+        verdict = "depends" if specialised else "refuted"
+    overlaps = ", ".join(str(row["overlap"]) for row in controls)
+    why = (f"Over {len(texts)} sentences {counts['delimiter']} of the {specialised} MiniLM heads that put at least "
+           f"half their weight on one kind of token attend to the delimiters ([CLS]/[SEP]); besides them there are "
+           f"{counts['previous']} previous-token, {counts['next']} next-token and {counts['self']} self heads "
+           f"({counts['broad']} broad, {counts['mixed']} mixed), so specialisation beyond the delimiters is thin. "
+           f"With the control word subtracted, the strongest bank-to-river and bank-to-China heads are "
+           f"{links['river']['top_head_excess']} and {links['china']['top_head_excess']} (top 3 share {overlap}); "
+           f"{in_layer_0} of the {2 * len(controls)} strongest heads over {len(controls)} control words "
+           f"({', '.join(' / '.join(w) for w in CONTROL_WORDS)}) are in layer 0, where the input vector for bank is "
+           f"the same in both sentences (largest difference {input_diff:.1g}), so their difference comes from the "
+           f"other words; changing the control word gives {distinct['river']} different strongest heads for river "
+           f"and {distinct['china']} for China, and river/China top-3 overlaps of {overlaps}.")
     kind_words = {"previous": "the previous token", "next": "the next token", "self": "the token itself",
                   "delimiter": "[CLS] or [SEP]"}
     labels = {"sentences": "Sentences",
@@ -130,5 +200,21 @@ def run(quick: bool, out: Path) -> Finding:
                   ("top_head_excess", "strongest head over the control sentence"),
                   ("excess", "its weight over the control sentence"))},
               "top3_overlap_river_china": "Top-3 heads shared by bank to river and bank to China",
+              "heads_specialised": "Heads of one kind (previous, next, self or delimiter)",
+              "heads_positional": "Heads of one kind other than delimiter (previous, next or self)",
+              "delimiter_share_of_specialised": "Share of the heads of one kind that attend to [CLS] or [SEP]",
+              "bank_layer0_input_difference": "Largest difference between the layer-0 inputs for bank in the two "
+                                              "sentences",
+              "bank_top_heads_in_layer_0": "Strongest bank heads over the control words that are in layer 0",
+              "bank_top_heads_compared": "Strongest bank heads compared (2 per control word)",
+              "distinct_river_top_heads_over_controls": "Different strongest bank-to-river heads over the control "
+                                                        "words",
+              "distinct_china_top_heads_over_controls": "Different strongest bank-to-China heads over the control "
+                                                        "words",
+              "bank_by_control": "Bank links by control word", "control": "Control words (river / China)",
+              "river_top_head": "Strongest head to river over the control",
+              "china_top_head": "Strongest head to China over the control",
+              "overlap": "Top-3 heads shared, river and China",
+              "overlap_from_layer_1": "Top-3 heads shared from layer 1 on",
               "kinds_by_layer": f"Kind of each head by layer (heads 0 to {len(kinds[0]) - 1}, left to right)"}
     return Finding("heads", CLAIM, figures, verdict, why, [pic], labels=labels)

@@ -86,9 +86,17 @@ def sequential_steps(n: int, width: int = 8) -> dict[str, int]:
     return {"attention": graph_depth(MultiHeadAttention(width, 1)(x)), "recurrent": graph_depth(h)}
 
 
+def recurrent_flops(n: int, d: int) -> float:
+    """FLOPs of ``nn.RNNCell(d, d)`` run over ``n`` tokens, counted as torch's FLOP counter counts them:
+    each step multiplies by its input-to-hidden and its hidden-to-hidden weights (two ``d x d``
+    products, 2 FLOPs per multiply-add), so ``4 n d^2`` in all; the bias adds and tanh are not counted."""
+    cell = nn.RNNCell(d, d)
+    return 2.0 * n * (cell.weight_ih.numel() + cell.weight_hh.numel())
+
+
 def run(quick: bool, out: Path) -> Finding:
     n, d, k = 512, 64, 3
-    calc = {"attention": attention_cost(n, d).attention_flops, "recurrent": 2.0 * n * d * d,
+    calc = {"attention": attention_cost(n, d).attention_flops, "recurrent": recurrent_flops(n, d),
             "convolution": 2.0 * k * n * d * d}
     n_path = 64
     # Causal stacks, as in the table's count: reaching back n - 1 positions takes (n - 1) / (k - 1)
@@ -122,8 +130,9 @@ def run(quick: bool, out: Path) -> Finding:
                 and paths["dilated convolution"] == figures["expected_dilated_layers"])
     r16, r32, r64 = (depth[m]["recurrent"] for m in (16, 32, 64))
     depth_ok = depth[16]["attention"] == depth[64]["attention"] and r64 - r32 == 2 * (r32 - r16) > 0  # linear in n
-    why = (f"At n = {n}, d = {d} a layer costs {calc['attention']:.2g} FLOPs as attention, {calc['recurrent']:.2g} "
-           f"as a recurrence and {calc['convolution']:.2g} as a width-{k} convolution; the longest chain of dependent "
+    why = (f"At n = {n}, d = {d} a layer costs {calc['attention']:.2g} FLOPs as attention (QK^T and PV), "
+           f"{calc['recurrent']:.2g} as a recurrence (input-to-hidden and hidden-to-hidden products, 4 n d^2) "
+           f"and {calc['convolution']:.2g} as a width-{k} convolution; the longest chain of dependent "
            f"operations in the autograd graph is {depth[16]['attention']} for attention at n = 16, 32, 64 and "
            f"{r16}, {r32}, {r64} for a recurrent cell; linking the first and last of {n_path} positions took "
            f"{paths['attention']} attention layer, {paths['convolution']} convolution layers and "
@@ -133,7 +142,9 @@ def run(quick: bool, out: Path) -> Finding:
            f"({acc['reverse']['attention']:.2f}, against {acc['reverse'][f'window {k}']:.2f} and "
            f"{acc['reverse'][f'conv {k}']:.2f}).")
     verdict = "supported" if local_ok and paths_ok and depth_ok else "depends"
-    labels = {"flops_per_layer": f"FLOPs per layer (n = {n}, d = {d}, convolution width {k})",
+    labels = {"flops_per_layer": f"FLOPs per layer (n = {n}, d = {d}, convolution width {k}; a multiply-add is 2; "
+                                 "attention's scores and weighted sum, a recurrent cell's input-to-hidden and "
+                                 "hidden-to-hidden products, without projections)",
               "sequential_steps": f"Sequential steps per layer, as the table counts them (n = {n})",
               "graph_depth_by_n": "Longest chain of dependent operations, measured, by n",
               "layers_to_link_first_and_last_of_64": f"Layers to link the first and last of {n_path} positions, "
