@@ -1,0 +1,136 @@
+"""An independent recheck of four ``attnkit lab`` experiments, from first principles with torch.
+
+Nothing here imports :mod:`attnkit.lab`: each function recomputes a key figure its own way (other
+sentences, other random draws, torch's own FLOP counter, autograd's own Jacobians), so that
+tests/test_lab_recheck.py can hold the lab's verdicts and figures against them. MiniLM comes from
+:class:`attnkit.models.Bert` (the model, not the lab).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+#: Sentences of another shape than the lab's, for classifying MiniLM's heads.
+SENTENCES = [
+    "the river flooded the fields last spring.",
+    "my sister bought three apples at the market.",
+    "a quiet dog slept under the kitchen table.",
+    "they argued about the price of the old boat.",
+    "the train to the coast left two hours late.",
+    "our neighbour painted the fence a bright green.",
+    "he wrote a long letter to the city council.",
+    "the children played football until it got dark.",
+    "she found her keys in the pocket of her coat.",
+    "the museum opened a new hall for modern art.",
+    "a strong wind broke several branches of the tree.",
+    "we cooked dinner while the radio played jazz.",
+]
+#: A head is of a kind when on average at least this share of each real row's weight goes there.
+THRESHOLD = 0.5
+
+
+def minilm():
+    from attnkit.models import Bert
+
+    return Bert.from_pretrained()
+
+
+def head_kinds(model, texts: list[str] = SENTENCES, threshold: float = THRESHOLD) -> dict[str, int]:
+    """How many of MiniLM's heads put, on average over real query tokens, at least ``threshold`` of
+    their weight on the previous token, the next, the token itself or the delimiters, by kind
+    (the largest such share wins); ``positional`` is previous + next + self."""
+    counts = {"previous": 0, "next": 0, "self": 0, "delimiter": 0}
+    enc = model.tokenizer(texts)
+    ids, mask = enc["input_ids"], enc["attention_mask"].bool()
+    delim = torch.isin(ids, torch.tensor(model.tokenizer.convert_tokens_to_ids(["[CLS]", "[SEP]"])))
+    with torch.no_grad():
+        attns = model(ids, enc["attention_mask"], output_attentions=True).attentions
+    lengths = mask.sum(-1)
+    for w in attns:  # (B, H, L, L)
+        for h in range(w.shape[1]):
+            share = {k: [] for k in counts}
+            for b in range(w.shape[0]):
+                n = int(lengths[b])
+                a = w[b, h, :n, :n]
+                share["self"].append(a.diagonal().mean())
+                share["previous"].append(torch.cat([a.new_zeros(1), a.diagonal(-1)]).mean())
+                share["next"].append(torch.cat([a.diagonal(1), a.new_zeros(1)]).mean())
+                share["delimiter"].append(a[:, delim[b, :n]].sum(-1).mean())
+            means = {k: float(torch.stack(v).mean()) for k, v in share.items()}
+            best = max(means, key=means.get)
+            if means[best] >= threshold:
+                counts[best] += 1
+    return {**counts, "positional": counts["previous"] + counts["next"] + counts["self"],
+            "specialised": sum(counts.values())}
+
+
+def bank_layer0_inputs_differ(model, texts=("the bank of the river was muddy.",
+                                            "the bank of china raised rates.")) -> float:
+    """Largest difference between the embeddings (layer 0's input) of "bank" in the two sentences:
+    the same word at the same position, so 0; what a layer-0 head does differently there comes
+    from the other words."""
+    vecs = []
+    for text in texts:
+        enc = model.tokenizer([text])
+        pos = model.tokenizer.convert_ids_to_tokens(enc["input_ids"][0]).index("bank")
+        with torch.no_grad():
+            hidden = model(enc["input_ids"], enc["attention_mask"], output_hidden_states=True).hidden_states
+        vecs.append(hidden[0][0, pos])
+    return float((vecs[0] - vecs[1]).abs().max())
+
+
+def softmax_jacobian_trace(scores: torch.Tensor) -> float:
+    """Mean trace of each row's softmax Jacobian, taken by autograd (not from the formula a(1-a))."""
+    def one(row):
+        return torch.autograd.functional.jacobian(lambda s: s.softmax(-1), row).diagonal().sum()
+    return float(torch.stack([one(r) for r in scores]).mean())
+
+
+def scaling_recheck(dims=(16, 64, 256, 1024, 4096), rows: int = 32, keys: int = 64,
+                    seed: int = 1234) -> dict[int, dict[str, float]]:
+    """Per ``d_k``, from unit-variance random q, k, v: the softmax Jacobian trace scaled and unscaled,
+    and the norm of the gradient of a random projection of the output with respect to q."""
+    gen = torch.Generator().manual_seed(seed)
+    res = {}
+    for d in dims:
+        q = torch.randn(rows, d, generator=gen, dtype=torch.float64)
+        k = torch.randn(keys, d, generator=gen, dtype=torch.float64)
+        v = torch.randn(keys, d, generator=gen, dtype=torch.float64)
+        direction = torch.randn(rows, d, generator=gen, dtype=torch.float64) / math.sqrt(d)
+        row = {}
+        for name, scale in (("unscaled", 1.0), ("scaled", d ** -0.5)):
+            qq = q.clone().requires_grad_(True)
+            scores = qq @ k.T * scale
+            ((scores.softmax(-1) @ v) * direction).sum().backward()
+            row[f"grad_q_{name}"] = float(qq.grad.norm(dim=-1).mean())
+            row[f"trace_{name}"] = softmax_jacobian_trace(scores.detach())
+        res[d] = row
+    return res
+
+
+def rnn_flops(n: int, d: int) -> int:
+    """FLOPs of ``nn.RNNCell(d, d)`` over ``n`` steps as torch's FLOP counter counts them, checked
+    against the cell's weight shapes (input-to-hidden and hidden-to-hidden: 2 FLOPs per multiply-add)."""
+    torch.manual_seed(0)
+    cell, h = nn.RNNCell(d, d), torch.zeros(1, d)
+    x = torch.randn(n, 1, d)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        for i in range(n):
+            h = cell(x[i], h)
+    counted = counter.get_total_flops()
+    from_shapes = 2 * n * (cell.weight_ih.shape[0] * cell.weight_ih.shape[1]
+                           + cell.weight_hh.shape[0] * cell.weight_hh.shape[1])
+    assert counted == from_shapes, (counted, from_shapes)
+    return counted
+
+
+def accuracy_claim_status(accuracies: dict[str, float], ceiling: float = 0.99, margin: float = 0.05) -> str:
+    """Whether "the dot product is as accurate" was tested by these accuracies: ``untested`` when
+    every score function is at the task's ceiling, else ``holds`` or ``fails``."""
+    if min(accuracies.values()) >= ceiling:
+        return "untested"
+    return "holds" if accuracies["dot"] >= max(accuracies.values()) - margin else "fails"
