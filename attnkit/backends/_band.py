@@ -284,13 +284,14 @@ def _rows(x: Tensor) -> Tensor:
 
 def _plain_call(*tensors: Tensor) -> bool:
     """Whether the forward can skip the operator's dispatch and call the module directly: plain CPU
-    tensors (no subclass, no functorch transform, nothing being traced) with no gradient to record.
+    tensors (no subclass, no functorch transform, no dispatch mode such as make_fx's, nothing being
+    traced) with no gradient to record.
     The dispatch of a ``torch.library.custom_op`` costs tens of microseconds per call (a decode step
     calls the kernel once per layer) and its first call imports ``torch._dynamo`` (seconds); the
     module computes the same thing either way."""
     return (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)) and all(
         type(t) is Tensor for t in tensors) and not torch._C._are_functorch_transforms_active() and (
-        not torch.compiler.is_compiling())
+        not torch.compiler.is_compiling()) and torch._C._len_torch_dispatch_stack() == 0  # no mode records ops
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tensor, bias: Tensor, scale: float,
