@@ -249,3 +249,30 @@ def test_eager_attention_without_gradients_does_not_import_the_compiler(tmp_path
     assert proc.returncode == 0, proc.stderr
     backend, imported = proc.stdout.split()
     assert imported == "False", (backend, proc.stderr)
+
+
+def test_a_dispatch_mode_sees_the_banded_operator_even_without_gradients():
+    """Eager calls without gradients skip the operator's dispatch, except while a dispatch mode is
+    active: a mode (make_fx's, a profiler's, a user's) must see attnkit::band_forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if not _band.available():
+        pytest.skip(f"banded kernel unavailable: {_band.unavailable_reason()}")
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 2, 64, 8)
+    assert attnkit.which_backend(q, q, q, window=(4, 4)) == "band"
+    with torch.no_grad():
+        want = attnkit.attention(q, q, q, window=(4, 4))
+        with Seen() as seen:
+            got = attnkit.attention(q, q, q, window=(4, 4))
+    assert any("band_forward" in op for op in seen.ops), seen.ops[:20]
+    assert torch.equal(got, want)
