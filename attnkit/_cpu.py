@@ -1,22 +1,33 @@
-"""What this machine's CPU can do, read once: the instruction-set flags that decide how a kernel
-computes half precision."""
+"""What this machine's CPU is and can do, read once: its model name, and the instruction-set flags
+that decide how a kernel computes half precision."""
 
 from __future__ import annotations
 
 import functools
+import platform
 from pathlib import Path
 
 
 @functools.cache
-def flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux ``/proc/cpuinfo``'s ``flags`` line); empty where unknown."""
+def _cpuinfo(key: str) -> str | None:
+    """The value of the first ``key`` line of Linux's ``/proc/cpuinfo``; None where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.partition(":")[2].split())
+            if line.startswith(key):
+                return line.partition(":")[2].strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+def flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s ``flags`` line); empty where unknown."""
+    return frozenset((_cpuinfo("flags") or "").split())
+
+
+def name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what :mod:`platform` says)."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def has_fp16_products() -> bool:

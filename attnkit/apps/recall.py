@@ -33,7 +33,6 @@ sequence length, for the three models on this machine's CPU.
 
 from __future__ import annotations
 
-import platform
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._cpu import name as cpu_name
 from ..modules import TransformerEncoder, TransformerEncoderLayer
 from ..positional import ALiBi
 from ..viz.report import Section
@@ -224,17 +224,6 @@ def step_seconds(models: dict[str, nn.Module], length: int, batch_size: int, num
         return step
 
     return interleaved_medians({name: step_of(m.train()) for name, m in models.items()}, repeat=repeat, warmup=2)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux ``/proc/cpuinfo``; else what :mod:`platform` says)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # --------------------------------------------------------------------------- pictures
