@@ -20,6 +20,7 @@ def _cpuinfo(key: str) -> str | None:
     return None
 
 
+@functools.cache  # asked on every float16 SDPA call
 def flags() -> frozenset[str]:
     """The CPU's feature flags (``/proc/cpuinfo``'s ``flags`` line); empty where unknown."""
     return frozenset((_cpuinfo("flags") or "").split())
