@@ -98,9 +98,8 @@ for ax, (title, m) in zip(axes, (("padding (sentence 2)", keep[1, 0].expand(L, L
     ax.set_xticks(range(L), tokens[1] if "sentence" in title else tokens[0], rotation=90)
     ax.set_yticks(range(L), tokens[1] if "sentence" in title else tokens[0])
     ax.xaxis.tick_top()
-    ax.set_title(title + "\ngreen: may attend", fontsize=10)
-fig.supxlabel("key", fontsize=9)
-fig.supylabel("query", fontsize=9)
+    ax.set_title(title, fontsize=10)
+fig.suptitle("Green: may attend. Queries down, keys across the top.", fontsize=10)
 
 # %% [markdown]
 # ## How we measure a mistake
