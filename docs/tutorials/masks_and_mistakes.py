@@ -389,8 +389,8 @@ print("\nthe key-axis fix equals attnkit:", torch.allclose(on_the_key_axis(q, k,
 print("masks.padding already has the key axis: shape", tuple(keep.shape), "= [batch, 1, 1, keys]")
 
 query_axis = viz.head_grid(torch.stack([on_the_query_axis(q, k, v)[1][1, 0].nan_to_num(), fixed(q, k, v)[1][1, 0]]),
-                           tokens[1], labels=["as written: padding on the query axis (NaN drawn as 0)",
-                                              "fix: padding on the key axis"], ncols=2)
+                           tokens[1], labels=["as written: query axis\n(NaN drawn as 0)", "fix: key axis"],
+                           ncols=2, title="Sentence 2: the padding mask on the wrong axis and the right one")
 
 # %% [markdown]
 # ## Summary

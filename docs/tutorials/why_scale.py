@@ -180,8 +180,10 @@ ax.legend()
 
 # %%
 grads = {"unscaled": [], "scaled": []}
-print(f"{'d_k':>6} | {'|dL/ds| at the scores':^21} | {'|dL/dq| at the query':^21} | {'keys sharing dL/ds':^19}")
-print(f"{'':>6} | {'unscaled':>10} {'scaled':>10} | {'unscaled':>10} {'scaled':>10} | {'unscaled':>9} {'scaled':>9}")
+print(f"{'d_k':>6} | {'|dL/ds| at the scores':^21} | {'|dL/dq| at the query':^21} | {'keys sharing dL/ds':^19} | "
+      f"{'rows with dL/ds = 0':^19}")
+print(f"{'':>6} | {'unscaled':>10} {'scaled':>10} | {'unscaled':>10} {'scaled':>10} | {'unscaled':>9} {'scaled':>9} | "
+      f"{'unscaled':>9} {'scaled':>9}")
 for d in DIMS:
     q, k, v = data[d]
     upstream = torch.randn(N_QUERIES, d, generator=gen) / math.sqrt(d)  # the loss is sum(out * upstream)
@@ -199,11 +201,11 @@ for d in DIMS:
         (out[0] * upstream).sum().backward()
         assert torch.allclose(q_ak.grad, q_.grad, rtol=1e-3, atol=1e-5)
         row[name] = {"ds": scores.grad.norm(dim=-1).mean().item(), "dq": q_.grad.norm(dim=-1).mean().item(),
-                     "keys": share.mean().item()}
+                     "keys": share.mean().item(), "none": (g.amax(-1) == 0).float().mean().item()}
         grads[name].append(row[name])
     u, s = row["unscaled"], row["scaled"]
     print(f"{d:>6} | {u['ds']:>10.4f} {s['ds']:>10.4f} | {u['dq']:>10.4f} {s['dq']:>10.4f} | "
-          f"{u['keys']:>9.1f} {s['keys']:>9.1f}")
+          f"{u['keys']:>9.1f} {s['keys']:>9.1f} | {u['none']:>9.1%} {s['none']:>9.1%}")
 
 larger_q = [d for d, u, s in zip(DIMS, grads["unscaled"], grads["scaled"], strict=True) if u["dq"] > s["dq"]]
 print("\nattnkit.attention's gradient at the query equals the hand-computed one at every size (checked above)")
@@ -223,8 +225,8 @@ for ax in axes:
 
 # %% [markdown]
 # So "the gradient vanishes" is true at the scores, not at the query. What the saturation does
-# take away is shown in the last column: unscaled, the gradient at the scores falls on a couple of
-# keys per query (or on none, once a row is saturated to the last bit of float32), so a query
+# take away is shown in the last two columns: unscaled, the gradient at the scores falls on a couple
+# of keys per query (and on none at all for the rows saturated to the last bit of float32), so a query
 # learns only about the key it already looks at, and gets next to no signal about the others.
 # Whether that hurts training is a question for an experiment.
 #
@@ -300,7 +302,7 @@ def train(scale, init, seed):
 
 
 # Tensors this small run fastest on one thread (several threads mostly wait for each other, badly so
-# on a busy machine), and one thread also makes the sums, hence the numbers, the same on every run.
+# on a busy machine), and one thread also keeps the order of the sums, hence the numbers, fixed.
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
 try:
