@@ -5,7 +5,7 @@ The table of contents:
 * ``attnkit.attention`` - the one entry point for the maths (``functional.py``), in front of
   ``attnkit.backends`` (sdpa, band, fused_tiles, tiles, reference; each a kernel with a name).
 * ``attnkit.masks`` - mask predicates and builders, ``True`` = may attend.
-* ``attnkit.mask_plan`` -> ``attnkit.MaskPlan`` - a mask worked out once for every kernel (``plan.py``).
+* ``attnkit.mask_plan`` -> ``attnkit.MaskPlan`` - a mask worked out once for every kernel (``maskplan/``).
 * ``attnkit.MultiHeadAttention`` - the module (``modules/``).
 * ``attnkit.ops`` - numerical primitives (safe softmax, tile forward/backward with log-sum-exp).
 * ``positional``, ``scores``, ``models``, ``viz``, ``analysis``, ``distributed``, ``bench``.
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from . import backends, masks
     from .functional import attention, which_backend
+    from .maskplan import MaskPlan, mask_plan
     from .modules import MultiHeadAttention
-    from .plan import MaskPlan, mask_plan
 
 __version__ = "0.1.0"
 """The version of attnkit, as ``pip`` and ``attnkit --version`` show it."""
@@ -31,9 +31,9 @@ __all__ = ["MaskPlan", "MultiHeadAttention", "attention", "backends", "mask_plan
 
 #: Public names that live in a submodule: name -> the submodule that defines it.
 _FROM = {"attention": "functional", "which_backend": "functional", "MultiHeadAttention": "modules",
-         "MaskPlan": "plan", "mask_plan": "plan"}
+         "MaskPlan": "maskplan", "mask_plan": "maskplan"}
 _SUBMODULES = {"backends", "masks", "functional", "positional", "scores", "models", "viz", "analysis",
-               "distributed", "bench", "modules", "ops", "cache", "linear", "approx", "plan"}
+               "distributed", "bench", "modules", "ops", "cache", "approx", "maskplan", "intervals"}
 
 
 def __getattr__(name: str):

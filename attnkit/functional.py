@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from . import backends, nonfinite
-from .request import build_request
+from .call import validate_call
 
 
 def attention(
@@ -68,7 +68,7 @@ def attention(
         s = q @ k.transpose(-2, -1) * scale + bias
         out = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
     """
-    req = build_request(query, key, value, mask=mask, bias=bias, is_causal=is_causal, window=window,
+    req = validate_call(query, key, value, mask=mask, bias=bias, is_causal=is_causal, window=window,
                         mask_mod=mask_mod, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
                         return_weights=return_weights)
     chosen = backends.select(req, backend)
@@ -78,4 +78,4 @@ def attention(
 
 def which_backend(query: Tensor, key: Tensor, value: Tensor, *, backend: str = "auto", **kwargs) -> str:
     """The name of the backend ``attention`` would run for these arguments (nothing is computed)."""
-    return backends.select(build_request(query, key, value, **kwargs), backend).name
+    return backends.select(validate_call(query, key, value, **kwargs), backend).name

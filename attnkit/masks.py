@@ -3,7 +3,7 @@
 Every structured mask exists in two forms built from one predicate:
 
 * a **mask_mod** ``fn(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention's signature), which
-  the engine reads through a mask plan (:mod:`attnkit.plan`: each row's keys as intervals, found by
+  the engine reads through a mask plan (:mod:`attnkit.maskplan`: each row's keys as intervals, found by
   evaluating the predicate once, for the banded kernel and the tile backends alike);
 * a **dense builder** that evaluates the same predicate on the full index grid, for backends and
   tests that want a tensor.
@@ -20,14 +20,15 @@ Converters turn the other libraries' conventions into ours:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from . import elementwise
+from . import per_element
 from ._text import describe
+from .intervals import Intervals, intersect_intervals, normalize, positions, row_bounds, trim, union_intervals
+from .memory import check_op_fits, over_limit
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """A predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention's signature): ``True`` = may attend."""
@@ -83,89 +84,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------
-# Intervals: each query row's allowed keys as sorted, disjoint [start, end) pairs
-# --------------------------------------------------------------------------------------------
-
-Intervals = tuple[Tensor, Tensor]
-"""Each row's allowed keys: ``(starts, ends)``, int64 ``[1 or B, Lq, K]``, row ``i`` attending keys
-``starts[..., i, j] <= key < ends[..., i, j]``; sorted, disjoint, empty intervals ``(Lk, Lk)`` last."""
-
-
-def normalize(starts: Tensor, ends: Tensor, kv_len: int) -> Intervals:
-    """Any intervals ``[Bp, Lq, K]`` (overlapping, unsorted, empty, out of ``[0, kv_len]``) in the
-    shared form: clipped to ``[0, kv_len]``, sorted by start, overlapping or adjacent ones merged,
-    empties written ``(kv_len, kv_len)`` after the others, and ``K`` cut to the most non-empty
-    intervals any row has (at least 1; under ``torch.compile`` it stays as given, since a shape
-    there may not depend on the data). Vectorised: a sort, then, where some intervals overlap or touch,
-    a running maximum and a scatter."""
-    compiling = torch.compiler.is_compiling()  # there, neither a shape nor a branch may depend on the data
-    starts, ends = torch.broadcast_tensors(starts, ends)
-    # fresh, whole tensors (clamp_min then clamp_max: an int64 clamp with both bounds is not vectorised)
-    starts = starts.long().clamp_min(0).clamp_max_(kv_len)
-    ends = ends.long().clamp_min(0).clamp_max_(kv_len)
-    empty = starts >= ends
-    starts.masked_fill_(empty, kv_len)
-    ends.masked_fill_(empty, kv_len)
-    if compiling or not bool((starts[..., 1:] >= starts[..., :-1]).all()):  # most builders' rows come in order
-        starts, order = starts.sort(dim=-1, stable=True)  # empties (kv_len) go last
-        ends = ends.gather(-1, order)
-        empty = starts >= ends
-    k = starts.shape[-1]
-    if not compiling and k > 0 and bool(((starts[..., 1:] > ends[..., :-1]) | empty[..., 1:]).all()):
-        # each apart from the one before (a builder's usual intervals): sorted, they are the answer, and
-        # the running maximum and the scatters below (most of the time on long rows) are not needed
-        return _cut(starts, ends)
-    reach = ends.masked_fill(empty, -1).cummax(dim=-1).values  # furthest end so far
-    before = torch.cat([torch.full_like(reach[..., :1], -1), reach[..., :-1]], dim=-1)
-    fresh = ~empty & (starts > before)  # a gap before it: a new merged interval
-    slot = (fresh.long().cumsum(-1) - 1).masked_fill(empty, k)  # empties go to a slot dropped below
-    out_s = torch.full(starts.shape[:-1] + (k + 1,), kv_len, dtype=torch.long, device=starts.device)
-    out_e = out_s.clone()
-    out_s = out_s.scatter_reduce(-1, slot, starts, "amin", include_self=True)
-    out_e = out_e.scatter_reduce(-1, slot, ends, "amax", include_self=False)
-    if compiling:  # keep K slots, empties last
-        return out_s[..., :max(k, 1)].contiguous(), out_e[..., :max(k, 1)].contiguous()
-    return _cut(out_s, out_e)  # the last slot, where the empties went, is empty
-
-
-def _cut(starts: Tensor, ends: Tensor) -> Intervals:
-    """Sorted intervals ``[..., K >= 1]``, empties last, cut to the most non-empty ones any row
-    has (at least 1; under ``torch.compile``, where a shape may not depend on the data, as given)."""
-    if torch.compiler.is_compiling():
-        return starts.contiguous(), ends.contiguous()
-    # empties last: the columns where some row has an interval are the first `width`
-    width = max(1, int((starts < ends).reshape(-1, starts.shape[-1]).any(0).sum())) if starts.numel() else 1
-    return starts[..., :width].contiguous(), ends[..., :width].contiguous()
-
-
-def intersect_intervals(a: Intervals, b: Intervals, kv_len: int) -> Intervals:
-    """Keys allowed by both ``a`` and ``b`` (each ``(starts, ends)`` ``[1 or B, Lq, K]``): every pair's
-    overlap (``K1 x K2`` of them), then :func:`normalize`."""
-    s = torch.maximum(a[0][..., :, None], b[0][..., None, :])
-    e = torch.minimum(a[1][..., :, None], b[1][..., None, :])
-    return normalize(s.flatten(-2), e.flatten(-2), kv_len)
-
-
-def union_intervals(a: Intervals, b: Intervals, kv_len: int) -> Intervals:
-    """Keys allowed by ``a`` or ``b``: both lists side by side, then :func:`normalize` (which merges
-    overlapping and adjacent ones)."""
-    (sa, ea), (sb, eb) = a, b
-    sa, sb = _same_batch(sa, sb)
-    ea, eb = _same_batch(ea, eb)
-    return normalize(torch.cat([sa, sb], -1), torch.cat([ea, eb], -1), kv_len)
-
-
-def _same_batch(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    batch = max(x.shape[0], y.shape[0])
-    return x.expand(batch, *x.shape[1:]), y.expand(batch, *y.shape[1:])
-
-
-def _positions(q_len: int, offset: int) -> Tensor:
-    """``[1, Lq, 1]``: each query row's absolute position ``i + offset``."""
-    return (torch.arange(q_len) + offset).view(1, -1, 1)
-
-
-# --------------------------------------------------------------------------------------------
 # Typed predicates (mask_mods)
 # --------------------------------------------------------------------------------------------
 
@@ -175,7 +93,7 @@ class Mask:
     bool tensor`` (broadcasting index tensors), and :meth:`intervals` gives each row's keys exactly,
     so the engine need not evaluate the predicate cell by cell. Subclasses define both; equality and
     hashing are by identity (plans are cached per mask object). ``broadcasts``: written to broadcast
-    (:func:`attnkit.elementwise.broadcasts`), so calls skip the per-element comparison."""
+    (:func:`attnkit.per_element.broadcasts`), so calls skip the per-element comparison."""
 
     broadcasts = True
 
@@ -203,8 +121,7 @@ class Causal(Mask):
         return kv_idx <= q_idx + self.offset
 
     def intervals(self, batch, q_len, kv_len):
-        p = _positions(q_len, self.offset)
-        return normalize(torch.zeros_like(p), p + 1, kv_len)
+        return row_bounds(q_len, kv_len, is_causal=True, offset=self.offset)
 
 
 class Window(Mask):
@@ -226,10 +143,7 @@ class Window(Mask):
         return ok
 
     def intervals(self, batch, q_len, kv_len):
-        p = _positions(q_len, self.offset)
-        lo = torch.zeros_like(p) if self.left is None else p - self.left
-        hi = torch.full_like(p, kv_len) if self.right is None else p + self.right + 1
-        return normalize(lo, hi, kv_len)
+        return row_bounds(q_len, kv_len, window=(self.left, self.right), offset=self.offset)
 
 
 class PrefixLM(Mask):
@@ -249,7 +163,7 @@ class PrefixLM(Mask):
             if cut.dim() != 1 or cut.numel() < batch:
                 return None
             cut = cut[:batch].detach().long().cpu().view(-1, 1, 1)
-        p = _positions(q_len, self.offset)
+        p = positions(q_len, self.offset)
         return normalize(torch.zeros_like(p), torch.maximum(p + 1, torch.as_tensor(cut)), kv_len)
 
 
@@ -282,7 +196,7 @@ class Document(Mask):
         # Under torch.compile how many runs there are is data, not read here: the operator's K is unknown
         if not torch.compiler.is_compiling():
             runs = _most_runs(kv_ids)
-            if q_len * runs > 1 << 24 or _over_limit(len(q_ids) * q_len * runs * _RUN_SLOT_BYTES) is not None:
+            if q_len * runs > 1 << 24 or over_limit(len(q_ids) * q_len * runs * _RUN_SLOT_BYTES) is not None:
                 return None  # too many runs to list: the engine reads the predicate instead
         return normalize(*torch.ops.attnkit.document_runs(q_ids, kv_ids), kv_len)
 
@@ -294,30 +208,6 @@ _RUN_SLOT_BYTES = 18
 def _most_runs(ids: Tensor) -> int:
     """The most runs of one id any row of ``ids [P, L]`` has (1 when there are no rows)."""
     return int(((ids[:, 1:] != ids[:, :-1]).sum(-1) + 1).max()) if len(ids) else 1
-
-
-def _over_limit(nbytes: int) -> float | None:
-    """The memory limit of :func:`attnkit.request.max_dense_bytes` (``ATTNKIT_MAX_DENSE_BYTES``, else
-    the memory available now) when ``nbytes`` exceeds it, else None."""
-    from . import request  # here: the request module builds on this one
-
-    if nbytes == 0 or (request.MAX_DENSE_BYTES_ENV not in os.environ and nbytes <= request._free_memory()):
-        return None  # fits in free memory: /proc/meminfo not read
-    limit = request.max_dense_bytes()
-    return limit if nbytes > limit else None
-
-
-def check_op_fits(op: str, what: str, nbytes: int, way_out: str) -> None:
-    """Refuse, before allocating, ``nbytes`` for native op ``op`` beyond the memory limit
-    (:func:`_over_limit`), with ``what`` it would allocate and ``way_out`` in the message."""
-    from . import request
-
-    limit = _over_limit(nbytes)
-    if limit is not None:
-        source = (f"set by {request.MAX_DENSE_BYTES_ENV}" if request.MAX_DENSE_BYTES_ENV in os.environ
-                  else f"the memory available now; {request.MAX_DENSE_BYTES_ENV} overrides it")
-        raise ValueError(f"{op} would allocate {what} = {request._human_bytes(nbytes)}, more than the limit of "
-                         f"{request._human_bytes(limit)} ({source}); {way_out}")
 
 
 def _check_document_ids(q_ids: Tensor, kv_ids: Tensor) -> None:
@@ -400,7 +290,7 @@ class _Parts(Mask):
 
     @property
     def broadcasts(self) -> bool:
-        return elementwise.broadcasts(*self.parts)
+        return per_element.broadcasts(*self.parts)
 
 
 class And(_Parts):
@@ -492,6 +382,33 @@ def or_masks(*mods: MaskMod) -> Or:
 # --------------------------------------------------------------------------------------------
 # Dense builders
 # --------------------------------------------------------------------------------------------
+
+
+def combined_mask_mod(is_causal: bool, window: tuple[int | None, int | None] | None, offset: int,
+                      mask_mod) -> MaskMod | None:
+    """``is_causal``, ``window`` (query ``i`` at position ``i + offset``) and ``mask_mod`` as one
+    predicate, ``None`` if none is set."""
+    mods = []
+    if is_causal:
+        mods.append(causal_mod(offset))
+    if window is not None:
+        mods.append(window_mod(*window, offset=offset))
+    if mask_mod is not None:
+        mods.append(mask_mod)
+    if not mods:
+        return None
+    return mods[0] if len(mods) == 1 else and_masks(*mods)
+
+
+def check_window(window) -> tuple[int | None, int | None] | None:
+    """``window`` as a ``(left, right)`` tuple (None stays None), or ``ValueError`` naming what came."""
+    if window is None:
+        return None
+    if not (isinstance(window, tuple | list) and len(window) == 2):
+        raise ValueError(f"window must be a (left, right) pair, got {window!r}")
+    for side, n in zip(("left", "right"), window, strict=True):
+        _check_window_side(side, n)
+    return (window[0], window[1])
 
 
 def materialize(
@@ -724,7 +641,7 @@ class GlobalTokens(Mask):
         return ((d >= -self.left) & (d <= self.right)) | self._is_global(kv_idx) | self._is_global(q_idx + self.offset)
 
     def intervals(self, batch, q_len, kv_len):
-        p = _positions(q_len, self.offset)
+        p = positions(q_len, self.offset)
         glob_row = self._is_global(p)
         a, b = (p - self.left).clamp_min(0).clamp_max(kv_len), (p + self.right + 1).clamp_min(0).clamp_max(kv_len)
         # The global keys as runs, made once for every row (sorted, apart): a row's window takes in the
@@ -755,7 +672,7 @@ class GlobalTokens(Mask):
         starts = torch.where(j == lo, a, torch.where(kept, run_s[at], kv_len))
         ends = torch.where(j == lo, b, torch.where(kept, run_e[at], kv_len))
         starts = torch.where(glob_row, torch.where(j == 0, 0, kv_len), starts)  # a global row: [0, kv_len)
-        return _cut(starts, ends.masked_fill(glob_row, kv_len))
+        return trim(starts, ends.masked_fill(glob_row, kv_len))
 
 
 class DilatedWindow(Mask):
@@ -774,7 +691,7 @@ class DilatedWindow(Mask):
     def intervals(self, batch, q_len, kv_len):
         # Each row's keys in [0, kv_len) are every d-th from its first to its last: written at once,
         # in order (normalizing the 2 * window + 1 candidates of each row costs ten times as much).
-        d, p = self.dilation, _positions(q_len, self.offset)
+        d, p = self.dilation, positions(q_len, self.offset)
         if torch.compiler.is_compiling():  # K may not depend on the data there: every candidate, normalized
             keys = p - d * torch.arange(0 if self.causal else -self.window, self.window + 1)
             return normalize(keys, (keys + 1).masked_fill(keys < 0, 0), kv_len)
@@ -807,7 +724,7 @@ class Strided(Mask):
         return ok & (d >= 0) if self.causal else ok
 
     def intervals(self, batch, q_len, kv_len):
-        p, s = _positions(q_len, self.offset), self.stride
+        p, s = positions(q_len, self.offset), self.stride
         if not torch.compiler.is_compiling() and s > 1 and q_len > 0 and 0 <= self.offset <= kv_len - q_len:
             # Every row inside the keys: its strided keys before its local run (p - 2s, p - 3s, ... >= 0),
             # the local run with the strided keys next to it (p - s and, both ways, p + s), then the
@@ -846,7 +763,7 @@ class Fixed(Mask):
         return (kv_idx <= p) & (same | (kv_idx % self.stride >= self.stride - self.summary))
 
     def intervals(self, batch, q_len, kv_len):
-        p = _positions(q_len, self.offset)
+        p = positions(q_len, self.offset)
         own = torch.div(p, self.stride, rounding_mode="floor") * self.stride
         block_end = self.stride * (torch.arange(kv_len // self.stride + 1) + 1)
         starts = torch.cat([own, (block_end - self.summary).expand(1, q_len, -1)], -1)
@@ -875,7 +792,7 @@ class BlockSparse(Mask):
         on = layout[None]  # [1, rows, cols]: worked out once per block of rows, then given to its rows
         starts, ends = normalize(torch.where(on, starts, kv_len), torch.where(on, ends, kv_len), kv_len)
         row = (torch.arange(q_len) // self.block).clamp(max=rows - 1)
-        return _cut(starts[:, row], ends[:, row])  # K: the most any of these rows has
+        return trim(starts[:, row], ends[:, row])  # K: the most any of these rows has
 
 
 def global_tokens_mod(window: int | tuple[int, int], global_idx, offset: int = 0) -> GlobalTokens:

@@ -62,7 +62,7 @@ branch on the data, and compiles) would cost every finite call its sanitizing an
 So compiled code keeps the rule for finite inputs only; a non-finite input there gets the
 backend's own arithmetic, which may hide a NaN row as zeros or carry a NaN into rows that do not
 see it. Check inputs outside the compiled region where that matters
-(:func:`all_finite` takes a request: ``attnkit.request.build_request``).
+(:func:`all_finite` takes a request: ``attnkit.call.validate_call``).
 
 Plain PyTorch, for a reader (``allowed`` the dense mask; ``bad_k`` the bad key rows)::
 
@@ -81,14 +81,15 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .request import Request
+from .call import Call
+from .closures import captured_tensors
 
 __all__ = ["call", "all_finite", "finite", "vouch", "exact", "sanitized"]
 
 _NAN = float("nan")
 
 
-def call(backend, req: Request) -> tuple[Tensor, Tensor | None]:
+def call(backend, req: Call) -> tuple[Tensor, Tensor | None]:
     """``backend(req)`` under the rule of the module docstring: the backend alone when every input
     is finite (and under ``torch.compile``), its exact path otherwise."""
     if torch.compiler.is_compiling() or all_finite(req):
@@ -96,7 +97,7 @@ def call(backend, req: Request) -> tuple[Tensor, Tensor | None]:
     return exact(backend, req)
 
 
-def all_finite(req: Request) -> bool:
+def all_finite(req: Call) -> bool:
     """True when ``q``, ``k`` and ``v`` are finite and ``bias`` holds no NaN or ``+inf`` (False also
     when a sum overflows: a false alarm, which only sends the call to :func:`exact`). One host sync."""
     inputs = {id(t): t for t in (req.query, req.key, req.value)}.values()
@@ -154,7 +155,7 @@ def _version(x: Tensor) -> int | None:
         return None
 
 
-def exact(backend, req: Request, extra_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def exact(backend, req: Call, extra_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """``backend`` on the sanitized request, its poisoned rows made NaN, the gradients as the rule
     says.
 
@@ -193,8 +194,6 @@ def exact(backend, req: Request, extra_rows: Tensor | None = None) -> tuple[Tens
     out, weights = backend(clean)
     captured = []
     if grad and req.score_mod is not None:
-        from .backends._captured import captured_tensors  # the backends build on this module
-
         captured = captured_tensors(req.score_mod)
     out = _Poisoned.apply(out, rows, *captured)
     if weights is not None:
@@ -257,11 +256,11 @@ class _Allowed:
     intervals (``starts``/``ends`` ``[B|1, H|1, Lq, K]``), a dense bool ``[B|1, H|1, Lq|1, Lk|1]``
     (with a bias, or a mask without an interval form), or every key (no mask)."""
 
-    def __init__(self, req: Request, batch: int):
+    def __init__(self, req: Call, batch: int):
         self.b, self.h, self.lq, self.lk = batch, req.heads, req.q_len, req.kv_len
         self.device = req.query.device
         self.starts = self.ends = self.dense = None
-        plan = req.plan if req.bias is None else None  # with a bias, cells count: dense
+        plan = req.mask_plan if req.bias is None else None  # with a bias, cells count: dense
         if plan is not None and plan.starts is not None:
             self.starts, self.ends = (self._per_head(t, plan.heads is not None) for t in (plan.starts, plan.ends))
             return

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from . import scores
 from ._text import describe
-from .request import ScoreMod
+from .call import ScoreMod
 
 __all__ = [
     "sinusoidal_table",

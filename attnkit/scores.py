@@ -31,8 +31,9 @@ import weakref
 import torch
 from torch import Tensor
 
-from . import elementwise
-from .request import ScoreMod
+from . import per_element
+from .call import ScoreMod
+from .closures import captured_state, captured_tensors
 
 __all__ = ["alibi_slopes", "alibi", "relative_position_bias", "softcap", "compose", "like_score", "apply",
            "diagonal_bias", "parts", "DiagonalBias", "SoftCap", "Composed"]
@@ -82,7 +83,7 @@ class DiagonalBias:
     the mod; :func:`compose` of diagonal biases is one (the terms side by side).
     """
 
-    broadcasts = True  # written to broadcast (attnkit.elementwise.broadcasts)
+    broadcasts = True  # written to broadcast (attnkit.per_element.broadcasts)
 
     def __init__(self, *terms: tuple):
         self.terms = terms
@@ -142,7 +143,7 @@ class Composed:
 
     @property
     def broadcasts(self) -> bool:
-        return elementwise.broadcasts(*self.mods)
+        return per_element.broadcasts(*self.mods)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         for m in self.mods:
@@ -328,8 +329,6 @@ def soft_cap(score_mod: ScoreMod, *, batch: int, heads: int, q_len: int, kv_len:
         return score_mod.cap
     if isinstance(score_mod, DiagonalBias | Composed) or q_len == 0 or kv_len == 0:
         return None
-    from .backends._captured import captured_tensors  # the backends build on this module
-
     if captured_tensors(score_mod):  # something that requires grad feeds it: not a constant cap
         return None
     zero = torch.zeros((), dtype=torch.long, device=device)
@@ -402,8 +401,6 @@ def _check_once(owner, key, check) -> bool:
 
 
 def _verified_key(score_mod, table, *sizes) -> tuple | None:
-    from .backends._captured import captured_state  # the backends build on this module
-
     try:
         weakref.ref(score_mod)
         hash(score_mod)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.markdown_blocks import ROOT, run_python
+from tests.support.markdown_blocks import ROOT, run_python
 
 HOOK = ROOT / "docs" / "_hooks" / "tutorials.py"
 

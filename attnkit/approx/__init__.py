@@ -31,7 +31,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..request import build_request
+from ..call import validate_call
 from .kernel import (
     LinearState,
     check_causal_lengths,
@@ -190,7 +190,7 @@ def attention(query: Tensor, key: Tensor, value: Tensor, *, kind: str, mask: Ten
             raise TypeError(f"{kind}: {name} must be a torch.Tensor, got {type(kind_args[name]).__name__}")
     if kind in _SCORES and scale is None:
         scale = 1.0
-    req = build_request(query, key, value, mask=mask, is_causal=is_causal, scale=scale)
+    req = validate_call(query, key, value, mask=mask, is_causal=is_causal, scale=scale)
     groups = req.heads // req.kv_heads
     k, v = (t.repeat_interleave(groups, dim=-3) if groups > 1 else t for t in (key, value))
     if kind in _SCORES:
@@ -242,7 +242,7 @@ def step(state: LinearState | None, query: Tensor, key: Tensor, value: Tensor, *
     if kind not in ("elu", "relu", "performer"):
         raise ValueError(f"step: kind must be 'elu', 'relu' or 'performer' (the kernel kinds), got {kind!r}")
     eps = (0.0 if kind == "performer" else 1e-6) if eps is None else eps  # as in attention()
-    req = build_request(query, key, value, scale=scale)
+    req = validate_call(query, key, value, scale=scale)
     if req.heads != req.kv_heads or req.q_len != req.kv_len:
         raise ValueError(f"step: query and key must have the same heads and length, got {tuple(query.shape)} "
                          f"and {tuple(key.shape)}")

@@ -14,18 +14,18 @@ from typing import Protocol
 
 from torch import Tensor
 
-from ..request import Request
+from ..call import Call
 
 
 class Backend(Protocol):
     """What a backend is: a ``name``, ``not_supported_reasons(request)`` (empty when it can serve the
-    validated :class:`attnkit.request.Request` exactly) and ``__call__(request) -> (out, weights or None)``."""
+    validated :class:`attnkit.call.Call` exactly) and ``__call__(request) -> (out, weights or None)``."""
 
     name: str
 
-    def not_supported_reasons(self, req: Request) -> list[str]: ...
+    def not_supported_reasons(self, req: Call) -> list[str]: ...
 
-    def __call__(self, req: Request) -> tuple[Tensor, Tensor | None]: ...
+    def __call__(self, req: Call) -> tuple[Tensor, Tensor | None]: ...
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -60,7 +60,7 @@ def get(name: str) -> Backend:
     return _REGISTRY[name]
 
 
-def select(req: Request, name: str = "auto") -> Backend:
+def select(req: Call, name: str = "auto") -> Backend:
     """The backend that will serve ``req``: the named one, or the first fit in AUTO_ORDER."""
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, got {type(name).__name__}")

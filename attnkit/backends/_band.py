@@ -2,7 +2,7 @@
 
 Under a window, causal, prefix-LM, padding or packed-documents mask the keys a query sees are one
 contiguous range; under a window plus global tokens, a dilated or strided pattern or a block
-layout, a few. The mask plan (:mod:`attnkit.plan`) gives each row's intervals, and a block of 64
+layout, a few. The mask plan (:mod:`attnkit.maskplan`) gives each row's intervals, and a block of 64
 query rows needs exactly the union of its rows' intervals: 576 keys for a 64-row block of a
 513-wide band, 89% of them visible. :mod:`._fused` hands PyTorch's flash kernel such tiles too,
 but that kernel works on 32-row slices below 192 rows, splits keys at 512 and goes through Python
@@ -44,9 +44,9 @@ import torch
 from torch import Tensor
 
 from .._tracing import assume_constant_result, real_tensors
-from ..request import Request
+from ..call import Call
+from ..dtypes import compute_dtype
 from . import _build
-from ._fused import compute_dtype
 
 SOURCE = Path(__file__).with_name("_band.cpp")
 #: Forward: query rows per block and most keys per chunk. Backward: keys per block and most
@@ -64,9 +64,9 @@ _ISA_FLAGS = {
 _reason: str | None = None
 
 
-class Plan(NamedTuple):
+class BandInputs(NamedTuple):
     """What the kernel needs beyond q, k, v: each query row's keys as intervals (``starts``,
-    ``ends``: int64 ``[P, Lq, K]``, ``P`` 1, B or B*H, the convention of :mod:`attnkit.plan`), the
+    ``ends``: int64 ``[P, Lq, K]``, ``P`` 1, B or B*H, the convention of :mod:`attnkit.maskplan`), the
     score_mod's diagonal bias (``[1 or H, Lq + Lk - 1]``, with autograd; None without a score_mod)
     and the soft-cap ``c`` of the scores (``t -> c * tanh(t / c)`` after scale and bias; 0 for none)."""
 
@@ -87,20 +87,20 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def attention(req: Request, plan: Plan) -> Tensor:
+def attention(req: Call, inputs: BandInputs) -> Tensor:
     """The request's output through the kernel (differentiable in q, k, v and the bias's tensors).
 
-    ``plan``: the backend's plan for ``req``.
+    ``inputs``: what the band backend worked out for ``req``.
     """
-    return run(req.query, req.key, req.value, plan.starts, plan.ends, plan.bias, req.scale, plan.softcap)
+    return run(req.query, req.key, req.value, inputs.starts, inputs.ends, inputs.bias, req.scale, inputs.softcap)
 
 
 def run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor, bias: Tensor | None, scale: float,
         softcap: float = 0.0) -> Tensor:
-    """Attention through the kernel without a Request; differentiable in query, key, value and bias.
+    """Attention through the kernel without a Call; differentiable in query, key, value and bias.
 
     ``query [..., H, Lq, E]``, ``key [..., Hkv, Lk, E]``, ``value [..., Hkv, Lk, Ev]`` (H a multiple of
-    Hkv, the same leading dims, float32 or float64 after :func:`._fused.compute_dtype`); ``starts``,
+    Hkv, the same leading dims, float32 or float64 after :func:`attnkit.dtypes.compute_dtype`); ``starts``,
     ``ends``: int64 CPU ``[P, Lq, K]`` with B the leading dims flattened and ``P`` 1, B or B*H
     (shared, per batch element, or per batch element and head at ``b * H + h``), each row's intervals
     sorted and disjoint, empty ones ``(Lk, Lk)`` last (the caller's to guarantee; the kernel checks
@@ -358,7 +358,7 @@ def _checked():
         mod = _module()
     except Exception as e:  # _build.BuildError: no compiler, a refused cache folder, ... in one line
         _reason = f"could not build {SOURCE.name}: {e}"
-        print(f"attnkit: {_reason}; the blockwise backend uses its tile plan instead", file=sys.stderr)
+        print(f"attnkit: {_reason}; the blockwise backend uses its tile schedule instead", file=sys.stderr)
         return None
     try:
         if not mod.has_blas():
@@ -436,7 +436,7 @@ def _scattered(lq: int, lk: int) -> tuple[int, int, Tensor, Tensor]:
 
 def _intervals(allowed: Tensor) -> tuple[Tensor, Tensor]:
     """``[P, Lq, K]`` intervals of a small bool ``[P, Lq, Lk]`` grid, by loops (the self-check's own
-    reading of the convention, independent of attnkit.plan)."""
+    reading of the convention, independent of attnkit.maskplan)."""
     lk = allowed.shape[-1]
     rows = [[[] for _ in range(allowed.shape[1])] for _ in range(allowed.shape[0])]
     for p in range(allowed.shape[0]):

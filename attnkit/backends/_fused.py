@@ -43,11 +43,6 @@ _BWD = _op("_scaled_dot_product_flash_attention_for_cpu_backward")
 DTYPES = (torch.float32, torch.float64)
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the CPU kernels compute in: half types go through float32."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fused kernel serves tensors of this device and (compute) dtype."""
     return device.type == "cpu" and dtype in DTYPES and available()

@@ -1,6 +1,6 @@
 """The ``"band"`` backend: the banded C++ kernel (:mod:`._band`) for masks whose rows are intervals.
 
-It serves a call when the request's mask plan (:mod:`attnkit.plan`) gives each query row its keys
+It serves a call when the call's mask plan (:mod:`attnkit.maskplan`) gives each query row its keys
 as intervals (causal, window, prefix-LM, padding, packed documents, the sparse patterns, or any
 predicate or dense bool mask whose plan finds that form), there is no dense ``bias``, the
 ``score_mod``, if any, is an additive bias per head and diagonal (ALiBi, relative-position tables;
@@ -18,15 +18,16 @@ import torch
 from torch import Tensor
 
 from .. import nonfinite, scores
-from ..request import Request
+from ..call import Call
+from ..dtypes import compute_dtype
+from ..intervals import row_bounds
 from . import _band
-from ._fused import compute_dtype
 
 
 class BandBackend:
     name = "band"
 
-    def not_supported_reasons(self, req: Request) -> list[str]:
+    def not_supported_reasons(self, req: Call) -> list[str]:
         reasons = []
         if req.return_weights:
             reasons.append("the band backend never forms the weights (use backend='reference')")
@@ -39,30 +40,30 @@ class BandBackend:
                            f"{req.query.device}")
         if reasons:
             return reasons
-        why = _kernel_plan(req)[1]
+        why = _kernel_inputs(req)[1]
         if why is None and not _band.available():
             why = f"the banded kernel is not available ({_band.unavailable_reason()})"
         return [why] if why is not None else []
 
-    def __call__(self, req: Request) -> tuple[Tensor, None]:
+    def __call__(self, req: Call) -> tuple[Tensor, None]:
         reasons = self.not_supported_reasons(req)
         if reasons:  # select() asks first; this is a direct call
             raise ValueError("backend 'band' cannot serve this call: " + "; ".join(reasons))
-        plan = _kernel_plan(req)[0]
-        if plan.bias is not None and not torch.compiler.is_compiling():  # compiled: no check (attnkit.nonfinite)
+        inputs = _kernel_inputs(req)[0]
+        if inputs.bias is not None and not torch.compiler.is_compiling():  # compiled: no check (attnkit.nonfinite)
             # The score_mod's table is the kernel's input: a NaN in it (or +inf, uncapped) is kept to the rows that
             # allow its diagonal like a NaN in q, k or v (attnkit.nonfinite), not left to the kernel's vectorised exp.
-            bad = torch.isnan(plan.bias) if plan.softcap else torch.isnan(plan.bias) | torch.isposinf(plan.bias)
+            bad = torch.isnan(inputs.bias) if inputs.softcap else torch.isnan(inputs.bias) | torch.isposinf(inputs.bias)
             if bool(bad.any()):
-                return _bad_diagonals(req, plan, bad)
-        return _band.attention(req, plan), None
+                return _bad_diagonals(req, inputs, bad)
+        return _band.attention(req, inputs), None
 
 
-def _bad_diagonals(req: Request, plan: _band.Plan, bad: Tensor) -> tuple[Tensor, None]:
+def _bad_diagonals(req: Call, inputs: _band.BandInputs, bad: Tensor) -> tuple[Tensor, None]:
     """The kernel with the table's ``bad`` diagonals (``[1 or H, Lq + Lk - 1]``) at 0 and the rows that allow
     one of them poisoned (:func:`attnkit.nonfinite.exact`); the table's gradient is NaN once a row is."""
     b, h, lq = math.prod(req.batch_shape), req.heads, req.q_len
-    starts, ends = (_per_head(t, req) for t in (plan.starts, plan.ends))  # [B|1, H|1, Lq, K]
+    starts, ends = (_per_head(t, req) for t in (inputs.starts, inputs.ends))  # [B|1, H|1, Lq, K]
     cum = torch.nn.functional.pad(bad.cumsum(-1), (1, 0))  # bad diagonals before each column
     cum = cum.view(1, bad.shape[0], 1, -1)
     bx, hx = starts.shape[0], max(starts.shape[1], bad.shape[0])
@@ -71,25 +72,25 @@ def _bad_diagonals(req: Request, plan: _band.Plan, bad: Tensor) -> tuple[Tensor,
     at = (bx, hx, lq, starts.shape[-1])
     seen = cum.gather(-1, (ends + first).expand(at)) - cum.gather(-1, (starts + first).expand(at))
     rows = (seen.sum(-1) > 0).expand(b, h, lq)
-    table = nonfinite.sanitized(plan.bias, ~bad, rows.any().expand(plan.bias.shape))
-    clean = plan._replace(bias=table)
+    table = nonfinite.sanitized(inputs.bias, ~bad, rows.any().expand(inputs.bias.shape))
+    clean = inputs._replace(bias=table)
     return nonfinite.exact(lambda r: (_band.attention(r, clean), None), req, rows)
 
 
-def _per_head(t: Tensor, req: Request) -> Tensor:
+def _per_head(t: Tensor, req: Call) -> Tensor:
     """The kernel's intervals ``[P, Lq, K]`` (``P`` 1, B or B*H) as ``[B|1, H|1, Lq, K]``."""
-    per_head = t.shape[0] > 1 and req.plan is not None and req.plan.heads is not None
+    per_head = t.shape[0] > 1 and req.mask_plan is not None and req.mask_plan.heads is not None
     return t.view(-1, req.heads if per_head else 1, *t.shape[1:])
 
 
-def _kernel_plan(req: Request) -> tuple[_band.Plan | None, str | None]:
-    """The kernel's plan for ``req``, or None and why not (worked out once per call)."""
+def _kernel_inputs(req: Call) -> tuple[_band.BandInputs | None, str | None]:
+    """The kernel's inputs for ``req``, or None and why not (worked out once per call)."""
     if "band" not in req.memo:
         req.memo["band"] = _work_out(req)
     return req.memo["band"]
 
 
-def _work_out(req: Request) -> tuple[_band.Plan | None, str | None]:
+def _work_out(req: Call) -> tuple[_band.BandInputs | None, str | None]:
     bias, cap = None, 0.0
     if req.score_mod is not None:
         # In the scores' compute dtype (the attnkit.scores dtype rule), so float32 tables add up in float64 for
@@ -100,13 +101,11 @@ def _work_out(req: Request) -> tuple[_band.Plan | None, str | None]:
         if terms is None:
             return None, scores.NOT_KERNEL_TERMS
         bias, cap = terms
-    plan = req.plan
+    plan = req.mask_plan
     if plan is None and req.mask is not None:
         return None, "a dense mask has an interval form only with 4-D inputs [B, H, L, E]"
     if plan is None:  # no mask: every row sees every key
-        from ..plan import row_bounds  # the plan module builds on the backends
-
-        return _band.Plan(*row_bounds(req.q_len, req.kv_len), bias, cap), None
+        return _band.BandInputs(*row_bounds(req.q_len, req.kv_len), bias, cap), None
     if plan.starts is None:
         return None, "the mask has no interval form (a row has too many runs of keys)"
-    return _band.Plan(plan.starts, plan.ends, bias, cap), None
+    return _band.BandInputs(plan.starts, plan.ends, bias, cap), None

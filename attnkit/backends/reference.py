@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import scores
+from ..call import Call
+from ..dtypes import compute_dtype
+from ..memory import check_dense_fits
 from ..ops import masked_softmax
-from ..request import Request, check_dense_fits
-from ._fused import compute_dtype
 
 
 def expand_kv(x: Tensor, heads: int) -> Tensor:
@@ -23,7 +24,7 @@ def expand_kv(x: Tensor, heads: int) -> Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
 
 
-def apply_score_mod(req: Request, s: Tensor) -> Tensor:
+def apply_score_mod(req: Call, s: Tensor) -> Tensor:
     """Apply ``req.score_mod`` to scores ``s [B, H, Lq, Lk]`` on the full index grid."""
     b = torch.arange(s.shape[0], device=s.device).view(-1, 1, 1, 1)
     h = torch.arange(s.shape[1], device=s.device).view(1, -1, 1, 1)
@@ -35,10 +36,10 @@ def apply_score_mod(req: Request, s: Tensor) -> Tensor:
 class ReferenceBackend:
     name = "reference"
 
-    def not_supported_reasons(self, req: Request) -> list[str]:
+    def not_supported_reasons(self, req: Call) -> list[str]:
         return []
 
-    def __call__(self, req: Request) -> tuple[Tensor, Tensor | None]:
+    def __call__(self, req: Call) -> tuple[Tensor, Tensor | None]:
         dtype = req.query.dtype
         compute = compute_dtype(dtype)
         check_dense_fits("the reference backend (scores, exponentials, weights)", req.scores_shape, compute, 3)

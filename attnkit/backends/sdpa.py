@@ -21,14 +21,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _cpu, masks
-from ..request import Request, check_dense_fits
+from ..call import Call
+from ..memory import check_dense_fits
 from .reference import expand_kv
 
 
 class SDPABackend:
     name = "sdpa"
 
-    def not_supported_reasons(self, req: Request) -> list[str]:
+    def not_supported_reasons(self, req: Call) -> list[str]:
         reasons = []
         if req.return_weights:
             reasons.append("fused SDPA kernels do not return attention weights")
@@ -40,7 +41,7 @@ class SDPABackend:
             reasons.append("empty key sequence (Lk = 0)")
         return reasons
 
-    def __call__(self, req: Request) -> tuple[Tensor, None]:
+    def __call__(self, req: Call) -> tuple[Tensor, None]:
         q, k, v = req.query, req.key, req.value
         rounded = q.dtype == torch.float16 and q.device.type == "cpu" and not _cpu.has_fp16_products()
         if rounded:

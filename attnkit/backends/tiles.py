@@ -1,7 +1,7 @@
 """The tile backends: exact attention with programmable masks and scores, in O(tile) memory.
 
 Queries are cut into tiles and keys into blocks (Rabe & Staats 2021; FlashAttention, Dao et al.
-2022). A plan made once per call (:mod:`._tiling`) marks each (tile, block) pair empty, full or
+2022). A plan made once per call (:mod:`.tile_schedule`) marks each (tile, block) pair empty, full or
 partial; empty pairs are skipped, the mask is evaluated only on partial ones, and chunks with the
 same layout from many tiles go through one batched matmul. Each chunk takes a fused
 ``torch.softmax`` (one cache-friendly pass, where max/subtract/exp/sum would be four passes over a
@@ -48,10 +48,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import scores
+from ..call import Call
+from ..closures import captured_tensors, check_covered
+from ..dtypes import compute_dtype
 from ..ops.tiles import merge_partials
-from ..request import Request
-from . import _fused, _tiling
-from ._captured import captured_tensors, check_covered
+from . import _fused, tile_schedule
 
 #: Default tile sizes of the plain path, chosen by single-thread CPU time on this 2-core machine
 #: (window and causal, n = 8192): 64-256 rows differ by < 10%; a score budget of 2^18-2^20 keeps
@@ -110,7 +111,7 @@ class TilesBackend:
         self.name = "fused_tiles" if fused else "tiles"
         self.q_tile, self.kv_block, self.kv_chunk, self.score_budget = q_tile, kv_block, kv_chunk, score_budget
 
-    def not_supported_reasons(self, req: Request) -> list[str]:
+    def not_supported_reasons(self, req: Call) -> list[str]:
         reasons = []
         if torch.compiler.is_compiling():
             reasons.append(f"the {self.name} backend plans its tiles on the host, from the mask's values, which "
@@ -127,25 +128,25 @@ class TilesBackend:
                            "half type), values as wide as queries and a torch whose kernel passes its self-check")
         return reasons
 
-    def __call__(self, req: Request) -> tuple[Tensor, None]:
+    def __call__(self, req: Call) -> tuple[Tensor, None]:
         reasons = self.not_supported_reasons(req)
         if reasons:  # select() asks first; this is a direct call
             raise ValueError(f"backend {self.name!r} cannot serve this call: " + "; ".join(reasons))
         captured: list[Tensor] = []
         if req.score_mod is not None and torch.is_grad_enabled():
             captured = captured_tensors(req.score_mod)
-            check_covered(req.score_mod, captured, _fused.compute_dtype(req.query.dtype), req.query.device)
+            check_covered(req.score_mod, captured, compute_dtype(req.query.dtype), req.query.device)
         st = _setup(req, self)
         out = _TilesFn.apply(st, req.query, req.key, req.value, *captured)
         return out, None
 
 
-def _fused_serves(req: Request) -> bool:
+def _fused_serves(req: Call) -> bool:
     return (req.score_mod is None and req.value.shape[-1] == req.query.shape[-1]
-            and _fused.usable(req.query.device, _fused.compute_dtype(req.query.dtype)))
+            and _fused.usable(req.query.device, compute_dtype(req.query.dtype)))
 
 
-def _structured(req: Request) -> bool:
+def _structured(req: Call) -> bool:
     """Only causal/window masks: what may attend depends on ``kv - q`` alone, tile by tile."""
     return req.mask_mod is None and req.mask is None and req.bias is None
 
@@ -154,7 +155,7 @@ def _structured(req: Request) -> bool:
 class _Setup:
     """Everything about one call that is not a tensor to differentiate."""
 
-    req: Request
+    req: Call
     batch: int  # all batch dims flattened
     heads: int
     kv_heads: int
@@ -176,7 +177,7 @@ class _Setup:
         return self.plan_bwd() if self.plan_bwd is not None else self.batches
 
 
-def _setup(req: Request, cfg: TilesBackend) -> _Setup:
+def _setup(req: Call, cfg: TilesBackend) -> _Setup:
     fused = cfg.fused and _fused_serves(req)
     lq, lk = req.q_len, req.kv_len
     tq, bk, chunk = Q_TILE, KV_BLOCK, KV_CHUNK
@@ -200,18 +201,18 @@ def _setup(req: Request, cfg: TilesBackend) -> _Setup:
         return st
     # The mask plan's tile kinds (from its intervals, no cell evaluated) where it has them;
     # otherwise, and for a dense mask, the predicate is evaluated on the tiles still non-empty.
-    plan = req.plan
+    plan = req.mask_plan
     kinds = plan.kinds(tq, bk) if plan is not None else None
     exact = kinds is not None
     if kinds is None:
-        kinds = torch.full((st.n_tiles, -(-lk // bk)), _tiling.FULL, dtype=torch.int8)
+        kinds = torch.full((st.n_tiles, -(-lk // bk)), tile_schedule.FULL, dtype=torch.int8)
         if lk % bk:
-            kinds[:, -1] = _tiling.PARTIAL  # the padding keys of the last block are masked
+            kinds[:, -1] = tile_schedule.PARTIAL  # the padding keys of the last block are masked
     if (plan is not None and not exact) or req.mask is not None:
         dev = req.query.device
         b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
         h = torch.arange(req.heads, device=dev).view(1, -1, 1, 1)
-        kinds = _tiling.refine_kinds(
+        kinds = tile_schedule.refine_kinds(
             kinds, lambda q, kv: _allowed(st, b, h, q.to(dev)[None, None], kv.to(dev)[None, None]),
             lq, tq, bk, chunk)
     # What a batch holds per key, under the budget: on the plain path B*H*Tq scores. On the fused
@@ -219,11 +220,11 @@ def _setup(req: Request, cfg: TilesBackend) -> _Setup:
     # large kernel calls) or per head; the backward also the kernel's fresh key and value
     # gradients (B*Hkv*E), and fresh buffers are page-faulted in on every call.
     if not fused:
-        st.batches = _tiling.plan_batches(kinds, bk, chunk, batch * req.heads * tq, budget)
+        st.batches = tile_schedule.plan_batches(kinds, bk, chunk, batch * req.heads * tq, budget)
         return st
     per_head = batch * req.kv_heads * max(req.query.shape[-1], req.heads // req.kv_heads * tq)
-    st.batches = _tiling.plan_batches(kinds, bk, chunk, tq if _structured(req) else per_head, budget)
-    st.plan_bwd = lambda: _tiling.plan_batches(kinds, bk, chunk, per_head, budget)
+    st.batches = tile_schedule.plan_batches(kinds, bk, chunk, tq if _structured(req) else per_head, budget)
+    st.plan_bwd = lambda: tile_schedule.plan_batches(kinds, bk, chunk, per_head, budget)
     return st
 
 
@@ -298,18 +299,18 @@ def _from_rows(x: Tensor, st: _Setup) -> Tensor:
     return x.reshape(*st.req.batch_shape, st.kv_heads, st.req.kv_len, x.shape[-1])
 
 
-def _take(x: Tensor, bt: _tiling.Batch) -> Tensor:
+def _take(x: Tensor, bt: tile_schedule.Batch) -> Tensor:
     return x[:, :, bt.tile_range[0]:bt.tile_range[1]] if bt.tile_range else x.index_select(2, bt.tiles)
 
 
-def _put(x: Tensor, bt: _tiling.Batch, value: Tensor) -> None:
+def _put(x: Tensor, bt: tile_schedule.Batch, value: Tensor) -> None:
     if bt.tile_range:
         x[:, :, bt.tile_range[0]:bt.tile_range[1]] = value
     else:
         x.index_copy_(2, bt.tiles, value)
 
 
-def _add(x: Tensor, bt: _tiling.Batch, value: Tensor) -> None:
+def _add(x: Tensor, bt: tile_schedule.Batch, value: Tensor) -> None:
     if bt.tile_range:
         x[:, :, bt.tile_range[0]:bt.tile_range[1]] += value
     else:
@@ -335,7 +336,7 @@ class _Chunk:
     kv_raw: Tensor
 
 
-def _gather(st: _Setup, bt: _tiling.Batch, qt: Tensor, kr: Tensor, vr: Tensor) -> _Chunk:
+def _gather(st: _Setup, bt: tile_schedule.Batch, qt: Tensor, kr: Tensor, vr: Tensor) -> _Chunk:
     dev = qt.device
     j, w, tq, g, hkv = len(bt.tiles), bt.width, st.q_tile, st.groups, st.kv_heads
     key_index = (bt.starts.view(-1, 1) + torch.arange(w)).flatten().to(dev)
@@ -370,7 +371,7 @@ def _overlapping(x: Tensor, first: int, step: int, j: int, w: int) -> Tensor:
                         x.storage_offset() + first * x.stride(2))
 
 
-def _mask_bias(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int, keep: float = 0.0) -> Tensor:
+def _mask_bias(st: _Setup, bt: tile_schedule.Batch, c: _Chunk, a: int, e: int, keep: float = 0.0) -> Tensor:
     """``keep / -inf`` for columns ``a:e`` of the batch: additive with ``keep = 0`` (the fused
     kernel's mask), a limit for ``torch.fmin`` with ``keep = inf`` (the plain path's).
 
@@ -399,7 +400,7 @@ def _mask_bias(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int, keep: f
 _NO_MASK = (None, None, False)
 
 
-def _fused_segments(st: _Setup, bt: _tiling.Batch, c: _Chunk) -> list[tuple]:
+def _fused_segments(st: _Setup, bt: tile_schedule.Batch, c: _Chunk) -> list[tuple]:
     """``(first, end, mask, dead, causal)`` column spans of the batch, one fused-kernel call each.
 
     A mask over the whole chunk that stays in cache is cheaper than more calls (a window's
@@ -422,7 +423,7 @@ def _fused_segments(st: _Setup, bt: _tiling.Batch, c: _Chunk) -> list[tuple]:
     return spans
 
 
-def _fused_mask(st: _Setup, bt: _tiling.Batch, c: _Chunk, a: int, e: int) -> tuple:
+def _fused_mask(st: _Setup, bt: tile_schedule.Batch, c: _Chunk, a: int, e: int) -> tuple:
     """Bias and masks of columns ``a:e`` (whole partial spans) as one additive
     ``[J or 1, 1 or B*Hkv, G*Tq, e - a]`` tensor for the kernel, its dead rows, and whether it is
     the kernel's own causal mask (a square diagonal block: then ``(None, None, True)``, and the
@@ -475,7 +476,7 @@ def _unfold(x: Tensor, st: _Setup) -> Tensor:
     return x.unflatten(1, (st.batch, st.kv_heads)).movedim(0, 2)
 
 
-def _scores(st: _Setup, bt: _tiling.Batch, c: _Chunk, *, track_mod: bool = False):
+def _scores(st: _Setup, bt: tile_schedule.Batch, c: _Chunk, *, track_mod: bool = False):
     """Masked, modified scores ``[B, Hkv, J, G, Tq, W]``, a fresh tensor safe to change in place.
 
     With ``track_mod`` also returns ``(x, y)``: the score_mod's input (a leaf requiring grad) and
@@ -631,7 +632,7 @@ def _backward(st: _Setup, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     return _from_tiles(dq, st) * scale, _from_rows(dk, st), _from_rows(dv, st), dcap
 
 
-def _scatter_kv(dk: Tensor, dv: Tensor, bt: _tiling.Batch, c: _Chunk, dk_j: Tensor, dv_j: Tensor,
+def _scatter_kv(dk: Tensor, dv: Tensor, bt: tile_schedule.Batch, c: _Chunk, dk_j: Tensor, dv_j: Tensor,
                 a: int = 0, e: int | None = None) -> None:
     """Add gradients ``[B, Hkv, J, e - a, E]`` of the batch's key columns ``a:e`` into the key rows."""
     e = bt.width if e is None else e
@@ -660,7 +661,7 @@ class _TilesFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, st: _Setup, query: Tensor, key: Tensor, value: Tensor, *captured: Tensor) -> Tensor:
         dtype = query.dtype
-        compute = _fused.compute_dtype(dtype)
+        compute = compute_dtype(dtype)
         q, k, v = query.to(compute), key.to(compute), value.to(compute)
         out, lse = _forward(st, q, k, v)
         ctx.st = st
@@ -672,7 +673,7 @@ class _TilesFn(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         query, key, value, out, lse, *captured = ctx.saved_tensors
         st: _Setup = ctx.st
-        compute = _fused.compute_dtype(query.dtype)
+        compute = compute_dtype(query.dtype)
         if st.fused and compute == torch.float32 and _lse_beyond_float32(lse):
             # PyTorch's fused backward recomputes p = exp(s - lse) from the saved float32 log-sum-exp,
             # off by up to half its ulp: a relative error of |lse| * 2**-24 in every probability, which

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .. import masks, scores
 from ..backends import _band
 from ..functional import attention
-from ..plan import mask_plan
+from ..maskplan import mask_plan
 from ._util import (
     attention_flops,
     interleaved_medians,

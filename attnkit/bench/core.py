@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import attnkit
 from attnkit import backends, nonfinite
 from attnkit.cache import KVCache, visible
-from attnkit.request import build_request
+from attnkit.call import validate_call
 
 from ._util import attention_flops, interleaved_medians, markdown_table, matmul_gflops, write_report
 
@@ -78,10 +78,10 @@ def _finiteness_check(n: int, heads: int, dim: int, repeat: int) -> str:
                                      (f"decode step, KV cache {n // 2 + 1} of {n}", step,
                                       {"mask": visible(cached, 1, causal=True)})):
             def unchecked(a=a, b=b, c=c, kw=kw):
-                req = build_request(a, b, c, **kw)
+                req = validate_call(a, b, c, **kw)
                 return backends.select(req)(req)
 
-            req = build_request(a, b, c, **kw)
+            req = validate_call(a, b, c, **kw)
             with torch.no_grad():
                 t = interleaved_medians({"with": lambda a=a, b=b, c=c, kw=kw: attnkit.attention(a, b, c, **kw),
                                          "without": unchecked, "check": lambda req=req: nonfinite.all_finite(req)},

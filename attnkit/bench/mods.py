@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import elementwise, masks, scores
+from .. import masks, per_element, scores
 from ..functional import attention, which_backend
-from ..plan import mask_plan
+from ..maskplan import mask_plan
 from ._util import (
     attention_flops,
     interleaved_medians,
@@ -125,9 +125,9 @@ def _element_check(mod, n: int, tries: int = 3) -> float:
     evaluated per element: its broadcasting call against vmapped per-element calls on a few indices."""
     times = []
     for _ in range(tries):
-        elementwise._per_element.pop(mod, None)
+        per_element._per_element.pop(mod, None)
         t0 = time.perf_counter()
-        elementwise.evaluator(mod, (1, H, n, n), "cpu")
+        per_element.evaluator(mod, (1, H, n, n), "cpu")
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

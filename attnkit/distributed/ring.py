@@ -9,7 +9,7 @@ together with an accumulator for their gradients (float32 for half inputs), whic
 its owner after the last step.
 
 The call is ``attnkit.attention``'s on the unsharded sequence: the same argument names and checks
-(:func:`attnkit.request.build_request`), the same compute dtype, every mask (``is_causal``,
+(:func:`attnkit.call.validate_call`), the same compute dtype, every mask (``is_causal``,
 ``window``, any ``mask_mod``: padding, documents, the sparse patterns) and the score_mods the banded
 kernel applies (a bias per head and diagonal, tanh soft-capping) on *global* positions. The
 mask is worked out once per call as each of this rank's query rows' allowed keys, as intervals
@@ -40,13 +40,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .. import closures, scores
 from .. import masks as _masks
-from .. import scores
-from ..backends import _band, _captured
-from ..backends._fused import compute_dtype
+from ..backends import _band
+from ..call import validate_call
+from ..dtypes import compute_dtype
+from ..intervals import row_bounds
+from ..maskplan import mask_plan
+from ..masks import combined_mask_mod
 from ..ops.tiles import merge_partials, tile_backward, tile_forward
-from ..plan import mask_plan, row_bounds
-from ..request import build_request, combined_mask_mod
 from .agree import Field, agree, name_code, name_of, refuse
 from .shard import LAYOUTS, group_info, positions_from_sizes
 
@@ -58,7 +60,7 @@ _TILE = 512  # rows and columns of the largest score tile a rank materialises (t
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _Ring:
     """What every step of the ring needs to know, fixed for one call."""
 
     group: object
@@ -73,7 +75,7 @@ class _Plan:
     rows: tuple[Tensor, Tensor] | None  # my query rows' allowed global keys [1|B, Lq_local, K]; None: tiles
     q_len: int  # global lengths
     cap: float  # the score_mod's tanh soft cap (0: none); its diagonal bias is the autograd input `table`
-    bounds: tuple[Tensor, Tensor]  # [Lq_local] each query row's causal/window keys [lo, hi) (plan.row_bounds)
+    bounds: tuple[Tensor, Tensor]  # [Lq_local] each query row's causal/window keys [lo, hi) (row_bounds)
     batch: int
     heads: int
     kv_heads: int
@@ -167,13 +169,13 @@ def _tile_ranges(pos: Tensor):
     return [(slice(s, s + _TILE), lo, hi) for s, lo, hi in zip(starts, lows, highs, strict=True)]
 
 
-def _exchange(plan: _Plan, send: Tensor, recv: Tensor, tag: int) -> list:
+def _exchange(ring: _Ring, send: Tensor, recv: Tensor, tag: int) -> list:
     """Send ``send`` to the next rank and receive ``recv`` from the previous one, asynchronously."""
     ops = []
     if send.numel():  # the receiver knows the size too, so both sides skip empty blocks
-        ops.append(dist.P2POp(dist.isend, send, plan.next_peer, plan.group, tag))
+        ops.append(dist.P2POp(dist.isend, send, ring.next_peer, ring.group, tag))
     if recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, plan.prev_peer, plan.group, tag))
+        ops.append(dist.P2POp(dist.irecv, recv, ring.prev_peer, ring.group, tag))
     return dist.batch_isend_irecv(ops) if ops else []
 
 
@@ -191,52 +193,52 @@ class _RingAttention(torch.autograd.Function):
     """Forward and backward around the ring; out, lse and the gradients in the compute dtype."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, table: Tensor | None, plan: _Plan) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, table: Tensor | None, ring: _Ring) -> Tensor:
         bsz, heads, lq, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
-        cd = plan.compute_dtype
+        cd = ring.compute_dtype
         qc = q.to(cd)
         out = qc.new_zeros(bsz, heads, lq, dv)
         lse = qc.new_full((bsz, heads, lq), float("-inf"))
         kv = torch.cat([k, v], -1).contiguous()  # one message per step: (B, Hkv, Lk_src, D + Dv)
-        for step in range(plan.world):
-            src = plan.source(step)
+        for step in range(ring.world):
+            src = ring.source(step)
             pending, nxt = [], None
-            if step + 1 < plan.world:
-                nxt = kv.new_empty(bsz, hkv, plan.kv_sizes[plan.source(step + 1)], d + dv)
-                pending = _exchange(plan, kv, nxt, _KV_TAG)
+            if step + 1 < ring.world:
+                nxt = kv.new_empty(bsz, hkv, ring.kv_sizes[ring.source(step + 1)], d + dv)
+                pending = _exchange(ring, kv, nxt, _KV_TAG)
             kb, vb = kv[..., :d].to(cd), kv[..., d:].to(cd)
-            for rows, _, o, l in _block_forward(plan, src, qc, kb, vb, table):
+            for rows, _, o, l in _block_forward(ring, src, qc, kb, vb, table):
                 out[..., rows, :], lse[..., rows] = merge_partials(out[..., rows, :], lse[..., rows], o, l)
             _wait(pending)
             if nxt is not None:
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse, table)
-        ctx.plan = plan
+        ctx.ring = ring
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
         q, k, v, out, lse, table = ctx.saved_tensors
-        plan: _Plan = ctx.plan
+        ring: _Ring = ctx.ring
         bsz, _, _, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
-        cd = plan.compute_dtype
+        cd = ring.compute_dtype
         qc, dout = q.to(cd), grad_out.to(cd).contiguous()
         dq = torch.zeros_like(qc)
         dtable = None if table is None else table.new_zeros(table.shape, dtype=cd)  # this rank's rows' share
         kv = torch.cat([k, v], -1).contiguous()
         acc_in, acc_works = None, []  # gradient accumulator of the block in hand, arriving
-        for step in range(plan.world):
-            src = plan.source(step)
+        for step in range(ring.world):
+            src = ring.source(step)
             kv_works, nxt = [], None
-            if step + 1 < plan.world:
-                nxt = kv.new_empty(bsz, hkv, plan.kv_sizes[plan.source(step + 1)], d + dv)
-                kv_works = _exchange(plan, kv, nxt, _KV_TAG)
+            if step + 1 < ring.world:
+                nxt = kv.new_empty(bsz, hkv, ring.kv_sizes[ring.source(step + 1)], d + dv)
+                kv_works = _exchange(ring, kv, nxt, _KV_TAG)
             kb, vb = kv[..., :d].to(cd), kv[..., d:].to(cd)
             local = None  # this rank's share of the block's gradients (B, Hkv, Lk, D + Dv)
-            for rows, cols, dq_t, dk_t, dv_t, diagonals, db in _block_backward(plan, src, qc, kb, vb, dout, out,
+            for rows, cols, dq_t, dk_t, dv_t, diagonals, db in _block_backward(ring, src, qc, kb, vb, dout, out,
                                                                                lse, table):
                 dq[..., rows, :] += dq_t
                 if db is not None:
@@ -258,53 +260,53 @@ class _RingAttention(torch.autograd.Function):
             _wait(kv_works)
             if nxt is not None:
                 kv = nxt
-            if plan.world == 1:
+            if ring.world == 1:
                 acc_in = acc
                 break
             # Pass it on; after the last step it reaches the block's owner.
-            acc_in = acc.new_empty(bsz, hkv, plan.kv_sizes[plan.source(step + 1)], d + dv)
-            acc_works = _exchange(plan, acc.contiguous(), acc_in, _DKV_TAG)
+            acc_in = acc.new_empty(bsz, hkv, ring.kv_sizes[ring.source(step + 1)], d + dv)
+            acc_works = _exchange(ring, acc.contiguous(), acc_in, _DKV_TAG)
         _wait(acc_works)
         assert acc_in.shape[-2] == k.shape[-2]
         dtable = None if dtable is None else dtable.to(table.dtype)
         return dq.to(q.dtype), acc_in[..., :d].to(k.dtype), acc_in[..., d:].to(v.dtype), dtable, None
 
 
-def _block_forward(plan: _Plan, src: int, q: Tensor, k: Tensor, v: Tensor, table: Tensor | None):
+def _block_forward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, table: Tensor | None):
     """``(query rows, block columns, out, lse)`` of each piece of block ``src`` with work in it."""
-    if plan.rows is not None:
-        for rows, cols, starts, ends, diagonals in plan.jobs(src):
+    if ring.rows is not None:
+        for rows, cols, starts, ends, diagonals in ring.jobs(src):
             bias = None if table is None else table[:, diagonals]
             yield (rows, cols, *_band.partial_forward(q[..., rows, :], k[..., cols, :], v[..., cols, :], starts, ends,
-                                                      plan.scale, bias, plan.cap))
+                                                      ring.scale, bias, ring.cap))
         return
     hkv = k.shape[1]
     qg, kg, vg = _grouped(q, hkv), k.unsqueeze(2), v.unsqueeze(2)  # (B, Hkv, G|1, L, D)
-    for rows, cols, allowed in plan.tiles(src):
-        o, l = tile_forward(qg[..., rows, :], kg[..., cols, :], vg[..., cols, :], scale=plan.scale, allowed=allowed)
+    for rows, cols, allowed in ring.tiles(src):
+        o, l = tile_forward(qg[..., rows, :], kg[..., cols, :], vg[..., cols, :], scale=ring.scale, allowed=allowed)
         yield rows, cols, o.flatten(1, 2), l.flatten(1, 2)
 
 
-def _block_backward(plan: _Plan, src: int, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor,
+def _block_backward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor,
                     table: Tensor | None):
     """``(query rows, block columns, dq, dk, dv, diagonals, dbias)`` of each piece of block ``src`` with work
     in it, given the merged ``out`` and ``lse`` of every block; dk, dv summed over the query heads of a
     group; dbias (None without a bias) for the columns ``diagonals`` of the table."""
-    if plan.rows is not None:
-        for rows, cols, starts, ends, diagonals in plan.jobs(src):
+    if ring.rows is not None:
+        for rows, cols, starts, ends, diagonals in ring.jobs(src):
             bias = None if table is None else table[:, diagonals]
             dq, dk, dv, db = _band.partial_backward(dout[..., rows, :], q[..., rows, :], k[..., cols, :],
                                                     v[..., cols, :], out[..., rows, :], lse[..., rows].contiguous(),
-                                                    starts, ends, plan.scale, bias, plan.cap)
+                                                    starts, ends, ring.scale, bias, ring.cap)
             yield rows, cols, dq, dk, dv, diagonals, db
         return
     hkv = k.shape[1]
     qg, kg, vg = _grouped(q, hkv), k.unsqueeze(2), v.unsqueeze(2)
     dg, lg = _grouped(dout, hkv), lse.unflatten(1, (hkv, -1))
     delta = (dout * out).sum(-1).unflatten(1, (hkv, -1))
-    for rows, cols, allowed in plan.tiles(src):
+    for rows, cols, allowed in ring.tiles(src):
         dq_t, dk_t, dv_t, _ = tile_backward(qg[..., rows, :], kg[..., cols, :], vg[..., cols, :], dg[..., rows, :],
-                                            lg[..., rows], delta[..., rows], scale=plan.scale, allowed=allowed)
+                                            lg[..., rows], delta[..., rows], scale=ring.scale, allowed=allowed)
         yield rows, cols, dq_t.flatten(1, 2), dk_t.sum(2), dv_t.sum(2), None, None
 
 
@@ -372,7 +374,7 @@ def ring_attention(
                                 mask_mod=mask_mod)  # then take my rows
     """
     try:
-        req = build_request(query, key, value, is_causal=is_causal, window=window, mask_mod=mask_mod,
+        req = validate_call(query, key, value, is_causal=is_causal, window=window, mask_mod=mask_mod,
                             score_mod=score_mod, scale=scale)
         if query.dim() != 4:
             raise ValueError(f"query must be [B, heads, L_local, dim], got shape {tuple(query.shape)}")
@@ -383,8 +385,8 @@ def ring_attention(
         # too instead of waiting for this one in the ring.
         refuse_ring_call(group, query)
         raise
-    plan, table = _make_plan(req, group, layout)
-    return _RingAttention.apply(req.query, req.key, req.value, table, plan)
+    ring, table = _make_ring(req, group, layout)
+    return _RingAttention.apply(req.query, req.key, req.value, table, ring)
 
 
 def _show_window(code: tuple[int, ...]):
@@ -406,7 +408,7 @@ def _fingerprint(mask_mod) -> tuple[int, int]:
         return (0, 0)
     inner = getattr(mask_mod, "__wrapped__", mask_mod)  # a per-element wrapper made per call: its mod
     code = zlib.crc32(f"{type(inner).__qualname__}.{getattr(inner, '__qualname__', '')}".encode())
-    for t in _captured.captured_tensors(inner, requiring_grad=False):
+    for t in closures.captured_tensors(inner, requiring_grad=False):
         code = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), code)
     return (1, code)
 
@@ -458,7 +460,7 @@ def refuse_ring_call(group, like) -> None:
     refuse(_CALL, group, like)
 
 
-def _make_plan(req, group, layout: str) -> tuple[_Plan, Tensor | None]:
+def _make_ring(req, group, layout: str) -> tuple[_Ring, Tensor | None]:
     q = req.query
     rank, world = group_info(group)
     # One small collective: every rank checks that all ranks were called alike, and learns every
@@ -484,7 +486,7 @@ def _make_plan(req, group, layout: str) -> tuple[_Plan, Tensor | None]:
                 "the banded kernel cannot run this call (not built, not on CPU, or a mask without an interval form)")
             raise ValueError(f"ring_attention serves a score_mod on the banded kernel only, and here {why}")
         table, cap = terms
-    plan = _Plan(
+    ring = _Ring(
         group=group, rank=rank, world=world,
         next_peer=_global_rank(group, (rank + 1) % world), prev_peer=_global_rank(group, (rank - 1) % world),
         q_pos=q_pos, kv_pos=tuple(kv_pos), kv_sizes=tuple(kv_sizes),
@@ -492,7 +494,7 @@ def _make_plan(req, group, layout: str) -> tuple[_Plan, Tensor | None]:
         rows=rows, q_len=q_len, cap=cap, bounds=bounds,
         batch=q.shape[0], heads=q.shape[1], kv_heads=req.key.shape[1], scale=req.scale, compute_dtype=cd,
     )
-    return plan, table
+    return ring, table
 
 
 def _my_rows(req, q_pos: Tensor, q_len: int, kv_len: int) -> tuple[Tensor, Tensor] | None:

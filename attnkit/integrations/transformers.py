@@ -12,7 +12,7 @@ the mask *function* it composed for the layer type (causal, a sliding window, Ge
 alternating local/global layers, padding, packed sequences whose position ids restart) with the
 query and key offsets. :func:`attnkit_mask` turns it into an :class:`attnkit.MaskPlan` once per
 forward and mask type (each row's allowed keys as intervals, found by evaluating the function once,
-see :mod:`attnkit.plan`), and every layer of that type reuses it: windowed and padded layers run on
+see :mod:`attnkit.maskplan`), and every layer of that type reuses it: windowed and padded layers run on
 the banded kernel. A plain causal mask without padding, or no mask at all, is passed as
 ``is_causal`` (or nothing), as transformers does for SDPA.
 
@@ -28,7 +28,7 @@ import torch
 
 import attnkit
 from attnkit import scores
-from attnkit.plan import MaskPlan
+from attnkit.maskplan import MaskPlan
 
 NAME = "attnkit"
 _SUPPORTED_MAJOR = 5

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._text import describe
+from ..call import is_plan
 from ..functional import attention
-from ..request import check_window, is_plan
+from ..masks import check_window
 from ..scores import compose
 
 if TYPE_CHECKING:

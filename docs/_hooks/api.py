@@ -27,6 +27,8 @@ SECTION = "api"
 MODULES = {
     "attnkit": "The entry point (`attention`, `which_backend`), the mask plan (`mask_plan`, `MaskPlan`), the module.",
     "attnkit.masks": "Mask predicates (`*_mod`) and dense builders; `True` = may attend.",
+    "attnkit.maskplan": "The mask plan: a mask worked out once into each row's intervals, how, and the plan cache.",
+    "attnkit.intervals": "Interval algebra: each row's allowed keys as sorted, disjoint `[start, end)` pairs.",
     "attnkit.scores": "Score mods: ALiBi, relative-position tables, soft-capping, and their typed forms.",
     "attnkit.positional": "Positional schemes: sinusoidal, learned, RoPE, ALiBi, T5 buckets, Shaw.",
     "attnkit.modules": "`MultiHeadAttention` and the Transformer blocks.",
@@ -37,7 +39,6 @@ MODULES = {
     "attnkit.models": "BERT, its tokenizer and GPT-2, built from attnkit's modules.",
     "attnkit.integrations.transformers": "attnkit as a Hugging Face transformers attention implementation.",
     "attnkit.approx": "Approximate and alternative attention, asked for by name.",
-    "attnkit.linear": "Linear (kernel) attention and its feature maps.",
     "attnkit.distributed": "Ring (sequence-parallel) attention and its sharding helpers.",
     "attnkit.distributed.local": "Run a function on a few gloo ranks on this machine.",
     "attnkit.viz": "Heat maps and the offline HTML viewer.",
@@ -49,7 +50,6 @@ MODULES = {
 #: Modules of ``attnkit`` that have no page of their own, and why.
 NO_PAGE = {
     "attnkit.functional": "its public names are attnkit.attention and attnkit.which_backend",
-    "attnkit.plan": "its public names are attnkit.mask_plan and attnkit.MaskPlan",
     "attnkit.bench": "programs that `attnkit bench` runs, documented under Benchmarks",
 }
 

@@ -1,0 +1,18 @@
+"""The dtype rule every kernel shares: what a call computes in.
+
+Half-precision inputs (``float16``, ``bfloat16``) are computed in float32 by the CPU kernels
+(scores, softmax and the weighted sum), and the result is cast back to the input's dtype; float32
+and float64 compute in their own dtype. One rule, here, so that the reference, band, tiles and ring
+paths round the same way and can be compared with one tolerance table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the CPU kernels compute in: half types go through float32, others stay."""
+    return torch.float32 if dtype in HALF else dtype

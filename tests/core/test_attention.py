@@ -1,0 +1,236 @@
+"""Every backend against the float64 oracle and PyTorch SDPA over the grid of shapes x masks x dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import backends, masks
+from tests.support import oracle
+from tests.support.tolerances import close
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+# (B, H, Hkv, Lq, Lk, E, Ev)
+SHAPES = {
+    "square": (2, 4, 4, 8, 8, 16, 16),
+    "lq<lk": (2, 4, 4, 5, 7, 16, 16),
+    "lq>lk": (1, 2, 2, 9, 4, 8, 8),
+    "odd": (1, 3, 3, 13, 11, 7, 7),
+    "L=1": (2, 2, 2, 1, 1, 8, 8),
+    "decode": (2, 2, 2, 1, 9, 8, 8),
+    "gqa": (2, 8, 2, 6, 6, 8, 8),
+    "mqa": (1, 4, 1, 6, 10, 8, 8),
+    "ev!=e": (2, 2, 2, 6, 6, 16, 5),
+}
+
+MASKINGS = ["none", "causal", "padding", "window", "bias", "dead-row", "all",
+            "window-arg", "mask_mod", "score_mod", "structured-all"]
+
+
+def stripes(b, h, q_idx, kv_idx):
+    """A mask_mod with an irregular pattern that also empties some rows."""
+    return ((q_idx * 3 + kv_idx + h) % 4 != 0) & (q_idx != 2)
+
+
+def alibi_like(score, b, h, q_idx, kv_idx):
+    return score - 0.25 * (h + 1) * (q_idx - kv_idx).abs()
+
+
+def make(shape, dtype, seed=0):
+    b, h, hkv, lq, lk, e, ev = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, lq, e, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, lk, e, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, lk, ev, generator=g, dtype=torch.float64)
+    return [t.to(dtype) for t in (q, k, v)], g
+
+
+def masking(kind, shape, g):
+    """Keyword arguments for attnkit.attention and the matching oracle 'allowed' / bias."""
+    b, h, _, lq, lk, _, _ = shape
+    kw, allowed, bias = {}, None, None
+    if kind in ("padding", "all"):
+        lengths = torch.randint(1, lk + 1, (b,), generator=g)
+        lengths[0] = lk
+        pad = torch.arange(lk).view(1, -1) < lengths.view(-1, 1)  # [B, Lk]
+        kw["mask"] = pad[:, None, None, :]
+        allowed = pad[:, None, None, :].expand(b, h, lq, lk)
+    if kind in ("causal", "all"):
+        kw["is_causal"] = True
+        grid = oracle.allowed_grid(b, h, lq, lk, is_causal=True)
+        allowed = grid if allowed is None else allowed & grid
+    if kind == "window":
+        kw["mask"] = masks.sliding_window(lq, lk, left=2, right=1)
+        allowed = oracle.allowed_grid(b, h, lq, lk, window=(2, 1))
+    if kind in ("bias", "all"):
+        bias = torch.randn(b, 1, lq, lk, generator=g, dtype=torch.float64)
+        kw["bias"] = bias
+    if kind in ("window-arg", "structured-all"):
+        kw["window"] = (2, 1)
+        grid = oracle.allowed_grid(b, h, lq, lk, window=(2, 1))
+        allowed = grid if allowed is None else allowed & grid
+    if kind in ("mask_mod", "structured-all"):
+        kw["mask_mod"] = stripes
+        grid = oracle.allowed_grid(b, h, lq, lk, mask_mod=stripes)
+        allowed = grid if allowed is None else allowed & grid
+    if kind in ("score_mod", "structured-all"):
+        kw["score_mod"] = alibi_like
+    if kind == "structured-all":
+        kw["is_causal"] = True
+        allowed = allowed & oracle.allowed_grid(b, h, lq, lk, is_causal=True)
+    if kind == "dead-row":
+        m = torch.ones(lq, lk, dtype=torch.bool)
+        m[lq // 2] = False
+        kw["mask"] = m
+        allowed = m.expand(b, h, lq, lk)
+    return kw, allowed, bias
+
+
+def run_backend(name, q, k, v, kw):
+    backend = backends.get(name)
+    req = attnkit.call.validate_call(q, k, v, **kw)
+    reasons = backend.not_supported_reasons(req)
+    if reasons:
+        with pytest.raises(ValueError, match=name):  # forcing it must say why, not fall back
+            attnkit.attention(q, k, v, backend=name, **kw)
+        return None
+    return attnkit.attention(q, k, v, backend=name, **kw)
+
+
+@pytest.mark.parametrize("backend", backends.available())
+@pytest.mark.parametrize("kind", MASKINGS)
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_float64_oracle(backend, kind, shape_name, dtype):
+    shape = SHAPES[shape_name]
+    (q, k, v), g = make(shape, dtype)
+    kw, allowed, bias = masking(kind, shape, g)
+    if "bias" in kw:
+        kw["bias"] = kw["bias"].to(dtype)
+    out = run_backend(backend, q, k, v, kw)
+    if out is None:
+        return
+    expected, _ = oracle.attention(q, k, v, allowed=allowed, bias=None if bias is None else kw["bias"],
+                                   score_mod=kw.get("score_mod"))
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert torch.isfinite(out).all()
+    close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("kind", MASKINGS)
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+def test_weights_match_oracle(kind, shape_name):
+    shape = SHAPES[shape_name]
+    (q, k, v), g = make(shape, torch.float64)
+    kw, allowed, bias = masking(kind, shape, g)
+    out, w = attnkit.attention(q, k, v, return_weights=True, **kw)
+    expected_out, expected_w = oracle.attention(q, k, v, allowed=allowed, bias=bias,
+                                                score_mod=kw.get("score_mod"))
+    close(out, expected_out)
+    close(w, expected_w)
+
+
+# float64 holds at the float64 row on any CPU; float32 is what users run, and the float32 row is 10x
+# the measured float32 kernel-against-SDPA error (tests/support/measure_tolerances.py).
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("kind", ["none", "causal", "padding", "bias", "all"])
+@pytest.mark.parametrize("shape_name", ["square", "lq<lk", "gqa", "ev!=e", "odd"])
+def test_matches_torch_sdpa(kind, shape_name, dtype):
+    """Parity with the real thing, F.scaled_dot_product_attention, converting only conventions."""
+    shape = SHAPES[shape_name]
+    (q, k, v), g = make(shape, dtype)
+    kw, _, _ = masking(kind, shape, g)
+    if "bias" in kw:
+        kw["bias"] = kw["bias"].to(dtype)
+    ours = attnkit.attention(q, k, v, **kw)
+    groups = q.shape[1] // k.shape[1]
+    kx, vx = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    attn_mask = kw.get("mask")
+    if kw.get("is_causal"):  # PyTorch aligns top-left: build the bottom-right mask ourselves
+        lq, lk = q.shape[2], k.shape[2]
+        causal = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+        attn_mask = causal if attn_mask is None else attn_mask & causal
+    if "bias" in kw:
+        attn_mask = kw["bias"] if attn_mask is None else kw["bias"].masked_fill(~attn_mask, float("-inf"))
+    theirs = F.scaled_dot_product_attention(q, kx, vx, attn_mask=attn_mask)
+    assert ours.dtype == dtype
+    close(ours, theirs)
+
+
+def test_auto_prefers_sdpa_and_never_drops_masks():
+    (q, k, v), _ = make(SHAPES["lq<lk"], torch.float32)
+    assert attnkit.which_backend(q, k, v) == "sdpa"
+    assert attnkit.which_backend(q, k, v, return_weights=True) == "reference"
+    m = torch.zeros(5, 7, dtype=torch.bool)
+    m[:, 0] = True  # everything may only attend key 0: the output must be v[..., 0, :]
+    out = attnkit.attention(q, k, v, mask=m)
+    close(out, v[:, :, :1, :].expand_as(out))
+
+
+def test_causal_is_bottom_right_with_cache_layout():
+    """Lq < Lk: the last query sees every key, the first sees Lk - Lq + 1 keys."""
+    (q, k, v), _ = make(SHAPES["lq<lk"], torch.float64)
+    _, w = attnkit.attention(q, k, v, is_causal=True, return_weights=True)
+    lq, lk = q.shape[2], k.shape[2]
+    seen = (w > 0).sum(-1)
+    assert seen[0, 0].tolist() == [lk - lq + 1 + i for i in range(lq)]
+
+
+def test_leading_batch_dims_and_3d_inputs():
+    q, k, v = torch.randn(2, 3, 4, 5, 8), torch.randn(2, 3, 4, 6, 8), torch.randn(2, 3, 4, 6, 8)
+    out = attnkit.attention(q, k, v, is_causal=True)
+    ref, _ = oracle.attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                              allowed=oracle.allowed_grid(6, 4, 5, 6, is_causal=True))
+    close(out.flatten(0, 1), ref, torch.float32)
+    out3 = attnkit.attention(q[0, 0], k[0, 0], v[0, 0])
+    close(out3, attnkit.attention(q[0, 0], k[0, 0], v[0, 0], backend="reference"))
+
+
+def test_empty_key_sequence_gives_zeros():
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 0, 4), torch.randn(1, 2, 0, 5)
+    out = attnkit.attention(q, k, v)
+    assert out.shape == (1, 2, 3, 5) and (out == 0).all()
+
+
+def test_dropout_in_training_changes_output_but_keeps_expectation_shape():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    a = attnkit.attention(q, k, v, dropout_p=0.5, backend="reference")
+    b = attnkit.attention(q, k, v, backend="reference")
+    assert a.shape == b.shape and not torch.allclose(a, b)
+    # with p close to 0 nothing is dropped in practice; p = 0 is exactly the plain result
+    close(attnkit.attention(q, k, v, dropout_p=0.0, backend="sdpa"), b)
+
+
+def test_weights_are_pre_dropout_probabilities():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    _, w = attnkit.attention(q, k, v, dropout_p=0.3, return_weights=True)
+    close(w.sum(-1), torch.ones(1, 2, 6))
+
+
+def test_float16_on_a_cpu_without_float16_products_is_computed_in_float32_and_rounded(monkeypatch):
+    """The SDPA backend's float16 on such a CPU: PyTorch's float32 kernel on the exactly widened
+    inputs, rounded once (its float16 kernel is slower there); gradients come back in float16."""
+    import torch.nn.functional as F
+
+    from attnkit import _cpu
+
+    monkeypatch.setattr(_cpu, "flags", lambda: frozenset({"avx2"}))
+    assert not _cpu.has_fp16_products()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 33, 16, generator=g).half().requires_grad_() for _ in range(3))
+    assert attnkit.which_backend(q, k, v, is_causal=True) == "sdpa"
+    out = attnkit.attention(q, k, v, is_causal=True)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).half()
+    assert out.dtype == torch.float16 and torch.equal(out, want)
+    out.sum().backward()
+    assert all(t.grad.dtype == torch.float16 and torch.isfinite(t.grad).all() for t in (q, k, v))
+    monkeypatch.setattr(_cpu, "flags", lambda: frozenset({"avx512_fp16"}))
+    assert _cpu.has_fp16_products()
+    with torch.no_grad():
+        native = attnkit.attention(q, k, v, is_causal=True)
+        assert torch.equal(native, F.scaled_dot_product_attention(q, k, v, is_causal=True))

@@ -1,0 +1,257 @@
+"""The static KV cache, and cached decoding through MultiHeadAttention equal to the full forward."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnkit.backends import available
+from attnkit.cache import KVCache
+from attnkit.modules import MultiHeadAttention
+from attnkit.positional import ALiBi, RelativeKeyEmbedding, RotaryEmbedding, T5RelativeBias
+from tests.support.tolerances import close
+
+
+def test_update_writes_in_place_at_cache_pos_and_returns_the_buffers():
+    c = KVCache(2, 6, 3, 4, v_head_dim=5)
+    k_buf, v_buf = c.k.data_ptr(), c.v.data_ptr()
+    k1, v1 = torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2, 5)
+    k, v, length, n = c.update(k1, v1)
+    assert (k.shape, v.shape) == ((2, 3, 6, 4), (2, 3, 6, 5))
+    assert c.seq_len == n == 2 and int(c.cache_pos) == int(length) == 2 and c.cache_pos.dim() == 0
+    k2, v2 = torch.randn(2, 3, 3, 4), torch.randn(2, 3, 3, 5)
+    k, v, length, n = c.update(k2, v2)
+    assert c.seq_len == n == 5 and int(c.cache_pos) == int(length) == 5
+    assert torch.equal(k[:, :, :5], torch.cat([k1, k2], dim=2)) and torch.equal(v[:, :, :5], torch.cat([v1, v2], dim=2))
+    assert torch.equal(k[:, :, 5:], torch.zeros(2, 3, 1, 4))  # the tail is not written
+    # Static: same storage, and the returned tensors are the buffers (no reallocation per token).
+    assert c.k.data_ptr() == k_buf and c.v.data_ptr() == v_buf and k.data_ptr() == k_buf and v.data_ptr() == v_buf
+    c.reset()
+    assert c.seq_len == 0 and int(c.cache_pos) == 0
+    k, *_ = c.update(k2, v2)
+    assert torch.equal(k[:, :, :3], k2)
+
+
+def test_update_returns_the_same_shapes_at_every_token():
+    """Fixed shapes: what a compiled or graph-captured step sees does not change with the position."""
+    c = KVCache(2, 7, 2, 4, v_head_dim=3, dtype=torch.float64)
+    seen, written = set(), []
+    for step in range(7):
+        k, v = torch.randn(2, 2, 1, 4, dtype=torch.float64), torch.randn(2, 2, 1, 3, dtype=torch.float64)
+        written.append(k)
+        out = c.update(k, v)
+        seen.add((tuple(out.k.shape), tuple(out.v.shape), tuple(out.length.shape), out.k.data_ptr()))
+        assert int(out.length) == out.seq_len == step + 1
+    assert seen == {((2, 2, 7, 4), (2, 2, 7, 3), (), c.k.data_ptr())}
+    assert torch.equal(c.k, torch.cat(written, dim=2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_visible_allows_written_keys_only_aligned_to_the_written_length(causal):
+    from attnkit.cache import visible
+
+    c = KVCache(1, 8, 1, 2)
+    c.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+    cached = c.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))  # queries at positions 3 and 4
+    expected = torch.zeros(2, 8, dtype=torch.bool)
+    expected[:, :5] = True
+    if causal:
+        expected[0, 4] = False  # query at 3 may not see key 4
+    seen = visible(cached, 2, causal=causal)
+    assert seen.shape == (1, 1, 2, 8) and torch.equal(seen[0, 0], expected)
+
+
+def test_overflow_and_bad_shapes_raise_naming_sizes():
+    c = KVCache(1, 4, 2, 8)
+    c.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    with pytest.raises(ValueError, match=r"3 cached \+ 2 new tokens > max_len 4"):
+        c.update(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))
+    assert c.seq_len == 3  # a refused update changes nothing
+    with pytest.raises(ValueError, match=r"k must be \[B, Hkv, L, D\] = \[1, 2, L, 8\], got \(1, 3, 1, 8\)"):
+        c.update(torch.zeros(1, 3, 1, 8), torch.zeros(1, 3, 1, 8))
+    with pytest.raises(TypeError, match="dtype"):
+        c.update(torch.zeros(1, 2, 1, 8, dtype=torch.float64), torch.zeros(1, 2, 1, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="max_len must be a positive int"):
+        KVCache(1, 0, 2, 8)
+
+
+def test_cache_is_not_in_state_dict_and_moves_with_to():
+    c = KVCache(1, 4, 2, 8)
+    assert c.state_dict() == {}
+    c = c.to(torch.float64)
+    assert c.k.dtype == torch.float64 and c.cache_pos.dtype == torch.long
+
+
+def _decode_in_chunks(mha, x, chunks, cache, **kw):
+    outs, start = [], 0
+    for n in chunks:
+        outs.append(mha(x[:, start:start + n], cache=cache, **kw))
+        start += n
+    return torch.cat(outs, dim=1)
+
+
+POSITIONS = {
+    "none": lambda h, d: {},
+    "rope_half": lambda h, d: {"rotary": RotaryEmbedding(d)},
+    "rope_interleaved": lambda h, d: {"rotary": RotaryEmbedding(d, interleaved=True)},
+    "alibi": lambda h, d: {"position_bias": ALiBi(h)},
+    "t5_causal": lambda h, d: {"position_bias": T5RelativeBias(h, num_buckets=8, max_distance=16,
+                                                               bidirectional=False)},
+    "relative_key": lambda h, d: {"position_bias": RelativeKeyEmbedding(3, d)},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(POSITIONS))
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_cached_decoding_equals_full_forward(kind, num_kv_heads):
+    torch.manual_seed(0)
+    b, length, e, h = 2, 9, 32, 4
+    d = e // h
+    mha = MultiHeadAttention(e, h, num_kv_heads=num_kv_heads, **POSITIONS[kind](h, d)).double().eval()
+    if kind.startswith("t5"):
+        torch.nn.init.normal_(mha.position_bias.relative_attention_bias.weight)
+    if kind == "relative_key":
+        torch.nn.init.normal_(mha.position_bias.distance_embedding.weight)
+    x = torch.randn(b, length, e, dtype=torch.float64)
+    full = mha(x, is_causal=True)
+    cache = KVCache(b, 16, num_kv_heads, d, dtype=torch.float64)
+    # A prompt of 4, then single tokens, then a chunk of 2 (Lq != Lk, bottom-right causal).
+    inc = _decode_in_chunks(mha, x, [4, 1, 1, 2, 1], cache, is_causal=True)
+    close(inc, full)
+    assert cache.seq_len == length
+
+
+def test_cached_decoding_with_key_mask_and_padding():
+    torch.manual_seed(1)
+    b, length, e, h = 2, 6, 16, 2
+    mha = MultiHeadAttention(e, h, rotary=RotaryEmbedding(8)).double().eval()
+    x = torch.randn(b, length, e, dtype=torch.float64)
+    key_mask = torch.ones(b, length, dtype=torch.bool)
+    key_mask[1, :2] = False  # left padding in the second row
+    full = mha(x, is_causal=True, key_mask=key_mask)
+    cache = KVCache(b, length, h, 8, dtype=torch.float64)
+    outs = [mha(x[:, :3], cache=cache, is_causal=True, key_mask=key_mask[:, :3])]
+    for t in range(3, length):
+        outs.append(mha(x[:, t:t + 1], cache=cache, is_causal=True, key_mask=key_mask[:, :t + 1]))
+    close(torch.cat(outs, 1)[1, 2:], full[1, 2:])
+    close(torch.cat(outs, 1)[0], full[0])
+
+
+@pytest.mark.parametrize("backend", available())
+def test_cached_decoding_on_every_backend_with_masks_bias_and_window(backend):
+    """The cache's whole buffers with its visibility mask: every backend serves the call, and a
+    dense mask, a bias and a window over the cached keys give the rows of the full pass."""
+    torch.manual_seed(3)
+    b, length, e, h = 2, 7, 16, 2
+    mha = MultiHeadAttention(e, h, rotary=RotaryEmbedding(8), backend=backend).double().eval()
+    x = torch.randn(b, length, e, dtype=torch.float64)
+    key_mask = torch.ones(b, length, dtype=torch.bool)
+    key_mask[1, 3] = False
+    bias = torch.randn(b, h, length, length, dtype=torch.float64) if backend != "band" else None  # band: no dense bias
+    window = (2, 0) if backend != "sdpa" else None  # SDPA takes no window
+    full = mha(x, is_causal=True, key_mask=key_mask, bias=bias, window=window)
+    cache = KVCache(b, 10, h, 8, dtype=torch.float64)  # longer than needed: an unwritten tail throughout
+    outs, start = [], 0
+    for n in (3, 1, 2, 1):
+        stop = start + n
+        outs.append(mha(x[:, start:stop], cache=cache, is_causal=True, key_mask=key_mask[:, :stop],
+                        bias=None if bias is None else bias[:, :, start:stop, :stop], window=window))
+        start = stop
+    close(torch.cat(outs, 1), full)
+
+
+def test_cache_rejects_cross_attention_and_wrong_key_mask():
+    mha = MultiHeadAttention(8, 2)
+    cache = KVCache(1, 4, 2, 4)
+    x = torch.randn(1, 2, 8)
+    with pytest.raises(ValueError, match="self-attention"):
+        mha(x, x, cache=cache)
+    with pytest.raises(ValueError, match=r"key_mask must be a bool \[B, Lk\] = \(1, 2\)"):
+        mha(x, cache=cache, key_mask=torch.ones(1, 3, dtype=torch.bool))
+
+
+@given(
+    cuts=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+    kv_heads=st.sampled_from([1, 2]),
+    kind=st.sampled_from(sorted(POSITIONS)),
+)
+def test_any_chunking_of_cached_decoding_equals_full_forward(cuts, kv_heads, kind):
+    torch.manual_seed(sum(cuts))
+    e, h = 8, 2
+    mha = MultiHeadAttention(e, h, num_kv_heads=kv_heads, **POSITIONS[kind](h, e // h)).double().eval()
+    x = torch.randn(1, sum(cuts), e, dtype=torch.float64)
+    cache = KVCache(1, sum(cuts), kv_heads, e // h, dtype=torch.float64)
+    close(_decode_in_chunks(mha, x, cuts, cache, is_causal=True), mha(x, is_causal=True))
+
+
+def test_need_weights_with_cache_cover_all_cached_keys():
+    torch.manual_seed(2)
+    mha = MultiHeadAttention(8, 2, position_bias=ALiBi(2)).double()
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    _, full_w = mha(x, is_causal=True, need_weights=True)
+    cache = KVCache(1, 5, 2, 4, dtype=torch.float64)
+    mha(x[:, :4], cache=cache, is_causal=True)
+    _, w = mha(x[:, 4:], cache=cache, is_causal=True, need_weights=True)
+    assert w.shape == (1, 2, 1, 5)
+    close(w, full_w[:, :, 4:])
+
+
+def test_reorder_gives_each_row_the_cached_keys_of_the_row_it_continues():
+    cache = KVCache(3, 6, num_kv_heads=2, head_dim=4, v_head_dim=5)
+    k, v = torch.randn(3, 2, 4, 4), torch.randn(3, 2, 4, 5)
+    cache.update(k, v)
+    index = torch.tensor([2, 2, 0])
+    cache.reorder(index)
+    assert torch.equal(cache.k[:, :, :4], k[index]) and torch.equal(cache.v[:, :, :4], v[index])
+    assert cache.seq_len == 4
+    k_all, _, length, _ = cache.update(torch.ones(3, 2, 1, 4), torch.ones(3, 2, 1, 5))  # appending still works
+    assert torch.equal(k_all[:, :, :4], k[index]) and torch.equal(k_all[:, :, 4], torch.ones(3, 2, 4))
+    assert int(length) == 5
+
+
+@pytest.mark.parametrize("index", [torch.tensor([0, 1]), torch.tensor([0, 1, 3]), torch.tensor([0.0, 1.0, 2.0]),
+                                   [0, 1, 2], torch.tensor([-1, 0, 1])])
+def test_reorder_refuses_a_bad_index_naming_it(index):
+    cache = KVCache(3, 4, num_kv_heads=1, head_dim=2)
+    with pytest.raises(ValueError, match="index"):
+        cache.reorder(index)
+
+
+def test_reset_zeroes_the_buffers():
+    cache = KVCache(1, 5, num_kv_heads=2, head_dim=3)
+    cache.update(torch.randn(1, 2, 4, 3), torch.full((1, 2, 4, 3), float("nan")))
+    cache.reset()
+    assert torch.equal(cache.k, torch.zeros_like(cache.k)) and torch.equal(cache.v, torch.zeros_like(cache.v))
+
+
+@pytest.mark.parametrize("backend", ["auto", *available()])
+def test_a_nan_token_before_reset_does_not_reach_a_shorter_clean_sequence(backend):
+    torch.manual_seed(3)
+    mha = MultiHeadAttention(8, 2, backend=backend).double().eval()
+    cache = KVCache(1, 8, 2, 4, dtype=torch.float64)
+    poisoned = torch.randn(1, 6, 8, dtype=torch.float64)
+    poisoned[0, 4] = float("nan")
+    with torch.no_grad():
+        assert mha(poisoned, cache=cache, is_causal=True)[0, 4:].isnan().all()  # the NaN token, and after it
+        cache.reset()
+        x = torch.randn(1, 3, 8, dtype=torch.float64)
+        got = torch.cat([mha(x[:, :2], cache=cache, is_causal=True), mha(x[:, 2:], cache=cache, is_causal=True)], 1)
+        fresh = KVCache(1, 8, 2, 4, dtype=torch.float64)
+        want = torch.cat([mha(x[:, :2], cache=fresh, is_causal=True), mha(x[:, 2:], cache=fresh, is_causal=True)], 1)
+    assert torch.equal(got, want)
+
+
+def test_the_finiteness_of_what_was_written_is_kept_and_a_write_by_hand_is_seen():
+    torch.manual_seed(4)
+    mha = MultiHeadAttention(8, 2).double().eval()
+    cache = KVCache(1, 8, 2, 4, dtype=torch.float64)
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        mha(x[:, :2], cache=cache, is_causal=True)
+        assert bool(cache.finite)
+        cache.v[0, 0, 1, 0] = float("nan")  # not through update(): the cache cannot vouch for it
+        assert mha(x[:, 2:3], cache=cache, is_causal=True).isnan().all()
+        assert not bool(cache.finite)
+        cache.reset()
+        assert bool(cache.finite)
+        assert torch.isfinite(mha(x[:, :3], cache=cache, is_causal=True)).all()

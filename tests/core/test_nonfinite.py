@@ -1,0 +1,229 @@
+"""The NaN/inf rule (:mod:`attnkit.nonfinite`) on every backend: a grid of poisons x masks x dtypes.
+
+Each case poisons one input at one place (a query row; a key or value row; a bias cell; a
+score_mod's diagonal), at a place some rows allow and others do not, and checks, forward and
+backward, against what the rule says, worked out here from the allowed grid of the independent
+oracle (:func:`tests.support.oracle.allowed_grid`):
+
+* a poisoned row is NaN, every element; so are its ``dq`` row, the ``dk``/``dv`` rows of the keys it
+  allows and its allowed cells' ``dbias``;
+* every other row, and every other gradient row, equals bit for bit the same call with the
+  poisoned entries put back to their finite values (a dead row, then, is zeros).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks, scores
+from attnkit.call import validate_call
+from tests.support import oracle
+
+NAN, INF = float("nan"), float("inf")
+BACKENDS = ["auto", "reference", "sdpa", "band", "fused_tiles", "tiles"]
+QUERY_DOCS = torch.tensor([0] * 4 + [1] * 6 + [2] * 2)  # queries 10, 11: a document with no keys
+KEY_DOCS = torch.tensor([0] * 4 + [1] * 8)
+#: (query heads, key/value heads, Lq, Lk): plain, and grouped-query heads with Lq < Lk (bottom-right).
+SHAPES = {"square": (2, 2, 12, 12), "gqa, Lq < Lk": (2, 1, 7, 12)}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Shapes this small are all thread hand-offs: one thread runs the grid several times faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _dense_mask(lq, lk):
+    g = torch.Generator().manual_seed(3)
+    m = torch.rand(1, 1, lq, lk, generator=g) < 0.6
+    m[..., 3, :] = False  # a dead row
+    return m
+
+
+#: name -> (attention kwargs, kwargs for the oracle's grid) for Lq, Lk.
+MASKS = {
+    "none": lambda lq, lk: ({}, {}),
+    "causal": lambda lq, lk: ({"is_causal": True}, {"is_causal": True}),
+    "window": lambda lq, lk: ({"window": (3, 1)}, {"window": (3, 1)}),
+    "dense": lambda lq, lk: ({"mask": _dense_mask(lq, lk)}, {"mask": _dense_mask(lq, lk)}),
+    "padding mod": lambda lq, lk: ({"mask_mod": masks.padding_mod(torch.tensor([8]))},
+                                   {"mask_mod": masks.padding_mod(torch.tensor([8]))}),
+    "documents": lambda lq, lk: (
+        {"mask_mod": masks.and_masks(masks.document_mod(QUERY_DOCS[-lq:], KEY_DOCS), masks.causal_mod(lk - lq))},
+        {"mask_mod": masks.and_masks(masks.document_mod(QUERY_DOCS[-lq:], KEY_DOCS), masks.causal_mod(lk - lq))}),
+}
+
+
+def _poison_table(lq, lk):
+    """Every poison: name -> (input, index, value). ``input`` is q/k/v/bias/table (the score_mod's)."""
+    d = lambda dist: lk + dist  # noqa: E731 - the table column of a key ``dist`` after the query
+    return {
+        "q NaN": ("q", (0, 0, 5, 1), NAN),
+        "q +inf, row 3 (dead under the dense mask)": ("q", (0, 0, 3, 0), INF),
+        "k NaN, early key": ("k", (0, 0, 2, 3), NAN),
+        "k NaN, late key": ("k", (0, 0, 9, 3), NAN),
+        "k -inf": ("k", (0, 0, 9, 0), -INF),
+        "v NaN": ("v", (0, 0, 9, 2), NAN),
+        "v +inf": ("v", (0, 0, 2, 2), INF),
+        "bias NaN, a key after the query": ("bias", (0, 0, 2, 5), NAN),
+        "bias NaN, a key before the query": ("bias", (0, 0, 5, 2), NAN),
+        "bias +inf": ("bias", (0, 1, 4, 8), INF),
+        "bias -inf row, q NaN there": ("q", (0, 0, 6, 0), NAN),
+        "score_mod NaN, 2 keys after": ("table", (0, d(2)), NAN),
+        "score_mod NaN, 1 key before": ("table", (1, d(-1)), NAN),
+    }
+
+
+def _inputs(h, hkv, lq, lk, dtype, with_bias, bias_grad):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, h, lq, 8, generator=g, dtype=dtype)
+    k = torch.randn(1, hkv, lk, 8, generator=g, dtype=dtype)
+    v = torch.randn(1, hkv, lk, 8, generator=g, dtype=dtype)
+    bias = torch.randn(1, h, lq, lk, generator=g, dtype=dtype) if with_bias else None
+    if bias is not None:
+        bias[:, :, 6] = -INF  # row 6 masked by its bias: dead, even with a NaN query
+    table = torch.randn(h, 2 * lk + 1, generator=g, dtype=dtype)
+    return {"q": q, "k": k, "v": v, "bias": bias, "table": table}
+
+
+def _expected(allowed, t, where, index, kw, lq, lk, hkv):
+    """Poisoned rows ``[1, H, Lq]`` and keys ``[1, Hkv, Lk]`` as the rule says, from first principles."""
+    h = allowed.shape[1]
+    allowed = allowed.clone()
+    if t["bias"] is not None:
+        allowed &= t["bias"] != -INF
+    live = allowed.any(-1)
+    bad_cell = torch.zeros_like(allowed)
+    if where == "q":
+        bad_cell[0, index[1], index[2], :] = True
+    elif where in ("k", "v"):
+        bad_cell[0, [i for i in range(h) if i * hkv // h == index[1]], :, index[2]] = True
+    elif where == "bias":
+        bad_cell[index] = True
+    else:  # the score_mod's table: column lk + d, a key d positions after the query's position
+        dist = index[1] - lk
+        for i in range(lq):
+            j = i + (lk - lq) + dist
+            if 0 <= j < lk:
+                bad_cell[0, index[0], i, j] = True
+    poisoned = live & (allowed & bad_cell).any(-1) if where != "q" else live & bad_cell.any(-1)
+    seen = (allowed & poisoned[..., None]).any(-2)  # [1, H, Lk]
+    keys = torch.stack([seen[:, [i for i in range(h) if i * hkv // h == j]].any(1) for j in range(hkv)], 1)
+    return poisoned, keys, allowed & poisoned[..., None]
+
+
+def _run(backend, t, kw, with_score_mod, lk, lq):
+    leaves = [t["q"], t["k"], t["v"]] + ([t["bias"]] if t["bias"] is not None and t["bias"].requires_grad else [])
+    extra = dict(kw)
+    if t["bias"] is not None:
+        extra["bias"] = t["bias"]
+    if with_score_mod:
+        extra["score_mod"] = scores.relative_position_bias(t["table"], lk, offset=lk - lq)
+    out = attnkit.attention(t["q"], t["k"], t["v"], backend=backend, **extra)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    return out.detach(), torch.autograd.grad(out, leaves, dout)
+
+
+def _serves(backend, t, kw, with_score_mod, lk, lq) -> bool:
+    extra = dict(kw)
+    if t["bias"] is not None:
+        extra["bias"] = t["bias"]
+    if with_score_mod:
+        extra["score_mod"] = scores.relative_position_bias(t["table"], lk, offset=lk - lq)
+    req = validate_call(t["q"], t["k"], t["v"], **extra)  # a mistake in the test raises here
+    try:
+        attnkit.backends.select(req, backend)
+    except ValueError:  # the backend cannot serve the call
+        return False
+    return True
+
+
+def _check(name, got, want, nan_rows):
+    """Rows where ``nan_rows`` all NaN, the others bit for bit ``want``'s; a list of what differs."""
+    nan_rows = nan_rows.expand(got.shape[:-1])
+    bad = []
+    if not got[nan_rows].isnan().all():
+        bad.append(f"{name}: a poisoned row is not NaN throughout")
+    if not torch.equal(got[~nan_rows], want[~nan_rows]):
+        diff = (got[~nan_rows] != want[~nan_rows]).any(-1).sum().item()
+        bad.append(f"{name}: {diff} clean row(s) differ from the clean call (NaN: {got[~nan_rows].isnan().any()})")
+    return bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_poison_reaches_exactly_the_rows_that_see_it(backend, shape, mask, dtype):
+    h, hkv, lq, lk = SHAPES[shape]
+    kw, grid_kw = MASKS[mask](lq, lk)
+    allowed = oracle.allowed_grid(1, h, lq, lk, **grid_kw)
+    allowed = torch.ones(1, h, lq, lk, dtype=torch.bool) if allowed is None else allowed
+    served, failures, clean_runs = 0, [], {}
+    for poison, (where, index, value) in _poison_table(lq, lk).items():
+        with_bias = where == "bias" or poison.startswith("bias")
+        with_mod = where == "table"
+        bias_grad = backend not in ("tiles", "fused_tiles")
+        t = _inputs(h, hkv, lq, lk, dtype, with_bias, bias_grad)
+        if any(i >= n for i, n in zip(index, t[where].shape, strict=False)):
+            continue
+        call_kw = kw
+        if backend == "sdpa" and mask in ("window", "padding mod", "documents"):  # SDPA takes a dense mask
+            call_kw = {"mask": allowed[:1, :1]}
+        if not _serves(backend, t, call_kw, with_mod, lk, lq):
+            continue
+        served += 1
+        clean = {n: (x.clone().requires_grad_(n != "table" and (n != "bias" or bias_grad)) if x is not None else None)
+                 for n, x in t.items()}
+        dirty = {n: (x.clone() if x is not None else None) for n, x in t.items()}
+        dirty[where][index] = value
+        for n in ("q", "k", "v", "bias"):
+            if dirty[n] is not None:
+                dirty[n].requires_grad_(n != "bias" or bias_grad)
+        if (with_bias, with_mod) not in clean_runs:  # the clean call depends on these only
+            clean_runs[with_bias, with_mod] = _run(backend, clean, call_kw, with_mod, lk, lq)
+        want_out, want_grads = clean_runs[with_bias, with_mod]
+        got_out, got_grads = _run(backend, dirty, call_kw, with_mod, lk, lq)
+        rows, keys, cells = _expected(allowed, dirty, where, index, kw, lq, lk, hkv)
+        failures += [f"{poison}: {f}" for f in _check("out", got_out, want_out, rows)]
+        failures += [f"{poison}: {f}" for f in _check("dq", got_grads[0], want_grads[0], rows)]
+        failures += [f"{poison}: {f}" for f in _check("dk", got_grads[1], want_grads[1], keys)]
+        failures += [f"{poison}: {f}" for f in _check("dv", got_grads[2], want_grads[2], keys)]
+        if len(got_grads) > 3:  # dbias [1, H, Lq, Lk]: NaN at the poisoned rows' allowed cells
+            failures += [f"{poison}: {f}" for f in _check("dbias", got_grads[3][..., None], want_grads[3][..., None],
+                                                          cells)]
+    if backend == "sdpa" and mask == "none" and shape == "square":
+        assert served >= 8
+    if served == 0:
+        pytest.skip(f"{backend} serves none of the cases with mask {mask}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("backend", ["band", "tiles", "reference"])
+@pytest.mark.parametrize("where", ["q", "table"])
+def test_a_learned_score_mod_table_gets_a_nan_gradient_once_a_row_is_poisoned(backend, where):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 10, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    table = torch.randn(2, 21, generator=g, dtype=torch.float64)
+    (q if where == "q" else table)[(0, 0, 6, 1) if where == "q" else (0, 9)] = NAN  # row 6; or diagonal -1
+    table.requires_grad_()
+    mod = scores.relative_position_bias(table, 10)
+    out = attnkit.attention(q, k, v, is_causal=True, score_mod=mod, backend=backend)
+    (grad,) = torch.autograd.grad(out, table, torch.ones_like(out))
+    assert out[0, 0].isnan().any(-1).any() and torch.isfinite(out[0, 1]).all()
+    assert grad.isnan().any()
+    q[0, 0, 6, 1], table.data[0, 9] = 0.0, 0.0  # clean: a finite gradient
+    out = attnkit.attention(q, k, v, is_causal=True, score_mod=mod, backend=backend)
+    assert torch.isfinite(torch.autograd.grad(out, table, torch.ones_like(out))[0]).all()
+
+
+def test_compiled_code_runs_the_backend_without_the_check():
+    """The decision for torch.compile: no host read (it would break the graph), so no check there."""
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(6)) for _ in range(3))
+    fn = torch.compile(lambda a, b, c: attnkit.attention(a, b, c, is_causal=True), backend="eager", fullgraph=True)
+    assert torch.equal(fn(q, k, v), attnkit.attention(q, k, v, is_causal=True))
