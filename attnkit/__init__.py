@@ -15,9 +15,9 @@ line answers a mistyped argument before it pays for importing torch.
 """
 
 import importlib as _importlib
-from typing import TYPE_CHECKING
+import typing as _typing
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from . import backends, masks
     from .functional import attention, which_backend
     from .maskplan import MaskPlan, mask_plan

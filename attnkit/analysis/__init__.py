@@ -9,9 +9,9 @@
 """
 
 import importlib as _importlib
-from typing import TYPE_CHECKING
+import typing as _typing
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from .complexity import AttentionCost, attention_cost, compare_heads, projection_params
     from .heads import entropy, mean_distance
     from .record import recorded_weights

@@ -5,4 +5,7 @@ writes its markdown table to ``out_dir/<suite>.md`` and returns the table. ``att
 runs one; ``python -m attnkit.bench SUITE`` does the same.
 """
 
+__all__ = ["SUITES"]
+
 SUITES = ["core", "blockwise", "mods", "models", "ring", "apps", "approx", "hf", "compile", "dtypes"]
+"""The suites ``attnkit bench`` offers, in the order its ``--help`` lists them: each a module here."""

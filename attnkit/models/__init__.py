@@ -9,9 +9,7 @@
 Weights are read with ``safetensors`` only, never through pickle.
 """
 
-from __future__ import annotations
-
-import importlib
+import importlib as _importlib
 
 from .bert import Bert, BertConfig, BertOutput, pool
 from .checkpoint import bundled_model_dir
@@ -23,5 +21,5 @@ __all__ = ["Bert", "BertConfig", "BertOutput", "Encoded", "GPT2", "GPT2Config", 
 
 def __getattr__(name: str):
     if name in ("GPT2", "GPT2Config", "GPT2Output"):
-        return getattr(importlib.import_module(".gpt2", __name__), name)
+        return getattr(_importlib.import_module(".gpt2", __name__), name)
     raise AttributeError(f"module 'attnkit.models' has no attribute {name!r}")

@@ -7,8 +7,6 @@
 * :func:`viewer_html` / :func:`write_viewer` - the self-contained HTML viewer.
 """
 
-from __future__ import annotations
-
 from .heatmap import head_grid, head_stats, heatmap, save
 from .viewer import viewer_html, write_viewer
 
