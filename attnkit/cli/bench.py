@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from . import UserError
+from .command import UserError
 
 
 def add_parser(sub) -> None:

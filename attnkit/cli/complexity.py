@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import LazyChoices
+from .command import LazyChoices
 
 
 def _dtypes() -> list[str]:

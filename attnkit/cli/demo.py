@@ -42,7 +42,7 @@ def run(args) -> int:
         from ..demos.synthetic import run as synthetic
 
         return synthetic(args.out)
-    from . import UserError
+    from .command import UserError
 
     if args.top < 1:
         raise UserError(f"--top must be at least 1, got {args.top}")

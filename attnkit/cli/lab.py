@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..lab import EXPERIMENTS, check_names
-    from . import UserError, prepare_out
+    from .command import UserError, prepare_out
 
     if args.list:
         width = max(map(len, EXPERIMENTS))

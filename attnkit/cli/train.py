@@ -6,7 +6,7 @@ import importlib
 from pathlib import Path
 
 from ..apps import TASKS
-from . import positive_int
+from .command import positive_int
 
 
 def add_parser(sub) -> None:
@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from . import UserError, prepare_out
+    from .command import UserError, prepare_out
 
     out = args.out if args.out is not None else Path(f"attnkit-{args.task}")
     try:

