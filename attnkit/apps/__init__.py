@@ -20,20 +20,6 @@ evaluate -> pictures), is built from :mod:`attnkit.modules`, and exposes ``DEFAU
 imported on first use (:func:`task`), so importing this package imports no torch.
 """
 
-from __future__ import annotations
+from .tasks import TASKS, task
 
-import importlib
-from types import ModuleType
-
-TASKS = ("vit", "caption", "translate", "classify", "recommend", "lm", "recall")
-
-
-def task(name: str) -> ModuleType:
-    """The module of task ``name`` (imported now).
-
-    Raises:
-        ValueError: ``name`` is not one of :data:`TASKS`.
-    """
-    if name not in TASKS:
-        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {name!r}")
-    return importlib.import_module(f"{__name__}.{name}")
+__all__ = ["TASKS", "task"]
