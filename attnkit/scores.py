@@ -105,10 +105,6 @@ class DiagonalBias:
     def __repr__(self) -> str:
         return f"DiagonalBias({len(self.terms)} term(s))"
 
-    def attnkit_diagonal(self, heads: int, q_len: int, kv_len: int, dtype=None) -> Tensor | None:
-        """The old name of :meth:`diagonal`, kept until every reader uses the typed form."""
-        return self.diagonal(heads, q_len, kv_len, dtype=dtype)
-
     def parts(self) -> tuple[DiagonalBias | None, float | None]:
         """``(self, None)``: a bias and no cap (see :func:`parts`)."""
         return self, None

@@ -85,12 +85,12 @@ def _register_builtin() -> None:
     from .band import BandBackend
     from .reference import ReferenceBackend
     from .sdpa import SDPABackend
-    from .tiles import TilesBackend
+    from .tiles import FusedTilesBackend, TilesBackend
 
     register(SDPABackend(), auto_rank=0)
     register(BandBackend(), auto_rank=1)
-    register(TilesBackend(fused=True), auto_rank=2)
-    register(TilesBackend(fused=False), auto_rank=3)
+    register(FusedTilesBackend(), auto_rank=2)
+    register(TilesBackend(), auto_rank=3)
     register(ReferenceBackend(), auto_rank=99)
 
 

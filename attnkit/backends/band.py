@@ -21,23 +21,24 @@ from .. import nonfinite, scores
 from ..call import Call
 from ..dtypes import compute_dtype
 from ..intervals import row_bounds
-from . import _band
+from . import _band, refusals
+from .refusals import Refusal
 
 
 class BandBackend:
     name = "band"
 
+    REFUSALS = (
+        refusals.weights("band"),
+        refusals.dropout("band"),
+        Refusal(lambda c: c.bias is not None, "a dense bias is not a bias per head and diagonal (use score_mod)"),
+        Refusal(lambda c: c.query.device.type != "cpu" or compute_dtype(c.query.dtype) not in _band.DTYPES,
+                lambda c: f"the banded kernel runs on CPU tensors of a float type, got {c.query.dtype} on "
+                          f"{c.query.device}"),
+    )
+
     def not_supported_reasons(self, req: Call) -> list[str]:
-        reasons = []
-        if req.return_weights:
-            reasons.append("the band backend never forms the weights (use backend='reference')")
-        if req.dropout_p > 0:
-            reasons.append("dropout is not implemented in the band backend")
-        if req.bias is not None:
-            reasons.append("a dense bias is not a bias per head and diagonal (use score_mod)")
-        if req.query.device.type != "cpu" or compute_dtype(req.query.dtype) not in _band.DTYPES:
-            reasons.append(f"the banded kernel runs on CPU tensors of a float type, got {req.query.dtype} on "
-                           f"{req.query.device}")
+        reasons = refusals.reasons(self.REFUSALS, req)
         if reasons:
             return reasons
         why = _kernel_inputs(req)[1]

@@ -24,22 +24,22 @@ from .. import _cpu, masks
 from ..call import Call
 from ..memory import check_dense_fits
 from .reference import expand_kv
+from .refusals import Refusal, reasons
 
 
 class SDPABackend:
     name = "sdpa"
 
+    REFUSALS = (
+        Refusal(lambda c: c.return_weights, "fused SDPA kernels do not return attention weights"),
+        Refusal(lambda c: c.window is not None or c.mask_mod is not None,
+                "window/mask_mod would have to be materialised as a dense mask"),
+        Refusal(lambda c: c.score_mod is not None, "score_mod is not expressible in SDPA"),
+        Refusal(lambda c: c.kv_len == 0, "empty key sequence (Lk = 0)"),
+    )
+
     def not_supported_reasons(self, req: Call) -> list[str]:
-        reasons = []
-        if req.return_weights:
-            reasons.append("fused SDPA kernels do not return attention weights")
-        if req.window is not None or req.mask_mod is not None:
-            reasons.append("window/mask_mod would have to be materialised as a dense mask")
-        if req.score_mod is not None:
-            reasons.append("score_mod is not expressible in SDPA")
-        if req.kv_len == 0:
-            reasons.append("empty key sequence (Lk = 0)")
-        return reasons
+        return reasons(self.REFUSALS, req)
 
     def __call__(self, req: Call) -> tuple[Tensor, None]:
         q, k, v = req.query, req.key, req.value

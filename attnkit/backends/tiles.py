@@ -10,7 +10,7 @@ tile larger than the cache) and chunks of one tile are merged through their log-
 from the saved log-sum-exp (FlashAttention-2; a tile covered by a single chunk uses the fused
 softmax backward) and pushes the score gradient through ``score_mod`` with autograd, which also
 gives the gradients of the tensors a score_mod captures (an ALiBi slope or a relative-position
-table as ``nn.Parameter``, found by :mod:`._captured`). That is the ``"tiles"`` backend.
+table as ``nn.Parameter``, found by :mod:`attnkit.closures`). That is the ``"tiles"`` backend.
 
 Without a ``score_mod`` nothing needs the scores as a tensor, and on CPU each batch of chunks can be
 one call of PyTorch's fused flash-attention kernel instead (:mod:`._fused`): same plan, same merge,
@@ -52,7 +52,8 @@ from ..call import Call
 from ..closures import captured_tensors, check_covered
 from ..dtypes import compute_dtype
 from ..ops.tiles import merge_partials
-from . import _fused, tile_schedule
+from . import _fused, refusals, tile_schedule
+from .refusals import Refusal, reasons
 
 #: Default tile sizes of the plain path, chosen by single-thread CPU time on this 2-core machine
 #: (window and causal, n = 8192): 64-256 rows differ by < 10%; a score budget of 2^18-2^20 keeps
@@ -79,59 +80,50 @@ FUSED_KV_CHUNK = 1 << 40  # whole rows
 #: ``_fused_segments``).
 FUSED_MASK_CACHE = 1 << 16
 
-#: Test hook: the largest number of scores one step has held (reset it to 0 to measure a call).
-largest_score_tile = 0
-
 _NEG_INF = float("-inf")
 
 
-class TilesBackend:
-    """Exact attention by tiles; see the module docstring. Registered twice, as ``"fused_tiles"``
-    (PyTorch's fused CPU kernel inside each chunk) and ``"tiles"`` (the plain path: matmul,
-    ``score_mod``, softmax).
+_SHARED_REFUSALS = (
+    Refusal(lambda c: torch.compiler.is_compiling(),
+            "the tile backends plan their tiles on the host, from the mask's values, which torch.compile cannot "
+            "trace (build an attnkit.mask_plan outside the compiled code for the banded kernel)"),
+    Refusal(lambda c: c.bias is not None and c.bias.requires_grad and torch.is_grad_enabled(),
+            "a bias that requires grad would need a dense gradient (use score_mod)"),
+)
+
+
+class _TileKernel:
+    """What the two tile backends share: tile sizes, refusals, the call. See the module docstring.
 
     Args:
-        fused: compute chunks with PyTorch's fused CPU kernel (:mod:`._fused`); such a backend
-            serves only calls without a ``score_mod``.
-        q_tile: query rows per tile.
-        kv_block: key columns per block (the unit of the empty/full/partial plan).
+        q_tile: query rows per tile (None: the default of the path).
+        kv_block: key columns per block (the unit of the empty/full/partial schedule).
         kv_chunk: most keys one tile attends in one matmul.
         score_budget: most scores held by one batched matmul.
+
+    Raises:
+        ValueError: a size that is not a positive int or None.
     """
 
-    def __init__(self, *, fused: bool, q_tile: int | None = None, kv_block: int | None = None,
-                 kv_chunk: int | None = None, score_budget: int | None = None):
-        if not isinstance(fused, bool):  # 1 == True: compare types, not values
-            raise TypeError(f"fused must be True or False, got {fused!r}")
+    name: str
+    fused: bool
+    REFUSALS: tuple[Refusal, ...]
+
+    def __init__(self, *, q_tile: int | None = None, kv_block: int | None = None, kv_chunk: int | None = None,
+                 score_budget: int | None = None):
         for arg, val in (("q_tile", q_tile), ("kv_block", kv_block), ("kv_chunk", kv_chunk),
                          ("score_budget", score_budget)):
             if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val <= 0):
                 raise ValueError(f"{arg} must be a positive int or None, got {val!r}")
-        self.fused = fused
-        self.name = "fused_tiles" if fused else "tiles"
         self.q_tile, self.kv_block, self.kv_chunk, self.score_budget = q_tile, kv_block, kv_chunk, score_budget
 
     def not_supported_reasons(self, req: Call) -> list[str]:
-        reasons = []
-        if torch.compiler.is_compiling():
-            reasons.append(f"the {self.name} backend plans its tiles on the host, from the mask's values, which "
-                           "torch.compile cannot trace (build an attnkit.mask_plan outside the compiled code for the "
-                           "banded kernel)")
-        if req.return_weights:
-            reasons.append(f"the {self.name} backend never forms the weights (use backend='reference')")
-        if req.dropout_p > 0:
-            reasons.append(f"dropout is not implemented in the {self.name} backend")
-        if req.bias is not None and req.bias.requires_grad and torch.is_grad_enabled():
-            reasons.append("a bias that requires grad would need a dense gradient (use score_mod)")
-        if self.fused and not _fused_serves(req):
-            reasons.append("PyTorch's fused CPU kernel needs no score_mod, a CPU tensor of float32/float64 (or a "
-                           "half type), values as wide as queries and a torch whose kernel passes its self-check")
-        return reasons
+        return reasons(self.REFUSALS, req)
 
     def __call__(self, req: Call) -> tuple[Tensor, None]:
-        reasons = self.not_supported_reasons(req)
-        if reasons:  # select() asks first; this is a direct call
-            raise ValueError(f"backend {self.name!r} cannot serve this call: " + "; ".join(reasons))
+        why = self.not_supported_reasons(req)
+        if why:  # select() asks first; this is a direct call
+            raise ValueError(f"backend {self.name!r} cannot serve this call: " + "; ".join(why))
         captured: list[Tensor] = []
         if req.score_mod is not None and torch.is_grad_enabled():
             captured = captured_tensors(req.score_mod)
@@ -139,6 +131,26 @@ class TilesBackend:
         st = _setup(req, self)
         out = _TilesFn.apply(st, req.query, req.key, req.value, *captured)
         return out, None
+
+
+class TilesBackend(_TileKernel):
+    """``"tiles"``: the plain path, for any ``score_mod``: matmul, ``score_mod``, softmax, per chunk."""
+
+    name, fused = "tiles", False
+    REFUSALS = (refusals.weights("tiles"), refusals.dropout("tiles"), *_SHARED_REFUSALS)
+
+
+class FusedTilesBackend(_TileKernel):
+    """``"fused_tiles"``: the same schedule, each chunk one call of PyTorch's fused CPU flash kernel
+    (:mod:`._fused`); serves calls without a ``score_mod``."""
+
+    name, fused = "fused_tiles", True
+    REFUSALS = (
+        refusals.weights("fused_tiles"), refusals.dropout("fused_tiles"), *_SHARED_REFUSALS,
+        Refusal(lambda c: not _fused_serves(c),
+                "PyTorch's fused CPU kernel needs no score_mod, a CPU tensor of float32/float64 (or a half type), "
+                "values as wide as queries and a torch whose kernel passes its self-check"),
+    )
 
 
 def _fused_serves(req: Call) -> bool:
@@ -177,7 +189,7 @@ class _Setup:
         return self.plan_bwd() if self.plan_bwd is not None else self.batches
 
 
-def _setup(req: Call, cfg: TilesBackend) -> _Setup:
+def _setup(req: Call, cfg: _TileKernel) -> _Setup:
     fused = cfg.fused and _fused_serves(req)
     lq, lk = req.q_len, req.kv_len
     tq, bk, chunk = Q_TILE, KV_BLOCK, KV_CHUNK
@@ -482,10 +494,8 @@ def _scores(st: _Setup, bt: tile_schedule.Batch, c: _Chunk, *, track_mod: bool =
     With ``track_mod`` also returns ``(x, y)``: the score_mod's input (a leaf requiring grad) and
     its output, for the backward pass.
     """
-    global largest_score_tile
     req = st.req
     s = torch.matmul(c.q, c.k.transpose(-2, -1))  # [B, Hkv, J, G*Tq, W]
-    largest_score_tile = max(largest_score_tile, s.numel())
     s = s.view(st.batch, st.kv_heads, s.shape[2], st.groups, st.q_tile, bt.width)
     if req.bias is not None or req.score_mod is not None:
         q = c.q_raw.clamp(max=req.q_len - 1)

@@ -136,14 +136,25 @@ def attnkit_mask(batch_size: int, q_length: int | None = None, kv_length: int | 
             return None
     whole = mask_function if padding is None else and_masks(mask_function, padding_mask_function(padding))
 
-    def at_positions(b, h, q_idx, kv_idx):
-        q_pos = q_idx + q_offset if contiguous else cache_position[q_idx]
-        return whole(b, h, q_pos, kv_idx + kv_offset)
-
     # transformers evaluates its mask functions on broadcasting indices unless told to vmap them
-    at_positions.broadcasts = not use_vmap
-
+    at_positions = _AtPositions(whole, q_offset, kv_offset, None if contiguous else cache_position,
+                                broadcasts=not use_vmap)
     return attnkit.mask_plan(at_positions, q_len=q_length, kv_len=kv_length, batch=batch_size, device=device)
+
+
+class _AtPositions:
+    """A transformers mask function read at attnkit's indices: query ``i`` at the model's position
+    ``q_offset + i`` (or ``cache_position[i]`` when the positions are not contiguous), key ``j`` at
+    ``kv_offset + j``. ``broadcasts``: whether the function is written for broadcasting indices
+    (:func:`attnkit.per_element.broadcasts`); transformers vmaps the others."""
+
+    def __init__(self, whole, q_offset: int, kv_offset: int, cache_position: torch.Tensor | None, *, broadcasts: bool):
+        self.whole, self.q_offset, self.kv_offset, self.cache_position = whole, q_offset, kv_offset, cache_position
+        self.broadcasts = broadcasts
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        q_pos = q_idx + self.q_offset if self.cache_position is None else self.cache_position[q_idx]
+        return self.whole(b, h, q_pos, kv_idx + self.kv_offset)
 
 
 def register() -> None:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import attnkit
 from attnkit import masks, scores
 from attnkit.backends import _fused, tiles
-from attnkit.backends.tiles import TilesBackend
+from attnkit.backends.tiles import FusedTilesBackend, TilesBackend
 from attnkit.call import validate_call
 from tests.support import oracle
 from tests.support.tolerances import close
@@ -61,7 +61,7 @@ def test_the_kernel_passes_its_self_check_and_serves_mask_only_calls():
     with_mod = validate_call(q, k, v, window=(2, 2), score_mod=scores.softcap(2.0))
     assert fused.not_supported_reasons(with_mod)  # a score_mod needs the scores
     assert attnkit.which_backend(q, k, v, window=(2, 2), score_mod=lambda s, b, h, i, j: s * 2) == "tiles"
-    assert not tiles._setup(validate_call(q, k, v, window=(2, 2)), TilesBackend(fused=False)).fused
+    assert not tiles._setup(validate_call(q, k, v, window=(2, 2)), TilesBackend()).fused
     q2, k2, v2 = qkv(1, 2, 2, 9, 9, dv=5)
     assert fused.not_supported_reasons(validate_call(q2, k2, v2, window=(2, 2)))  # values narrower than queries
 
@@ -69,13 +69,11 @@ def test_the_kernel_passes_its_self_check_and_serves_mask_only_calls():
 def test_forcing_the_fused_path_where_it_cannot_run_is_refused_with_the_reason():
     q, k, v = qkv(1, 2, 2, 5, 5)
     req = validate_call(q, k, v, window=(1, 1), score_mod=scores.softcap(2.0))
-    reasons = TilesBackend(fused=True).not_supported_reasons(req)
+    reasons = FusedTilesBackend().not_supported_reasons(req)
     assert any("fused CPU kernel needs no score_mod" in r for r in reasons)
-    assert TilesBackend(fused=False).not_supported_reasons(req) == []
+    assert TilesBackend().not_supported_reasons(req) == []
     with pytest.raises(ValueError, match="backend 'fused_tiles' cannot serve this call: PyTorch's fused"):
-        TilesBackend(fused=True)(req)
-    with pytest.raises(TypeError, match="fused must be True or False, got 'yes'"):
-        TilesBackend(fused="yes")
+        FusedTilesBackend()(req)
 
 
 @pytest.mark.parametrize("case", [
@@ -103,13 +101,13 @@ def test_float32_matches_pytorch_sdpa_with_the_dense_mask():
     q, k, v = qkv(2, 4, 4, 333, 333, d=32, dtype=torch.float32)
     mask = masks.sliding_window(333, left=50, right=7)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    close(TilesBackend(fused=True)(validate_call(q, k, v, window=(50, 7)))[0], want)
+    close(FusedTilesBackend()(validate_call(q, k, v, window=(50, 7)))[0], want)
 
 
 @pytest.mark.parametrize("cache", [0, 1 << 40], ids=["split_every_chunk", "never_split"])
 def test_chunks_split_into_spans_or_not_give_the_same_answer(monkeypatch, cache):
     monkeypatch.setattr(tiles, "FUSED_MASK_CACHE", cache)
-    backend = TilesBackend(fused=True, q_tile=8, kv_block=4)
+    backend = FusedTilesBackend(q_tile=8, kv_block=4)
     q, k, v = qkv(1, 2, 2, 37, 41)
     req = validate_call(q, k, v, is_causal=True, window=(9, None))
     st = tiles._setup(req, backend)
@@ -128,7 +126,7 @@ def test_dense_bias_and_mask_go_through_the_kernel_too():
     q, k, v = qkv(2, 2, 2, 29, 23)
     bias = torch.randn(2, 1, 29, 23, generator=g, dtype=torch.float64)
     mask = torch.rand(29, 23, generator=g) > 0.3
-    backend = TilesBackend(fused=True, q_tile=8, kv_block=4)
+    backend = FusedTilesBackend(q_tile=8, kv_block=4)
     assert tiles._setup(validate_call(q, k, v, bias=bias, mask=mask), backend).fused
     check_against_oracle(backend, q, k, v, bias=bias, mask=mask, window=(6, 6))
 
@@ -150,7 +148,7 @@ def test_without_the_kernel_the_plain_path_runs(monkeypatch, fresh_self_check):
     every_other = lambda b, h, i, j: j % 2 == 0  # noqa: E731 - 300 runs a row, no intervals: not for the band
     assert attnkit.which_backend(q, k, v, mask_mod=every_other) == "tiles"
     q, k, v = qkv(1, 2, 2, 19, 19)
-    check_against_oracle(TilesBackend(fused=False, q_tile=4, kv_block=4), q, k, v, window=(3, 3))
+    check_against_oracle(TilesBackend(q_tile=4, kv_block=4), q, k, v, window=(3, 3))
 
 
 def test_self_check_tolerates_nan_dead_rows_but_refuses_a_wrong_lse(monkeypatch, fresh_self_check):
@@ -178,7 +176,7 @@ def test_self_check_tolerates_nan_dead_rows_but_refuses_a_wrong_lse(monkeypatch,
 @pytest.mark.parametrize("lengths", [(96, 96), (90, 100), (96, 40)], ids=["square", "offset", "lq>lk"])
 def test_square_diagonal_blocks_use_the_kernels_causal_mode(monkeypatch, lengths):
     monkeypatch.setattr(tiles, "FUSED_MASK_CACHE", 0)  # split chunks into spans
-    backend = TilesBackend(fused=True, q_tile=16, kv_block=16)
+    backend = FusedTilesBackend(q_tile=16, kv_block=16)
     lq, lk = lengths
     q, k, v = qkv(2, 2, 2, lq, lk)
     st = tiles._setup(validate_call(q, k, v, is_causal=True), backend)

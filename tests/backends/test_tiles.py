@@ -13,17 +13,18 @@ import torch
 import torch.nn.functional as F
 from hypothesis import example, given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
 from attnkit import masks, scores
 from attnkit.backends import tile_schedule, tiles
-from attnkit.backends.tiles import TilesBackend
+from attnkit.backends.tiles import FusedTilesBackend, TilesBackend
 from attnkit.call import validate_call
 from tests.support import oracle
 from tests.support.tolerances import close
 
-SMALL = TilesBackend(fused=True, q_tile=4, kv_block=3, kv_chunk=7, score_budget=200)  # see run()
-SMALL_PLAIN = TilesBackend(fused=False, q_tile=4, kv_block=3, kv_chunk=7, score_budget=200)
+SMALL = FusedTilesBackend(q_tile=4, kv_block=3, kv_chunk=7, score_budget=200)  # see run()
+SMALL_PLAIN = TilesBackend(q_tile=4, kv_block=3, kv_chunk=7, score_budget=200)
 BOTH = pytest.mark.parametrize("small", [SMALL, SMALL_PLAIN], ids=["fused", "plain"])
 REFERENCE = attnkit.backends.get("reference")
 
@@ -241,8 +242,8 @@ def test_gradcheck_float64():
 def test_property_any_tiling_matches_oracle(lq, lk, groups, left, right, causal, q_tile, kv_block, kv_chunk,
                                             budget, with_mod, fused):
     h, hkv = groups
-    backend = TilesBackend(q_tile=q_tile, kv_block=kv_block, kv_chunk=kv_chunk, score_budget=budget,
-                           fused=fused and not with_mod)
+    kind = FusedTilesBackend if fused and not with_mod else TilesBackend
+    backend = kind(q_tile=q_tile, kv_block=kv_block, kv_chunk=kv_chunk, score_budget=budget)
     q, k, v = qkv(1, h, hkv, lq, lk)
     kw = {"window": (left, right), "is_causal": causal}
     if with_mod:
@@ -276,20 +277,38 @@ def test_matches_pytorch_sdpa_float32():
     q, k, v = qkv(2, 4, 4, 70, 70, d=16, dtype=torch.float32)
     mask = masks.sliding_window(70, left=9, right=4)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    close(run(TilesBackend(fused=True, q_tile=16, kv_block=8), q, k, v, window=(9, 4)), want)
+    close(run(FusedTilesBackend(q_tile=16, kv_block=8), q, k, v, window=(9, 4)), want)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    close(run(TilesBackend(fused=True, q_tile=16, kv_block=8), q, k, v, is_causal=True), want)
+    close(run(FusedTilesBackend(q_tile=16, kv_block=8), q, k, v, is_causal=True), want)
+
+
+class LargestProduct(TorchDispatchMode):
+    """The most elements any matrix product returned while active (the score tiles a kernel held)."""
+
+    PRODUCTS = {torch.ops.aten.bmm.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default,
+                torch.ops.aten.baddbmm.default, torch.ops.aten.addmm.default}
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.PRODUCTS:
+            self.largest = max(self.largest, out.numel())
+        return out
+
 
 
 def test_never_holds_the_score_matrix():
     n, h = 1024, 2
     q, k, v = qkv(1, h, h, n, n, d=16, dtype=torch.float32, grad=True)
-    backend = TilesBackend(fused=False, q_tile=64, kv_block=64, kv_chunk=256, score_budget=1 << 15)
-    tiles.largest_score_tile = 0
-    out = run(backend, q, k, v, window=(100, 100), score_mod=scores.softcap(5.0))
-    out.sum().backward()
-    assert 0 < tiles.largest_score_tile <= (1 << 15)
-    assert tiles.largest_score_tile * 32 <= h * n * n
+    backend = TilesBackend(q_tile=64, kv_block=64, kv_chunk=256, score_budget=1 << 15)
+    with LargestProduct() as seen:  # every matmul's output, forward and backward, seen from outside the backend
+        out = run(backend, q, k, v, window=(100, 100), score_mod=scores.softcap(5.0))
+        out.sum().backward()
+    assert 0 < seen.largest <= (1 << 15)
+    assert seen.largest * 32 <= h * n * n
     mask = masks.sliding_window(n, left=100, right=100)
     close(out, attnkit.attention(q, k, v, mask=mask, score_mod=scores.softcap(5.0), backend="reference"))
 
@@ -317,7 +336,7 @@ def test_mask_mod_is_only_evaluated_on_partial_blocks_after_planning():
         return kv_idx >= 0
 
     q, k, v = qkv(1, 2, 2, 16, 16)
-    backend = TilesBackend(fused=True, q_tile=4, kv_block=4, kv_chunk=16)
+    backend = FusedTilesBackend(q_tile=4, kv_block=4, kv_chunk=16)
     req = validate_call(q, k, v, mask_mod=mod)
     st = tiles._setup(req, backend)
     assert calls and all(b.partial == () for b in st.batches)  # planning evaluated, all blocks full
@@ -346,9 +365,7 @@ def test_auto_selection_and_refusals():
     with pytest.raises(ValueError, match="backend 'band' cannot serve this call: the score_mod is not an additive"):
         attnkit.attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 2, backend="band")
     with pytest.raises(ValueError, match="q_tile must be a positive int or None, got 0"):
-        TilesBackend(fused=False, q_tile=0)
-    with pytest.raises(TypeError, match="fused must be True or False, got None"):
-        TilesBackend(fused=None)
+        TilesBackend(q_tile=0)
 
 
 def test_invariants_masked_keys_and_future_tokens_do_not_matter():

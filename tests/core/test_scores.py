@@ -118,7 +118,7 @@ def test_diagonal_biases_agree_with_their_score_mods(lq, lk, offset, dist):
         assert isinstance(mod, scores.DiagonalBias)
         diag = mod.diagonal(heads, lq, lk)
         close(diag[:, j[0] - i[0] + lq - 1], want)
-        assert torch.equal(mod.attnkit_diagonal(heads, lq, lk), diag)  # the old name, same table
+
 
 
 @pytest.mark.parametrize("own, score", [(torch.float32, torch.float64), (torch.float64, torch.float32)])
@@ -132,7 +132,7 @@ def test_captured_tensors_are_used_in_the_score_dtype(own, score):
     want = -slopes.to(score).view(1, 4, 1, 1) * (torch.arange(5).view(-1, 1) - torch.arange(6)).abs()
     d = (torch.arange(6) - torch.arange(5).view(-1, 1)).clamp(-3, 3) + 3
     close(out, want + table.to(score)[:, d])  # each part in the score's dtype, then added there
-    diag = mod.attnkit_diagonal(4, 5, 6, dtype=score)
+    diag = mod.diagonal(4, 5, 6, dtype=score)
     assert diag.dtype == score
     cols = torch.arange(6) - torch.arange(5).view(-1, 1) + 4  # column kv - q + Lq - 1
     close(diag[:, cols], out[0])

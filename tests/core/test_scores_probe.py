@@ -110,7 +110,7 @@ def test_the_library_helpers_keep_their_exact_tables():
     slopes = scores.alibi_slopes(H)
     helper = scores.alibi(slopes)
     table = scores.diagonal_bias(helper, batch=1, heads=H, q_len=5, kv_len=5, dtype=torch.float32)
-    assert torch.equal(table, helper.attnkit_diagonal(H, 5, 5, dtype=torch.float32))
+    assert torch.equal(table, helper.diagonal(H, 5, 5, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
