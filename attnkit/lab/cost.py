@@ -10,8 +10,8 @@ import torch
 
 from ..analysis.complexity import attention_cost
 from ..functional import attention
-from . import Finding
 from ._common import figure, fit_exponent, save
+from .runner import Finding
 
 CLAIM = ("Self-attention costs O(n^2 d) time and O(n^2) memory for the scores; splitting the width d into h "
          "heads keeps the FLOPs and parameters and multiplies the score memory by h. Tutorials also write "

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from ..analysis import entropy
-from . import Finding
 from ._common import figure, minilm, save
+from .runner import Finding
 
 CLAIM = ("The heads of a trained Transformer specialise: some look at the previous or next word, some at the "
          "word itself, some at the sentence delimiters, some spread broadly; and the heads that link 'bank' to "

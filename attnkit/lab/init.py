@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from ..modules import MultiHeadAttention
-from . import Finding
 from ._common import TinyModel, figure, reverse_batch, save
+from .runner import Finding
 
 CLAIM = ("Attention weights need a random initialisation such as Xavier's: with zero (or any identical) "
          "initial weights every head computes the same thing, receives the same gradient and so never "

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from ..modules import MultiHeadAttention
-from . import Finding
 from ._common import WIDTH, figure, save, train
+from .runner import Finding
 
 CLAIM = ("The output projection W_O, which mixes the concatenated heads back into the model width, is "
          "indispensable to multi-head attention.")

@@ -8,8 +8,8 @@ import torch
 
 from ..modules import MultiHeadAttention
 from ..positional import SinusoidalPositionalEncoding, sinusoidal_table
-from . import Finding
 from ._common import figure, save
+from .runner import Finding
 
 CLAIM = ("Self-attention without positional information is permutation-equivariant: shuffling the words "
          "shuffles the outputs the same way and changes nothing else. Sinusoidal encodings fix that, and "

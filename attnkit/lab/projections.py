@@ -9,8 +9,8 @@ import torch
 
 from ..functional import attention
 from ..modules import MultiHeadAttention
-from . import Finding
 from ._common import figure, minilm, save
+from .runner import Finding
 
 CLAIM = ("Without the learned projections (queries, keys and values all equal to the input X), each word's "
          "score with itself, |x|^2, beats its score with any other word, so each word mostly attends to itself; "

@@ -11,8 +11,8 @@ from torch import Tensor, nn
 
 from ..analysis.complexity import attention_cost
 from ..modules import MultiHeadAttention
-from . import Finding
 from ._common import WIDTH, figure, reverse_batch, save, shift_batch, train
+from .runner import Finding
 
 CLAIM = ("Per layer, self-attention costs O(n^2 d) against O(n d^2) for a recurrent layer and O(k n d^2) for a "
          "convolution of width k; it needs O(1) sequential steps (a recurrent layer n) and links any two "

@@ -1,16 +1,6 @@
-"""``attnkit lab``: claims that tutorials make about attention, each tested by a small experiment.
-
-Every experiment is a module here with ``run(quick: bool, out: Path) -> Finding``: it measures,
-draws its pictures into ``out`` and gives a verdict (``supported``, ``refuted`` or ``depends``)
-with one sentence of why. :data:`EXPERIMENTS` lists them in order; importing this package does not
-import torch (the command line checks its arguments first), each experiment does.
-
-Usage::
-
-    from attnkit import lab
-    finding = lab.run_one("scaling", quick=True, out=Path("lab-out"))
-    print(finding.verdict, finding.figures["frac_saturated_unscaled_4096"])
-    print(finding.labels["frac_saturated_unscaled_4096"])  # what the report calls that figure
+"""What ``attnkit.lab`` offers, behind its ``__init__``: the experiments' registry
+(:data:`EXPERIMENTS`), what one finds (:class:`Finding`), running one (:func:`run_one`, which
+imports the experiment's module only then) and the report of several (:func:`write_report`).
 """
 
 from __future__ import annotations
@@ -21,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 VERDICTS = ("supported", "refuted", "depends")
+"""The verdicts a :class:`Finding` may give."""
 
-#: name -> (module, one-line title), in the order the report shows them.
 EXPERIMENTS: dict[str, tuple[str, str]] = {
     "scaling": ("scaling", "Dividing scores by sqrt(d_k) keeps the softmax out of saturation"),
     "projections": ("projections", "Without Q/K/V projections each word attends mostly to itself"),
@@ -35,6 +25,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "heads": ("heads", "Heads of a trained model specialise"),
     "init": ("init", "Zero initialisation leaves heads identical; Xavier breaks the symmetry"),
 }
+"""Experiment name -> (its module here, the claim in one line), in the order the report shows them."""
 
 
 @dataclass
@@ -97,7 +88,7 @@ def run_one(name: str, *, quick: bool, out: Path) -> Finding:
 
     check_names([name])
     out = own_folder(out)
-    module = importlib.import_module(f".{EXPERIMENTS[name][0]}", __name__)
+    module = importlib.import_module(f".{EXPERIMENTS[name][0]}", __package__)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ..modules import MultiHeadAttention
-from . import Finding
 from ._common import figure, save, train
+from .runner import Finding
 
 CLAIM = ("Dot products of d_k-dimensional queries and keys have variance d_k; dividing by sqrt(d_k) brings it "
          "back to 1, which keeps the softmax from saturating (one near-one weight per row, vanishing "

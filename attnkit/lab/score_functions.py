@@ -12,8 +12,8 @@ from torch import Tensor, nn
 
 from .. import approx
 from ..functional import attention
-from . import Finding
 from ._common import WIDTH, figure, save, train
+from .runner import Finding
 
 CLAIM = ("Dot-product scores q.k/sqrt(d) are cheaper than additive scores v.tanh(W_q q + W_k k) (they are one "
          "matrix product) and, scaled, as accurate; multiplicative scores q^T W k sit in between.")

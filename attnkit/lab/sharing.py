@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from ..modules import MultiHeadAttention
-from . import Finding
 from ._common import WIDTH, figure, save, train
+from .runner import Finding
 
 CLAIM = ("If queries and keys share one projection, the score matrix is symmetric (word i scores word j "
          "as j scores i) and each word's score with itself is a squared norm, so words lean towards "
