@@ -6,92 +6,11 @@ when it can serve the request exactly) and ``__call__(request) -> (out, weights 
 backend that cannot raises ``ValueError`` with its reasons, and when none fits, every backend's.
 A family name (:data:`FAMILIES`: ``"blockwise"``) takes the first of its members that can serve;
 ``attnkit.which_backend`` always names the member that runs.
+
+The registry is :mod:`.registry`; each kernel is a module here (``sdpa``, ``band``, ``reference``, and
+``tiles`` for both ``tiles`` and ``fused_tiles``), and what each refuses is declared in :mod:`.refusals`.
 """
 
-from __future__ import annotations
+from .registry import AUTO_ORDER, FAMILIES, Backend, available, get, register, select
 
-from typing import Protocol
-
-from torch import Tensor
-
-from ..call import Call
-
-
-class Backend(Protocol):
-    """What a backend is: a ``name``, ``not_supported_reasons(request)`` (empty when it can serve the
-    validated :class:`attnkit.call.Call` exactly) and ``__call__(request) -> (out, weights or None)``."""
-
-    name: str
-
-    def not_supported_reasons(self, req: Call) -> list[str]: ...
-
-    def __call__(self, req: Call) -> tuple[Tensor, Tensor | None]: ...
-
-
-_REGISTRY: dict[str, Backend] = {}
-#: Preference order for ``backend="auto"``: fused kernels first, the exact reference last.
-AUTO_ORDER: list[str] = []
-#: Names that stand for the first member able to serve a call: ``"blockwise"`` is the exact
-#: O(tile)-memory kernels, fastest first.
-FAMILIES: dict[str, tuple[str, ...]] = {"blockwise": ("band", "fused_tiles", "tiles")}
-
-
-def register(backend: Backend, *, auto_rank: int | None = None) -> Backend:
-    """Add ``backend`` to the registry; ``auto_rank`` places it in :data:`AUTO_ORDER`."""
-    _REGISTRY[backend.name] = backend
-    if auto_rank is not None and backend.name not in AUTO_ORDER:
-        AUTO_ORDER.insert(min(auto_rank, len(AUTO_ORDER)), backend.name)
-    return backend
-
-
-def available() -> list[str]:
-    """Names of the registered backends."""
-    return list(_REGISTRY)
-
-
-def get(name: str) -> Backend:
-    """The registered backend called ``name``.
-
-    Raises:
-        ValueError: no backend has that name (the message lists those that do).
-    """
-    if name not in _REGISTRY:
-        raise ValueError(f"backend must be 'auto' or one of {available() + list(FAMILIES)}, got {name!r}")
-    return _REGISTRY[name]
-
-
-def select(req: Call, name: str = "auto") -> Backend:
-    """The backend that will serve ``req``: the named one, or the first fit in AUTO_ORDER."""
-    if not isinstance(name, str):
-        raise TypeError(f"backend must be a str, got {type(name).__name__}")
-    if name != "auto" and name not in FAMILIES:
-        backend = get(name)
-        reasons = backend.not_supported_reasons(req)
-        if reasons:
-            raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(reasons))
-        return backend
-    why = {}
-    for candidate in AUTO_ORDER if name == "auto" else FAMILIES[name]:
-        reasons = _REGISTRY[candidate].not_supported_reasons(req)
-        if not reasons:
-            return _REGISTRY[candidate]
-        why[candidate] = reasons
-    detail = " | ".join(f"{n}: {'; '.join(r)}" for n, r in why.items())
-    what = "no attention backend" if name == "auto" else f"no backend of the {name!r} family"
-    raise ValueError(f"{what} can serve this call ({detail})")
-
-
-def _register_builtin() -> None:
-    from .band import BandBackend
-    from .reference import ReferenceBackend
-    from .sdpa import SDPABackend
-    from .tiles import FusedTilesBackend, TilesBackend
-
-    register(SDPABackend(), auto_rank=0)
-    register(BandBackend(), auto_rank=1)
-    register(FusedTilesBackend(), auto_rank=2)
-    register(TilesBackend(), auto_rank=3)
-    register(ReferenceBackend(), auto_rank=99)
-
-
-_register_builtin()
+__all__ = ["AUTO_ORDER", "FAMILIES", "Backend", "available", "get", "register", "select"]
