@@ -453,7 +453,7 @@ def _agrees(score_mod, expect, batch, heads, q_len, kv_len, dtype, device, sprea
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
     # magnitudes over six decades around spread: a clamp or cap far above typical scores shows too.
     # Drawn once and laid along each tile (a prime count, so its period does not line up with rows):
-    # drawing afresh for the last row and column alone took 20 ms at n = 8192.
+    # drawing afresh for every tile would cost more than the probe's tiles themselves at long lengths.
     size = spread * 10.0 ** (6 * torch.rand(_POOL, generator=gen, dtype=torch.float64) - 2)
     pool = torch.randn(_POOL, generator=gen, dtype=torch.float64) * size
     last_row = (q_len - 1, 0, 1, kv_len)  # the last row and column see every diagonal once more

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from ..functional import attention as exact
 
-#: elements of one block of the ``[..., rows, Lk, A]`` tanh tensor: 1 MiB in float32, it stays in cache
-#: (4x larger blocks measured up to 1.7x slower for forward + backward at n = 1024, A = 64)
+#: elements of one block of the ``[..., rows, Lk, A]`` tanh tensor: 1 MiB in float32, so it stays in cache
+#: (larger blocks spill and measured slower: ``attnkit bench approx``)
 BLOCK_ELEMENTS = 1 << 18
 
 

@@ -13,7 +13,8 @@ locks; under `torch.use_deterministic_algorithms(True)` dQ comes from a row-owne
 bitwise repeatable at a given thread count). Scores may be soft-capped, ``c * tanh(t / c)`` after
 the scale and bias (Gemma 2's attention logit capping), forward and backward. Rows that see every
 d-th key of their own class of positions mod d (a dilated window) are folded, each class a batch
-element of its own where the mask is a plain band (:func:`_dilation`): 3x faster than walking the gaps.
+element of its own where the mask is a plain band (:func:`_dilation`), which skips the gaps instead of walking
+them (``attnkit bench blockwise`` has the dilated row).
 
 The source is compiled once per source, torch version and CPU capability (about a minute, said on
 stderr; one process builds while others wait) into ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``,

@@ -54,7 +54,7 @@ from .._io import atomic_write
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 #: How long a failed build is not retried (unless ``ATTNKIT_BUILD=1``).
 RETRY_AFTER_S = 3600
-#: How long a process waits for another one's build before giving up (builds take 40-80 s on 2 cores).
+#: How long a process waits for another one's build before giving up (several times what a build takes on 2 cores).
 LOCK_WAIT_S = 600
 
 _T = TypeVar("_T")

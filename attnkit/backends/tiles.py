@@ -66,10 +66,9 @@ SCORE_BUDGET = 1 << 20
 
 #: The fused path (no score_mod) holds no scores, so a chunk is a tile's whole row. Its tiles are
 #: ``(q_tile, kv_block)`` = FUSED_BAND_TILE for a narrow band (window left + right < FUSED_BAND):
-#: small tiles compute little of the band's masked corners (one thread, n = 8192, window 256:
-#: 64 rows 160-173 ms, 128 rows 188-207 ms). FUSED_CAUSAL_TILE for plain causal masks: square
-#: diagonal blocks go to the kernel's own causal mode, and few large calls keep both threads busy
-#: (2 threads, n = 8192: 1024 rows 505-544 ms, 256 rows 653 ms, SDPA causal 453-490 ms).
+#: small tiles compute little of the band's masked corners. FUSED_CAUSAL_TILE for plain causal masks:
+#: square diagonal blocks go to the kernel's own causal mode, and few large calls keep both threads
+#: busy. Chosen by measurement on 2 cores at n = 8192 (``attnkit bench blockwise``).
 #: FUSED_TILE for everything else (mask_mod, dense masks): smaller tiles skip more.
 FUSED_BAND_TILE = (64, 64)
 FUSED_CAUSAL_TILE = (1024, 1024)

@@ -2,7 +2,7 @@
 
 Not a timing race like the other suites: each task trains from scratch (the ViT with three seeds,
 since its target is a mean), and the table says what each reached, the target, whether it was met,
-and how many seconds each run took (the target there is 3 minutes a run). A task that is not in
+and how many seconds each run took, against the task's time budget. A task that is not in
 this version is listed with a note instead of stopping the suite. Checkpoints, pictures and
 reports go to ``out_dir/apps/<task>/seed<N>/``.
 """

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .shard import collective_device, group_info
+from .groups import collective_device, group_info
 
 __all__ = ["Field", "agree", "refuse", "name_code", "name_of"]
 
@@ -54,7 +54,7 @@ def agree(op: str, fields: tuple[Field, ...], values: dict[str, tuple[int, ...]]
         fields: the entries of a row, in the order they are checked.
         values: this rank's entries, ``{field.name: (width ints)}``.
         group: the process group (``None``: the world).
-        like: the caller's tensor, which says where the row lives (see :func:`.shard.collective_device`).
+        like: the caller's tensor, which says where the row lives (see :func:`.groups.collective_device`).
 
     Returns:
         every rank's ``values``, in rank order.

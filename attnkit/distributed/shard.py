@@ -20,40 +20,20 @@ chunks are one longer).
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .agree import Field, agree, name_code, name_of, refuse
+from .groups import group_info
 
 LAYOUTS = ("contiguous", "zigzag")
 """How a sequence is split over ``P`` ranks: ``"contiguous"`` (rank ``r`` holds the ``r``-th slice) or
 ``"zigzag"`` (chunks ``r`` and ``2P - 1 - r`` of ``2P``, which balances the work under a causal mask)."""
 
 __all__ = ["LAYOUTS", "shard", "unshard", "shard_sizes", "shard_positions", "positions_from_sizes", "group_info"]
-
-
-def group_info(group=None) -> tuple[int, int]:
-    """``(rank, world_size)`` of this process in ``group`` (the default group when ``None``).
-
-    Raises:
-        RuntimeError: ``torch.distributed`` is not initialised.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("attnkit.distributed needs an initialised process group: call "
-                           "torch.distributed.init_process_group(...) first (or launch with torchrun)")
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def collective_device(x, group=None) -> torch.device:
-    """Where small bookkeeping tensors for a collective live: NCCL needs them on the GPU.
-
-    ``x`` is the caller's tensor, or whatever a caller whose arguments were refused got instead.
-    """
-    backend = dist.get_backend(group)
-    if backend == "gloo":
-        return torch.device("cpu")
-    if isinstance(x, Tensor) and x.is_cuda:
-        return x.device
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def _check_layout(layout) -> None:
@@ -157,8 +137,6 @@ def _unshard_fields():
     """What an :func:`unshard` call looks like to the other ranks (:mod:`.agree`): every field but the
     shard length must agree, or gloo aborts a rank (a different dtype or size) or the gather mixes up
     rows (sizes that multiply to the same count)."""
-    from .agree import Field, name_of
-
     def show_shape(code: tuple[int, ...]) -> str:
         dims = [("L_local" if c == -1 else str(c)) for c in code if c != -2]
         if len(code) == _SHOWN_DIMS and code[-1] >= 2**32:  # the checksum of dimensions past the shown ones
@@ -176,10 +154,6 @@ def _unshard_fields():
 
 
 def _unshard_call(x: Tensor, dim: int, layout: str) -> dict[str, tuple[int, ...]]:
-    import zlib
-
-    from .agree import name_code
-
     sizes = [-1 if i == dim else n for i, n in enumerate(x.shape)]
     if len(sizes) > _SHOWN_DIMS:
         sizes = sizes[:_SHOWN_DIMS - 1] + [2**32 + zlib.crc32(repr(sizes[_SHOWN_DIMS - 1:]).encode())]
@@ -191,8 +165,6 @@ def _unshard_call(x: Tensor, dim: int, layout: str) -> dict[str, tuple[int, ...]
 class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, layout, group):
-        from .agree import agree
-
         rank, world = group_info(group)
         # One small gather checks that every rank was called alike and tells each the shard lengths,
         # then one gathers the (padded) shards; every rank issues both.
@@ -248,8 +220,6 @@ def unshard(x: Tensor, dim: int, *, layout: str = "contiguous", group=None) -> T
         dim = _check_tensor_dim(x, dim)
         _check_layout(layout)
     except (TypeError, ValueError):
-        from .agree import refuse
-
         refuse(_unshard_fields(), group, x)
         raise
     return _Unshard.apply(x, dim, layout, group)

@@ -7,9 +7,9 @@ terms without evaluating a cell: here it is called once with, for every query ro
 pieces ``[cut_j, cut_j+1)`` of the key axis on which it is ``slope * kv_idx + intercept``
 (integers; booleans are constant on each piece). An operation cuts pieces where its result
 changes (a comparison where the difference crosses zero, a table where its entries change) and
-the final boolean's true pieces are the row's runs. Exact, and O(rows x pieces) work: 0.4 ms
-for a window at n = 8192 (two runs combined on their ends, see :data:`ONE_RUN`), where tiles and
-cells (:mod:`attnkit._ranges`) take 4-6.
+the final boolean's true pieces are the row's runs. Exact, and O(rows x pieces) work (two runs
+combined on their ends, see :data:`ONE_RUN`), where tiles and cells (:mod:`.ranges`) cost
+O(tiles) and O(cells); ``bench/results/mods.md`` (``attnkit bench mods``) has the figures.
 
 Many rows (a long sequence, or a mask per head with the heads folded into the rows) are taken in
 blocks of consecutive rows: the predicate runs on each block's first and last row, and every
@@ -19,8 +19,7 @@ A comparison of two values affine in the row that holds at both ends of a block 
 so when every choice holds, every value is affine in the row within each block, and the rows
 between follow from the two ends. Where a choice differs, the row where it changes is noted, the
 blocks are cut there and the pass is run again: a window takes two passes, over one block and then
-four, whatever the length; a window per head at n = 8192 (65,536 rows) 0.7 ms, where each row on its
-own takes 1.7.
+four, whatever the length.
 
 ``//`` and ``%`` of a value that moves along the keys are kept whole until used. Compared, a
 quotient is an interval (``kv_idx // 64 == q_idx // 64`` is ``64 * (q_idx // 64) <= kv_idx <=
@@ -974,11 +973,9 @@ stands_in(_Head, _EveryRule())
 
 #: Rows (batch x query rows) from which closed form works on blocks of rows; below, each row on its
 #: own. A pass over blocks costs what one over a few thousand rows does, and it takes two to four.
-#: Measured (2 threads), rows on their own against blocks: at 8192 rows a window 0.2 ms against 0.5,
-#: global tokens 0.8 against 1.8; at 16,384 a window 1.1 against 0.55, global tokens 1.3 against 1.9;
-#: at 32,768 a window 2.2 against 0.6, global tokens 2.5 against 1.9; a window per head at n = 8192
-#: (65,536 rows) 1.7 against 0.7. A pattern every few keys (a dilated window) is cheaper on its own
-#: rows at every length, its rows' table being most of the work (4.5 ms against 6.5 at 8192).
+#: Set by measuring rows on their own against blocks (windows, global tokens, a window per head) at
+#: 8,192 to 32,768 rows: blocks win from about this many rows on. A pattern every few keys (a dilated
+#: window) is cheaper on its own rows at every length, its rows' table being most of the work.
 BLOCKS_FROM = 1 << 15
 #: Passes over the blocks, and most blocks (one per this many rows, at least 64), before each row is
 #: worked out on its own instead.

@@ -14,7 +14,7 @@ keys by the first of three ways that can follow the predicate, and says which
 
 All three give the same, exact intervals. A way that cannot follow the predicate raises
 :class:`.stand_ins.CannotFollow`, the only exception caught here: a bug surfaces, it does not
-become a silent slowdown. Costs: ``bench/results/plan.md`` (``attnkit bench plan``).
+become a silent slowdown. Costs: the "analysis" column of ``bench/results/mods.md`` (``attnkit bench mods``).
 """
 
 from __future__ import annotations

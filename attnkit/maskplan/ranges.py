@@ -1,10 +1,9 @@
 """A predicate's rows of allowed keys without evaluating every cell: run it on ranges of indices.
 
-:func:`plan._derive <attnkit.plan>` needs, for a user's ``mask_mod``, each query row's runs of
-allowed keys. Evaluating every cell costs O(Lq * Lk) (0.05-0.2 s at n = 8192) for masks whose
-attention costs a few milliseconds. (Predicates affine in the indices are first worked out in
-closed form by :mod:`attnkit._pieces`, which builds on :func:`stands_in`, :func:`rule_table` and
-:class:`CannotFollow` here; this module takes what that cannot follow.) Here the predicate is
+The second way of :func:`attnkit.maskplan.derive` (``derived_by == "ranges"``): each query row's runs
+of allowed keys for a user's ``mask_mod``, without the O(Lq * Lk) of evaluating every cell, which
+costs more than the attention itself for a narrow mask. (Predicates affine in the indices are first
+worked out in closed form by :mod:`.closed_form`; this module takes what that cannot follow.) Here the predicate is
 called once with *ranges* in place of its index tensors: a tile of queries ``[q0, q1]`` and keys
 ``[k0, k1]`` is a :class:`Range`, and every operation on ranges returns bounds that hold for every
 cell of the tile (interval arithmetic). A boolean result whose lower bound is True is a tile that
