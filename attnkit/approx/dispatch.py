@@ -1,26 +1,7 @@
-"""Approximate and alternative attention, side by side, with one calling convention.
-
-``attnkit.attention`` is exact and never routes here: an approximation is something you ask for
-by name. Every kind takes ``[..., H, L, E]`` like ``attnkit.attention`` and returns
-``[..., H, Lq, Ev]``; each honours exactly the masks in :data:`SUPPORTS` and refuses the rest:
-
-* ``elu``, ``relu``: kernel attention with ``phi = elu + 1`` or ``relu`` (Katharopoulos et al.
-  2020); arguments ``chunk_size``, ``eps``; masks: key-padding, ``is_causal``; :func:`step` decodes.
-* ``performer``: FAVOR+ with positive orthogonal random features (Choromanski et al. 2021);
-  ``num_features`` and ``seed``, or a fixed ``projection``; ``chunk_size`` (also non-causal: features
-  are built ``chunk_size`` tokens at a time, in linear time); masks: key-padding, ``is_causal``.
-* ``nystrom``: Nystromformer, segment-mean landmarks (Xiong et al. 2021); ``num_landmarks``,
-  ``exact_pinv``, ``pinv_iterations``; masks: key-padding.
-* ``linformer``: learned sequence projections (Wang et al. 2020); ``projection``
-  (:class:`LinformerProjection`); masks: none.
-* ``dot``: the unscaled dot-product score ``q . k``; masks: all.
-* ``multiplicative``: Luong's ``q^T W k``; ``weight``; masks: all.
-* ``additive``: Bahdanau's ``w . tanh(W_q q + W_k k)``; ``score_vector``, ``query_weight``,
-  ``key_weight``; masks: all.
-
-A key-padding mask is a bool ``mask`` that does not vary over queries (size 1 in its
-``Lq`` dimension, e.g. ``[B, 1, 1, Lk]``). :class:`ApproxAttention` holds each kind's parameters
-for :class:`attnkit.MultiHeadAttention` (``kind=``).
+"""One calling convention over the approximate kinds: :func:`attention` checks a call, refuses a mask
+its ``kind`` cannot honour (:data:`SUPPORTS`) and runs the kind's implementation from the modules
+beside this one (``kernel``, ``nystrom``, ``linformer``, ``scores``); :func:`step` decodes the kernel
+kinds one token at a time. The kinds and their arguments are tabled in ``attnkit.approx``'s docstring.
 """
 
 from __future__ import annotations
@@ -41,20 +22,14 @@ from .kernel import (
     favor_attention,
     favor_feature_map,
     kernel_attention,
-    linear_attention,
     orthogonal_features,
-    random_feature_map,
     relu_feature_map,
     scan_step,
     streamed_attention,
 )
-from .linformer import LinformerProjection, linformer_attention
+from .linformer import linformer_attention
 from .nystrom import nystrom_attention
 from .scores import additive_attention, dot_attention, multiplicative_attention
-
-__all__ = ["attention", "step", "KINDS", "SUPPORTS", "LinearState", "LinformerProjection", "ApproxAttention",
-           "linear_attention", "elu_feature_map", "relu_feature_map", "random_feature_map", "orthogonal_features",
-           "favor_feature_map"]
 
 #: kind -> the masks it honours exactly.
 SUPPORTS = {
@@ -255,5 +230,3 @@ def step(state: LinearState | None, query: Tensor, key: Tensor, value: Tensor, *
         phi = phi_k = elu_feature_map if kind == "elu" else relu_feature_map
     return scan_step(state, phi(query), phi_k(key), value, eps=eps)
 
-
-from .module import ApproxAttention  # noqa: E402  (it builds on attention() above)

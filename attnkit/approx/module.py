@@ -7,7 +7,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from . import attention, check_kind, kind_arguments, orthogonal_features
+from .dispatch import attention, check_kind, kind_arguments
+from .kernel import orthogonal_features
 from .linformer import LinformerProjection
 
 
