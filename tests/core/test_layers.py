@@ -19,7 +19,7 @@ PACKAGE = ROOT / "attnkit"
 #: The core: what a call is and what it means; the backends build on it.
 CORE = ("attnkit.call", "attnkit.masks", "attnkit.scores", "attnkit.positional", "attnkit.intervals",
         "attnkit.memory", "attnkit.dtypes", "attnkit.closures", "attnkit.per_element", "attnkit.ops",
-        "attnkit.maskplan")
+        "attnkit.nonfinite", "attnkit.maskplan")
 
 
 def modules() -> dict[str, Path]:

@@ -26,8 +26,9 @@ def figures(source: str) -> list[tuple[int, str]]:
         body = getattr(node, "body", None)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
             first = body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-                found += [(first.lineno, m.group(0)) for m in FIGURE.finditer(first.value.value)]
+            doc = first.value.value if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) else None
+            if isinstance(doc, str):
+                found += [(first.lineno, m.group(0)) for m in FIGURE.finditer(doc)]
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
             found += [(tok.start[0], m.group(0)) for m in FIGURE.finditer(tok.string)]

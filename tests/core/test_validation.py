@@ -1,11 +1,41 @@
-"""Bad input raises ValueError/TypeError naming the argument, what came and what was expected."""
+"""Bad input gets a clear answer before any computation: a ValueError/TypeError naming the argument,
+what came and what was expected.
+
+Arguments of ``attnkit.attention`` and ``MultiHeadAttention``; dense calls that cannot fit in memory;
+mask_mods and score_mods that return the wrong thing; 3-D masks whose first dim would land on the head
+axis; module inputs with no rows or the wrong dtype.
+"""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 import attnkit
+from attnkit import masks, scores
+from tests.support import oracle
+from tests.support.tolerances import close
+
+ENV = "ATTNKIT_MAX_DENSE_BYTES"
+
+
+def _qkv(b=2, h=2, lq=5, lk=5, e=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(b, h, lq, e, generator=g, dtype=dtype), torch.randn(b, h, lk, e, generator=g, dtype=dtype),
+            torch.randn(b, h, lk, e, generator=g, dtype=dtype))
+
+
+def attention_oracle(q, k, v, *, is_causal=False, mask=None, bias=None):
+    b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    return oracle.attention(q, k, v, allowed=oracle.allowed_grid(b, h, lq, lk, is_causal=is_causal, mask=mask),
+                            bias=bias)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
 
 Q = torch.randn(2, 4, 5, 8)
 K = torch.randn(2, 2, 7, 8)
@@ -73,3 +103,205 @@ def test_module_forward_errors():
         mha(x, key_mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"mask must be \[Lq, Lk\], \[B, Lq, Lk\] or \[B, H, Lq, Lk\]"):
         mha(x, mask=torch.ones(5, dtype=torch.bool))
+
+
+# --------------------------------------------------------------------------------------------
+# Dense tensors that cannot fit
+# --------------------------------------------------------------------------------------------
+
+
+def test_weights_of_a_very_long_sequence_are_refused_before_allocating(monkeypatch):
+    # 16 heads x 300,000^2 float32 scores is 5.2 TiB per copy: far beyond any machine's memory.
+    monkeypatch.delenv(ENV, raising=False)
+    q = torch.zeros(1, 16, 300_000, 1)
+    with pytest.raises(ValueError, match=r"\(1, 16, 300000, 300000\) torch.float32 = 17280000000000 bytes "
+                                         r"\(15.7 TiB\).*memory available now.*backend='blockwise'.*"
+                                         r"return_weights=False"):
+        attnkit.attention(q, q, q, return_weights=True)
+
+
+@pytest.mark.parametrize("kwargs", [{"return_weights": True}, {"backend": "reference"},
+                                    {"backend": "reference", "mask_mod": masks.causal_mod()}])
+def test_reference_backend_refuses_past_the_limit(monkeypatch, kwargs):
+    q, k, v = _qkv(1, 1, 16, 16)  # three float32 copies of [1, 1, 16, 16]: 3072 bytes
+    monkeypatch.setenv(ENV, "3071")
+    with pytest.raises(ValueError, match=r"reference backend.*3 x \(1, 1, 16, 16\) torch.float32 = 3072 bytes "
+                                         r"\(3.0 KiB\), more than the limit of 3071 bytes \(3.0 KiB\) "
+                                         r"\(set by ATTNKIT_MAX_DENSE_BYTES\)"):
+        attnkit.attention(q, k, v, **kwargs)
+    monkeypatch.setenv(ENV, "3072")
+    res = attnkit.attention(q, k, v, **kwargs)
+    out = res[0] if isinstance(res, tuple) else res
+    close(out, attention_oracle(q, k, v, is_causal="mask_mod" in kwargs), torch.float32)
+
+
+def test_half_inputs_count_the_reference_backends_float32_scores(monkeypatch):
+    q, k, v = _qkv(1, 1, 16, 16, dtype=torch.bfloat16)
+    monkeypatch.setenv(ENV, "3071")
+    with pytest.raises(ValueError, match=r"torch.float32 = 3072 bytes"):
+        attnkit.attention(q, k, v, return_weights=True)
+
+
+@pytest.mark.parametrize("kwargs, shape, dtype, nbytes", [
+    # Bottom-right causal with Lq != Lk: the adapter builds a [Lq, Lk] bool mask and its copy.
+    ({"is_causal": True}, (16, 32), torch.bool, 1024),
+    # A key mask and a per-query bias merge into one float mask of their joint shape.
+    ({"mask": torch.arange(32) < 20, "bias": torch.zeros(1, 1, 16, 1)}, (1, 1, 16, 32), torch.float32, 4096),
+])
+def test_sdpa_refuses_a_combined_mask_past_the_limit(monkeypatch, kwargs, shape, dtype, nbytes):
+    q, k, v = _qkv(1, 1, 16, 32)
+    monkeypatch.setenv(ENV, str(nbytes - 1))
+    pattern = rf"SDPA backend's combined attn_mask.*2 x {re.escape(str(shape))} {dtype} = {nbytes} bytes"
+    with pytest.raises(ValueError, match=pattern):
+        attnkit.attention(q, k, v, backend="sdpa", **kwargs)
+    # Tile by tile, the blockwise backend forms no [Lq, Lk] tensor: the same call goes through.
+    close(attnkit.attention(q, k, v, backend="blockwise", **kwargs), attention_oracle(q, k, v, **kwargs),
+          torch.float32)
+
+
+def test_module_weights_past_the_limit_are_refused(monkeypatch):
+    mha = attnkit.MultiHeadAttention(8, 2)
+    monkeypatch.setenv(ENV, "1000")
+    with pytest.raises(ValueError, match=r"\(1, 2, 16, 16\)"):
+        mha(torch.randn(1, 16, 8), need_weights=True)
+
+
+@pytest.mark.parametrize("value", ["lots", "-1", "1e9"])
+def test_a_bad_limit_names_the_variable(monkeypatch, value):
+    q, k, v = _qkv()
+    monkeypatch.setenv(ENV, value)
+    with pytest.raises(ValueError, match=rf"ATTNKIT_MAX_DENSE_BYTES must be a non-negative whole number of bytes, "
+                                         rf"got '{value}'"):
+        attnkit.attention(q, k, v, return_weights=True)
+
+
+# --------------------------------------------------------------------------------------------
+# mask_mod / score_mod that return the wrong thing
+# --------------------------------------------------------------------------------------------
+
+
+def float_causal(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx).float()
+
+
+def int_causal(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx).long()
+
+
+def rows_only(b, h, q_idx, kv_idx):
+    return torch.ones(q_idx.shape[-2], 3, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("backend", ["auto", "blockwise", "reference"])
+@pytest.mark.parametrize("mod, exc, pattern", [
+    (float_causal, TypeError, r"mask_mod 'float_causal' returned a torch.float32 tensor; expected a bool tensor"),
+    (int_causal, TypeError, r"mask_mod 'int_causal' returned a torch.int64 tensor; expected a bool tensor"),
+    (lambda b, h, q, kv: None, TypeError, r"mask_mod '<lambda>' returned NoneType; expected a bool tensor"),
+    (rows_only, ValueError, r"mask_mod 'rows_only' returned shape \(3, 3\) for indices broadcasting to "
+                            r"\(2, 2, 3, 4\)"),
+])
+def test_mask_mod_returning_the_wrong_thing(backend, mod, exc, pattern):
+    q, k, v = _qkv()
+    with pytest.raises(exc, match=pattern):
+        attnkit.attention(q, k, v, mask_mod=mod, backend=backend)
+
+
+def scalar_score(score, b, h, q_idx, kv_idx):
+    return score.sum()
+
+
+@pytest.mark.parametrize("backend", ["auto", "blockwise", "reference"])
+@pytest.mark.parametrize("mod, exc, pattern", [
+    (lambda s, b, h, q, kv: None, TypeError, r"score_mod '<lambda>' returned NoneType; expected a floating-point"),
+    (lambda s, b, h, q, kv: 0.5, TypeError, r"score_mod '<lambda>' returned float; expected a floating-point tensor"),
+    (lambda s, b, h, q, kv: s > 0, TypeError, r"returned a torch.bool tensor; expected a floating-point tensor"),
+    (scalar_score, ValueError, r"score_mod 'scalar_score' returned shape \(\) for scores of shape \(2, 2, 3, 4\); "
+                               r"expected the score's shape"),
+    (lambda s, b, h, q, kv: s[..., :1], ValueError, r"returned shape \(2, 2, 3, 1\)"),
+])
+def test_score_mod_returning_the_wrong_thing(backend, mod, exc, pattern):
+    q, k, v = _qkv()
+    with pytest.raises(exc, match=pattern):
+        attnkit.attention(q, k, v, score_mod=mod, backend=backend)
+
+
+def test_the_probe_runs_first_in_range_without_grad_and_breaks_no_working_mod():
+    # Mods that index captured per-batch/per-token tensors and a score_mod with a learned
+    # parameter: the probe calls each once, first, in range, outside autograd; results and
+    # gradients stay those of the plain call.
+    q, k, v = _qkv(2, 2, 6, 6)
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
+    inner = masks.and_masks(masks.document_mod(ids), masks.padding_mod(torch.tensor([6, 4])),
+                            masks.prefix_lm_mod(torch.tensor([2, 0])))
+    slopes = torch.nn.Parameter(scores.alibi_slopes(2))
+    calls = []
+
+    def seen(kind, *idx):
+        calls.append((kind, torch.is_grad_enabled(), *(int(i.max()) for i in idx)))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        seen("mask", b, h, q_idx, kv_idx)
+        return inner(b, h, q_idx, kv_idx)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        seen("score", b, h, q_idx, kv_idx)
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    out = attnkit.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend="reference")
+    assert calls[:2] == [("mask", False, 1, 1, 5, 5), ("score", False, 1, 1, 5, 5)]
+    allowed = oracle.allowed_grid(2, 2, 6, 6, mask_mod=inner)
+    expected = oracle.attention(q, k, v, allowed=allowed, score_mod=lambda s, b, h, i, j:
+                                s - slopes.detach().double()[h] * (i - j).abs())[0]
+    close(out, expected, torch.float32)
+    out.sum().backward()
+    assert slopes.grad is not None and slopes.grad.abs().sum() > 0
+
+
+# --------------------------------------------------------------------------------------------
+# 3-D masks against 4-D queries
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["mask", "bias"])
+def test_a_per_batch_3d_mask_is_refused_when_it_would_land_on_heads(name):
+    q, k, v = _qkv(2, 2, 5, 5)  # B == H: broadcasting would silently mask head b with sequence b's mask
+    t = torch.rand(2, 5, 5) > 0.3
+    t = t if name == "mask" else torch.zeros(2, 5, 5).masked_fill(~t, -1.0)
+    with pytest.raises(ValueError, match=rf"{name} of shape \(2, 5, 5\) against 4-D queries is ambiguous: its first "
+                                         rf"dim would align with the 2 heads.*pass {name}\[:, None\]"):
+        attnkit.attention(q, k, v, **{name: t})
+    # The fix the message names gives the per-batch mask the caller meant; shapes that cannot be
+    # misread still go through: no batch/head dim, a leading 1, 4-D, and 3-D against 3-D queries.
+    for fixed in (t[:, None], t[0], t[:1], t[None, :1].expand(1, 2, 5, 5)):
+        kw = {name: fixed}
+        close(attnkit.attention(q, k, v, **kw), attention_oracle(q, k, v, **kw), torch.float32)
+    per_head = t[:1].expand(2, 5, 5)  # [H, Lq, Lk] with [H, L, E] queries
+    close(attnkit.attention(q[0], k[0], v[0], **{name: per_head}),
+          attention_oracle(q[:1], k[:1], v[:1], **{name: per_head})[0], torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# MultiHeadAttention: empty inputs, dtypes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("b, lq, lk", [(2, 0, 0), (0, 3, 3), (2, 3, 0), (2, 0, 3)])
+def test_module_with_no_rows_returns_empty_outputs(b, lq, lk):
+    mha = attnkit.MultiHeadAttention(8, 2, num_kv_heads=1)
+    out, w = mha(torch.randn(b, lq, 8), torch.randn(b, lk, 8), need_weights=True)
+    assert out.shape == (b, lq, 8) and w.shape == (b, 2, lq, lk)
+    if lk == 0 and lq:  # no key to attend: zeros through the output projection (its bias, zero-initialised)
+        close(out, torch.zeros_like(out), torch.float32)
+
+
+@pytest.mark.parametrize("name", ["query", "key", "value"])
+def test_module_names_a_dtype_mismatch_and_the_fix(name):
+    mha = attnkit.MultiHeadAttention(8, 2)
+    args = {"query": torch.randn(2, 3, 8), "key": torch.randn(2, 3, 8), "value": torch.randn(2, 3, 8)}
+    args[name] = args[name].half()
+    with pytest.raises(TypeError, match=rf"{name} dtype torch.float16 does not match the module's parameter dtype "
+                                        rf"torch.float32: pass {name}.to\(torch.float32\), or convert the module "
+                                        r"with .to\(torch.float16\)"):
+        mha(**args)
+    with torch.autocast("cpu", dtype=torch.float16):  # autocast casts inputs itself: mixed dtypes are its job
+        assert mha(**args).dtype == torch.float16

@@ -1,0 +1,40 @@
+"""Every package's namespace holds only what its ``__all__`` promises, plus its own submodules.
+
+A helper imported for internal use (``importlib``, ``Tensor``, a check function) that is not
+underscored becomes a name users can reach, complete in an editor and start to rely on; this keeps
+``dir(package)`` the map of its public API. The packages are found by walking the tree, so a new
+package is checked without being listed here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import types
+
+import pytest
+
+import attnkit
+
+PACKAGES = ["attnkit"] + sorted(m.name for m in pkgutil.walk_packages(attnkit.__path__, "attnkit.") if m.ispkg)
+
+
+def test_the_walk_finds_the_packages():
+    """Guards the walk: if it stopped descending, the test below would check only ``attnkit``."""
+    assert {"attnkit.backends", "attnkit.cli", "attnkit.integrations", "attnkit.maskplan"} <= set(PACKAGES)
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_public_names_are_the_promised_ones_or_submodules(name):
+    package = importlib.import_module(name)
+    assert "__all__" in vars(package), f"{name} has no __all__"
+    promised = package.__all__
+    assert len(promised) == len(set(promised)), f"{name}.__all__ lists a name twice: {promised}"
+    unresolved = [n for n in promised if not hasattr(package, n)]
+    assert not unresolved, f"{name}.__all__ lists names it does not have: {unresolved}"
+    # After the lazy names above are resolved, so that what resolving them binds is checked too.
+    leaked = sorted(n for n, value in vars(package).items()
+                    if not n.startswith("_") and n not in promised
+                    and not (isinstance(value, types.ModuleType) and value.__name__ == f"{name}.{n}"))
+    assert not leaked, (f"{name} has public names outside its __all__ that are not its submodules: {leaked}; "
+                        "list them in __all__ or import them under a leading underscore")
