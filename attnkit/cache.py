@@ -239,8 +239,7 @@ class KVCache(nn.Module):
         """Tell attention's finiteness check what :attr:`finite` says of the buffers as they are now
         (eager only: under torch.compile the writes void it, and the next eager call reads the buffers)."""
         if not torch.compiler.is_compiling():
-            nonfinite.vouch(self.k, self.finite)
-            nonfinite.vouch(self.v, self.finite)
+            nonfinite.vouch(self.finite, self.k, self.v)  # one flag for both: the check reads it once
             self._vouched = self._versions()
 
     def _recheck(self) -> None:

@@ -37,16 +37,18 @@ mask (SDPA, PyTorch's flash kernel) may still carry them into the row.
 
 How it is kept
 --------------
-:func:`call` runs the backend ``attnkit.attention`` chose. First one cheap check: a sum of each of
-``q``, ``k``, ``v`` (finite unless an element is not, or the sum overflowed) and the bias's maximum
-(NaN or ``+inf``; ``-inf`` is a mask), one host sync. When it passes, the backend runs on the
-inputs as they are. Otherwise the same backend runs on sanitized inputs (non-finite entries of
-``q``, ``k``, ``v`` and the NaN/``+inf`` entries of ``bias`` replaced by 0), so that every row that
-sees no poison is the clean call's, and the poisoned rows are made NaN afterwards. Which rows are
-poisoned comes from the mask plan's intervals (a prefix sum of the bad keys over each interval,
-``O(Lq * K)``, no ``[Lq, Lk]`` tensor), or from the dense mask when there is no interval form or a
-bias. Small autograd functions put NaN into the gradients the rule names and let the backend's
-clean gradients through everywhere else. A false alarm (a sum that overflows) only costs the exact
+:func:`call` runs the backend ``attnkit.attention`` chose. First one cheap check
+(:func:`all_finite`): a sum of each of ``q``, ``k``, ``v`` (finite unless an element is not, or the
+sum overflowed), or for a KV cache's buffers the flag the cache keeps of what it wrote
+(:func:`vouch`: a decode step reads its one query token and that flag, not the buffers), and the
+bias's maximum (NaN or ``+inf``; ``-inf`` is a mask); on a device, one host sync. When it passes,
+the backend runs on the inputs as they are. Otherwise the same backend runs on sanitized inputs
+(non-finite entries of ``q``, ``k``, ``v`` and the NaN/``+inf`` entries of ``bias`` replaced by 0),
+so that every row that sees no poison is the clean call's, and the poisoned rows are made NaN
+afterwards. Which rows are poisoned comes from the mask plan's intervals (a prefix sum of the bad
+keys over each interval, ``O(Lq * K)``, no ``[Lq, Lk]`` tensor), or from the dense mask when there
+is no interval form or a bias. Small autograd functions put NaN into the gradients the rule names
+and let the backend's clean gradients through everywhere else. A false alarm (a sum that overflows) only costs the exact
 path, which then changes nothing.
 
 A ``score_mod`` is a function, so it cannot be sanitized up front: the backends that call it (the
@@ -99,23 +101,50 @@ def call(backend, req: Call) -> tuple[Tensor, Tensor | None]:
 
 def all_finite(req: Call) -> bool:
     """True when ``q``, ``k`` and ``v`` are finite and ``bias`` holds no NaN or ``+inf`` (False also
-    when a sum overflows: a false alarm, which only sends the call to :func:`exact`). One host sync."""
-    inputs = {id(t): t for t in (req.query, req.key, req.value)}.values()
-    bias = req.bias if req.bias is not None and req.bias.numel() else None
-    with torch.no_grad():
-        if req.query.device.type == "cpu":  # a CPU number is read without a sync: Python floats, fewest ops
-            for t in inputs:
-                seen = _vouched(t)
-                if not (bool(seen) if seen is not None else math.isfinite(_sum(t).item())):
+    when a sum overflows: a false alarm, which only sends the call to :func:`exact`).
+
+    ``q`` is read (a sum); so are ``k`` and ``v``, once each and not again when one is ``q``, except a
+    tensor :func:`vouch` answers for: its flag is read instead, once however many tensors share it
+    (a KV cache's keys and values). On the CPU each number is read as it comes and the first bad one
+    ends the check; on a device the answers are combined there and read in one host sync. Work:
+    ``O(numel)`` of the tensors read, plus a fixed cost of a reduction and a read per tensor, which
+    is all a decode step over a cache's buffers pays (measured: ``bench/results/core.md``).
+    """
+    q, k, v, bias = req.query, req.key, req.value, req.bias
+    if not q.is_cpu:
+        return _all_finite_one_sync(q, k, v, bias)
+    # A CPU number is read without a sync: Python floats, the fewest ops, and the first bad one ends it.
+    if not math.isfinite(_sum(q).item()):
+        return False
+    flag = None  # the vouched flag read last: a cache's keys and values share one
+    for t in (k,) if k is v else (k, v):
+        if t is not q:
+            seen = _vouched(t)
+            if seen is None:
+                if not math.isfinite(_sum(t).item()):
                     return False
-            return bias is None or bias.amax().item() < math.inf  # NaN < inf is False; -inf masks
-        parts = [finite(t) for t in inputs]
-        if bias is not None:
-            parts.append(bias.amax() < math.inf)
-    ok = parts[0]
-    for p in parts[1:]:
-        ok = ok & p
-    return bool(ok)  # one sync
+            elif seen is not flag:
+                if not seen.item():
+                    return False
+                flag = seen
+    return bias is None or not bias.numel() or _max(bias).item() < math.inf  # NaN < inf is False; -inf masks
+
+
+def _all_finite_one_sync(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> bool:
+    """:func:`all_finite` for tensors on a device: every answer combined there, one host sync."""
+    ok = torch.isfinite(_sum(q))
+    flag = None
+    for t in (k,) if k is v else (k, v):
+        if t is not q:
+            seen = _vouched(t)
+            if seen is None:
+                ok = ok & torch.isfinite(_sum(t))
+            elif seen is not flag:
+                ok = ok & seen
+                flag = seen
+    if bias is not None and bias.numel():
+        ok = ok & (_max(bias) < math.inf)
+    return bool(ok)
 
 
 def finite(x: Tensor) -> Tensor:
@@ -129,23 +158,35 @@ def finite(x: Tensor) -> Tensor:
 def _vouched(x: Tensor) -> Tensor | None:
     """What :func:`vouch` recorded for ``x`` as it is now, else None."""
     seen = getattr(x, "_attnkit_finite", None)
-    return seen[1] if seen is not None and seen[0] == _version(x) else None
+    # Read only when set: vouch() sets it on tensors with a version counter (inference tensors have none).
+    return seen[1] if seen is not None and seen[0] == x._version else None
 
 
 def _sum(x: Tensor) -> Tensor:
+    # Not detached: a sum records no tensor for its backward, so under autograd it costs one small node,
+    # which is dropped at once, and no hook runs; detaching would cost every call an op.
     # float16 sums in float32: its own range (65504) would overflow on ordinary inputs. bfloat16 has
     # float32's range and PyTorch accumulates its sum in float32: summed as it is, without a copy.
     return x.sum(dtype=torch.float32) if x.dtype == torch.float16 else x.sum()
 
 
-def vouch(x: Tensor, is_finite: Tensor) -> None:
-    """Let :func:`finite` answer ``is_finite`` (a 0-d bool tensor) for ``x`` instead of reading it, until
-    ``x`` (or a view of its storage) is next changed in place. For a tensor kept and written between
-    calls whose finiteness follows from what was written (:class:`attnkit.cache.KVCache`'s buffers,
-    where each step then checks its new tokens only, not the whole buffers)."""
-    version = _version(x)
-    if version is not None:
-        x._attnkit_finite = (version, is_finite.clone())
+def _max(x: Tensor) -> Tensor:
+    # Detached: amax would save x for its backward (a user's saved-tensor hooks would see it).
+    return (x.detach() if x.requires_grad else x).amax()
+
+
+def vouch(is_finite: Tensor, *xs: Tensor) -> None:
+    """Let :func:`finite` and :func:`all_finite` answer ``is_finite`` (a 0-d bool tensor, copied now) for
+    each of ``xs`` instead of reading it, until that tensor (or a view of its storage) is next changed
+    in place. For tensors kept and written between calls whose finiteness follows from what was
+    written (:class:`attnkit.cache.KVCache`'s buffers, where each step then checks its new tokens
+    only, not the whole buffers). The tensors share one copy, which :func:`all_finite` reads once."""
+    flag = None
+    for x in xs:
+        version = _version(x)
+        if version is not None:
+            flag = is_finite.clone() if flag is None else flag
+            x._attnkit_finite = (version, flag)
 
 
 def _version(x: Tensor) -> int | None:

@@ -5,8 +5,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import attnkit
 from attnkit.backends import available
-from attnkit.cache import KVCache
+from attnkit.cache import KVCache, visible
 from attnkit.modules import MultiHeadAttention
 from attnkit.positional import ALiBi, RelativeKeyEmbedding, RotaryEmbedding, T5RelativeBias
 from tests.support.tolerances import close
@@ -255,3 +256,34 @@ def test_the_finiteness_of_what_was_written_is_kept_and_a_write_by_hand_is_seen(
         cache.reset()
         assert bool(cache.finite)
         assert torch.isfinite(mha(x[:, :3], cache=cache, is_causal=True)).all()
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("backend", ["auto", *available()])
+def test_a_nan_in_the_newest_token_poisons_exactly_the_heads_that_see_it(backend, where):
+    """Decode steps over a cache whose buffers it vouches for (the check reads the query and the cache's flag):
+    a NaN in the newest token's key or value makes the query heads of its key/value head NaN, forward and
+    ``dq``, for as long as the window (the last 2 positions) sees it, and every other head the clean cache's
+    bit for bit; a NaN in the query makes its own head NaN, at its own step only."""
+    g = torch.Generator().manual_seed(9)
+    n, steps = 5, 4  # token n is poisoned; the queries at n, n + 1 see it, those at n + 2, n + 3 do not
+    qs = torch.randn(1, 4, n + steps, 8, generator=g, dtype=torch.float64)  # query heads 0, 1 read kv head 0
+    ks, vs = (torch.randn(1, 2, n + steps, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    dirty = {"q": qs.clone(), "k": ks.clone(), "v": vs.clone()}
+    dirty[where][0, 3 if where == "q" else 0, n, 2] = float("nan")
+    caches = [KVCache(1, 16, 2, 8, dtype=torch.float64) for _ in range(2)]
+    for cache in caches:
+        cache.update(ks[:, :, :n], vs[:, :, :n])
+    for pos in range(n, n + steps):
+        got = []
+        for cache, t in zip(caches, ({"q": qs, "k": ks, "v": vs}, dirty), strict=True):
+            cached = cache.update(t["k"][:, :, pos:pos + 1], t["v"][:, :, pos:pos + 1])
+            q = t["q"][:, :, pos:pos + 1].clone().requires_grad_()
+            out = attnkit.attention(q, cached.k, cached.v, mask=visible(cached, 1, causal=True, window=(1, 0)),
+                                    backend=backend)
+            got.append((out.detach(), *torch.autograd.grad(out, q, torch.ones_like(out))))
+        heads = ([3] if pos == n else []) if where == "q" else ([0, 1] if pos - n <= 1 else [])
+        others = [h for h in range(4) if h not in heads]
+        for want, have in zip(*got, strict=True):  # out, then dq: [1, 4, 1, 8]
+            assert have[0, heads].isnan().all(), (pos, heads)
+            assert torch.equal(have[0, others], want[0, others]), (pos, others)

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
-from attnkit import masks, scores
+from attnkit import masks, nonfinite, scores
+from attnkit.cache import KVCache, visible
 from attnkit.call import validate_call
 from tests.support import oracle
 
@@ -227,3 +229,65 @@ def test_compiled_code_runs_the_backend_without_the_check():
     q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(6)) for _ in range(3))
     fn = torch.compile(lambda a, b, c: attnkit.attention(a, b, c, is_causal=True), backend="eager", fullgraph=True)
     assert torch.equal(fn(q, k, v), attnkit.attention(q, k, v, is_causal=True))
+
+
+def _both_checks(req):
+    """The check's answer on the CPU path and on the path a device takes (one sync), which runs here on the CPU
+    tensors: this machine has no device to send it down there."""
+    return (nonfinite.all_finite(req),
+            nonfinite._all_finite_one_sync(req.query, req.key, req.value, req.bias))
+
+
+@pytest.mark.parametrize("aliasing", ["distinct", "k is v", "q is k is v"])
+@pytest.mark.parametrize(("where", "value"), [("q", NAN), ("q", INF), ("k", -INF), ("k", NAN), ("v", INF),
+                                              ("bias", NAN), ("bias", INF), ("bias", -INF)])
+def test_the_check_finds_every_non_finite_input_on_both_paths(where, value, aliasing):
+    g = torch.Generator().manual_seed(7)
+    t = {"q": torch.randn(1, 2, 5, 8, generator=g), "k": torch.randn(1, 2, 5, 8, generator=g),
+         "v": torch.randn(1, 2, 5, 8, generator=g), "bias": torch.randn(1, 2, 5, 5, generator=g)}
+    if aliasing != "distinct":  # one tensor passed twice or three times is read once: still read
+        t["v"] = t["k"] = t["q"] if aliasing == "q is k is v" else t["k"]
+    req = validate_call(t["q"], t["k"], t["v"], bias=t["bias"])
+    assert _both_checks(req) == (True, True)
+    t[where][0, 1, 3, 2] = value
+    want = where == "bias" and value == -INF  # a -inf bias masks its cell: no poison
+    assert _both_checks(req) == (want, want)
+
+
+def test_a_float16_sum_past_its_range_is_no_false_alarm():
+    x = torch.full((1, 2, 64, 8), 60000.0, dtype=torch.float16)  # a float16 sum would be inf; float32's is not
+    assert _both_checks(validate_call(x, x.clone(), x.clone())) == (True, True)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_vouched_tensors_answer_by_their_flag_until_written_in_place(flag):
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 2, 1, 8, generator=g)
+    k, v = torch.randn(1, 2, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g)
+    nonfinite.vouch(torch.tensor(flag), k, v)
+    req = validate_call(q, k, v)
+    assert _both_checks(req) == (flag, flag)  # the flag is the answer, even a False one over finite tensors
+    k[0, 1, 4, 0] = NAN  # by hand: k's vouch is void, k is read; v's still holds
+    assert _both_checks(req) == (False, False)
+    k[0, 1, 4, 0] = 0.0
+    assert _both_checks(req) == (flag, flag)  # k read (finite), v's flag
+
+
+def test_a_decode_step_check_reads_its_query_and_the_caches_flag_once_not_the_buffers():
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append((func.__name__, [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]))
+            return func(*args, **(kwargs or {}))
+
+    cache = KVCache(1, 32, 2, 8)
+    cache.update(torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8))
+    cached = cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+    req = validate_call(torch.randn(1, 4, 1, 8), cached.k, cached.v, mask=visible(cached, 1, causal=True))
+    with Ops() as ops:
+        assert nonfinite.all_finite(req)
+    assert not [op for op in ops.seen if (1, 2, 32, 8) in op[1]], ops.seen  # the buffers are not read
+    assert [name for name, _ in ops.seen].count("_local_scalar_dense.default") == 2, ops.seen  # q's sum, one flag
