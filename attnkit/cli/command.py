@@ -5,8 +5,8 @@ two functions: ``add_parser(subparsers)`` and ``run(args) -> int``.
 User mistakes (bad arguments, missing files, missing optional packages) print one line on stderr
 and exit non-zero; ``--debug`` shows the traceback instead.
 
-Building the parser imports no torch: a mistyped argument is answered before the 1-2 s that
-importing torch costs, so each command imports its heavy parts inside ``run``.
+Building the parser imports no torch: a mistyped argument is answered without waiting for torch to
+import (the slowest part of starting), so each command imports its heavy parts inside ``run``.
 """
 
 from __future__ import annotations
