@@ -2,7 +2,7 @@
 
 Nothing here imports :mod:`attnkit.lab`: each function recomputes a key figure its own way (other
 sentences, other random draws, torch's own FLOP counter, autograd's own Jacobians), so that
-tests/test_lab_recheck.py can hold the lab's verdicts and figures against them. MiniLM comes from
+tests/lab/test_lab.py can hold the lab's verdicts and figures against them. MiniLM comes from
 :class:`attnkit.models.Bert` (the model, not the lab).
 """
 
