@@ -62,11 +62,12 @@ CHECK_HEADER = ["mask", "backend", "with check ms", "without ms", "overhead %", 
 
 def _finiteness_check(n: int, heads: int, dim: int, repeat: int) -> str:
     """What the NaN/inf rule's one check per call (:func:`attnkit.nonfinite.all_finite`) costs a finite
-    forward: ``attnkit.attention`` against the same request served by the same backend without it, interleaved,
-    on one thread by CPU time (a shared machine's load moves wall-clock medians by more than the budget), and
-    the check timed on its own, where the call runs it and alone right after a forward (every cache cold).
-    The decode step runs ten times the rounds: its forward is small, and its check is a fixed cost that
-    a few rounds cannot tell from the noise."""
+    forward: ``attnkit.attention`` against the same request served by the same backend without it, in the same
+    rounds, on one thread by CPU time (a shared machine's load moves wall-clock medians by more than the budget),
+    and the check's own time, where the call runs it and alone right after a forward (every cache cold).
+    The decode step runs ten times the rounds (its forward is small, its check a fixed cost that a few rounds
+    cannot tell from the noise), and times a bare read of its query's sum in the call besides: the least any
+    check that reads the query can cost there."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, heads, n, dim, generator=g) for _ in range(3))
     threads = torch.get_num_threads()
@@ -76,56 +77,102 @@ def _finiteness_check(n: int, heads: int, dim: int, repeat: int) -> str:
     cache.update(k[:, :, : n // 2], v[:, :, : n // 2])
     cached = cache.update(k[:, :, n // 2:n // 2 + 1], v[:, :, n // 2:n // 2 + 1])
     step = (q[:, :, :1], cached.k, cached.v)
-    rows = []
+    rows, notes = [], []
     try:
-        for label, (a, b, c), kw, rounds in (
-                ("window (256, 256)", (q, k, v), {"window": (256, 256)}, repeat),
-                ("causal", (q, k, v), {"is_causal": True}, repeat),
+        for label, (a, b, c), kw, decode in (
+                ("window (256, 256)", (q, k, v), {"window": (256, 256)}, False),
+                ("causal", (q, k, v), {"is_causal": True}, False),
                 (f"decode step, KV cache {n // 2 + 1} of {n}", step, {"mask": visible(cached, 1, causal=True)},
-                 10 * repeat)):
-            def unchecked(a=a, b=b, c=c, kw=kw):
-                req = validate_call(a, b, c, **kw)
-                return backends.select(req)(req)
-
+                 True)):
             req = validate_call(a, b, c, **kw)
+            backend = backends.select(req)
+            # Every entry ends with a forward, so that each timing follows one, whatever the order: as a call
+            # follows the previous call (a check timed right before would warm what the next entry times).
+            entries = {"with": _timed(lambda a=a, b=b, c=c, kw=kw: attnkit.attention(a, b, c, **kw)),
+                       "alone": lambda req=req, backend=backend: _alone(req, backend),
+                       "without": _timed(lambda a=a, b=b, c=c, kw=kw: _unchecked(a, b, c, kw)),
+                       "in the call": lambda a=a, b=b, c=c, kw=kw: _in_the_call(a, b, c, kw, nonfinite.all_finite)}
+            if decode:
+                entries["query read"] = lambda a=a, b=b, c=c, kw=kw: _in_the_call(a, b, c, kw,
+                                                                                 lambda r: r.query.sum().item())
             with torch.no_grad():
-                # "check" between the two forwards: with the order reversed every other round, it always
-                # follows one, as the check of a call follows the previous call.
-                t = interleaved_medians({"with": lambda a=a, b=b, c=c, kw=kw: attnkit.attention(a, b, c, **kw),
-                                         "check": lambda req=req: nonfinite.all_finite(req), "without": unchecked},
-                                        repeat=rounds, alternate=True, clock=time.process_time)
-                in_call = _check_in_call(a, b, c, kw, rounds)
-            row = [label, backends.select(req).name, t["with"] * 1e3, t["without"] * 1e3,
-                   f"{100 * (t['with'] / t['without'] - 1):+.1f}", in_call * 1e3,
-                   f"{100 * in_call / t['without']:.2f}", t["check"] * 1e3, f"{100 * t['check'] / t['without']:.2f}"]
+                t = _rounds(entries, 10 * repeat if decode else repeat)
+            m = {name: statistics.median(ts) for name, ts in t.items()}
+            fwd = m["without"]
+            overhead = statistics.median(w - wo for w, wo in zip(t["with"], t["without"], strict=True)) / fwd
+            row = [label, backend.name, m["with"] * 1e3, fwd * 1e3, f"{100 * overhead:+.1f}",
+                   m["in the call"] * 1e3, f"{100 * m['in the call'] / fwd:.2f}", m["alone"] * 1e3,
+                   f"{100 * m['alone'] / fwd:.2f}"]
             print(_progress_check(row))
             rows.append(row)
+            if decode:
+                notes.append(f"{label}: {m['query read'] * 1e3:.3g} ms ({100 * m['query read'] / fwd:.2f}% of "
+                             "the forward)")
     finally:
         torch.set_num_threads(threads)
     return (f"### The NaN/inf rule's finiteness check, n = {n}, forward, one thread\n\n"
-            f"B=1, H={heads}, D={dim}, float32; CPU time on one thread, medians of {repeat} interleaved rounds (order "
-            f"reversed every other round; {10 * repeat} for the decode step, whose forward is small). `with check` is "
-            "`attnkit.attention`; `without` builds the same request and calls the same backend directly. The check "
-            "(a sum of q, and of k and v unless a KV cache vouches for them: the cache keeps a flag of what it "
-            "wrote, so a decode step reads its one query token and that flag, not the buffers) is timed on its own "
-            "twice: `in the call` where `attnkit.attention` runs it, after validating the call and choosing the "
-            "backend, before the backend; `alone` right after a forward, every cache cold, an upper bound. "
-            "Budget: 2% of the forward.\n\n"
-            + markdown_table(CHECK_HEADER, rows))
+            f"B=1, H={heads}, D={dim}, float32; CPU time on one thread, medians of {repeat} rounds (round-robin, the "
+            f"order reversed every other round; {10 * repeat} for the decode step, whose forward is small). `with "
+            "check` is `attnkit.attention`; `without` builds the same request and calls the same backend directly; "
+            "`overhead %` is the median over rounds of `with` minus `without` (run next to each other in each round), "
+            "as a share of `without`: what the check costs a call. The check (a sum of q, and of k and v unless a "
+            "KV cache vouches for them: the cache keeps a flag of what it wrote, so a decode step reads its one "
+            "query token and that flag, not the buffers) is also timed on its own: `in the call` where "
+            "`attnkit.attention` runs it, after validating the call and choosing the backend, before the backend; "
+            "`alone` right after a forward. Both pay cold caches, in the call also misses the backend would "
+            "otherwise take, so they exceed what the check adds to a call. Budget: 2% of the forward.\n\n"
+            + markdown_table(CHECK_HEADER, rows)
+            + "\n\nThe least any check that reads the query costs in the call (its sum read to the host, nothing "
+            "else, timed like `in the call` in the same rounds): " + "; ".join(notes) + ".")
 
 
-def _check_in_call(a, b, c, kw, repeat: int) -> float:
-    """Median CPU time of the check where ``attnkit.attention`` runs it: after :func:`validate_call` and the
-    backend's choice, before the backend (which then runs, so that every round starts after a forward)."""
-    times = []
-    for _ in range(repeat + 1):  # the first round warms up
-        req = validate_call(a, b, c, **kw)
-        backend = backends.select(req)
+def _timed(fn):
+    """``fn`` made to return its own CPU time."""
+    def run() -> float:
         t0 = time.process_time()
-        nonfinite.all_finite(req)
-        times.append(time.process_time() - t0)
-        backend(req)
-    return statistics.median(times[1:])
+        fn()
+        return time.process_time() - t0
+    return run
+
+
+def _unchecked(a, b, c, kw) -> None:
+    """``attnkit.attention`` without the check: validation, the backend's choice, the backend."""
+    req = validate_call(a, b, c, **kw)
+    backends.select(req)(req)
+
+
+def _in_the_call(a, b, c, kw, check) -> float:
+    """One call as ``attnkit.attention`` makes it, with ``check`` in the check's place: validation, the
+    backend's choice, the check, the backend. Returns the check's CPU time."""
+    req = validate_call(a, b, c, **kw)
+    backend = backends.select(req)
+    t0 = time.process_time()
+    check(req)
+    spent = time.process_time() - t0
+    backend(req)
+    return spent
+
+
+def _alone(req, backend) -> float:
+    """The check's CPU time right after whatever ran last, then ``backend`` on ``req``, untimed, so that what
+    runs next follows a forward."""
+    t0 = time.process_time()
+    nonfinite.all_finite(req)
+    spent = time.process_time() - t0
+    backend(req)
+    return spent
+
+
+def _rounds(entries: dict, rounds: int) -> dict[str, list[float]]:
+    """The times each entry (a function returning the time it measured) gives over ``rounds`` round-robin
+    rounds, the order reversed every other round, so that drift on a shared machine hits all alike; one more
+    round first warms up and is dropped."""
+    times = {name: [] for name in entries}
+    items = list(entries.items())
+    for r in range(rounds + 1):
+        for name, run in items[::-1] if r % 2 else items:
+            times[name].append(run())
+    return {name: ts[1:] for name, ts in times.items()}
 
 
 def _progress_check(cells) -> str:
