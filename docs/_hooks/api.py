@@ -5,7 +5,7 @@ One page per public module (:data:`MODULES`): the module's docstring, then every
 rendered by mkdocstrings from the object's own definition under the name users import it by
 (``attnkit.attention``, not ``attnkit.functional.attention``).
 
-A public name without a docstring fails the build here, and ``tests/test_docs.py`` runs the same
+A public name without a docstring fails the build here, and ``tests/docs/test_docs.py`` runs the same
 check (:func:`missing_docstrings`) in the test suite, where the docs extra is not installed: this
 file uses the standard library and attnkit only. A docstring is what mkdocstrings shows: a class's
 or function's own ``__doc__``, a module's, and for a constant the string literal on the line after

@@ -11,7 +11,7 @@ rewrites the README's headline table after a benchmark is rerun::
 
     python docs/_hooks/benchmarks.py --readme
 
-``tests/test_readme.py`` fails when the README's table differs from what this file makes, and
+``tests/docs/test_readme.py`` fails when the README's table differs from what this file makes, and
 a headline whose table, row or column is gone fails the docs build and that test alike.
 Standard library only, so the tests can import it without the docs extra.
 """

@@ -3,7 +3,7 @@
 Every call of every operator (each function the compiled module exports, each
 ``torch.ops.attnkit.band_*`` operator) either raises a RuntimeError that names the argument, or
 returns what the formula gives for its inputs; none may crash the process. The calls run in a child
-process (``python -m tests.test_native_boundary``), so a crash (a signal: a negative return code)
+process (``python -m tests.backends.test_native_boundary``), so a crash (a signal: a negative return code)
 fails the test instead of killing pytest; the child writes down each call before making it, so the
 failure names the call that crashed (or hung). The BLAS must never complain of its arguments either
 (MKL prints "Parameter N was incorrect" on stdout and carries on with garbage).
@@ -399,7 +399,7 @@ def fuzz_report(tmp_path_factory) -> dict:
     log, out = folder / "calls.log", folder / "stdout.txt"
     hung = False
     with open(out, "wb") as stdout:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.test_native_boundary", str(SEED), str(CASES), str(log)],
+        proc = subprocess.Popen([sys.executable, "-m", "tests.backends.test_native_boundary", str(SEED), str(CASES), str(log)],
                                 cwd=ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True)
         try:
             _, err = proc.communicate(timeout=TIMEOUT_S)

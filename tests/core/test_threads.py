@@ -83,7 +83,7 @@ def test_threads_making_their_first_call_together_all_get_the_kernel():
     if not _band.available():  # (this process builds the kernel, so the children find it cached)
         pytest.skip(f"no compiled kernel: {_band.unavailable_reason()}")
     # the runs side by side: each is mostly imports, and their contention only adds to the interleaving
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_threads", str(THREADS)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.core.test_threads", str(THREADS)], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(RUNS)]
     failures = []
     for run, proc in enumerate(procs):

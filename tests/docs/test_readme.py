@@ -5,7 +5,7 @@ and nothing in it points at documents users do not have.
 Each ```python block runs as its own script in a fresh process and folder, so a block that leans on
 a name defined in another block, or on something lying around, fails here. A block that cannot run
 on one machine in a test (none today) would be preceded by ``<!-- not-run: reason -->``. The
-helpers are shared with ``tests/test_docs.py``, which does the same for the guides under ``docs/``.
+helpers are shared with ``tests/docs/test_docs.py``, which does the same for the guides under ``docs/``.
 """
 
 from __future__ import annotations
