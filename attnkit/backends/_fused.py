@@ -4,7 +4,7 @@ When no ``score_mod`` needs the scores as a tensor, a batch of chunks is one cal
 flash-attention kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``): it forms
 ``softmax(q k^T + mask) v`` and the log-sum-exp block by block in cache, where the plain path
 makes a matmul, a mask pass, a softmax and two reductions over a tile bigger than the cache. The
-tile plan still decides which keys each tile sees, so empty tiles stay skipped; the kernel
+tile schedule still decides which keys each tile sees, so empty tiles stay skipped; the kernel
 only replaces the arithmetic inside a chunk.
 
 Its backward takes a row's output and log-sum-exp and recomputes the probabilities from them.

@@ -1,4 +1,4 @@
-"""The tile plan of the tile backends: which (query tile, key block) pairs to compute, and how.
+"""The tile schedule of the tile backends: which (query tile, key block) pairs to compute, and how.
 
 Queries are cut into tiles of ``q_tile`` rows and keys into blocks of ``kv_block`` columns. Each
 pair is **empty** (skipped), **full** (every real query row may attend every key: no mask is

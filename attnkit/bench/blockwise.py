@@ -6,7 +6,7 @@ Measures, in one run and interleaved (so that load from other processes hits eve
   compiled FlexAttention with a BlockMask (its compile time reported apart); forward+backward
   against SDPA (FlexAttention has no CPU backward);
 * packed documents (causal within each) as a ``mask_mod``, forward and forward+backward, against
-  SDPA with the dense mask and the tile plan;
+  SDPA with the dense mask and the tile schedule;
 * ALiBi as a ``score_mod``, causal and not, forward+backward against SDPA given the dense float bias;
 * efficiency: GFLOP/s over the cells actually attended, as a fraction of measured matmul GFLOP/s;
 * sparse patterns, forward+backward against SDPA with the dense mask: Longformer (window and
@@ -48,7 +48,7 @@ from ._util import (
 H, D, WINDOW = 8, 64, 256
 DOC = 1024  # tokens per packed document
 PLAIN = "attnkit, backend='tiles' (plain tiles)"
-TILES = "attnkit, backend='fused_tiles' (tile plan + PyTorch's flash kernel)"
+TILES = "attnkit, backend='fused_tiles' (tile schedule + PyTorch's flash kernel)"
 
 
 def _plain(q, k, v, **kw):
@@ -57,7 +57,7 @@ def _plain(q, k, v, **kw):
 
 
 def _tiles(q, k, v, **kw):
-    """The tile plan with PyTorch's flash kernel, without the banded C++ kernel."""
+    """The tile schedule with PyTorch's flash kernel, without the banded C++ kernel."""
     return attention(q, k, v, backend="fused_tiles", **kw)
 
 
@@ -426,7 +426,7 @@ def run(quick: bool, out_dir: Path) -> str:
     band_line = ("Window and causal calls run the banded C++ kernel (`attnkit/backends/_band.cpp`)."
                  if _band.available() else
                  f"The banded C++ kernel is NOT available here ({_band.unavailable_reason()}); window and causal "
-                 "calls run the tile plan.")
+                 "calls run the tile schedule.")
     say(f"matmul anchor, then sliding window n = {n}, forward ({rounds} rounds)")
     peak = matmul_gflops()
     sections = []

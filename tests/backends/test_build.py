@@ -158,7 +158,7 @@ def test_a_cache_folder_others_may_write_to_is_refused_in_one_line(tmp_path, pre
     res = _python(_code(prebuilt), cache)
     ok, reason = _outcome(res)
     assert ok == "False" and "may be written by group or others" in reason
-    assert res.stderr.count("\n") == 1 and "tile plan" in res.stderr, res.stderr
+    assert res.stderr.count("\n") == 1 and "tile schedule" in res.stderr, res.stderr
     assert "fake compile" not in res.stderr
 
 
@@ -175,7 +175,7 @@ def test_a_failed_build_names_its_cause_in_one_line_and_is_remembered(tmp_path):
     assert ok == "False" and "/nonexistent: not found" in reason
     lines = first.stderr.splitlines()
     assert len(lines) == 2 and "compiling" in lines[0] and "about a minute" in lines[0], first.stderr
-    assert "/nonexistent: not found" in lines[1] and "tile plan" in lines[1]
+    assert "/nonexistent: not found" in lines[1] and "tile schedule" in lines[1]
     again = _python(_code(None), cache, CXX="/nonexistent")
     ok, reason = _outcome(again)
     assert ok == "False" and "/nonexistent: not found" in reason and "ATTNKIT_BUILD=1" in reason
@@ -215,7 +215,7 @@ def test_without_a_build_it_falls_back_with_one_line_and_the_same_answer(tmp_pat
     ok, err = res.stdout.split()[:2]
     assert ok == "False" and float(err) < 1e-12
     assert "ATTNKIT_BUILD=0 forbids compiling it" in res.stdout
-    assert res.stderr.count("\n") == 1 and "the blockwise backend uses its tile plan instead" in res.stderr
+    assert res.stderr.count("\n") == 1 and "the blockwise backend uses its tile schedule instead" in res.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -1,4 +1,4 @@
-"""The "fused_tiles" backend: PyTorch's CPU flash kernel inside the tile plan.
+"""The "fused_tiles" backend: PyTorch's CPU flash kernel inside the tile schedule.
 
 ``test_blockwise.py`` runs every case through both paths with tiny tiles; here: when the fused
 path is taken, that its default tiles and split chunks match the oracle, the self-check, and the

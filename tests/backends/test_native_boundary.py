@@ -399,8 +399,8 @@ def fuzz_report(tmp_path_factory) -> dict:
     log, out = folder / "calls.log", folder / "stdout.txt"
     hung = False
     with open(out, "wb") as stdout:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.backends.test_native_boundary", str(SEED), str(CASES), str(log)],
-                                cwd=ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True)
+        argv = [sys.executable, "-m", "tests.backends.test_native_boundary", str(SEED), str(CASES), str(log)]
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True)
         try:
             _, err = proc.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
