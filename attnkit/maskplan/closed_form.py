@@ -33,13 +33,13 @@ positive integer constant, comparisons, ``& | ^ ~`` and the ``logical_*`` forms,
 ``minimum``/``maximum``/``clamp``, ``where``, casts between bool and integer dtypes,
 ``new_ones``/``ones_like`` and friends, and indexing a captured 1-D integer or bool tensor
 (``doc_ids[kv_idx]``) or a 2-D one at a row constant along the keys (a block layout's
-``layout[q_idx // 64, kv_idx // 64]``). Anything else raises :class:`attnkit._ranges.CannotFollow`
+``layout[q_idx // 64, kv_idx // 64]``). Anything else raises :class:`.stand_ins.CannotFollow`
 and the tiles take over: floats, a product of two key-dependent values, constants beyond 2^40, a
 2-D table read at a row that changes along the keys, an index of slope other than 0 or 1 into a
 table, an index outside the table, a value with more than
 :data:`MOST_PIECES` pieces in a row, two periodic patterns combined beyond that, a row with more
 runs than the caller keeps. Reading the head index where there are several heads raises
-:class:`attnkit._ranges.ReadsHead`: the plan then works the predicate out again with the heads
+:class:`.stand_ins.ReadsHead`: the plan then works the predicate out again with the heads
 folded into the batch, where the head is a value per row.
 """
 
