@@ -57,16 +57,12 @@ def check_dense_fits(what: str, shape, dtype: torch.dtype, copies: int) -> None:
     fails at once with the way out rather than in the allocator (or in the kernel's OOM killer).
     """
     nbytes = math.prod(shape) * dtype.itemsize * copies
-    if nbytes == 0 or (MAX_DENSE_BYTES_ENV not in os.environ and nbytes <= _free_memory()):
-        return  # fits in free memory: skip reading /proc/meminfo (tens of microseconds) on every call
-    limit = max_dense_bytes()
-    if nbytes > limit:
-        source = (f"set by {MAX_DENSE_BYTES_ENV}" if MAX_DENSE_BYTES_ENV in os.environ
-                  else f"the memory available now; {MAX_DENSE_BYTES_ENV} overrides it")
+    limit = over_limit(nbytes)
+    if limit is not None:
         raise ValueError(f"{what} would materialise {copies} x {tuple(shape)} {dtype} = {_human_bytes(nbytes)}, "
-                         f"more than the limit of {_human_bytes(limit)} ({source}). backend='blockwise' computes tile "
-                         "by tile without forming [..., H, Lq, Lk] (it returns no weights: pass return_weights=False); "
-                         "a window= also restricts the work to nearby keys")
+                         f"more than the limit of {_human_bytes(limit)} ({_limit_source()}). backend='blockwise' "
+                         "computes tile by tile without forming [..., H, Lq, Lk] (it returns no weights: pass "
+                         "return_weights=False); a window= also restricts the work to nearby keys")
 
 
 @assume_constant_result
@@ -88,20 +84,24 @@ def _human_bytes(n: int) -> str:
 
 
 def over_limit(nbytes: int) -> float | None:
-    """The memory limit of :func:`attnkit.max_dense_bytes` (``ATTNKIT_MAX_DENSE_BYTES``, else
-    the memory available now) when ``nbytes`` exceeds it, else None."""
+    """The memory limit of :func:`max_dense_bytes` (``ATTNKIT_MAX_DENSE_BYTES``, else the memory
+    available now) when ``nbytes`` exceeds it, else None."""
     if nbytes == 0 or (MAX_DENSE_BYTES_ENV not in os.environ and nbytes <= _free_memory()):
-        return None  # fits in free memory: /proc/meminfo not read
+        return None  # fits in free memory: /proc/meminfo (slow to read) is not read on every call
     limit = max_dense_bytes()
     return limit if nbytes > limit else None
 
 
 def check_op_fits(op: str, what: str, nbytes: int, way_out: str) -> None:
     """Refuse, before allocating, ``nbytes`` for native op ``op`` beyond the memory limit
-    (:func:`_over_limit`), with ``what`` it would allocate and ``way_out`` in the message."""
+    (:func:`over_limit`), with ``what`` it would allocate and ``way_out`` in the message."""
     limit = over_limit(nbytes)
     if limit is not None:
-        source = (f"set by {MAX_DENSE_BYTES_ENV}" if MAX_DENSE_BYTES_ENV in os.environ
-                  else f"the memory available now; {MAX_DENSE_BYTES_ENV} overrides it")
         raise ValueError(f"{op} would allocate {what} = {_human_bytes(nbytes)}, more than the limit of "
-                         f"{_human_bytes(limit)} ({source}); {way_out}")
+                         f"{_human_bytes(limit)} ({_limit_source()}); {way_out}")
+
+
+def _limit_source() -> str:
+    """Where the limit of :func:`max_dense_bytes` comes from, for an error message."""
+    return (f"set by {MAX_DENSE_BYTES_ENV}" if MAX_DENSE_BYTES_ENV in os.environ
+            else f"the memory available now; {MAX_DENSE_BYTES_ENV} overrides it")
