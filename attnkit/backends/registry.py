@@ -1,12 +1,14 @@
 """The backend registry: :func:`register` adds a backend, :func:`select` picks the one that serves a
-call (by name, a family in :data:`FAMILIES`, or ``"auto"`` through :data:`AUTO_ORDER`), and the
-built-in kernels are registered when it is first imported. ``attnkit.backends`` offers these names.
+call (by name, a family in :data:`FAMILIES`, or ``"auto"`` through :func:`auto_order`: :data:`AUTO_ORDER`
+with the device's own engines first, :data:`DEVICE_FIRST`), and the built-in kernels are registered
+when it is first imported. ``attnkit.backends`` offers these names.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from ..call import Call
@@ -25,7 +27,13 @@ class Backend(Protocol):
 
 _REGISTRY: dict[str, Backend] = {}
 AUTO_ORDER: list[str] = []
-"""Preference order for ``backend="auto"``: fused kernels first, the exact reference last."""
+"""Preference order for ``backend="auto"``: fused kernels first, the exact reference, then ``flex``, last
+(on the CPU ``flex`` serves only what nothing else does; see :data:`DEVICE_FIRST` for other devices)."""
+DEVICE_FIRST: dict[str, tuple[str, ...]] = {"cuda": ("sdpa", "flex")}
+"""Per device type, the backends that go before the rest of :data:`AUTO_ORDER` there, in this order:
+on CUDA, PyTorch's SDPA (flash, cuDNN, memory-efficient) for what it does exactly (no mask, causal, a
+dense mask or bias), then ``flex`` (compiled FlexAttention) for windows, plans, ``mask_mod`` and
+``score_mod``; the CPU-only kernels refuse there, so ``tiles`` and ``reference`` follow."""
 FAMILIES: dict[str, tuple[str, ...]] = {"blockwise": ("band", "fused_tiles", "tiles")}
 """Names that stand for the first member able to serve a call: ``"blockwise"`` is the exact
 O(tile)-memory kernels, fastest first."""
@@ -37,6 +45,13 @@ def register(backend: Backend, *, auto_rank: int | None = None) -> Backend:
     if auto_rank is not None and backend.name not in AUTO_ORDER:
         AUTO_ORDER.insert(min(auto_rank, len(AUTO_ORDER)), backend.name)
     return backend
+
+
+def auto_order(device) -> list[str]:
+    """The order ``backend="auto"`` tries on ``device`` (a ``torch.device`` or its name): the device's
+    :data:`DEVICE_FIRST` backends that are registered, then the rest of :data:`AUTO_ORDER`."""
+    first = [n for n in DEVICE_FIRST.get(torch.device(device).type, ()) if n in _REGISTRY]
+    return first + [n for n in AUTO_ORDER if n not in first]
 
 
 def available() -> list[str]:
@@ -56,7 +71,8 @@ def get(name: str) -> Backend:
 
 
 def select(req: Call, name: str = "auto") -> Backend:
-    """The backend that will serve ``req``: the named one, or the first fit in AUTO_ORDER."""
+    """The backend that will serve ``req``: the named one, or the first fit in :func:`auto_order` for its
+    device (or in the named family)."""
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, got {type(name).__name__}")
     if name != "auto" and name not in FAMILIES:
@@ -66,7 +82,7 @@ def select(req: Call, name: str = "auto") -> Backend:
             raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(reasons))
         return backend
     why = {}
-    for candidate in AUTO_ORDER if name == "auto" else FAMILIES[name]:
+    for candidate in auto_order(req.query.device) if name == "auto" else FAMILIES[name]:
         reasons = _REGISTRY[candidate].not_supported_reasons(req)
         if not reasons:
             return _REGISTRY[candidate]
@@ -78,6 +94,7 @@ def select(req: Call, name: str = "auto") -> Backend:
 
 def _register_builtin() -> None:
     from .band import BandBackend
+    from .flex import FlexBackend
     from .reference import ReferenceBackend
     from .sdpa import SDPABackend
     from .tiles import FusedTilesBackend, TilesBackend
@@ -87,6 +104,20 @@ def _register_builtin() -> None:
     register(FusedTilesBackend(), auto_rank=2)
     register(TilesBackend(), auto_rank=3)
     register(ReferenceBackend(), auto_rank=99)
+    # after the reference: on the CPU only what nothing else serves
+    register(FlexBackend(fallback=_next_in_order("flex")), auto_rank=100)
+
+
+def _next_in_order(name: str):
+    """``pick(request)``: the first backend of the request's device order, other than ``name``, that serves it."""
+
+    def pick(req: Call) -> Backend:
+        for candidate in auto_order(req.query.device):
+            if candidate != name and not _REGISTRY[candidate].not_supported_reasons(req):
+                return _REGISTRY[candidate]
+        return select(req)  # raises, listing every candidate's reasons
+
+    return pick
 
 
 _register_builtin()

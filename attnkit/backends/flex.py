@@ -1,0 +1,488 @@
+"""The ``"flex"`` backend: PyTorch's compiled ``flex_attention`` with a ``BlockMask`` made from attnkit's plan.
+
+Flex's ``BlockMask`` says, for each (query block, key block) pair, whether it is skipped, computed
+without a mask or computed with the mask function. Here it comes from the call's mask plan
+(:meth:`attnkit.MaskPlan.kinds` at Flex's block size: empty / full / partial, from each row's key
+intervals, no cell evaluated) through ``BlockMask.from_kv_blocks``, not from ``create_block_mask``.
+The mask function, evaluated on partial blocks only, gives the same cells as the plan:
+
+* ``is_causal`` / ``window``: a band ``lo <= kv_idx - q_idx <= hi`` whose bounds are tensors, so
+  causal, windows and key offsets of one shape share one compiled kernel;
+* a ``mask_mod``: the user's own predicate (and the band where there is one);
+* a dense bool ``mask`` or a :class:`attnkit.MaskPlan`: a lookup of the plan's intervals (at most
+  :data:`LOOKUP_INTERVALS` per row, padded to a power of two); a plan with more (or none) uses its
+  predicate, a dense mask with more its own cells.
+
+Without a mask there is no ``BlockMask`` (Flex's own, every block full). A ``score_mod`` passes
+through as Flex's score mod, its result in the score's dtype (:func:`attnkit.scores.apply`) and a
+NaN it makes turned into ``+inf``, which poisons the row (Flex's softmax would drop a NaN score);
+the mask is applied by selection after it, so nothing it makes at a masked cell reaches the output
+(:mod:`attnkit.nonfinite`). Grouped-query heads go through ``enable_gqa``, ``scale`` as it is. Rows
+with no allowed key come out as zeros.
+
+Compiling: one ``torch.compile(flex_attention, dynamic=False, fullgraph=True)`` per family (device,
+dtype, shapes, whether a gradient is needed, block size, the mask function's and the score mod's
+code and plain values, the shapes of the tensors they capture), each on a code object of its own
+(TorchDynamo keeps compiled graphs, and counts recompiles against its limit, per code object). The
+first call of a family compiles, which is said on stderr; threads making that call together wait
+for one compile. A family that fails to compile is remembered: the failing call is served by the
+next backend that can (said on stderr), and from then on ``not_supported_reasons`` gives the
+reason, so ``attnkit.which_backend`` lists it.
+
+Dtypes: float32, bfloat16 and float16. On CPU (PyTorch 2.13) Flex computes forward only (no
+backward: a call that needs a gradient is refused) and half types are computed in float32 and
+rounded once (:func:`attnkit.dtypes.compute_dtype`); on CUDA half types go to Flex as they are (its
+kernels accumulate in float32) and gradients reach ``q``, ``k``, ``v`` and the tensors a score mod
+captures through Flex's own backward.
+
+Plain PyTorch, for a reader (what one partial block computes)::
+
+    s = score_mod(q_blk @ k_blk.T * scale, b, h, q_idx, kv_idx)
+    s = torch.where(mask_fn(b, h, q_idx, kv_idx), s, -inf)   # full blocks skip this line
+    # online softmax over the row's non-empty blocks, as in FlashAttention
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from .. import closures, masks, per_element, scores
+from ..call import Call
+from ..dtypes import compute_dtype
+from ..maskplan import MaskPlan
+from ..maskplan.tile_kinds import FULL, PARTIAL
+from . import refusals, tile_schedule
+from .reference import ReferenceBackend
+from .refusals import Refusal, reasons
+
+#: Flex's own default sparse block (its CUDA kernels' tiles divide it): query rows and keys per block.
+BLOCK_SIZE = 128
+#: What Flex computes in (PyTorch 2.13, CPU: "`torch.float`, `torch.float16` and `torch.bfloat16` are
+#: supported in FlexAttention for CPU device").
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEVICES = ("cpu", "cuda")
+#: Most intervals per row the mask function looks up (one comparison pair each, unrolled).
+LOOKUP_INTERVALS = 4
+#: Most compiled families kept (the oldest is dropped, and compiled again if it comes back).
+MAX_FAMILIES = 64
+#: Keys evaluated at once when a plan has no intervals and its kinds are found from its cells.
+_REFINE_CHUNK = 1024
+
+_REFERENCE = ReferenceBackend()
+_PER_ELEMENT_CODE = per_element.per_element(lambda b, h, q, kv: q).__code__
+
+
+def _needs_grad(req: Call) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if any(t.requires_grad for t in (req.query, req.key, req.value)):
+        return True
+    return req.score_mod is not None and bool(closures.captured_tensors(req.score_mod))
+
+
+class FlexBackend:
+    """``"flex"``: see the module docstring.
+
+    Args:
+        block_size: query rows and keys per block of the ``BlockMask`` (default :data:`BLOCK_SIZE`).
+        fallback: ``fallback(request) -> backend``, the backend that serves a call whose family compiled
+            Flex cannot serve (the registered ``flex`` is given the next one of the device's automatic
+            order); None: the reference backend.
+
+    Raises:
+        ValueError: a block size that is not a positive int.
+    """
+
+    name = "flex"
+
+    REFUSALS = (
+        refusals.weights("flex"),
+        refusals.dropout("flex"),
+        Refusal(lambda c: c.bias is not None, "a dense bias is not served by flex (pass it as a score_mod)"),
+        Refusal(lambda c: torch.compiler.is_compiling(),
+                "flex builds its BlockMask on the host from the mask plan, which torch.compile cannot trace"),
+        Refusal(lambda c: c.query.device.type not in DEVICES,
+                lambda c: f"flex runs on CPU and CUDA tensors, got {c.query.device}"),
+        Refusal(lambda c: c.query.dtype not in DTYPES,
+                lambda c: f"FlexAttention computes in float32, bfloat16 and float16, got {c.query.dtype} "
+                          "(on CPU, PyTorch 2.13: \"`torch.float`, `torch.float16` and `torch.bfloat16` are "
+                          "supported in FlexAttention for CPU device\"; the tiles and reference backends serve it)"),
+        Refusal(lambda c: c.query.device.type == "cpu" and _needs_grad(c),
+                "FlexAttention does not support backward on CPU (PyTorch 2.13); call it under torch.no_grad(), "
+                "or let the tiles backend serve the gradient"),
+        Refusal(lambda c: 0 in (c.q_len, c.kv_len) or 0 in c.batch_shape,
+                lambda c: f"an empty call (Lq = {c.q_len}, Lk = {c.kv_len}, batch {tuple(c.batch_shape)})"),
+        Refusal(lambda c: c.mask is not None and c.query.dim() != 4,
+                "a dense mask needs 4-D inputs [B, H, L, E] here (its mask plan gives the BlockMask)"),
+    )
+
+    def __init__(self, *, block_size: int | None = None, fallback=None):
+        if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool)
+                                       or block_size <= 0):
+            raise ValueError(f"block_size must be a positive int or None, got {block_size!r}")
+        self.block_size = block_size or BLOCK_SIZE
+        self.fallback = fallback or (lambda req: _REFERENCE)
+
+    def not_supported_reasons(self, req: Call) -> list[str]:
+        why = reasons(self.REFUSALS, req)
+        if why or not _failed:
+            return why
+        failed = _failed.get(_inputs(req, self.block_size).family)
+        return [f"compiled flex_attention cannot serve this family of calls: {failed}"] if failed else []
+
+    def __call__(self, req: Call) -> tuple[Tensor, None]:
+        why = self.not_supported_reasons(req)
+        if why:  # select() asks first; this is a direct call
+            raise ValueError(f"backend {self.name!r} cannot serve this call: " + "; ".join(why))
+        ins = _inputs(req, self.block_size)
+        try:
+            out = _family(ins.family).run(ins, req)
+        except _CompileFailed as e:
+            fallback = self.fallback(req)
+            print(f"attnkit: compiled flex_attention cannot serve this call ({e}); the {fallback.name} backend "
+                  "serves it", file=sys.stderr, flush=True)
+            return fallback(req)
+        return out.reshape(*req.batch_shape, *out.shape[1:]).to(req.query.dtype), None
+
+
+# --------------------------------------------------------------------------------------------
+# What one call hands to Flex
+# --------------------------------------------------------------------------------------------
+
+
+class _Inputs:
+    """Flex's arguments for one call and the family they compile to (worked out once per call)."""
+
+    def __init__(self, args: tuple, family: tuple, what: str):
+        self.args, self.family, self.what = args, family, what
+
+
+def _inputs(req: Call, block: int) -> _Inputs:
+    key = ("flex", block)
+    if key not in req.memo:
+        req.memo[key] = _work_out(req, block)
+    return req.memo[key]
+
+
+def _work_out(req: Call, block: int) -> _Inputs:
+    dev = req.query.device
+    dtype = compute_dtype(req.query.dtype) if dev.type == "cpu" else req.query.dtype
+    q, k, v = (t.reshape(-1, *t.shape[-3:]).to(dtype) for t in (req.query, req.key, req.value))  # [B, H|Hkv, L, E]
+    mask_fn, mask_key, mask_what = _mask_function(req)
+    block_mask = None if mask_fn is None else _block_mask(req, block, mask_fn)
+    score_fn, score_key = None, None
+    if req.score_mod is not None:
+        score_fn, score_key = _score_function(_unwrapped(req.score_mod)), _mod_key(req.score_mod)
+    gqa = req.heads != req.kv_heads
+    family = (dev.type, dev.index, dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), req.scale, gqa,
+              _needs_grad(req), torch.is_inference_mode_enabled(), block, mask_key, score_key)
+    score_what = "no score_mod" if req.score_mod is None else masks.mod_name("score_mod", _unwrapped(req.score_mod))
+    what = f"{dtype} q {tuple(q.shape)}, k {tuple(k.shape)}, {mask_what}, {score_what}"
+    return _Inputs((q, k, v, score_fn, block_mask, req.scale, gqa), family, what)
+
+
+def _unwrapped(mod):
+    """A mod as the user wrote it: Flex calls it per element, so attnkit's per-element wrapper
+    (:func:`attnkit.per_element.per_element`) is not needed there."""
+    return mod.__wrapped__ if getattr(mod, "__code__", None) is _PER_ELEMENT_CODE else mod
+
+
+def _mod_key(mod) -> tuple:
+    """What a compiled kernel of ``mod`` depends on: its code (or type), the plain values it reaches and
+    the shape, dtype, device and ``requires_grad`` of each tensor it captures (not their values)."""
+    mod = _unwrapped(mod)
+    tensors, values = closures.captured_state(mod)
+    code = getattr(mod, "__code__", None) or type(mod)
+    return (code, tuple((type(x), x) for x in values),
+            tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors))
+
+
+def _score_function(mod):
+    def score(s, b, h, q_idx, kv_idx):
+        out = scores.apply(mod, s, b, h, q_idx, kv_idx)
+        # Flex's softmax would drop a NaN score; +inf at an allowed cell makes its row NaN, as the NaN
+        # rule says, and at a masked cell it is selected out like anything else there.
+        return torch.where(torch.isnan(out), math.inf, out)
+
+    return score
+
+
+def _mask_function(req: Call):
+    """``(fn, key, words)``: the mask function of the partial blocks (None without a mask), what its
+    compiled kernel depends on, and what it is, in words."""
+    plan = req.mask_plan
+    if plan is None:
+        return None, None, "no mask"
+    dev = req.query.device
+    if req.mask is not None or isinstance(req.mask_mod, MaskPlan):
+        if plan.starts is not None and plan.starts.shape[-1] <= LOOKUP_INTERVALS:
+            return _lookup(plan, req.heads, dev)
+        if req.mask is None:
+            pred = _unwrapped(plan.predicate)
+            return pred, ("plan", _mod_key(pred)), "the plan's predicate"
+        parts = [_dense(req.mask, dev)]
+    else:
+        parts = []
+    band = _band(req, dev)
+    if band is not None:
+        parts.insert(0, band)
+    if req.mask_mod is not None and not isinstance(req.mask_mod, MaskPlan):
+        mod = _unwrapped(req.mask_mod)
+        parts.append((mod, ("mask_mod", _mod_key(mod)), masks.mod_name("mask_mod", mod)))
+    fns, keys, words = zip(*parts, strict=True)
+    return (fns[0] if len(fns) == 1 else masks.and_masks(*fns)), keys, " and ".join(words)
+
+
+def _band(req: Call, dev: torch.device):
+    """``is_causal``/``window`` as ``lo <= kv_idx - q_idx <= hi``, bounds in a tensor (None without either)."""
+    if not req.is_causal and req.window is None:
+        return None
+    far = req.q_len + req.kv_len  # further than any key: no bound on that side
+    left, right = req.window or (None, None)
+    lo = req.offset - (far if left is None else left)
+    hi = req.offset + (far if right is None else right)
+    if req.is_causal:
+        hi = min(hi, req.offset)
+    bounds = torch.tensor([lo, hi], device=dev)
+
+    def band(b, h, q_idx, kv_idx):
+        d = kv_idx - q_idx
+        return (d >= bounds[0]) & (d <= bounds[1])
+
+    return band, ("band",), "is_causal/window"
+
+
+def _lookup(plan: MaskPlan, heads: int, dev: torch.device):
+    """The plan's intervals as a predicate: row ``q`` of part ``p`` allows ``kv`` when
+    ``starts[p, q, i] <= kv < ends[p, q, i]`` for some ``i``."""
+    starts, ends = plan.starts, plan.ends
+    k = starts.shape[-1]
+    width = 1 << (k - 1).bit_length()  # padded with empty intervals (kv_len, kv_len): kernels shared
+    if width > k:
+        fill = (0, width - k)
+        starts = torch.nn.functional.pad(starts, fill, value=plan.kv_len)
+        ends = torch.nn.functional.pad(ends, fill, value=plan.kv_len)
+    starts, ends = starts.to(dev, torch.int32), ends.to(dev, torch.int32)
+    # part of batch element b, head h: b * H + h (per head), b (per batch element) or 0 (shared)
+    per_b, per_h = (heads, 1) if plan.heads is not None else ((1, 0) if starts.shape[0] > 1 else (0, 0))
+
+    def intervals(b, h, q_idx, kv_idx):
+        p = b * per_b + h * per_h
+        out = (starts[p, q_idx, 0] <= kv_idx) & (kv_idx < ends[p, q_idx, 0])
+        for i in range(1, width):
+            out = out | ((starts[p, q_idx, i] <= kv_idx) & (kv_idx < ends[p, q_idx, i]))
+        return out
+
+    return intervals, ("intervals", per_b, per_h, width), f"the plan's intervals ({k} per row)"
+
+
+def _dense(mask: Tensor, dev: torch.device):
+    """A dense bool mask ``[B|1, H|1, Lq|1, Lk|1]`` read cell by cell."""
+    m = masks.as_grid(mask).to(dev)
+    take = tuple(n > 1 for n in m.shape)
+
+    def dense(b, h, q_idx, kv_idx):
+        return m[tuple(ix if t else 0 for t, ix in zip(take, (b, h, q_idx, kv_idx), strict=True))]
+
+    return dense, ("dense", take), "a dense mask"
+
+
+def _block_mask(req: Call, block: int, mask_fn):
+    """Flex's ``BlockMask`` from the plan's kinds at ``block`` (shared by every batch element and head)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kinds = _kinds(req, block)
+    dev = req.query.device
+
+    def blocks(kind: int) -> tuple[Tensor, Tensor]:
+        hit = kinds == kind
+        count = hit.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # hits first, in order
+        return count[None, None].to(dev), order[None, None].contiguous().to(dev)
+
+    (partial, partial_at), (full, full_at) = blocks(PARTIAL), blocks(FULL)
+    return BlockMask.from_kv_blocks(partial, partial_at, full, full_at, BLOCK_SIZE=block, mask_mod=mask_fn,
+                                    seq_lengths=(req.q_len, req.kv_len))
+
+
+def _kinds(req: Call, block: int) -> Tensor:
+    """``[query blocks, key blocks]`` EMPTY/FULL/PARTIAL: the plan's, or where it has no intervals,
+    found by evaluating the mask on every block (a block cut short by ``Lk`` is never full)."""
+    plan = req.mask_plan
+    kinds = plan.kinds(block, block)
+    if kinds is not None:
+        return kinds
+    lq, lk = req.q_len, req.kv_len
+    kinds = torch.full((-(-lq // block), -(-lk // block)), FULL, dtype=torch.int8)
+    if lk % block:
+        kinds[:, -1] = PARTIAL
+    pred = plan.predicate if isinstance(req.mask_mod, MaskPlan) else _cells(req)
+    b = torch.arange(math.prod(req.batch_shape)).view(-1, 1, 1, 1)
+    h = torch.arange(req.heads).view(1, -1, 1, 1)
+
+    def allowed(q: Tensor, kv: Tensor) -> Tensor:
+        dev = req.query.device
+        inside = kv < lk
+        return pred(b.to(dev), h.to(dev), q.to(dev)[None, None], kv.clamp(max=lk - 1).to(dev)[None, None]).cpu() \
+            & inside
+
+    return tile_schedule.refine_kinds(kinds, allowed, lq, block, block, max(block, _REFINE_CHUNK))
+
+
+def _cells(req: Call):
+    """The call's whole mask as a broadcasting predicate (``is_causal``, ``window``, ``mask_mod``, ``mask``)."""
+    mod = req.structured_mask_mod()
+    if req.mask is None:
+        return mod
+    grid = masks.as_grid(req.mask)
+
+    def dense(b, h, q_idx, kv_idx):
+        return grid[tuple(ix if n > 1 else 0 for n, ix in zip(grid.shape, (b, h, q_idx, kv_idx), strict=True))]
+
+    return dense if mod is None else masks.and_masks(mod, dense)
+
+
+# --------------------------------------------------------------------------------------------
+# Compiled kernels, one per family
+# --------------------------------------------------------------------------------------------
+
+
+class _CompileFailed(RuntimeError):
+    """Compiled flex_attention cannot serve a family: its compile failed, or its first output disagreed
+    with the formula (the message says why, in one line)."""
+
+
+#: family -> why it could not compile (read without the lock: one dict store per failure)
+_failed: dict[tuple, str] = {}
+_families: OrderedDict[tuple, _Family] = OrderedDict()
+_lock = threading.Lock()
+
+
+def _family(key: tuple) -> _Family:
+    with _lock:
+        fam = _families.get(key)
+        if fam is None:
+            fam = _families[key] = _Family()
+            while len(_families) > MAX_FAMILIES:
+                _families.popitem(last=False)
+        _families.move_to_end(key)
+    return fam
+
+
+class _Family:
+    """One compiled ``flex_attention``: made on the first call, under its own lock."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.fn = None
+
+    def run(self, ins: _Inputs, req: Call) -> Tensor:
+        fn = self.fn
+        if fn is None:
+            with self.lock:
+                if self.fn is None:
+                    return self._first(ins, req)
+            fn = self.fn
+        try:
+            return fn(*ins.args)
+        except torch._dynamo.exc.TorchDynamoException as e:  # a recompile TorchDynamo made on its own failed
+            raise self._failure(ins, e) from e
+
+    def _first(self, ins: _Inputs, req: Call) -> Tensor:
+        if ins.family in _failed:
+            raise _CompileFailed(_failed[ins.family])
+        print(f"attnkit: compiling PyTorch's flex_attention for {ins.what} (once per shape, dtype and mod)",
+              file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        fn = _compile()
+        try:
+            out = fn(*ins.args)
+        except Exception as e:  # noqa: BLE001 - whatever stops the compile, the next backend serves the call
+            raise self._failure(ins, e) from e
+        wrong = _disagreement(req, ins, out)
+        if wrong is not None:
+            raise self._failure(ins, ValueError(f"the compiled kernel disagrees with the formula: {wrong}"))
+        self.fn = fn
+        print(f"attnkit: compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        return out
+
+    @staticmethod
+    def _failure(ins: _Inputs, e: Exception) -> _CompileFailed:
+        first = (str(e).strip().splitlines() or [""])[0]
+        reason = f"{type(e).__name__}: {first}"[:300]
+        _failed[ins.family] = reason
+        return _CompileFailed(reason)
+
+
+#: Query rows of a family's first call recomputed from the formula (spread over batch, heads and rows).
+CHECK_ROWS = 16
+
+
+@torch.no_grad()
+def _disagreement(req: Call, ins: _Inputs, out: Tensor) -> str | None:
+    """Where the first output of a family (``[B, H, Lq, Ev]``) differs from the formula on
+    :data:`CHECK_ROWS` of its rows, in words; None where it agrees.
+
+    Compiled Flex is generated code, made anew for each family: PyTorch 2.13 on the CPU miscomputes,
+    for one, a mod that gathers a row of a captured table and then picks from it
+    (``row = table[ids[q_idx]]; row[0]``). So each family is checked once, like a native kernel,
+    before it serves: the rows' scores, the score mod and the mask evaluated as attnkit's other backends
+    do (the mask from the plan's intervals, or cell by cell), softmax, values.
+    """
+    q, k, v = (t.detach().float() for t in ins.args[:3])
+    b_n, h_n, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    rows = torch.linspace(0, b_n * h_n * lq - 1, min(CHECK_ROWS, b_n * h_n * lq)).round().long().unique()
+    bi, hi, qi = rows // (h_n * lq), rows // lq % h_n, rows % lq
+    kv_heads = hi // (h_n // k.shape[1])
+    s = torch.einsum("ne,nke->nk", q[bi, hi, qi], k[bi, kv_heads]) * req.scale  # [n, Lk]
+    dev = q.device
+    b, h, i = (x.to(dev).view(1, 1, -1, 1) for x in (bi, hi, qi))
+    kv = torch.arange(lk, device=dev).view(1, 1, 1, -1)
+    if req.score_mod is not None:
+        s = scores.apply(req.score_mod, s.view(1, 1, -1, lk), b, h, i, kv).view(-1, lk)
+    allowed = _allowed_rows(req, bi, hi, qi, b, h, i, kv)
+    if allowed is not None:
+        s = torch.where(allowed, s, -math.inf)
+    dead = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.where(dead, 0.0, torch.softmax(s, -1))  # a dead row's softmax is NaN
+    want = torch.einsum("nk,nke->ne", p, v[bi, kv_heads])
+    got = out.detach().float()[bi, hi, qi]
+    tol = 1e-4 if ins.args[0].dtype == torch.float32 else 3e-2
+    bad = (got.isnan() != want.isnan()) | ((got - want).abs() > tol * (1 + want.abs())).nan_to_num(False)
+    if not bool(bad.any()):
+        return None
+    at = int(bad.any(-1).nonzero()[0])
+    return (f"batch {int(bi[at])}, head {int(hi[at])}, query {int(qi[at])}: largest difference "
+            f"{float((got[at] - want[at]).abs().nan_to_num(math.inf).max()):.3g}")
+
+
+def _allowed_rows(req: Call, bi, hi, qi, b, h, i, kv) -> Tensor | None:
+    """Bool ``[n, Lk]``: the keys each sampled row ``(bi, hi, qi)`` may attend (None: every key)."""
+    plan = req.mask_plan
+    if plan is None:
+        return None
+    if plan.starts is not None:
+        part = bi * req.heads + hi if plan.heads is not None else (bi if plan.starts.shape[0] > 1 else 0 * bi)
+        starts, ends = (t[part, qi].to(kv.device)[..., None] for t in (plan.starts, plan.ends))  # [n, K, 1]
+        keys = kv.view(1, 1, -1)
+        return ((starts <= keys) & (keys < ends)).any(1)
+    pred = plan.predicate if isinstance(req.mask_mod, MaskPlan) else _cells(req)
+    return torch.broadcast_to(pred(b, h, i, kv), (1, 1, len(bi), kv.shape[-1])).reshape(len(bi), -1)
+
+
+def _compile():
+    """``torch.compile(flex_attention)`` on a code object of its own (see the module docstring)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def run(q, k, v, score_mod, block_mask, scale, enable_gqa):
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+    run.__code__ = run.__code__.replace()
+    return torch.compile(run, dynamic=False, fullgraph=True)

@@ -1,0 +1,380 @@
+"""The "flex" backend on CPU: its BlockMask against the plan, its refusals, and its forward against the oracle.
+
+PyTorch 2.13's FlexAttention runs forward only on the CPU, in float32, bfloat16 and float16, and
+each new family (shapes, dtype, mods) costs a compile of several seconds: every compiled case here
+shares one shape (``B, H, L, E``) and one block size (``BLOCK``, small, so that ``L`` spans empty,
+full and partial blocks), and half types are computed in float32 on the CPU, so bfloat16 reuses
+the float32 kernels. Five kernels in all: the band (``is_causal``/``window``), the band with a
+user's ``mask_mod``, the plan's intervals (a dense mask, a ``MaskPlan``), a ``score_mod`` alone,
+and the registered backend at Flex's default block size. ``test_flex_grid.py`` has the heavier
+cases (GQA, ``Lq != Lk``, a dense mask without an interval form, a failed compile).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import masks, nonfinite, scores
+from attnkit.backends import flex
+from attnkit.backends.flex import FlexBackend
+from attnkit.call import validate_call
+from attnkit.maskplan.tile_kinds import EMPTY, FULL, PARTIAL
+from tests.support import oracle
+from tests.support.tolerances import close
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+B, H, L, E = 2, 4, 80, 16
+BLOCK = 16
+SMALL = FlexBackend(block_size=BLOCK)
+DOCS = torch.tensor([[0] * 30 + [1] * 35 + [2] * 15, [0] * 50 + [1] * 30])
+#: Query 5 of batch element 1 belongs to no document of the keys: a row with nothing to attend.
+Q_DOCS = DOCS.clone()
+Q_DOCS[1, 5] = 7
+
+
+def qkv(b=B, h=H, hkv=H, lq=L, lk=L, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, n_h, n, E, generator=g, dtype=torch.float64).to(dtype)
+            for n_h, n in ((h, lq), (hkv, lk), (hkv, lk))]
+
+
+def documents(b, h, q_idx, kv_idx):
+    """A user's own mask_mod: same document (per batch element), with a dead row."""
+    return Q_DOCS[b, q_idx] == DOCS[b, kv_idx]
+
+
+def row_band_mask(seed=1) -> torch.Tensor:
+    """A dense bool ``[B, 1, L, L]`` mask whose rows are one run of keys each (so it has an interval
+    form), at random places, and row 9 of batch element 0 empty."""
+    g = torch.Generator().manual_seed(seed)
+    lo = torch.randint(0, L, (B, 1, L, 1), generator=g)
+    width = torch.randint(1, 30, (B, 1, L, 1), generator=g)
+    kv = torch.arange(L)
+    m = (kv >= lo) & (kv < lo + width)
+    m[0, 0, 9] = False
+    return m
+
+
+def block_pattern(seed=3) -> torch.Tensor:
+    """A dense bool ``[B, 1, L, L]`` mask of ``BLOCK`` x ``BLOCK`` blocks, each empty, full or random cells
+    (rows of many runs of keys)."""
+    g = torch.Generator().manual_seed(seed)
+    n = L // BLOCK
+    kind = torch.randint(0, 3, (B, 1, n, n), generator=g).repeat_interleave(BLOCK, 2).repeat_interleave(BLOCK, 3)
+    return (kind == FULL) | ((kind == PARTIAL) & (torch.rand(B, 1, L, L, generator=g) > 0.5))
+
+
+def forward(backend, q, k, v, **kw):
+    """The backend's output through the NaN rule (as attnkit.attention runs it), without gradients."""
+    with torch.no_grad():
+        return nonfinite.call(backend, validate_call(q, k, v, **kw))[0]
+
+
+def expected(q, k, v, *, allowed=None, score_mod=None, **kw):
+    if allowed is None:
+        allowed = oracle.allowed_grid(q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                                      is_causal=kw.get("is_causal", False), window=kw.get("window"),
+                                      mask_mod=kw.get("mask_mod"), mask=kw.get("mask"))
+    return oracle.attention(q, k, v, allowed=allowed, score_mod=score_mod, scale=kw.get("scale"))[0]
+
+
+# --------------------------------------------------------------------------------------------
+# The BlockMask, block by block and cell by cell (nothing compiled)
+# --------------------------------------------------------------------------------------------
+
+
+def decoded(block_mask) -> torch.Tensor:
+    """``[query blocks, key blocks]`` EMPTY/FULL/PARTIAL read back from a BlockMask's index tensors."""
+    nq = block_mask.kv_num_blocks.shape[-1]
+    nk = -(-block_mask.seq_lengths[1] // block_mask.BLOCK_SIZE[1])
+    kinds = torch.full((nq, nk), EMPTY, dtype=torch.int8)
+    for kind, count, index in ((PARTIAL, block_mask.kv_num_blocks, block_mask.kv_indices),
+                               (FULL, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
+        assert count.shape[:2] == (1, 1)  # one layout, shared by every batch element and head
+        for t in range(nq):
+            at = index[0, 0, t, : int(count[0, 0, t])].long()
+            assert bool((kinds[t, at] == EMPTY).all()), "a block listed twice"
+            assert at.tolist() == sorted(at.tolist())
+            kinds[t, at] = kind
+    return kinds
+
+
+def cells(req, block: int) -> torch.Tensor:
+    """Bool ``[B, H, Lq, Lk]``: what Flex lets attend with this call's BlockMask and mask function:
+    nothing in empty blocks, everything in full ones, the mask function on partial ones."""
+    fn = flex._mask_function(req)[0]
+    kinds = decoded(flex._inputs(req, block).args[4])
+    b, h = torch.arange(B).view(-1, 1, 1, 1), torch.arange(req.heads).view(1, -1, 1, 1)
+    out = torch.zeros(B, req.heads, req.q_len, req.kv_len, dtype=torch.bool)
+    for t, j in (kinds != EMPTY).nonzero().tolist():
+        rows, cols = slice(t * block, (t + 1) * block), slice(j * block, (j + 1) * block)
+        q = torch.arange(req.q_len)[rows].view(1, 1, -1, 1)
+        kv = torch.arange(req.kv_len)[cols].view(1, 1, 1, -1)
+        out[..., rows, cols] = True if kinds[t, j] == FULL else fn(b, h, q, kv)
+    return out
+
+
+PLANS = {
+    "causal": lambda: {"is_causal": True},
+    "window": lambda: {"window": (20, 3)},
+    "causal window, Lq < Lk": lambda: {"is_causal": True, "window": (10, None), "lq": 50},
+    "documents (mask_mod)": lambda: {"mask_mod": documents},
+    "documents and causal": lambda: {"mask_mod": documents, "is_causal": True},
+    "dense, an interval per row": lambda: {"mask": row_band_mask()},
+    "dense, many intervals a row": lambda: {"mask": block_pattern()},
+    "no interval form (more runs than a plan lists)": lambda: {"mask_mod": lambda b, h, q, kv: (kv % 2 == 0) | (q < 40),
+                                                               "lq": 600, "lk": 600},
+    "plan per head": lambda: {"mask": attnkit.mask_plan(lambda b, h, q, kv: (q - kv).abs() <= 4 * h + 1, q_len=L,
+                                                        batch=B, heads=H)},
+    "plan with 5 intervals a row": lambda: {"mask": attnkit.mask_plan(lambda b, h, q, kv: (kv % 16) < 2, q_len=L,
+                                                                      batch=B)},
+}
+
+
+@pytest.mark.parametrize("block", [BLOCK, 32, flex.BLOCK_SIZE])
+@pytest.mark.parametrize("case", list(PLANS))
+def test_the_block_mask_is_the_plan_block_by_block_and_cell_by_cell(case, block):
+    kw = PLANS[case]()
+    q, k, v = qkv(lq=kw.pop("lq", L), lk=kw.pop("lk", L))
+    req = validate_call(q, k, v, **kw)
+    block_mask = flex._inputs(req, block).args[4]
+    assert block_mask.BLOCK_SIZE == (block, block) and block_mask.seq_lengths == (req.q_len, req.kv_len)
+    kinds = decoded(block_mask)
+    plan = req.mask_plan
+    if plan.starts is not None:
+        assert torch.equal(kinds, plan.kinds(block, block))
+    want = req.dense_mask() if not isinstance(req.mask_mod, attnkit.MaskPlan) else \
+        masks.materialize(req.mask_mod, B, H, req.q_len, req.kv_len)
+    assert torch.equal(cells(req, block), want.expand(B, H, req.q_len, req.kv_len))
+    if block == BLOCK and case in ("causal", "dense, many intervals a row"):
+        assert set(kinds.unique().tolist()) == {EMPTY, FULL, PARTIAL}  # all three kinds are exercised
+
+
+def test_how_each_mask_reaches_the_partial_blocks():
+    q, k, v = qkv()
+    words = {name: flex._mask_function(validate_call(q, k, v, **PLANS[name]()))[2] for name in PLANS
+             if "lq" not in PLANS[name]()}
+    assert words["causal"] == words["window"] == "is_causal/window"
+    assert words["documents and causal"] == "is_causal/window and mask_mod 'documents'"
+    assert words["dense, an interval per row"] == "the plan's intervals (1 per row)"
+    assert words["dense, many intervals a row"] == "a dense mask"
+    assert words["plan per head"] == "the plan's intervals (1 per row)"
+    assert words["plan with 5 intervals a row"] == "the plan's predicate"
+    assert flex._mask_function(validate_call(q, k, v))[0] is None  # no mask: no BlockMask
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals and selection (nothing compiled)
+# --------------------------------------------------------------------------------------------
+
+
+def test_float64_and_cpu_gradients_are_refused_with_flex_own_reasons():
+    q, k, v = qkv(dtype=torch.float64)
+    with pytest.raises(ValueError, match="FlexAttention computes in float32, bfloat16 and float16, got torch.float64"):
+        SMALL(validate_call(q, k, v, is_causal=True))  # a direct call says why, as a forced backend does
+    q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+    with pytest.raises(ValueError, match="FlexAttention does not support backward on CPU"):
+        attnkit.which_backend(q, k, v, is_causal=True, backend="flex")
+    slopes = torch.nn.Parameter(scores.alibi_slopes(H))  # a gradient is needed for what the score_mod captures
+    with pytest.raises(ValueError, match="does not support backward on CPU"):
+        attnkit.which_backend(*(t.detach() for t in (q, k, v)), score_mod=scores.alibi(slopes), backend="flex")
+    with torch.no_grad():
+        assert attnkit.which_backend(q, k, v, is_causal=True, backend="flex") == "flex"
+        assert attnkit.which_backend(q, k, v, score_mod=scores.alibi(slopes), backend="flex") == "flex"
+
+
+@pytest.mark.parametrize("kw, why", [
+    ({"return_weights": True}, "never forms the weights"),
+    ({"dropout_p": 0.1}, "dropout is not implemented in the flex backend"),
+    ({"bias": torch.zeros(L, L)}, "a dense bias is not served by flex"),
+], ids=["weights", "dropout", "bias"])
+def test_what_flex_does_not_serve_is_refused_by_name(kw, why):
+    q, k, v = qkv()
+    with torch.no_grad(), pytest.raises(ValueError, match=f"backend 'flex' cannot serve this call: .*{why}"):
+        attnkit.which_backend(q, k, v, backend="flex", **kw)
+    with torch.no_grad(), pytest.raises(ValueError, match="an empty call"):
+        attnkit.which_backend(*qkv(lk=0), backend="flex")
+
+
+def test_on_the_cpu_auto_never_picks_flex_and_on_cuda_it_comes_after_sdpa():
+    order = attnkit.backends.auto_order("cpu")
+    assert order == attnkit.backends.AUTO_ORDER and order[-1] == "flex"
+    assert order[:-1] == ["sdpa", "band", "fused_tiles", "tiles", "reference"]
+    assert attnkit.backends.auto_order(torch.device("cuda", 0))[:2] == ["sdpa", "flex"]
+    q, k, v = qkv()
+    with torch.no_grad():  # what flex serves goes to the CPU kernels (these two ask for no band kernel build)
+        cosine = lambda s, b, h, i, j: s * torch.cos(s)  # noqa: E731
+        assert attnkit.which_backend(q, k, v, is_causal=True, score_mod=cosine) == "tiles"
+        assert attnkit.which_backend(q, k, v, mask_mod=documents, return_weights=True) == "reference"
+    with pytest.raises(ValueError, match="block_size must be a positive int or None, got 0"):
+        FlexBackend(block_size=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Compiling: once per family, said on stderr; a failure is a refusal (a stand-in compiler)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stand_in_compiler(monkeypatch):
+    """``flex._compile`` replaced by the test's ``.compiler``, counting its calls in ``.made``; the families
+    it made are forgotten after."""
+    stand_in = types.SimpleNamespace(made=[], compiler=None)
+
+    def compile_():
+        stand_in.made.append(1)
+        return stand_in.compiler()
+
+    monkeypatch.setattr(flex, "_compile", compile_)
+    before_families, before_failed = set(flex._families), set(flex._failed)
+    yield stand_in
+    for key in set(flex._families) - before_families:
+        flex._families.pop(key, None)
+    for key in set(flex._failed) - before_failed:
+        flex._failed.pop(key, None)
+
+
+def test_threads_making_a_family_first_call_together_wait_for_one_compile(stand_in_compiler, capfd):
+    def compiler():
+        def kernel(q, k, v, score_mod, block_mask, scale, enable_gqa):
+            time.sleep(0.2)  # the compile, as long as the other threads take to arrive
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return kernel
+
+    stand_in_compiler.compiler = compiler
+    q, k, v = qkv(lq=7, lk=7)  # a family no other test compiles
+    outs = []
+
+    def call():
+        outs.append(forward(SMALL, q, k, v, is_causal=True))
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(stand_in_compiler.made) == 1 and len(outs) == 4
+    for out in outs:
+        close(out, expected(q, k, v, is_causal=True), torch.float32)
+    err = capfd.readouterr().err
+    assert err.count("attnkit: compiling PyTorch's flex_attention for torch.float32 q (2, 4, 7, 16)") == 1
+    assert err.count("attnkit: compiled in") == 1
+
+
+def test_a_family_that_fails_to_compile_falls_back_and_is_then_refused_with_the_reason(stand_in_compiler, capfd):
+    def compiler():
+        def kernel(*args):
+            raise RuntimeError("no C++ compiler found\nsecond line")
+        return kernel
+
+    stand_in_compiler.compiler = compiler
+    q, k, v = qkv(lq=9, lk=9)
+    out = forward(SMALL, q, k, v, is_causal=True)  # served by the instance's fallback (the reference backend)
+    close(out, expected(q, k, v, is_causal=True), torch.float32)
+    assert "compiled flex_attention cannot serve this call (RuntimeError: no C++ compiler found); the reference " \
+        "backend serves it" in capfd.readouterr().err
+    registered = attnkit.backends.get("flex")  # its fallback: the next backend of the device's order that serves
+    assert registered.fallback(validate_call(q, k, v, is_causal=True)).name == "sdpa"
+    assert registered.fallback(validate_call(q, k, v, window=(2, 2), return_weights=True)).name == "reference"
+    with torch.no_grad():
+        assert SMALL.not_supported_reasons(validate_call(q, k, v, is_causal=True)) == [
+            "compiled flex_attention cannot serve this family of calls: RuntimeError: no C++ compiler found"]
+        assert not SMALL.not_supported_reasons(validate_call(*qkv(lq=10, lk=10), is_causal=True))  # another family
+    assert len(stand_in_compiler.made) == 1  # not tried again
+
+
+def test_a_family_whose_first_output_disagrees_with_the_formula_is_not_used(stand_in_compiler, capfd):
+    def compiler():
+        def kernel(q, k, v, score_mod, block_mask, scale, enable_gqa):  # forgets the mask
+            return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return kernel
+
+    stand_in_compiler.compiler = compiler
+    q, k, v = qkv(lq=11, lk=11)
+    out = forward(SMALL, q, k, v, is_causal=True)
+    close(out, expected(q, k, v, is_causal=True), torch.float32)
+    assert "(ValueError: the compiled kernel disagrees with the formula: batch 0, head 0, query 0: largest " \
+           "difference" in capfd.readouterr().err
+    with torch.no_grad(), pytest.raises(ValueError, match="backend 'flex' cannot serve this call: compiled "
+                                                          "flex_attention cannot serve this family of calls"):
+        SMALL(validate_call(q, k, v, is_causal=True))  # a direct call says why, as a forced backend does
+
+
+# --------------------------------------------------------------------------------------------
+# Forward against the float64 oracle (compiled; kernels shared across cases)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kw", [{"is_causal": True}, {"window": (9, 2)}, {"window": (None, 5), "is_causal": True}],
+                         ids=["causal", "window", "causal+window"])
+def test_band_masks_match_the_oracle(kw, dtype):
+    q, k, v = qkv(dtype=dtype)
+    out = forward(SMALL, q, k, v, **kw)
+    assert out.dtype == dtype
+    close(out, expected(q, k, v, **kw), dtype)
+
+
+def test_batch_dims_are_flattened_for_flex_and_restored():
+    q, k, v = (t.view(B, 1, H, L, E) for t in qkv())  # [B, 1, H, L, E]: the band kernel of the tests above
+    out = forward(SMALL, q, k, v, window=(9, 2))
+    assert out.shape == (B, 1, H, L, E)
+    close(out[:, 0], expected(*(t[:, 0] for t in (q, k, v)), window=(9, 2)), torch.float32)
+
+
+def test_a_user_mask_mod_and_a_score_mod_match_the_oracle_the_dead_row_is_zero_and_a_nan_score_poisons_its_rows():
+    q, k, v = qkv()
+    slopes = scores.alibi_slopes(H)
+    kw = {"mask_mod": documents, "is_causal": True}
+    out = forward(SMALL, q, k, v, score_mod=scores.alibi(slopes), **kw)
+    want = expected(q, k, v, score_mod=scores.alibi(slopes), **kw)
+    close(out, want, torch.float32)
+    assert torch.equal(out[1, :, 5], torch.zeros(H, E))
+    bad = slopes.clone()
+    bad[2] = float("nan")  # head 2's scores are NaN at every cell: its live rows, and only they, are NaN
+    out = forward(SMALL, q, k, v, score_mod=scores.alibi(bad), **kw)
+    assert bool(out[0, 2].isnan().all()) and bool(out[1, 2, :5].isnan().all()) and bool(out[1, 2, 6:].isnan().all())
+    assert torch.equal(out[1, 2, 5], torch.zeros(E))  # a dead row sees no score, NaN or not
+    close(out[:, [0, 1, 3]], want[:, [0, 1, 3]], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_dense_mask_and_a_plan_match_the_oracle(dtype):
+    q, k, v = qkv(dtype=dtype)
+    dense = row_band_mask()
+    out = forward(SMALL, q, k, v, mask=dense)
+    close(out, expected(q, k, v, allowed=dense), dtype)
+    assert torch.equal(out[0, :, 9], torch.zeros(H, E, dtype=dtype))
+    # a per-batch plan with one interval a row: the same compiled kernel, other intervals
+    plan = attnkit.mask_plan(masks.document_mod(DOCS), q_len=L, batch=B)
+    out = forward(SMALL, q, k, v, mask=plan)
+    close(out, expected(q, k, v, allowed=masks.materialize(plan, B, H, L, L)), dtype)
+
+
+def test_nan_in_the_inputs_reaches_only_the_rows_that_see_it():
+    q, k, v = qkv()
+    k[0, 1, 40] = float("nan")  # under causal, rows 40.. of batch 0 head 1 see it
+    out = forward(SMALL, q, k, v, is_causal=True)
+    assert bool(out[0, 1, 40:].isnan().all()) and not bool(out[0, 1, :40].isnan().any())
+    clean = k.clone()
+    clean[0, 1, 40] = 0.0
+    want = expected(q, clean, v, is_causal=True)
+    close(out[0, 1, :40], want[0, 1, :40], torch.float32)
+    close(out[1], want[1], torch.float32)
+
+
+def test_the_registered_backend_serves_gqa_and_lq_below_lk_at_flex_block_size_and_which_backend_names_it():
+    q, k, v = qkv(b=1, h=4, hkv=2, lq=100, lk=200)
+    kw = {"is_causal": True, "window": (150, None)}
+    with torch.no_grad():
+        assert attnkit.which_backend(q, k, v, backend="flex", **kw) == "flex"
+        out = attnkit.attention(q, k, v, backend="flex", **kw)
+    close(out, expected(q, k, v, **kw), torch.float32)
