@@ -13,7 +13,7 @@
 # of it: how fast its loss falls, whether it beats a bigram model (a table of which character follows
 # which), what it writes, and what its attention heads look at. The sizes are cut so that the whole
 # page runs in seconds on one CPU thread; `attnkit train lm` is the full run (three layers, a
-# thousand steps, 120 modules' docstrings, a few minutes).
+# thousand steps, the docstrings of 118 modules).
 
 # %%
 import time
@@ -39,7 +39,7 @@ torch.set_num_threads(1)
 # interpreter, so the text does not depend on what this process imported), one document per
 # function, class or method, headed by its name and signature. Every 10th docstring is held out
 # for validation, whole. Tokens are characters: the comparison with the bigram model below is then
-# per character, free of any tokenizer's choices. The full run reads 120 modules; here, 16 small
+# per character, free of any tokenizer's choices. The full run reads 118 modules; here, 16 small
 # ones.
 
 # %%
@@ -57,7 +57,7 @@ print(data.val_docs[0][:300])
 # %% [markdown]
 # ## The model
 #
-# `lm.GPT` is thirty lines. Each character id becomes a learned vector (`tok`), its position adds
+# `lm.GPT` is a few dozen lines. Each character id becomes a learned vector (`tok`), its position adds
 # another (`pos`), and the sum goes through pre-norm Transformer layers run with `is_causal=True`;
 # a final LayerNorm, and the output is multiplied by the token table itself (the output layer is
 # *tied* to the input embeddings, as in GPT-2), giving one score (logit) per character of the
@@ -89,8 +89,8 @@ print(f"at the last position, whose input changed:      {float(moved[-1]):.3f}")
 # Training is next-character prediction on random windows of the training text: the input is 16
 # characters, the target the same 16 shifted by one, and the loss the cross-entropy of each
 # position's prediction. Before any training the output is close to uniform, so the loss starts near
-# `ln V`. The loop is the one `attnkit train lm` runs: AdamW, a short
-# linear warm-up and a cosine decay of the learning rate, gradients clipped at norm 1.
+# `ln V`. The loop is the one `attnkit train lm` runs: AdamW, a short linear warm-up and a cosine
+# decay of the learning rate, gradients clipped at norm 1.
 
 # %%
 STEPS, BATCH, LR, WARMUP = 500, 32, 1e-2, 50
