@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit
+from attnkit import analysis
 from attnkit.apps import recall
 from attnkit.lab import rnn_conv
 
@@ -40,7 +41,7 @@ torch.set_num_threads(1)
 #
 # Four layers of the same width `d = 64` map a sequence `[batch, n, d]` to another: `nn.RNN` (tanh),
 # `nn.LSTM`, a `Conv1d` of width 3, and causal multi-head attention (4 heads). We time a forward and
-# backward pass of each for `n` from 64 to 1,024 tokens: the median of three runs, taken in turn
+# backward pass of each for `n` from 64 to 512 tokens: the median of five runs, taken in turn
 # so that a busy moment on the machine hits all four alike.
 
 # %%
@@ -70,24 +71,30 @@ def seconds(fns, repeat=3):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-lengths = [64, 128, 256, 512, 1024]
+lengths = [64, 128, 256, 512]
 ms = {name: [] for name in layers}
 for n in lengths:
     x = torch.randn(batch, n, d, requires_grad=True)
     fns = {name: (lambda name=name, layer=layer, x=x: run_layer(name, layer, x).sum().backward())
            for name, layer in layers.items()}
-    for name, t in seconds(fns).items():
+    for name, t in seconds(fns, repeat=5).items():
         ms[name].append(1e3 * t)
 
-q = torch.randn(batch, 4, 1024, d // 4)
+q = torch.randn(batch, 4, 512, d // 4)
 print("attention runs on the backend:", attnkit.which_backend(q, q, q, is_causal=True))
 print(f"\nms per forward + backward, batch {batch}, width {d}, one thread:")
 print(f"{'n':>6}" + "".join(f"{name:>17}" for name in layers))
 for i, n in enumerate(lengths):
     print(f"{n:>6}" + "".join(f"{ms[name][i]:>17.2f}" for name in layers))
-print("\ngrowth from n = 256 to n = 1024 (time x 4^p: p = 1 is linear, p = 2 quadratic):")
+print("\ngrowth from n = 128 to n = 512 (time x 4^p: p = 1 is linear, p = 2 quadratic):")
 for name in layers:
-    print(f"  {name:<16} p = {math.log(ms[name][-1] / ms[name][2], 4):.2f}")
+    print(f"  {name:<16} p = {math.log(ms[name][-1] / ms[name][1], 4):.2f}")
+print("\nthe arithmetic of one forward, attention's QK^T and PV against an RNN cell's two d x d products:")
+for i, n in enumerate(lengths):
+    attention_flops = analysis.attention_cost(n, d, 4, batch=batch, causal=True).attention_flops
+    flops = attention_flops / (batch * rnn_conv.recurrent_flops(n, d))
+    print(f"  n = {n:>4}: attention does {flops:4.1f} times the RNN's FLOPs, in "
+          f"{ms['attention'][i] / ms['nn.RNN'][i]:.2f} times its time")
 
 fig, ax = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
 for name in layers:
@@ -101,13 +108,15 @@ plt.show()
 
 # %% [markdown]
 # Read the table with the claim in mind. It is about *sequential steps*, not about time on one core:
-# on one thread everything runs one operation after another anyway, so attention's freedom to do
-# all tokens at once buys nothing here, while its arithmetic grows as `n² d` (every query against
-# every key) against `n d²` for the recurrent layers. So the attention column grows faster with `n`
-# than the recurrent ones (the exponents above), and how it compares with them at a given `n`
-# depends on this machine, the width and the backend. The advantage the claim names shows up where
-# many operations can run at once (a GPU, many cores): the recurrent layers cannot use them, since
-# step *t + 1* waits for step *t*.
+# on one thread everything runs one operation after another anyway, so attention's freedom to do all
+# tokens at once buys nothing here, and its arithmetic grows as `n² d` (every query against every
+# key) against `n d²` for the recurrent layers. Its exponent heads towards 2 once `n` is well past
+# the width; at these short lengths each call's fixed costs still weigh, and the exponents above are
+# what these lengths show. The last lines set arithmetic against time: how they compare is how well
+# each layer's work suits the core. Attention's work is a few large matrix products; a recurrent
+# layer's is `n` small ones, each waiting for the one before. That waiting is what the claim is
+# about, and it costs most where many operations could run at once (a GPU, many cores): the
+# recurrent layers cannot use them, since step *t + 1* needs step *t*.
 #
 # The sequential steps themselves can be counted without a clock. The autograd graph of an output
 # records every operation it came from; its longest chain of operations is the part that no amount
@@ -292,8 +301,8 @@ for name, by_distance in accuracy.items():
 #
 # - **Sequential computation**: holds exactly as a count of steps: attention's longest chain of
 #   operations does not grow with `n`, a recurrent cell's grows by a fixed amount per token. It is
-#   not a claim about time on one core: there, attention does `n² d` work and its time grows faster
-#   with `n` than the RNN's.
+#   not a claim about time on one core, where attention does `n² d` arithmetic against the recurrent
+#   layer's `n d²` in `n` small steps: what each costs on this machine is the table.
 # - **Path length**: holds as stated: 1 layer for attention, `n − 1` steps for a recurrence,
 #   `⌈(n − 1) / (k − 1)⌉` convolution layers, `⌈log_k n⌉` dilated ones, measured.
 # - **Long range**: at initialisation the recurrent layers' dependence on a token fades by orders of
