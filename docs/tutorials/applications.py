@@ -13,7 +13,7 @@
 # | `recommend` | each position of a session | the items up to it (causal self-attention) | causal, padding |
 # | `vit` | the class token and the patches | the same 17 tokens (self-attention) | none |
 #
-# Each application trains at full size with `attnkit train TASK` in a few minutes on a CPU
+# Each application trains at full size with `attnkit train TASK` in about a minute on two CPU cores
 # (`attnkit train translate`, `caption`, `classify`, `recommend`, `vit`; the guide
 # [Applications](../guides/applications.md) shows what each run draws, and
 # [the benchmark table](../benchmarks/apps.md) what each reaches). This page has seconds: it trains
@@ -31,6 +31,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from attnkit import viz
 from attnkit.apps import caption, classify, recommend, translate, vit
 
 torch.manual_seed(0)
@@ -240,7 +241,9 @@ causal = torch.ones(len(items), len(items), dtype=torch.bool).tril()
 print("session:", items)
 print(f"weight above the diagonal (the future): {float(weights[~causal].sum()):.1f}; "
       f"evenness over the past: {evenness(weights[1:], causal[1:]):.3f}")
-session_figure = recommend.draw_session(weights, items, theme, 0)
+item_labels = [f"{item}*" if item not in theme else str(item) for item in items]  # *: off the theme's path
+session_figure = viz.heatmap(weights, item_labels, item_labels, mask=causal,
+                             title="The untrained SASRec's attention over a generated session (* = detour)")
 
 # %% [markdown]
 # The triangle is the causal mask. The last item alone leaves the next one ambiguous (every item lies
