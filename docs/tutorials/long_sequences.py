@@ -298,10 +298,10 @@ plt.show()
 
 # %% [markdown]
 # On unstructured inputs none of them is close: the closest is about as far from exact attention as
-# plain averaging. On inputs in runs, Nyström comes closest by far, because its landmarks (segment means) are
-# then nearly the runs' own points. Performer's estimate is noisy on both: its noise grows with the
-# length of the query and key vectors (its features multiply terms of size `exp(‖q‖² / 2√d)`), and
-# these are long; more features lower it. `elu` computes another function, so it stays far from
+# plain averaging. On inputs in runs, Nyström comes closest by far, because its landmarks (segment
+# means) are then nearly the runs' own points. Performer's estimate is noisy on both: its noise
+# grows with the length of the query and key vectors (its features multiply terms of size
+# `exp(‖q‖² / 2√d)`), and these are long; more features lower it. `elu` computes another function, so it stays far from
 # softmax attention whatever the inputs (a model trained with it learns around that). An untrained
 # Linformer projection is not meant to be used: its matrices are learned with the model.
 # On a trained model the picture differs again: the benchmark
@@ -350,8 +350,8 @@ for kind in ("elu", "performer", "nystrom", "linformer"):
 #   Exact on the pattern, but scattered keys touch many tiles partially, so they save less time than
 #   their share of pairs suggests.
 # - **Every key, in linear time**: `attnkit.approx`, with an error you have measured on your own
-#   model's inputs: here none of them was close on unstructured inputs, and only Nyström on inputs in runs;
-#   which masks each honours is printed above (Nyström and Linformer take no causal mask).
+#   model's inputs: here none of them was close on unstructured inputs, and only Nyström on inputs
+#   in runs; which masks each honours is printed above (Nyström and Linformer take no causal mask).
 #
 # A fixed pattern is a decision about what the model may see, made before training; an
 # approximation is a decision about how precisely it sees everything. The first keeps the maths
