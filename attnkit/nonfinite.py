@@ -41,8 +41,11 @@ How it is kept
 (:func:`all_finite`): a sum of each of ``q``, ``k``, ``v`` (finite unless an element is not, or the
 sum overflowed), or for a KV cache's buffers the flag the cache keeps of what it wrote
 (:func:`vouch`: a decode step reads its one query token and that flag, not the buffers), and the
-bias's maximum (NaN or ``+inf``; ``-inf`` is a mask); on a device, one host sync. When it passes,
-the backend runs on the inputs as they are. Otherwise the same backend runs on sanitized inputs
+bias's maximum (NaN or ``+inf``; ``-inf`` is a mask); on a device, one host sync. A backend that
+reads every input it uses in its own pass may answer instead: the banded kernel, for a call that
+records no gradient, marks in its statistics each row whose scores or output met a non-finite value,
+and a look at those replaces the sums (``sees_nonfinite``/``if_finite``, see :func:`call`). When the
+check passes, the backend runs on the inputs as they are. Otherwise the same backend runs on sanitized inputs
 (non-finite entries of ``q``, ``k``, ``v`` and the NaN/``+inf`` entries of ``bias`` replaced by 0),
 so that every row that sees no poison is the clean call's, and the poisoned rows are made NaN
 afterwards. Which rows are poisoned comes from the mask plan's intervals (a prefix sum of the bad
@@ -93,8 +96,19 @@ _NAN = float("nan")
 
 def call(backend, req: Call) -> tuple[Tensor, Tensor | None]:
     """``backend(req)`` under the rule of the module docstring: the backend alone when every input
-    is finite (and under ``torch.compile``), its exact path otherwise."""
-    if torch.compiler.is_compiling() or all_finite(req):
+    is finite (and under ``torch.compile``), its exact path otherwise.
+
+    A backend whose own pass over the inputs tells whether one is not finite says so by two methods:
+    ``sees_nonfinite(req)``, whether it can tell for this call, and ``if_finite(req)``, its result, or None
+    when it met a non-finite input. Then that pass replaces :func:`all_finite`'s read of ``q``, ``k`` and
+    ``v``, and a call it finds non-finite runs twice (once to find out, once on the exact path)."""
+    if torch.compiler.is_compiling():
+        return backend(req)
+    sees = getattr(backend, "sees_nonfinite", None)
+    if sees is not None and req.bias is None and sees(req):
+        result = backend.if_finite(req)
+        return result if result is not None else exact(backend, req)
+    if all_finite(req):
         return backend(req)
     return exact(backend, req)
 

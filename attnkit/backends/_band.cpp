@@ -37,6 +37,17 @@
 // one m came from, by up to half an ulp of the score (256 at 7e9): exp of that is 0 or inf. The
 // backward subtracts m and log(l) separately for the same reason (m + log(l) rounds to m there).
 //
+// Non-finite inputs: the forward gives every row of a block NaN statistics when a key or value it read
+// for the block is not finite, and a row NaN statistics when its visible scores' maximum is not finite.
+// A NaN or infinite key makes its raw score with any finite query NaN or infinite, visible or not, so
+// one row of raw scores per chunk tells for the chunk's keys; a value that is not finite reaches every
+// row of the accumulator (p * inf, 0 * inf), so one accumulator row tells for the block's values; a
+// query that is not finite makes its row's scores NaN or infinite, whose maximum then is (capped scores
+// are finite, so capped rows add up their raw scores instead). So statistics free of NaN mean that every
+// row of q, k and v the forward read was finite (a false alarm when a finite score overflows), and the
+// output is the finite formula's. The caller (attnkit.nonfinite) uses that in place of reading q, k and
+// v once more before the call.
+//
 // Matrix products go to the BLAS that torch itself links (sgemm_/dgemm_, looked up weakly so that
 // a torch without them still loads this module: has_blas() then says no and nothing here is used).
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: gemm() swaps the operands.
@@ -149,6 +160,22 @@ void score_row(T* s, Index n, T scale, const T* bias, T cap) {
     at::vec::map([=](Vec x) { return x * vs; }, s, s, n);
   }
   if (cap > T(0)) cap_row<T>(s, n, cap);
+}
+
+// x[0:n) added up into z: finite unless an x is not (or the sum overflows: a false alarm, which costs
+// the caller only its exact path). See "Non-finite inputs" above.
+template <typename T>
+inline at::vec::Vectorized<T> add_up(const T* x, Index n, at::vec::Vectorized<T> z) {
+  using Vec = at::vec::Vectorized<T>;
+  Index j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) z = z + Vec::loadu(x + j);
+  if (j < n) z = z + Vec::loadu(x + j, static_cast<int>(n - j));  // the lanes past n load as 0
+  return z;
+}
+
+template <typename T>
+inline bool not_finite(at::vec::Vectorized<T> z) {
+  return !std::isfinite(at::vec::vec_reduce_all<T>([](auto a, auto b) { return a + b; }, z));
 }
 
 // score_row, and the maximum of the scores it leaves, in one pass over the row instead of two (the
@@ -407,13 +434,15 @@ inline bool dense_span(const Index* rg, Index count) {
 // online_softmax_row over the span [first start, last end) of in-order ranges: the same scores
 // (score_row is elementwise), the gaps -inf for the maximum and 0 after the exponential.
 template <typename T>
-T span_softmax_row(T* s, const Index* rg, Index count, T scale, const T* bias, T cap, T& m, T& l) {
+T span_softmax_row(T* s, const Index* rg, Index count, T scale, const T* bias, T cap, T& m, T& l, bool& bad) {
   using Vec = at::vec::Vectorized<T>;
   const Index a = rg[0], z = rg[2 * count - 1];
   const T ninf = -std::numeric_limits<T>::infinity();
+  if (cap > T(0)) bad = bad || not_finite<T>(add_up<T>(s + a, z - a, Vec(T(0))));  // see online_softmax_row
   score_row<T>(s + a, z - a, scale, bias != nullptr ? bias + a : nullptr, cap);
   for (Index c = 1; c < count; ++c) std::fill(s + rg[2 * c - 1], s + rg[2 * c], ninf);
   const T mx = at::vec::reduce_all<T>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, s + a, z - a);
+  bad = bad || !std::isfinite(mx);
   const T m_new = std::isnan(mx) ? mx : std::max(m, mx);
   const T factor = m == ninf ? T(0) : std::exp(m - m_new);
   const Vec vm(m_new);
@@ -427,9 +456,12 @@ T span_softmax_row(T* s, const Index* rg, Index count, T scale, const T* bias, T
 // One row of raw scores s[0:n) whose visible columns are the `count` ranges in rg: scale (and bias)
 // them, zero the rest, and fold them into the running max m and sum l (online softmax); returns the
 // factor for the row's accumulator. A NaN score makes m (and so the row's output) NaN: exp_u20
-// clamps NaN to a finite value.
+// clamps NaN to a finite value. `bad` is set when the maximum of the visible scores is not finite (a
+// NaN, +inf, or every one -inf), or, capped, when a visible raw score is not: the row's query or one
+// of its keys is not finite (see "Non-finite inputs" above).
 template <typename T>
-T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const T* bias, T cap, T& m, T& l) {
+T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const T* bias, T cap, T& m, T& l,
+                     bool& bad) {
   using Vec = at::vec::Vectorized<T>;
   Index at = 0;
   for (Index c = 0; c < count; ++c) {
@@ -439,16 +471,19 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
   }
   std::fill(s + at, s + n, T(0));
   if (count == 0) return T(1);
-  if (dense_span(rg, count)) return span_softmax_row<T>(s, rg, count, scale, bias, cap, m, l);
+  if (dense_span(rg, count)) return span_softmax_row<T>(s, rg, count, scale, bias, cap, m, l, bad);
   T mx = -std::numeric_limits<T>::infinity();
   for (Index c = 0; c < count; ++c) {
     const Index a = rg[2 * c], e = rg[2 * c + 1];
+    // Capping maps an infinite score to a finite one: the raw scores are seen before it.
+    if (cap > T(0)) bad = bad || not_finite<T>(add_up<T>(s + a, e - a, Vec(T(0))));
     const T x = score_row_max<T>(s + a, e - a, scale, bias != nullptr ? bias + a : nullptr, cap);
     mx = std::isnan(x) || std::isnan(mx) ? std::numeric_limits<T>::quiet_NaN() : std::max(mx, x);
   }
   const T m_new = std::isnan(mx) ? mx : std::max(m, mx);
   const T factor = m == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m - m_new);
   const Vec vm(m_new);
+  bad = bad || !std::isfinite(mx);
   T sum = 0;
   for (Index c = 0; c < count; ++c) {
     const Index a = rg[2 * c], e = rg[2 * c + 1];
@@ -559,7 +594,8 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   const Shape d(q, k, v);
   const bool biased = bias.numel() > 0;
   const Index blocks = (d.L + q_rows - 1) / q_rows, G = d.groups(), K = R.K;
-  const T ninf = -std::numeric_limits<T>::infinity();
+  using Vec = at::vec::Vectorized<T>;
+  const T ninf = -std::numeric_limits<T>::infinity(), nan = std::numeric_limits<T>::quiet_NaN();
   bool any_wide = false;
   const auto wide = wide_rows(R, q_rows, any_wide);
   // A scale that is a power of two (1/8 for 64-wide heads) is taken into the queries as they are
@@ -579,11 +615,13 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     Tensor s_buf, acc_buf, q_buf;
     T *s, *acc, *qg;
     std::vector<T> m, l;
+    std::vector<bool> bad;  // a row's scores met a non-finite value (online_softmax_row)
+    bool block_bad = false;  // a key or value of a chunk of the block is not finite
     std::vector<Index> rg;
     KeyScratch<T> keys;
     Scratch(Index rows, Index chunk, const Shape& d, Index K)
         : s(scratch<T>(s_buf, rows * chunk)), acc(scratch<T>(acc_buf, rows * d.Ev)),
-          qg(scratch<T>(q_buf, rows * d.E)), m(rows), l(rows), rg(2 * K), keys(chunk, d.E, d.Ev) {}
+          qg(scratch<T>(q_buf, rows * d.E)), m(rows), l(rows), bad(rows), rg(2 * K), keys(chunk, d.E, d.Ev) {}
   };
   // Rows row(0..g-1) of (b, h), their queries at qp + r * lda (a row(r) < 0 is left out): scores in
   // chunks of the keys they see (key_chunks), an online softmax per row, and their outputs and statistics.
@@ -594,16 +632,23 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     T* const l = w.l.data();
     std::fill(m, m + g, ninf);
     std::fill(l, l + g, T(0));
+    std::fill(w.bad.begin(), w.bad.begin() + g, false);
+    w.block_bad = false;
     bool first = true;
     key_chunks<T>(R, R.set(b, h), g, row, q_rows, kv_chunk, k, v, bias, b, h, h / G, w.keys,
                   [&](const T* kp, Index ldk, const T* vp, Index ldv, Index kc, const auto& visible,
                       const auto& bias_of) {
       gemm<T>(false, true, g, kc, d.E, T(1), qp, lda, kp, ldk, T(0), s, kc);
+      // One row's raw scores against every key of the chunk: a key that is not finite makes its score
+      // with any finite query NaN or infinite (inf * 0 is NaN), whichever rows may see it.
+      w.block_bad = w.block_bad || not_finite<T>(add_up<T>(s, kc, Vec(T(0))));
       for (Index r = 0; r < g; ++r) {
         const Index i = row(r);
         const Index count = i < 0 ? 0 : visible(i, w.rg);
         const T* br = biased && i >= 0 ? bias_of(i) : nullptr;
-        const T factor = online_softmax_row<T>(s + r * kc, kc, w.rg.data(), count, s_eff, br, cap, m[r], l[r]);
+        bool bad = w.bad[r];
+        const T factor = online_softmax_row<T>(s + r * kc, kc, w.rg.data(), count, s_eff, br, cap, m[r], l[r], bad);
+        w.bad[r] = bad;
         if (!first && factor != T(1)) {
           for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
         }
@@ -613,19 +658,23 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     });
     T* const ms = stats.data_ptr<T>() + (b * d.H + h) * d.L;  // the row maximum, then log of the row sum
     T* const ls = ms + d.B * d.H * d.L;
+    // A value that is not finite reaches every row of the product p v, as p * inf or 0 * inf (NaN), so
+    // one row of the accumulator tells for the block (the self-check asks that the BLAS carries it).
+    if (!first) w.block_bad = w.block_bad || not_finite<T>(add_up<T>(acc, d.Ev, Vec(T(0))));
     for (Index r = 0; r < g; ++r) {
       const Index i = row(r);
       if (i < 0) continue;
       T* o = const_cast<T*>(row_ptr<T>(out, b, h, i));  // out is [B, L, H, Ev] in memory
+      const bool bad = w.block_bad || w.bad[r];
       if (first || l[r] == T(0)) {  // nothing visible: zeros, like every other backend
         std::fill(o, o + d.Ev, T(0));
-        ms[i] = ls[i] = ninf;
+        ms[i] = ls[i] = bad ? nan : ninf;
         continue;
       }
       const T inv = T(1) / l[r];
       for (Index j = 0; j < d.Ev; ++j) o[j] = acc[r * d.Ev + j] * inv;
-      ms[i] = m[r];
-      ls[i] = std::log(l[r]);
+      ms[i] = bad ? nan : m[r];
+      ls[i] = bad ? nan : std::log(l[r]);
     }
   };
   each_item(d.B * d.H * blocks, false, [&](const auto& next) {

@@ -63,6 +63,7 @@ _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
 _reason: str | None = None
+_reports = False  # reports_nonfinite(): set once by _checked()
 
 
 class BandInputs(NamedTuple):
@@ -96,6 +97,24 @@ def attention(req: Call, inputs: BandInputs) -> Tensor:
     return run(req.query, req.key, req.value, inputs.starts, inputs.ends, inputs.bias, req.scale, inputs.softcap)
 
 
+def reports_nonfinite() -> bool:
+    """Whether a forward's statistics tell a non-finite input apart (see :func:`attention_if_finite`): the
+    kernel sees every score and output row it makes, and the self-check found that the BLAS carries a
+    non-finite value through a product with 0 (``0 * inf`` is NaN), as the kernel relies on for ``v``."""
+    return available() and _reports
+
+
+def attention_if_finite(req: Call, inputs: BandInputs) -> Tensor | None:
+    """:func:`attention` without a gradient, or None when the kernel met a non-finite value: a NaN or an
+    infinity in a row of ``q``, ``k`` or ``v`` it read (which a row's mask may or may not allow), or a score
+    that overflowed. Its statistics mark such rows NaN, so one look at them replaces reading ``q``, ``k``
+    and ``v`` once more before the call. Rows of the inputs the kernel never read (keys no row sees,
+    queries that see nothing) may hold anything: they change no output."""
+    out, stats = _run(req.query, req.key, req.value, inputs.starts, inputs.ends, inputs.bias, req.scale,
+                      inputs.softcap)
+    return None if bool(torch.isnan(stats[0]).any()) else out
+
+
 def run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor, bias: Tensor | None, scale: float,
         softcap: float = 0.0) -> Tensor:
     """Attention through the kernel without a Call; differentiable in query, key, value and bias.
@@ -111,6 +130,12 @@ def run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor,
     attend give zeros. Call :func:`available` first: this builds the kernel if needed but does not
     fall back.
     """
+    return _run(query, key, value, starts, ends, bias, scale, softcap)[0]
+
+
+def _run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor, bias: Tensor | None,
+         scale: float, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """:func:`run`, and the kernel's statistics ``[2, B', H, Lq']`` (of the folded batch for a dilated mask)."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0 for none), got {type(softcap).__name__}")
     if not math.isfinite(softcap) or softcap < 0:
@@ -127,12 +152,12 @@ def run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor,
         (q, k, v), (starts, ends) = (_fold(t, d) for t in (q, k, v)), rows
         table = table[:, d - 1::d]  # diagonal x of a class is x * d of the positions: column y -> d * y + d - 1
     if _plain_call(q, k, v, table):  # the operator's own work without its dispatch (see _plain_call)
-        out, _ = _forward(q, k, v, starts, ends, table, float(scale), float(softcap))
+        out, stats = _forward(q, k, v, starts, ends, table, float(scale), float(softcap))
     else:
-        out, _ = torch.ops.attnkit.band_forward(q, k, v, starts, ends, table, float(scale), float(softcap))
+        out, stats = torch.ops.attnkit.band_forward(q, k, v, starts, ends, table, float(scale), float(softcap))
     if d:
         out = _unfold(out, d)
-    return out.reshape(*query.shape[:-1], value.shape[-1]).to(query.dtype)
+    return out.reshape(*query.shape[:-1], value.shape[-1]).to(query.dtype), stats
 
 
 # id(starts) -> (weak references to starts and ends, their versions and the sizes, then what _dilated found).
@@ -373,7 +398,32 @@ def _checked():
         _reason = f"self-check against the formula failed: {err}"
         print(f"attnkit: banded kernel {_reason}; not used", file=sys.stderr)
         return None
+    global _reports
+    with real_tensors(), torch.inference_mode(False):
+        _reports = all(_reports_in(mod, dtype) for dtype in DTYPES)
     return mod
+
+
+def _reports_in(mod, dtype: torch.dtype) -> bool:
+    """Whether the forward's statistics mark the rows a non-finite input reaches (reports_nonfinite), in
+    ``dtype``: an infinity in a row of v whose weight is exactly 0 (the BLAS must carry ``0 * inf``), a NaN
+    in v and an infinity in k at keys the row may not see but the kernel reads beside those it may, and a
+    clean call that marks nothing. 12 rows, 1 head, a window of one key on each side."""
+    n, nan, inf = 12, float("nan"), float("inf")
+    starts, ends = _window(n, n, 1, 1)[2:]
+    q = torch.zeros(1, 1, n, 4, dtype=dtype)
+    q[..., 0] = 1.0
+    k, v = torch.zeros_like(q), torch.ones_like(q)
+    k[0, 0, 5, 0] = -4000.0  # row 4..6 give key 5 a weight of exactly 0
+    table = q.new_empty(0, 0)
+    clean = not bool(torch.isnan(mod.forward(q, k, v, starts, ends, table, 1.0, 0.0, 16, 32)[1][0]).any())
+    marked = []
+    for t, at, value in ((v, 5, inf), (v, 9, nan), (k, 1, -inf)):
+        poisoned = t.clone()
+        poisoned[0, 0, at, 1] = value
+        args = (q, poisoned, v) if t is k else (q, k, poisoned)
+        marked.append(bool(torch.isnan(mod.forward(*args, starts, ends, table, 1.0, 0.0, 16, 32)[1][0]).any()))
+    return clean and all(marked)
 
 
 def _self_check(mod) -> str | None:

@@ -47,17 +47,48 @@ class BandBackend:
         return [why] if why is not None else []
 
     def __call__(self, req: Call) -> tuple[Tensor, None]:
-        reasons = self.not_supported_reasons(req)
-        if reasons:  # select() asks first; this is a direct call
-            raise ValueError("backend 'band' cannot serve this call: " + "; ".join(reasons))
-        inputs = _kernel_inputs(req)[0]
+        inputs = self._inputs(req)
         if inputs.bias is not None and not torch.compiler.is_compiling():  # compiled: no check (attnkit.nonfinite)
             # The score_mod's table is the kernel's input: a NaN in it (or +inf, uncapped) is kept to the rows that
             # allow its diagonal like a NaN in q, k or v (attnkit.nonfinite), not left to the kernel's vectorised exp.
-            bad = torch.isnan(inputs.bias) if inputs.softcap else torch.isnan(inputs.bias) | torch.isposinf(inputs.bias)
+            bad = _bad_table(inputs)
             if bool(bad.any()):
                 return _bad_diagonals(req, inputs, bad)
         return _band.attention(req, inputs), None
+
+    def sees_nonfinite(self, req: Call) -> bool:
+        """Whether :meth:`if_finite` can serve ``req``: a call that records no gradient (the backward reads
+        key blocks whole, keys the forward never read among them) and whose score_mod table, if any, holds
+        no -inf under uncapped scores, on a kernel whose statistics report a non-finite input
+        (:func:`._band.reports_nonfinite`)."""
+        inputs = _kernel_inputs(req)[0]
+        if torch.is_grad_enabled() and (any(t.requires_grad for t in (req.query, req.key, req.value)) or (
+                inputs.bias is not None and inputs.bias.requires_grad)):
+            return False
+        if inputs.bias is not None and not inputs.softcap and bool(torch.isneginf(inputs.bias).any()):
+            return False  # uncapped, the kernel sees scores after the table: its -inf (a mask) would look like poison
+        return _band.reports_nonfinite()
+
+    def if_finite(self, req: Call) -> tuple[Tensor, None] | None:
+        """``self(req)``, or None when the kernel met a NaN or an infinity in ``q``, ``k`` or ``v`` on its way
+        (:func:`._band.attention_if_finite`): :mod:`attnkit.nonfinite` then takes its exact path. For calls
+        :meth:`sees_nonfinite` accepts; what the score_mod's table holds is checked as by ``self(req)``."""
+        inputs = self._inputs(req)
+        if inputs.bias is not None and bool(_bad_table(inputs).any()):
+            return None
+        out = _band.attention_if_finite(req, inputs)
+        return None if out is None else (out, None)
+
+    def _inputs(self, req: Call) -> _band.BandInputs:
+        reasons = self.not_supported_reasons(req)
+        if reasons:  # select() asks first; this is a direct call
+            raise ValueError("backend 'band' cannot serve this call: " + "; ".join(reasons))
+        return _kernel_inputs(req)[0]
+
+
+def _bad_table(inputs: _band.BandInputs) -> Tensor:
+    """The score_mod table's entries that poison a row: NaN, and +inf unless the scores are capped."""
+    return torch.isnan(inputs.bias) if inputs.softcap else torch.isnan(inputs.bias) | torch.isposinf(inputs.bias)
 
 
 def _bad_diagonals(req: Call, inputs: _band.BandInputs, bad: Tensor) -> tuple[Tensor, None]:
