@@ -61,11 +61,11 @@ print(data.val_docs[0][:300])
 # another (`pos`), and the sum goes through pre-norm Transformer layers run with `is_causal=True`;
 # a final LayerNorm, and the output is multiplied by the token table itself (the output layer is
 # *tied* to the input embeddings, as in GPT-2), giving one score (logit) per character of the
-# vocabulary at every position. Here it has one layer of 4 heads, 48 wide, and sees 16 characters.
+# vocabulary at every position. Here it has one layer of 4 heads, 32 wide, and sees 16 characters.
 
 # %%
 BLOCK = 16
-model = lm.GPT(vocab_size=V, block_size=BLOCK, embed_dim=48, num_heads=4, num_layers=1, ffn_dim=192, dropout=0.0)
+model = lm.GPT(vocab_size=V, block_size=BLOCK, embed_dim=32, num_heads=4, num_layers=1, ffn_dim=128, dropout=0.0)
 print(model)
 print(f"\n{sum(p.numel() for p in model.parameters()):,} parameters")
 
