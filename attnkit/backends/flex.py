@@ -176,10 +176,11 @@ def _work_out(req: Call, block: int) -> _Inputs:
     dtype = compute_dtype(req.query.dtype) if dev.type == "cpu" else req.query.dtype
     q, k, v = (t.reshape(-1, *t.shape[-3:]).to(dtype) for t in (req.query, req.key, req.value))  # [B, H|Hkv, L, E]
     mask_fn, mask_key, mask_what = _mask_function(req)
-    block_mask = None if mask_fn is None else _block_mask(req, block, mask_fn)
+    block_mask = None if mask_fn is None else _block_mask(req, block, _in_range_mask(mask_fn, req.q_len, req.kv_len))
     score_fn, score_key = None, None
     if req.score_mod is not None:
-        score_fn, score_key = _score_function(_unwrapped(req.score_mod)), _mod_key(req.score_mod)
+        score_fn = _score_function(_unwrapped(req.score_mod), req.q_len, req.kv_len)
+        score_key = _mod_key(req.score_mod)
     gqa = req.heads != req.kv_heads
     family = (dev.type, dev.index, dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), req.scale, gqa,
               _needs_grad(req), torch.is_inference_mode_enabled(), block, mask_key, score_key)
@@ -204,14 +205,25 @@ def _mod_key(mod) -> tuple:
             tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors))
 
 
-def _score_function(mod):
+def _score_function(mod, q_len: int, kv_len: int):
     def score(s, b, h, q_idx, kv_idx):
-        out = scores.apply(mod, s, b, h, q_idx, kv_idx)
+        # Flex pads the last blocks and may call the mod there: indices kept in range so that a mod that
+        # indexes a table with them reads its own entries (the padded cells are masked out)
+        out = scores.apply(mod, s, b, h, q_idx.clamp(max=q_len - 1), kv_idx.clamp(max=kv_len - 1))
         # Flex's softmax would drop a NaN score; +inf at an allowed cell makes its row NaN, as the NaN
         # rule says, and at a masked cell it is selected out like anything else there.
         return torch.where(torch.isnan(out), math.inf, out)
 
     return score
+
+
+def _in_range_mask(fn, q_len: int, kv_len: int):
+    """``fn`` called with indices in range (see :func:`_score_function`), keys past ``Lk`` masked."""
+
+    def allowed(b, h, q_idx, kv_idx):
+        return fn(b, h, q_idx.clamp(max=q_len - 1), kv_idx.clamp(max=kv_len - 1)) & (kv_idx < kv_len)
+
+    return allowed
 
 
 def _mask_function(req: Call):
@@ -421,14 +433,16 @@ class _Family:
         return _CompileFailed(reason)
 
 
-#: Query rows of a family's first call recomputed from the formula (spread over batch, heads and rows).
-CHECK_ROWS = 16
+#: (batch element, head) pairs of a family's first call whose first, middle and last query rows are
+#: recomputed from the formula (spread over the pairs).
+CHECK_PAIRS = 16
 
 
 @torch.no_grad()
 def _disagreement(req: Call, ins: _Inputs, out: Tensor) -> str | None:
     """Where the first output of a family (``[B, H, Lq, Ev]``) differs from the formula on
-    :data:`CHECK_ROWS` of its rows, in words; None where it agrees.
+    three rows (first, middle, last) of :data:`CHECK_PAIRS` (batch element, head) pairs, in words; None
+    where it agrees.
 
     Compiled Flex is generated code, made anew for each family: PyTorch 2.13 on the CPU miscomputes,
     for one, a mod that gathers a row of a captured table and then picks from it
@@ -438,8 +452,10 @@ def _disagreement(req: Call, ins: _Inputs, out: Tensor) -> str | None:
     """
     q, k, v = (t.detach().float() for t in ins.args[:3])
     b_n, h_n, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    rows = torch.linspace(0, b_n * h_n * lq - 1, min(CHECK_ROWS, b_n * h_n * lq)).round().long().unique()
-    bi, hi, qi = rows // (h_n * lq), rows // lq % h_n, rows % lq
+    pairs = torch.linspace(0, b_n * h_n - 1, min(CHECK_PAIRS, b_n * h_n)).round().long().unique()
+    pairs = pairs.repeat_interleave(3)
+    bi, hi = pairs // h_n, pairs % h_n
+    qi = torch.tensor([0, lq // 2, lq - 1]).repeat(len(pairs) // 3)
     kv_heads = hi // (h_n // k.shape[1])
     s = torch.einsum("ne,nke->nk", q[bi, hi, qi], k[bi, kv_heads]) * req.scale  # [n, Lk]
     dev = q.device

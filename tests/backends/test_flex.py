@@ -4,10 +4,12 @@ PyTorch 2.13's FlexAttention runs forward only on the CPU, in float32, bfloat16 
 each new family (shapes, dtype, mods) costs a compile of several seconds: every compiled case here
 shares one shape (``B, H, L, E``) and one block size (``BLOCK``, small, so that ``L`` spans empty,
 full and partial blocks), and half types are computed in float32 on the CPU, so bfloat16 reuses
-the float32 kernels. Five kernels in all: the band (``is_causal``/``window``), the band with a
-user's ``mask_mod``, the plan's intervals (a dense mask, a ``MaskPlan``), a ``score_mod`` alone,
-and the registered backend at Flex's default block size. ``test_flex_grid.py`` has the heavier
-cases (GQA, ``Lq != Lk``, a dense mask without an interval form, a failed compile).
+the float32 kernels. Four kernels in all: the band (``is_causal``/``window``), the band with a
+user's ``mask_mod`` and a ``score_mod``, the plan's intervals (a dense mask, a ``MaskPlan``), and,
+through the registered backend at Flex's default block size, a ``score_mod`` without a mask with
+GQA and ``Lq != Lk``. The mask functions of the other paths (a dense mask of many runs a row, a plan
+without intervals) are checked cell by cell without compiling; ``test_flex_grid.py`` has the
+failures (a mod compiled Flex gets wrong, a mod TorchDynamo cannot trace).
 """
 
 from __future__ import annotations
@@ -371,10 +373,15 @@ def test_nan_in_the_inputs_reaches_only_the_rows_that_see_it():
     close(out[1], want[1], torch.float32)
 
 
-def test_the_registered_backend_serves_gqa_and_lq_below_lk_at_flex_block_size_and_which_backend_names_it():
+def test_the_registered_backend_serves_a_score_mod_without_a_mask_with_gqa_and_lq_below_lk():
+    """Through ``attnkit.attention`` at Flex's own block size; no mask, so no BlockMask at all."""
+    table = torch.randn(4, 2 * 200 - 1, generator=torch.Generator().manual_seed(4))
+
+    def relative(s, b, h, q_idx, kv_idx):  # a user's own relative-position table
+        return s + table[h, kv_idx - q_idx + 199]
+
     q, k, v = qkv(b=1, h=4, hkv=2, lq=100, lk=200)
-    kw = {"is_causal": True, "window": (150, None)}
     with torch.no_grad():
-        assert attnkit.which_backend(q, k, v, backend="flex", **kw) == "flex"
-        out = attnkit.attention(q, k, v, backend="flex", **kw)
-    close(out, expected(q, k, v, **kw), torch.float32)
+        assert attnkit.which_backend(q, k, v, score_mod=relative, backend="flex") == "flex"
+        out = attnkit.attention(q, k, v, score_mod=relative, scale=0.3, backend="flex")
+    close(out, expected(q, k, v, score_mod=relative, scale=0.3), torch.float32)
