@@ -17,17 +17,21 @@ Without a mask there is no ``BlockMask`` (Flex's own, every block full). A ``sco
 through as Flex's score mod, its result in the score's dtype (:func:`attnkit.scores.apply`) and a
 NaN it makes turned into ``+inf``, which poisons the row (Flex's softmax would drop a NaN score);
 the mask is applied by selection after it, so nothing it makes at a masked cell reaches the output
-(:mod:`attnkit.nonfinite`). Grouped-query heads go through ``enable_gqa``, ``scale`` as it is. Rows
-with no allowed key come out as zeros.
+(:mod:`attnkit.nonfinite`). Flex pads the last blocks and may call the mods there: they get indices
+clamped into range (a mod indexing a table reads its own entries) and keys past ``Lk`` are masked.
+Grouped-query heads go through ``enable_gqa``, ``scale`` as it is. Rows with no allowed key come
+out as zeros.
 
 Compiling: one ``torch.compile(flex_attention, dynamic=False, fullgraph=True)`` per family (device,
 dtype, shapes, whether a gradient is needed, block size, the mask function's and the score mod's
 code and plain values, the shapes of the tensors they capture), each on a code object of its own
 (TorchDynamo keeps compiled graphs, and counts recompiles against its limit, per code object). The
 first call of a family compiles, which is said on stderr; threads making that call together wait
-for one compile. A family that fails to compile is remembered: the failing call is served by the
-next backend that can (said on stderr), and from then on ``not_supported_reasons`` gives the
-reason, so ``attnkit.which_backend`` lists it.
+for one compile. Its output is then checked on a few rows against the formula (``_disagreement``:
+compiled Flex is code generated anew for each family, and some of it is wrong). A family that fails
+to compile or to match is remembered: the failing call is served by the ``fallback`` backend (said
+on stderr), and from then on ``not_supported_reasons`` gives the reason, so
+``attnkit.which_backend`` lists it.
 
 Dtypes: float32, bfloat16 and float16. On CPU (PyTorch 2.13) Flex computes forward only (no
 backward: a call that needs a gradient is refused) and half types are computed in float32 and
@@ -218,7 +222,7 @@ def _score_function(mod, q_len: int, kv_len: int):
 
 
 def _in_range_mask(fn, q_len: int, kv_len: int):
-    """``fn`` called with indices in range (see :func:`_score_function`), keys past ``Lk`` masked."""
+    """``fn`` called with indices in range (see ``_score_function``), keys past ``Lk`` masked."""
 
     def allowed(b, h, q_idx, kv_idx):
         return fn(b, h, q_idx.clamp(max=q_len - 1), kv_idx.clamp(max=kv_len - 1)) & (kv_idx < kv_len)
