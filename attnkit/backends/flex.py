@@ -178,7 +178,11 @@ def _inputs(req: Call, block: int) -> _Inputs:
 def _work_out(req: Call, block: int) -> _Inputs:
     dev = req.query.device
     dtype = compute_dtype(req.query.dtype) if dev.type == "cpu" else req.query.dtype
-    q, k, v = (t.reshape(-1, *t.shape[-3:]).to(dtype) for t in (req.query, req.key, req.value))  # [B, H|Hkv, L, E]
+    grad = _needs_grad(req)
+    # [B, H|Hkv, L, E]; detached where no gradient is needed (Flex on the CPU refuses inputs that require one)
+    q, k, v = (t.reshape(-1, *t.shape[-3:]).to(dtype) for t in (req.query, req.key, req.value))
+    if not grad:
+        q, k, v = q.detach(), k.detach(), v.detach()
     mask_fn, mask_key, mask_what = _mask_function(req)
     block_mask = None if mask_fn is None else _block_mask(req, block, _in_range_mask(mask_fn, req.q_len, req.kv_len))
     score_fn, score_key = None, None
@@ -187,7 +191,7 @@ def _work_out(req: Call, block: int) -> _Inputs:
         score_key = _mod_key(req.score_mod)
     gqa = req.heads != req.kv_heads
     family = (dev.type, dev.index, dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), req.scale, gqa,
-              _needs_grad(req), torch.is_inference_mode_enabled(), block, mask_key, score_key)
+              grad, torch.is_inference_mode_enabled(), block, mask_key, score_key)
     score_what = "no score_mod" if req.score_mod is None else masks.mod_name("score_mod", _unwrapped(req.score_mod))
     what = f"{dtype} q {tuple(q.shape)}, k {tuple(k.shape)}, {mask_what}, {score_what}"
     return _Inputs((q, k, v, score_fn, block_mask, req.scale, gqa), family, what)

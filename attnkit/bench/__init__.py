@@ -7,5 +7,5 @@ runs one; ``python -m attnkit.bench SUITE`` does the same.
 
 __all__ = ["SUITES"]
 
-SUITES = ["core", "blockwise", "mods", "models", "ring", "apps", "approx", "hf", "compile", "dtypes"]
+SUITES = ["core", "blockwise", "mods", "models", "ring", "apps", "approx", "hf", "compile", "dtypes", "gpu"]
 """The suites ``attnkit bench`` offers, in the order its ``--help`` lists them: each a module here."""

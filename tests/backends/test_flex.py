@@ -191,6 +191,9 @@ def test_float64_and_cpu_gradients_are_refused_with_flex_own_reasons():
     with torch.no_grad():
         assert attnkit.which_backend(q, k, v, is_causal=True, backend="flex") == "flex"
         assert attnkit.which_backend(q, k, v, score_mod=scores.alibi(slopes), backend="flex") == "flex"
+        # inputs that require grad, under no_grad: served (Flex gets them detached), the band kernel of the grid
+        q, k, v = (t.requires_grad_() for t in qkv())
+        close(SMALL(validate_call(q, k, v, is_causal=True))[0], expected(q, k, v, is_causal=True), torch.float32)
 
 
 @pytest.mark.parametrize("kw, why", [
