@@ -13,7 +13,8 @@ The mask function, evaluated on partial blocks only, gives the same cells as the
   :data:`LOOKUP_INTERVALS` per row, padded to a power of two); a plan with more (or none) uses its
   predicate, a dense mask with more its own cells.
 
-Without a mask there is no ``BlockMask`` (Flex's own, every block full). A ``score_mod`` passes
+Without a mask every block is full (a ``BlockMask`` all the same: PyTorch 2.13's CPU Flex without
+one gets grouped-query heads wrong). A ``score_mod`` passes
 through as Flex's score mod, its result in the score's dtype (:func:`attnkit.scores.apply`) and a
 NaN it makes turned into ``+inf``, which poisons the row (Flex's softmax would drop a NaN score);
 the mask is applied by selection after it, so nothing it makes at a masked cell reaches the output
@@ -184,7 +185,7 @@ def _work_out(req: Call, block: int) -> _Inputs:
     if not grad:
         q, k, v = q.detach(), k.detach(), v.detach()
     mask_fn, mask_key, mask_what = _mask_function(req)
-    block_mask = None if mask_fn is None else _block_mask(req, block, _in_range_mask(mask_fn, req.q_len, req.kv_len))
+    block_mask = _block_mask(req, block, _in_range_mask(mask_fn, req.q_len, req.kv_len))
     score_fn, score_key = None, None
     if req.score_mod is not None:
         score_fn = _score_function(_unwrapped(req.score_mod), req.q_len, req.kv_len)
@@ -235,11 +236,12 @@ def _in_range_mask(fn, q_len: int, kv_len: int):
 
 
 def _mask_function(req: Call):
-    """``(fn, key, words)``: the mask function of the partial blocks (None without a mask), what its
-    compiled kernel depends on, and what it is, in words."""
+    """``(fn, key, words)``: the mask function of the partial blocks, what its compiled kernel depends
+    on, and what it is, in words. Without a mask every key is allowed: a BlockMask of full blocks
+    still goes to Flex (PyTorch 2.13's CPU Flex without one gets grouped-query heads wrong)."""
     plan = req.mask_plan
     if plan is None:
-        return None, None, "no mask"
+        return _every_key, ("every key",), "no mask"
     dev = req.query.device
     if req.mask is not None or isinstance(req.mask_mod, MaskPlan):
         if plan.starts is not None and plan.starts.shape[-1] <= LOOKUP_INTERVALS:
@@ -258,6 +260,10 @@ def _mask_function(req: Call):
         parts.append((mod, ("mask_mod", _mod_key(mod)), masks.mod_name("mask_mod", mod)))
     fns, keys, words = zip(*parts, strict=True)
     return (fns[0] if len(fns) == 1 else masks.and_masks(*fns)), keys, " and ".join(words)
+
+
+def _every_key(b, h, q_idx, kv_idx):
+    return kv_idx >= 0
 
 
 def _band(req: Call, dev: torch.device):
@@ -333,16 +339,19 @@ def _block_mask(req: Call, block: int, mask_fn):
 
 
 def _kinds(req: Call, block: int) -> Tensor:
-    """``[query blocks, key blocks]`` EMPTY/FULL/PARTIAL: the plan's, or where it has no intervals,
-    found by evaluating the mask on every block (a block cut short by ``Lk`` is never full)."""
+    """``[query blocks, key blocks]`` EMPTY/FULL/PARTIAL: the plan's; without a mask every block full;
+    where the plan has no intervals, found by evaluating the mask on every block (a block cut short
+    by ``Lk`` is never full)."""
     plan = req.mask_plan
-    kinds = plan.kinds(block, block)
+    kinds = plan.kinds(block, block) if plan is not None else None
     if kinds is not None:
         return kinds
     lq, lk = req.q_len, req.kv_len
     kinds = torch.full((-(-lq // block), -(-lk // block)), FULL, dtype=torch.int8)
     if lk % block:
         kinds[:, -1] = PARTIAL
+    if plan is None:
+        return kinds
     pred = plan.predicate if isinstance(req.mask_mod, MaskPlan) else _cells(req)
     b = torch.arange(math.prod(req.batch_shape)).view(-1, 1, 1, 1)
     h = torch.arange(req.heads).view(1, -1, 1, 1)

@@ -30,7 +30,7 @@ def test_a_mod_compiled_flex_miscomputes_is_caught_by_the_first_call_check_and_s
     """PyTorch 2.13's compiled Flex on the CPU gets ``row = table[ids[q_idx]]; row[0]`` wrong (with its
     own ``create_block_mask`` too): the first call's check against the formula finds it."""
     q, k, v = qkv()
-    out = forward(SMALL, q, k, v, mask_mod=flamingo)
+    out = forward(SMALL, q, k, v, mask_mod=flamingo, falls_back=True)
     allowed = torch.zeros(L, L, dtype=torch.bool)
     for i in range(L):
         lo, hi = IMAGES[IMAGE_OF[i]].tolist()
@@ -49,7 +49,7 @@ def test_a_mod_dynamo_cannot_trace_is_served_by_the_next_backend_and_then_refuse
         return kv_idx <= q_idx
 
     q, k, v = qkv(lq=33, lk=33)
-    out = forward(SMALL, q, k, v, mask_mod=graph_break)
+    out = forward(SMALL, q, k, v, mask_mod=graph_break, falls_back=True)
     close(out, expected(q, k, v, is_causal=True), torch.float32)
     assert "compiled flex_attention cannot serve this call (Unsupported: " in capfd.readouterr().err
     with torch.no_grad():
