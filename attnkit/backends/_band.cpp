@@ -215,9 +215,63 @@ inline const T* diagonal_row(const Tensor& bias, Index h, Index c) {
   return bias.data_ptr<T>() + (bias.size(0) == 1 ? 0 : h) * bias.size(1) + c;
 }
 
+// The dtypes were checked on entry: the untyped pointer, without data_ptr<T>()'s check on every row (for
+// the half types that check builds strings).
 template <typename T>
 const T* row_ptr(const Tensor& t, Index b, Index h, Index i) {
-  return t.data_ptr<T>() + b * t.stride(0) + h * t.stride(1) + i * t.stride(2);
+  return static_cast<const T*>(t.data_ptr()) + b * t.stride(0) + h * t.stride(1) + i * t.stride(2);
+}
+
+// n values of storage type S read into the compute type T (S == T: a copy), or written back from it
+// (rounded to nearest). Half types are computed in float: the forward converts each block's queries as
+// it reads them and each output row as it writes it (each once), and the keys and values once per call
+// before it starts (a block reads its keys again for every block of rows that sees them: converting them
+// there would convert each key as many times; without bf16 products a float copy is the fastest read).
+template <typename T, typename S>
+inline void load_row(const S* from, T* to, Index n) {
+  if constexpr (std::is_same_v<S, T>) {
+    std::copy_n(from, n, to);
+  } else {
+    using VS = at::vec::Vectorized<S>;
+    using VT = at::vec::Vectorized<T>;
+    Index j = 0;
+    for (; j + VS::size() <= n; j += VS::size()) {
+      auto [a, b] = at::vec::convert_to_float<S>(VS::loadu(from + j));
+      a.store(to + j);
+      b.store(to + j + VT::size());
+    }
+    for (; j < n; ++j) to[j] = static_cast<T>(from[j]);
+  }
+}
+
+// t ([B, H, L, width], stored as S, unit stride along width) as a contiguous float tensor, a row at a
+// time with load_row, in parallel.
+template <typename S>
+Tensor to_float(const Tensor& t) {
+  Tensor out = at::empty(t.sizes(), t.options().dtype(at::kFloat));
+  const Index H = t.size(1), L = t.size(2), width = t.size(3);
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, t.size(0) * H * L, 1024, [&](Index begin, Index end) {
+    for (Index r = begin; r < end; ++r) {
+      load_row<float, S>(row_ptr<S>(t, r / (H * L), (r / L) % H, r % L), dst + r * width, width);
+    }
+  });
+  return out;
+}
+
+template <typename T, typename S>
+inline void store_row(const T* from, S* to, Index n) {
+  if constexpr (std::is_same_v<S, T>) {
+    std::copy_n(from, n, to);
+  } else {
+    using VS = at::vec::Vectorized<S>;
+    using VT = at::vec::Vectorized<T>;
+    Index j = 0;
+    for (; j + VS::size() <= n; j += VS::size()) {
+      at::vec::convert_from_float<S>(VT::loadu(from + j), VT::loadu(from + j + VT::size())).store(to + j);
+    }
+    for (; j < n; ++j) to[j] = static_cast<S>(from[j]);
+  }
 }
 
 // The rows' key intervals, [P, L, K] int64 with P 1, B or B*H (one set for all, one per batch
@@ -588,7 +642,7 @@ std::vector<std::array<Index, 3>> wide_row_groups(const Rows& R, Index B, Index 
   return groups;
 }
 
-template <typename T>
+template <typename T, typename Store = T>
 void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& stats, const Rows& R,
                   const Tensor& bias, T scale, T cap, Index q_rows, Index kv_chunk) {
   const Shape d(q, k, v);
@@ -604,9 +658,13 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   int exponent = 0;
   const bool prescale = scale != T(1) && std::frexp(scale, &exponent) == T(0.5);
   const T s_eff = prescale ? T(1) : scale;
-  const auto take_query = [&](const T* from, T* to) {  // a query row copied for a block (scaled: see above)
-    if (prescale) {
-      at::vec::map([=](at::vec::Vectorized<T> x) { return x * at::vec::Vectorized<T>(scale); }, to, from, d.E);
+  constexpr bool converted = !std::is_same_v<Store, T>;  // half types: read and written a tile at a time
+  const auto take_query = [&](const Store* from, T* to) {  // a query row copied for a block (scaled: see above)
+    if constexpr (converted) {
+      load_row<T, Store>(from, to, d.E);
+      if (prescale) at::vec::map([=](Vec x) { return x * Vec(scale); }, to, to, d.E);
+    } else if (prescale) {
+      at::vec::map([=](Vec x) { return x * Vec(scale); }, to, from, d.E);
     } else {
       std::copy_n(from, d.E, to);
     }
@@ -614,6 +672,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   struct Scratch {  // a thread's buffers, made once and reused from group to group
     Tensor s_buf, acc_buf, q_buf;
     T *s, *acc, *qg;
+    std::vector<T> o;  // an output row in the compute type, before it is stored (half types)
     std::vector<T> m, l;
     std::vector<bool> bad;  // a row's scores met a non-finite value (online_softmax_row)
     bool block_bad = false;  // a key or value of a chunk of the block is not finite
@@ -621,7 +680,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     KeyScratch<T> keys;
     Scratch(Index rows, Index chunk, const Shape& d, Index K)
         : s(scratch<T>(s_buf, rows * chunk)), acc(scratch<T>(acc_buf, rows * d.Ev)),
-          qg(scratch<T>(q_buf, rows * d.E)), m(rows), l(rows), bad(rows), rg(2 * K), keys(chunk, d.E, d.Ev) {}
+          qg(scratch<T>(q_buf, rows * d.E)), o(d.Ev), m(rows), l(rows), bad(rows), rg(2 * K), keys(chunk, d.E, d.Ev) {}
   };
   // Rows row(0..g-1) of (b, h), their queries at qp + r * lda (a row(r) < 0 is left out): scores in
   // chunks of the keys they see (key_chunks), an online softmax per row, and their outputs and statistics.
@@ -664,15 +723,17 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     for (Index r = 0; r < g; ++r) {
       const Index i = row(r);
       if (i < 0) continue;
-      T* o = const_cast<T*>(row_ptr<T>(out, b, h, i));  // out is [B, L, H, Ev] in memory
+      Store* dst = const_cast<Store*>(row_ptr<Store>(out, b, h, i));  // out is [B, L, H, Ev] in memory
+      T* o = converted ? w.o.data() : reinterpret_cast<T*>(dst);
       const bool bad = w.block_bad || w.bad[r];
       if (first || l[r] == T(0)) {  // nothing visible: zeros, like every other backend
-        std::fill(o, o + d.Ev, T(0));
+        std::fill(dst, dst + d.Ev, Store(0));
         ms[i] = ls[i] = bad ? nan : ninf;
         continue;
       }
       const T inv = T(1) / l[r];
       for (Index j = 0; j < d.Ev; ++j) o[j] = acc[r * d.Ev + j] * inv;
+      if constexpr (converted) store_row<T, Store>(o, dst, d.Ev);
       ms[i] = bad ? nan : m[r];
       ls[i] = bad ? nan : std::log(l[r]);
     }
@@ -683,10 +744,11 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
       const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
       const char* skip = wide[R.set(b, h)].empty() ? nullptr : wide[R.set(b, h)].data() + i0;
-      const T* qp = row_ptr<T>(q, b, h, i0);
+      const Store* qs = row_ptr<Store>(q, b, h, i0);
+      const T* qp = reinterpret_cast<const T*>(qs);  // read in place unless converted or prescaled
       Index lda = q.stride(2);
-      if (prescale) {
-        for (Index r = 0; r < rows; ++r) take_query(qp + r * lda, w.qg + r * d.E);
+      if (prescale || converted) {
+        for (Index r = 0; r < rows; ++r) take_query(qs + r * lda, w.qg + r * d.E);
         qp = w.qg;
         lda = d.E;
       }
@@ -702,7 +764,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     for (Index it = 0; next(it);) {
       const Index b = groups[it][0] / d.H, h = groups[it][0] % d.H, g = groups[it][2];
       const Index* rows = listed[R.set(b, h)].data() + groups[it][1];
-      for (Index r = 0; r < g; ++r) take_query(row_ptr<T>(q, b, h, rows[r]), w.qg + r * d.E);
+      for (Index r = 0; r < g; ++r) take_query(row_ptr<Store>(q, b, h, rows[r]), w.qg + r * d.E);
       attend(b, h, w.qg, d.E, g, [=](Index r) { return rows[r]; }, w);
     }
   });
@@ -1114,9 +1176,16 @@ void check_blas_rows(const Tensor& t, const char* name) {
 }
 
 // q [B, H, Lq, E], k [B, Hkv, Lk, E], v [B, Hkv, Lk, Ev]: float32 or float64, one dtype, H a multiple of Hkv.
-void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
-  TORCH_CHECK(q.defined() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble),
-              "band kernel: q must be float32 or float64, got ", described(q));
+bool is_half(const Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
+
+// The type the kernel computes in for q's dtype: float32 for the half types.
+at::ScalarType compute_type(const Tensor& q) { return is_half(q) ? at::kFloat : q.scalar_type(); }
+
+// half: whether q may be bfloat16 or float16 (the forward, which converts them a tile at a time).
+void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, bool half = false) {
+  TORCH_CHECK(q.defined() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble || (half && is_half(q))),
+              "band kernel: q must be float32 or float64", half ? " (or bfloat16, float16)" : "", ", got ",
+              described(q));
   const auto dtype = q.scalar_type();
   check_tensor(q, "q", dtype, 4, "[B, H, Lq, E]");
   check_tensor(k, "k", dtype, 4, "[B, Hkv, Lk, E] in q's dtype");
@@ -1159,7 +1228,8 @@ void check_intervals(const Tensor& q, const Tensor& k, const Tensor& starts, con
 
 // bias: [0, 0] for none, else contiguous [1 or H, Lq + Lk - 1], in q's dtype.
 void check_bias(const Tensor& q, const Tensor& k, const Tensor& bias) {
-  check_tensor(bias, "bias", q.scalar_type(), 2, "[1 or H, Lq + Lk - 1] in q's dtype ([0, 0] for none)");
+  check_tensor(bias, "bias", compute_type(q), 2,
+               "[1 or H, Lq + Lk - 1] in q's dtype, float32 for half types ([0, 0] for none)");
   const Index H = q.size(1), D = q.size(2) + k.size(2) - 1;
   const bool none = bias.size(0) == 0 && bias.size(1) == 0;
   TORCH_CHECK(none || ((bias.size(0) == 1 || bias.size(0) == H) && bias.size(1) == D && bias.is_contiguous()),
@@ -1171,7 +1241,7 @@ void check_bias(const Tensor& q, const Tensor& k, const Tensor& bias) {
 void check_numbers(const Tensor& q, double scale, double softcap, Index rows, const char* rows_name, Index chunk,
                    const char* chunk_name) {
   const auto finite = [&](double x) {
-    return std::isfinite(x) && (q.scalar_type() != at::kFloat || std::abs(x) <= std::numeric_limits<float>::max());
+    return std::isfinite(x) && (compute_type(q) != at::kFloat || std::abs(x) <= std::numeric_limits<float>::max());
   };
   TORCH_CHECK(finite(scale), "band kernel: scale must be finite in q's dtype, got ", scale);
   TORCH_CHECK(finite(softcap) && softcap >= 0, "band kernel: softcap must be a finite float >= 0 (0: off), got ",
@@ -1188,14 +1258,15 @@ void check_blas() {
 std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
                                  const Tensor& ends, const Tensor& bias, double scale, double softcap, Index q_rows,
                                  Index kv_chunk) {
-  check_qkv(q, k, v);
+  check_qkv(q, k, v, true);
   check_intervals(q, k, starts, ends);
   check_bias(q, k, bias);
   check_numbers(q, scale, softcap, q_rows, "q_rows", kv_chunk, "kv_chunk");
   // [B, H, L, Ev] laid out as [B, L, H, Ev], as PyTorch's CPU flash kernel does: merging the heads
   // after attention (what every model does next) is then a view, not a copy
   Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
-  Tensor stats = at::empty({2, q.size(0), q.size(1), q.size(2)}, q.options());  // row maximum, log of row sum
+  // row maximum, log of row sum, in the compute type
+  Tensor stats = at::empty({2, q.size(0), q.size(1), q.size(2)}, q.options().dtype(compute_type(q)));
   if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) {  // nothing to compute; empty views may have any strides
     return {out.zero_(), stats.fill_(-std::numeric_limits<double>::infinity())};
   }
@@ -1204,10 +1275,21 @@ std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor&
   check_blas_rows(v, "v");
   check_blas();
   const Rows R(starts, ends, q.size(0), q.size(1));
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_forward", [&] {
-    forward_impl<scalar_t>(q, k, v, out, stats, R, bias, static_cast<scalar_t>(scale), static_cast<scalar_t>(softcap),
-                           q_rows, kv_chunk);
-  });
+  if (is_half(q)) {  // keys and values in float once (see load_row); queries and outputs a row at a time
+    if (q.scalar_type() == at::kBFloat16) {
+      forward_impl<float, c10::BFloat16>(q, to_float<c10::BFloat16>(k), to_float<c10::BFloat16>(v), out, stats, R,
+                                         bias, static_cast<float>(scale), static_cast<float>(softcap), q_rows,
+                                         kv_chunk);
+    } else {
+      forward_impl<float, c10::Half>(q, to_float<c10::Half>(k), to_float<c10::Half>(v), out, stats, R, bias,
+                                     static_cast<float>(scale), static_cast<float>(softcap), q_rows, kv_chunk);
+    }
+  } else {
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_forward", [&] {
+      forward_impl<scalar_t>(q, k, v, out, stats, R, bias, static_cast<scalar_t>(scale),
+                             static_cast<scalar_t>(softcap), q_rows, kv_chunk);
+    });
+  }
   return {out, stats};
 }
 

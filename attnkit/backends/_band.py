@@ -46,7 +46,7 @@ from torch import Tensor
 
 from .._tracing import assume_constant_result, real_tensors
 from ..call import Call
-from ..dtypes import compute_dtype
+from ..dtypes import HALF, compute_dtype
 from . import _build
 
 SOURCE = Path(__file__).with_name("_band.cpp")
@@ -58,9 +58,9 @@ KV_ROWS, Q_CHUNK = 64, 1024
 DTYPES = (torch.float32, torch.float64)
 
 _ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
-    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
 _reason: str | None = None
 _reports = False  # reports_nonfinite(): set once by _checked()
@@ -145,7 +145,10 @@ def _run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor
             got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name} must be an int64 CPU tensor [P, Lq, K] (P 1, B or B*H), got {got}")
     compute = compute_dtype(query.dtype)
-    q, k, v = (t.to(compute).reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in (query, key, value))
+    # Half types go to the kernel as they are: its forward converts a tile at a time (the backward, each
+    # tensor once, in _gradient).
+    stored = query.dtype if query.dtype in HALF and key.dtype == value.dtype == query.dtype else compute
+    q, k, v = (t.to(stored).reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in (query, key, value))
     table = query.new_empty(0, 0, dtype=compute) if bias is None else bias.to(compute)
     d, rows = _dilated(starts, ends, *q.shape[:3], k.shape[2])
     if d:  # every d-th key: each class of positions mod d is a plain band of its own (see _dilation)
@@ -294,17 +297,19 @@ def _rows(x: Tensor) -> Tensor:
 # check every argument before any memory is touched and raise a RuntimeError that names the
 # argument, what came and what was expected (the checks are in ``_band.cpp``, O(1) but for one
 # pass over the intervals):
-# - band_forward: q float32 or float64, 4-D; k, v 4-D in its dtype; k's batch and head size q's,
-#   v's batch, heads and length k's, q's heads a multiple of k's; every tensor dense and on the
-#   CPU; lengths and head sizes below 2^31; starts and ends contiguous int64 ``[P, Lq, K]`` of one
-#   shape, P 1, B or B*H, K >= 1, each ``0 <= start <= end <= Lk``; bias 2-D in q's dtype, ``[0, 0]``
-#   or contiguous ``[1 or H, Lq + Lk - 1]``; scale finite, softcap finite and >= 0 (in q's dtype);
-#   unless q, k or v is empty (zeros and -inf statistics then), q, k and v with unit stride along
-#   the last dim and rows at least a row apart (what the BLAS reads in place; the operator makes
-#   them so, the module's forward refuses them otherwise). The module's own block sizes (q_rows,
+# - band_forward: q float32, float64, bfloat16 or float16, 4-D; k, v 4-D in its dtype (half types are computed in
+#   float32: queries and outputs converted a row at a time, keys and values once per call); k's batch and head size
+#   q's, v's batch, heads and length k's, q's heads a multiple of k's; every tensor dense and on the CPU; lengths and
+#   head sizes below 2^31; starts and ends contiguous int64 ``[P, Lq, K]`` of one shape, P 1, B or B*H, K >= 1, each
+#   ``0 <= start <= end <= Lk``; bias 2-D in the compute dtype, ``[0, 0]`` or contiguous ``[1 or H, Lq + Lk - 1]``;
+#   scale finite, softcap finite and >= 0 (in q's dtype); unless q, k or v is empty (zeros and -inf statistics then),
+#   q, k and v with unit stride along the last dim and rows at least a row apart (what the BLAS reads in place; the
+#   operator makes them so, the module's forward refuses them otherwise). The module's own block sizes (q_rows,
 #   kv_chunk) must be in [1, 2^20].
-# - band_backward: all of that, and dout and out ``[B, H, Lq, Ev]`` (q's B, H, Lq, v's Ev) with rows as
-#   q's, stats the forward's contiguous ``[2, B, H, Lq]``, all in q's dtype; kv_rows, q_chunk in [1, 2^20].
+# - band_backward: all of that but q float32 or float64 only (:func:`_gradient` widens half types once), and
+#   dout and out ``[B, H, Lq, Ev]`` (q's B, H, Lq, v's Ev) with rows as q's, stats the forward's contiguous
+#   ``[2, B, H, Lq]``, all in q's dtype; kv_rows, q_chunk in [1, 2^20].
+# Statistics are in the compute dtype (float32 for half q).
 # What is not checked: that each row's intervals are sorted and disjoint (the plan builds them
 # so; out of order they give wrong sums, never a read out of bounds).
 
@@ -335,7 +340,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tensor,
 
 @_forward_impl.register_fake
 def _(q, k, v, starts, ends, bias, scale, softcap):
-    return _new_out(q, v), q.new_empty(2, *q.shape[:-1])
+    return _new_out(q, v), q.new_empty(2, *q.shape[:-1], dtype=compute_dtype(q.dtype))
 
 
 def _new_out(q: Tensor, v: Tensor) -> Tensor:
@@ -367,9 +372,13 @@ def _save_for_backward(ctx, inputs, output):
 def _gradient(ctx, dout, _dstats):
     q, k, v, out, stats, starts, ends, bias = ctx.saved_tensors
     bias_grad = ctx.needs_input_grad[5]  # a learned table; a constant one (fixed ALiBi slopes) skips the sum
+    stored = q.dtype
+    if stored in HALF:  # the backward computes in float32 from tensors converted once; gradients stored as q
+        dout, q, k, v, out = (t.to(stats.dtype) for t in (dout, q, k, v, out))
     dq, dk, dv, dbias = torch.ops.attnkit.band_backward(dout, q, k, v, out, stats, starts, ends, bias, ctx.scale,
                                                          ctx.softcap, torch.are_deterministic_algorithms_enabled(),
                                                          bias_grad)
+    dq, dk, dv = (t.to(stored) for t in (dq, dk, dv))
     return dq, dk, dv, None, None, dbias if bias_grad else None, None, None
 
 

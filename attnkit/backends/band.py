@@ -6,7 +6,7 @@ predicate or dense bool mask whose plan finds that form), there is no dense ``bi
 ``score_mod``, if any, is an additive bias per head and diagonal (ALiBi, relative-position tables;
 ``attnkit.scores``' or a user's own, see :func:`attnkit.scores.diagonal_bias`) and/or tanh
 soft-capping (``attnkit.scores.softcap``, or a user's own alone, see :func:`attnkit.scores.soft_cap`),
-on CPU in float32/float64 (half types computed in float32), once the kernel is built
+on CPU in float32/float64, bfloat16/float16 (read as they are, computed in float32), once the kernel is built
 and has passed its self-check.
 """
 

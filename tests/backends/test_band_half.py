@@ -1,0 +1,101 @@
+"""Half precision through the banded kernel: bfloat16 and float16 go to the kernel as they are and are
+computed in float32 (queries and outputs converted a row at a time, keys and values once per call), so a
+half-precision forward is exactly the float32 kernel on the same values rounded once, its error against
+the float64 oracle is no larger than SDPA's own half-precision path on the same inputs, and gradients
+come back in the inputs' dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import masks, scores
+from attnkit.backends import _band
+from tests.support import oracle
+from tests.support.tolerances import close
+
+pytestmark = pytest.mark.skipif(not _band.available(), reason="the banded kernel is not built here")
+
+HALF = [torch.bfloat16, torch.float16]
+#: name -> (shape (B, H, Hkv, Lq, Lk), attention kwargs): every form of rows the kernel walks.
+CASES = {
+    "window": ((2, 4, 4, 150, 150), {"window": (20, 5)}),
+    "causal, GQA, Lq < Lk": ((1, 4, 2, 70, 150), {"is_causal": True}),
+    "documents": ((2, 2, 2, 96, 96), {"mask_mod": masks.document_mod(torch.tensor([0] * 30 + [1] * 50 + [2] * 16))}),
+    "global tokens (wide rows)": ((1, 2, 2, 200, 200), {"mask_mod": masks.global_tokens_mod(4, [0, 99])}),
+    "dilated (folded)": ((1, 2, 2, 160, 160), {"mask_mod": masks.dilated_window_mod(12, 4)}),
+    "ALiBi": ((1, 4, 4, 100, 100), {"is_causal": True, "score_mod": scores.alibi(scores.alibi_slopes(4))}),
+    "capped": ((1, 2, 2, 100, 100), {"window": (30, 30), "score_mod": scores.softcap(5.0)}),
+}
+
+
+def _inputs(shape, dtype, seed=0, strided=False):
+    b, h, hkv, lq, lk = shape
+    g = torch.Generator().manual_seed(seed)
+    if strided:  # [B, L, H, E] memory seen as [B, H, L, E]: rows H * E apart, as projections give them
+        q = torch.randn(b, lq, h, 48, generator=g).to(dtype).transpose(1, 2)
+        k, v = (torch.randn(b, lk, hkv, 48, generator=g).to(dtype).transpose(1, 2) for _ in range(2))
+        return q, k, v
+    return tuple(torch.randn(b, n, length, 48, generator=g).to(dtype) for n, length in ((h, lq), (hkv, lk), (hkv, lk)))
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_a_half_forward_is_the_float32_kernel_rounded_once(dtype, case, strided):
+    shape, kw = CASES[case]
+    q, k, v = _inputs(shape, dtype, strided=strided)
+    with torch.no_grad():
+        got = attnkit.attention(q, k, v, backend="band", **kw)
+        want = attnkit.attention(q.float(), k.float(), v.float(), backend="band", **kw).to(dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", ["window", "causal, GQA, Lq < Lk", "documents"])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_the_half_error_is_no_larger_than_sdpas_own_half_path(dtype, case):
+    shape, kw = CASES[case]
+    b, h, hkv, lq, lk = shape
+    q, k, v = _inputs(shape, dtype, seed=1)
+    allowed = oracle.allowed_grid(b, h, lq, lk, is_causal=kw.get("is_causal", False), window=kw.get("window"),
+                                  mask_mod=kw.get("mask_mod"))
+    want, _ = oracle.attention(q.double(), k.double(), v.double(), allowed=allowed)
+    ours = (attnkit.attention(q, k, v, backend="band", **kw).double() - want).abs().max()
+    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1),
+                                          attn_mask=allowed)
+    theirs = (sdpa.double() - want).abs().max()
+    # the same inputs, the output rounded once on both sides: ours at most SDPA's (measured 0.80-1.00 of it)
+    assert ours <= theirs * 1.05, (ours.item(), theirs.item())
+
+
+@pytest.mark.parametrize("case", ["window", "causal, GQA, Lq < Lk", "ALiBi"])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_gradients_come_back_in_the_inputs_dtype_within_the_table(dtype, case):
+    shape, kw = CASES[case]
+    b, h, hkv, lq, lk = shape
+    q, k, v = (t.requires_grad_() for t in _inputs(shape, dtype, seed=2))
+    dout = torch.randn(b, h, lq, 48, generator=torch.Generator().manual_seed(3)).to(dtype)
+    out = attnkit.attention(q, k, v, backend="band", **kw)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    # the formula in float64 on the same (rounded) inputs: the reference backend, which the grids hold to the oracle
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = attnkit.attention(q64, k64, v64, backend="reference", **kw)
+    wants = torch.autograd.grad(want, (q64, k64, v64), dout.double())
+    for got, expected in zip(grads, wants, strict=True):
+        assert got.dtype == dtype
+        close(got, expected, dtype)
+
+
+def test_the_operator_takes_half_inputs_with_a_float32_bias_and_its_backward_refuses_them():
+    q, k, v = _inputs((1, 2, 2, 20, 20), torch.bfloat16)
+    starts, ends = _band._window(20, 20, 3, 3)[2:]
+    with pytest.raises(RuntimeError, match=r"bias .*float32 for half types"):
+        torch.ops.attnkit.band_forward(q, k, v, starts, ends, torch.zeros(2, 39, dtype=torch.bfloat16), 0.3, 0.0)
+    out, stats = torch.ops.attnkit.band_forward(q, k, v, starts, ends, torch.zeros(2, 39), 0.3, 0.0)
+    assert out.dtype == torch.bfloat16 and stats.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="q must be float32 or float64, got"):
+        torch.ops.attnkit.band_backward(out, q, k, v, out, stats, starts, ends, torch.zeros(0, 0), 0.3, 0.0, False,
+                                        False)
