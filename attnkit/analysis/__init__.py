@@ -3,6 +3,7 @@
 * :func:`rollout` - attention rollout (Abnar & Zuidema 2020) with residual term and head fusion.
 * :func:`entropy`, :func:`mean_distance` - per-head summaries of attention maps.
 * :func:`recorded_weights` - the weights of a model's own forward pass, kept by hooks.
+* :func:`score_terms` - a score ``q . k * scale`` taken apart into its per-dimension terms.
 * :func:`attention_cost`, :func:`projection_params` - a complexity calculator (FLOPs, score-matrix
   memory, parameter counts), including the single- versus multi-head comparison that a widely copied
   count gets wrong (1,032,192 parameters for d = 512 and 8 heads, where the total is 1,048,576).
@@ -16,6 +17,7 @@ if _typing.TYPE_CHECKING:
     from .heads import entropy, mean_distance
     from .record import recorded_weights
     from .rollout import fuse_heads, rollout
+    from .terms import score_terms
 
 __all__ = [
     "AttentionCost",
@@ -27,13 +29,15 @@ __all__ = [
     "projection_params",
     "recorded_weights",
     "rollout",
+    "score_terms",
 ]
 
 #: Each name's submodule: loaded on first use, so the complexity calculator (pure arithmetic)
 #: does not import torch, which ``heads`` and ``rollout`` need.
 _FROM = {"AttentionCost": "complexity", "attention_cost": "complexity", "compare_heads": "complexity",
          "projection_params": "complexity", "entropy": "heads", "mean_distance": "heads",
-         "fuse_heads": "rollout", "rollout": "rollout", "recorded_weights": "record"}
+         "fuse_heads": "rollout", "rollout": "rollout", "recorded_weights": "record",
+         "score_terms": "terms"}
 
 
 def __getattr__(name: str):
