@@ -13,15 +13,17 @@ The mask function, evaluated on partial blocks only, gives the same cells as the
   :data:`LOOKUP_INTERVALS` per row, padded to a power of two); a plan with more (or none) uses its
   predicate, a dense mask with more its own cells.
 
-Without a mask every block is full (a ``BlockMask`` all the same: PyTorch 2.13's CPU Flex without
-one gets grouped-query heads wrong). A ``score_mod`` passes
+Without a mask every block is full (a ``BlockMask`` all the same: without one, Flex on the CPU
+takes all ``Lk`` keys as one block). A ``score_mod`` passes
 through as Flex's score mod, its result in the score's dtype (:func:`attnkit.scores.apply`) and a
 NaN it makes turned into ``+inf``, which poisons the row (Flex's softmax would drop a NaN score);
 the mask is applied by selection after it, so nothing it makes at a masked cell reaches the output
 (:mod:`attnkit.nonfinite`). Flex pads the last blocks and may call the mods there: they get indices
 clamped into range (a mod indexing a table reads its own entries) and keys past ``Lk`` are masked.
 Grouped-query heads go through ``enable_gqa``, ``scale`` as it is. Rows with no allowed key come
-out as zeros.
+out as zeros. On the CPU a head dim below :data:`CPU_MIN_HEAD_DIM` gets zero columns in ``q`` and
+``k`` (no score changes): at small head dims PyTorch 2.13's CPU Flex reads keys past the end of
+``k``.
 
 Compiling: one ``torch.compile(flex_attention, dynamic=False, fullgraph=True)`` per family (device,
 dtype, shapes, whether a gradient is needed, block size, the mask function's and the score mod's
@@ -79,6 +81,15 @@ LOOKUP_INTERVALS = 4
 MAX_FAMILIES = 64
 #: Keys evaluated at once when a plan has no intervals and its kinds are found from its cells.
 _REFINE_CHUNK = 1024
+#: Smallest head dim of ``q``/``k`` handed to Flex on the CPU; smaller ones get zero columns (no score
+#: changes). PyTorch 2.13's CPU Flex computes ``q @ k.T`` with a generated micro-GEMM of 16 keys a tile.
+#: Its code for a last tile of fewer keys, when that count and the head dim are multiples of the vector
+#: width (8 floats under AVX2) and the head dim is below 24, loads and stores a whole tile: it reads
+#: keys past the end of ``k`` and writes their scores past the row, which for a block of keys as long
+#: as the score buffer's rows (``Lk`` no longer than the block size) lands on the running row maxima.
+#: The rows of the last (batch element, key head) then depend on whatever memory follows ``k`` (zeros,
+#: garbage or NaN, from call to call). At a head dim of 24 or more that tile takes its bounded code.
+CPU_MIN_HEAD_DIM = 24
 
 _REFERENCE = ReferenceBackend()
 _PER_ELEMENT_CODE = per_element.per_element(lambda b, h, q, kv: q).__code__
@@ -184,6 +195,11 @@ def _work_out(req: Call, block: int) -> _Inputs:
     q, k, v = (t.reshape(-1, *t.shape[-3:]).to(dtype) for t in (req.query, req.key, req.value))
     if not grad:
         q, k, v = q.detach(), k.detach(), v.detach()
+    what_qk = f"q {tuple(q.shape)}, k {tuple(k.shape)}"
+    if dev.type == "cpu" and q.shape[-1] < CPU_MIN_HEAD_DIM:
+        # zero columns change no score; see CPU_MIN_HEAD_DIM for the kernel they steer around
+        fill = (0, CPU_MIN_HEAD_DIM - q.shape[-1])
+        q, k = torch.nn.functional.pad(q, fill), torch.nn.functional.pad(k, fill)
     mask_fn, mask_key, mask_what = _mask_function(req)
     block_mask = _block_mask(req, block, _in_range_mask(mask_fn, req.q_len, req.kv_len))
     score_fn, score_key = None, None
@@ -194,7 +210,7 @@ def _work_out(req: Call, block: int) -> _Inputs:
     family = (dev.type, dev.index, dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), req.scale, gqa,
               grad, torch.is_inference_mode_enabled(), block, mask_key, score_key)
     score_what = "no score_mod" if req.score_mod is None else masks.mod_name("score_mod", _unwrapped(req.score_mod))
-    what = f"{dtype} q {tuple(q.shape)}, k {tuple(k.shape)}, {mask_what}, {score_what}"
+    what = f"{dtype} {what_qk}, {mask_what}, {score_what}"
     return _Inputs((q, k, v, score_fn, block_mask, req.scale, gqa), family, what)
 
 
@@ -238,7 +254,7 @@ def _in_range_mask(fn, q_len: int, kv_len: int):
 def _mask_function(req: Call):
     """``(fn, key, words)``: the mask function of the partial blocks, what its compiled kernel depends
     on, and what it is, in words. Without a mask every key is allowed: a BlockMask of full blocks
-    still goes to Flex (PyTorch 2.13's CPU Flex without one gets grouped-query heads wrong)."""
+    still goes to Flex (without one, Flex on the CPU takes all ``Lk`` keys as one block)."""
     plan = req.mask_plan
     if plan is None:
         return _every_key, ("every key",), "no mask"

@@ -384,18 +384,46 @@ def test_nan_in_the_inputs_reaches_only_the_rows_that_see_it():
     close(out[1], want[1], torch.float32)
 
 
+#: A user's own relative-position table, one row per head, for key - query from -119 to 119.
+TABLE = torch.randn(4, 2 * 120 - 1, generator=torch.Generator().manual_seed(4))
+
+
+def relative(s, b, h, q_idx, kv_idx):
+    return s + TABLE[h, kv_idx - q_idx + 119]
+
+
 def test_the_registered_backend_serves_a_score_mod_without_a_mask_with_gqa_and_lq_below_lk(capfd):
-    """Through ``attnkit.attention`` at Flex's own block size; no mask: a BlockMask of full blocks (without
-    one, PyTorch 2.13's CPU Flex gets the second group of GQA heads wrong, which the first call's check
-    would find)."""
-    table = torch.randn(4, 2 * 200 - 1, generator=torch.Generator().manual_seed(4))
-
-    def relative(s, b, h, q_idx, kv_idx):  # a user's own relative-position table
-        return s + table[h, kv_idx - q_idx + 199]
-
-    q, k, v = qkv(b=1, h=4, hkv=2, lq=100, lk=200)
+    """Through ``attnkit.attention`` at Flex's own block size; no mask: a BlockMask of full blocks."""
+    q, k, v = qkv(b=1, h=4, hkv=2, lq=100, lk=120)
     with torch.no_grad():
         assert attnkit.which_backend(q, k, v, score_mod=relative, backend="flex") == "flex"
         out = attnkit.attention(q, k, v, score_mod=relative, scale=0.3, backend="flex")
     close(out, expected(q, k, v, score_mod=relative, scale=0.3), torch.float32)
     assert "cannot serve" not in capfd.readouterr().err  # flex served it, no fallback
+
+
+def followed_by_nan(t: torch.Tensor) -> torch.Tensor:
+    """``t`` at the front of a larger buffer of NaN: whatever reads past its end reads NaN."""
+    buf = torch.full((t.numel() + 4096,), float("nan"), dtype=t.dtype)
+    buf[: t.numel()] = t.flatten()
+    return buf[: t.numel()].view(t.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_no_key_past_the_end_of_k_reaches_the_output(dtype, capfd):
+    """PyTorch 2.13's CPU Flex, at a head dim that is a multiple of the vector width and below 24, reads
+    keys past the end of ``k`` where a block of keys ends in a multiple of the vector width short of 16
+    (here the one block of 120 = 7 * 16 + 8 keys; the vector is 8 floats under AVX2), and writes their
+    scores past the block's row of scores, onto the running row maxima when the block is as long as
+    the rows (``Lk`` no longer than the block size). The rows of the last (batch element, key head)
+    then depended on the memory after ``k``: the bfloat16 oracle grid (``Lk`` = 8) gave zeros or garbage
+    there only after other calls had left garbage in it. Here ``k`` is followed by NaN (the compiled
+    kernel of the test above); Flex now gets ``q`` and ``k`` with zero columns up to
+    ``flex.CPU_MIN_HEAD_DIM``."""
+    q, k, v = qkv(b=1, h=4, hkv=2, lq=100, lk=120, dtype=dtype)
+    k, v = followed_by_nan(k), followed_by_nan(v)
+    with torch.no_grad():
+        out = attnkit.attention(q, k, v, score_mod=relative, scale=0.3, backend="flex")
+    assert "cannot serve" not in capfd.readouterr().err  # flex served it (the first call's check passed)
+    assert out.dtype == dtype
+    close(out, expected(q, k, v, score_mod=relative, scale=0.3), dtype)
