@@ -7,9 +7,11 @@ full and partial blocks), and half types are computed in float32 on the CPU, so 
 the float32 kernels. Four kernels in all: the band (``is_causal``/``window``), the band with a
 user's ``mask_mod`` and a ``score_mod``, the plan's intervals (a dense mask, a ``MaskPlan``), and,
 through the registered backend at Flex's default block size, a ``score_mod`` without a mask with
-GQA and ``Lq != Lk``. The mask functions of the other paths (a dense mask of many runs a row, a plan
-without intervals) are checked cell by cell without compiling; ``test_flex_grid.py`` has the
-failures (a mod compiled Flex gets wrong, a mod TorchDynamo cannot trace).
+GQA and ``Lq != Lk`` (with ``k`` followed by NaN too: no key past its end may reach the output).
+The mask functions of the other paths (a dense mask of many runs a row, a plan without intervals)
+are checked cell by cell without compiling; ``test_flex_grid.py`` has the generic grid's axes on one
+shape (the generic backend tests leave flex out) and the failures (a mod compiled Flex gets wrong,
+a mod TorchDynamo cannot trace).
 """
 
 from __future__ import annotations
