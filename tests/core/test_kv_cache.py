@@ -6,10 +6,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit.backends import available
 from attnkit.cache import KVCache, visible
 from attnkit.modules import MultiHeadAttention
 from attnkit.positional import ALiBi, RelativeKeyEmbedding, RotaryEmbedding, T5RelativeBias
+from tests.support.backends import eager_backends
 from tests.support.tolerances import close
 
 
@@ -138,7 +138,7 @@ def test_cached_decoding_with_key_mask_and_padding():
     close(torch.cat(outs, 1)[0], full[0])
 
 
-@pytest.mark.parametrize("backend", available())
+@pytest.mark.parametrize("backend", eager_backends())
 def test_cached_decoding_on_every_backend_with_masks_bias_and_window(backend):
     """The cache's whole buffers with its visibility mask: every backend serves the call, and a
     dense mask, a bias and a window over the cached keys give the rows of the full pass."""
@@ -225,7 +225,7 @@ def test_reset_zeroes_the_buffers():
     assert torch.equal(cache.k, torch.zeros_like(cache.k)) and torch.equal(cache.v, torch.zeros_like(cache.v))
 
 
-@pytest.mark.parametrize("backend", ["auto", *available()])
+@pytest.mark.parametrize("backend", ["auto", *eager_backends()])
 def test_a_nan_token_before_reset_does_not_reach_a_shorter_clean_sequence(backend):
     torch.manual_seed(3)
     mha = MultiHeadAttention(8, 2, backend=backend).double().eval()
@@ -259,7 +259,7 @@ def test_the_finiteness_of_what_was_written_is_kept_and_a_write_by_hand_is_seen(
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])
-@pytest.mark.parametrize("backend", ["auto", *available()])
+@pytest.mark.parametrize("backend", ["auto", *eager_backends()])
 def test_a_nan_in_the_newest_token_poisons_exactly_the_heads_that_see_it(backend, where):
     """Decode steps over a cache whose buffers it vouches for (the check reads the query and the cache's flag):
     a NaN in the newest token's key or value makes the query heads of its key/value head NaN, forward and

@@ -11,6 +11,7 @@ import torch
 
 import attnkit
 from attnkit import masks
+from tests.support.backends import eager_backends
 from tests.support.tolerances import close
 
 
@@ -55,7 +56,7 @@ def test_seed003_004_minus_1e9_overflow_cannot_happen(dtype):
     q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
     mask = masks.causal(6)
     mask[3] = False
-    for backend in attnkit.backends.available():
+    for backend in eager_backends():
         out = attnkit.attention(q.to(dtype), k.to(dtype), v.to(dtype), mask=mask, backend=backend)
         assert torch.isfinite(out).all()
         assert (out[..., 3, :] == 0).all()

@@ -17,10 +17,10 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import attnkit  # noqa: E402
 from attnkit.backends.reference import ReferenceBackend  # noqa: E402
 from attnkit.backends.sdpa import SDPABackend  # noqa: E402
 from attnkit.models import Bert, BertConfig, Tokenizer, bundled_model_dir  # noqa: E402
+from tests.support.backends import eager_backends  # noqa: E402
 from tests.support.tolerances import MODEL_PARITY, close  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -120,7 +120,7 @@ def test_fast_path_without_weights_and_reference_with_them(pair64, batch, monkey
     assert calls == {"sdpa": 6, "reference": 6}
 
 
-@pytest.mark.parametrize("backend", attnkit.backends.available())
+@pytest.mark.parametrize("backend", eager_backends())
 @torch.no_grad()
 def test_every_backend_model_wide(backend, model_dir, pair64, batch):
     _, theirs = pair64

@@ -13,8 +13,8 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import attnkit  # noqa: E402
 from attnkit.models import GPT2  # noqa: E402
+from tests.support.backends import eager_backends  # noqa: E402
 from tests.support.tolerances import MODEL_PARITY, close  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -181,7 +181,7 @@ def test_sampling_is_reproducible_and_in_top_k(pair, prompts):
     assert (top3 == a[:, 9:, None]).any(-1).all()
 
 
-@pytest.mark.parametrize("backend", attnkit.backends.available())
+@pytest.mark.parametrize("backend", eager_backends())
 @torch.no_grad()
 def test_every_backend_model_wide(backend, pair, prompts):
     hf, _ = pair
