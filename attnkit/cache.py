@@ -5,7 +5,9 @@ values in place, at the positions the tensor ``cache_pos`` holds (``index_copy_`
 the whole buffers with the written length as a tensor. Every step therefore sees the same shapes
 (``[B, Hkv, max_len, D]``) and the same storage, whatever the position; what the attention must not
 read (the unwritten tail, and with causal masking the keys after each query) is a bool mask built
-from that length on the device (:func:`visible`), which every backend takes.
+from that length on the device (:func:`visible`), which every backend takes. That is the compiled
+path; eagerly, :class:`~attnkit.MultiHeadAttention` attends over the written part only (a view of
+the buffers, which the cache's finiteness flag covers too), with no mask for the tail.
 
 What this makes friendly to ``torch.compile`` and CUDA graphs, and what not yet:
 

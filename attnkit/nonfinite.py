@@ -172,6 +172,10 @@ def finite(x: Tensor) -> Tensor:
 def _vouched(x: Tensor) -> Tensor | None:
     """What :func:`vouch` recorded for ``x`` as it is now, else None."""
     seen = getattr(x, "_attnkit_finite", None)
+    if seen is None and x._base is not None:
+        # A view of a tensor vouched for (a cache's written keys): its elements are among the base's, and
+        # it shares the base's version counter, so the base's flag holds for it as long as it holds for the base.
+        seen = getattr(x._base, "_attnkit_finite", None)
     # Read only when set: vouch() sets it on tensors with a version counter (inference tensors have none).
     return seen[1] if seen is not None and seen[0] == x._version else None
 
@@ -192,9 +196,10 @@ def _max(x: Tensor) -> Tensor:
 def vouch(is_finite: Tensor, *xs: Tensor) -> None:
     """Let :func:`finite` and :func:`all_finite` answer ``is_finite`` (a 0-d bool tensor, copied now) for
     each of ``xs`` instead of reading it, until that tensor (or a view of its storage) is next changed
-    in place. For tensors kept and written between calls whose finiteness follows from what was
-    written (:class:`attnkit.cache.KVCache`'s buffers, where each step then checks its new tokens
-    only, not the whole buffers). The tensors share one copy, which :func:`all_finite` reads once."""
+    in place; a view of one (the written part of a cache's buffers) takes the same answer. For tensors
+    kept and written between calls whose finiteness follows from what was written
+    (:class:`attnkit.cache.KVCache`'s buffers, where each step then checks its new tokens only, not
+    the whole buffers). The tensors share one copy, which :func:`all_finite` reads once."""
     flag = None
     for x in xs:
         version = _version(x)

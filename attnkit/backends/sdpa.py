@@ -49,7 +49,8 @@ class SDPABackend:
         if req.heads != req.kv_heads:
             k, v = expand_kv(k, req.heads), expand_kv(v, req.heads)
         mask = req.mask
-        is_causal = req.is_causal
+        # One query aligned bottom-right sits after every key: causal masks nothing (a decode step).
+        is_causal = req.is_causal and req.q_len > 1
         if is_causal and (mask is not None or req.bias is not None or req.q_len != req.kv_len):
             causal = masks.causal(req.q_len, req.kv_len, device=q.device)
             mask = causal if mask is None else mask & causal

@@ -218,9 +218,11 @@ class MultiHeadAttention(nn.Module):
         With ``cache`` (self-attention only) the new tokens' keys and values are written to the
         cache and the queries attend to everything cached; masks then cover ``Lk = cache.seq_len``
         after the update, and ``is_causal`` aligns bottom-right so decoding one token at a time
-        gives the rows of the full forward pass. The attention itself runs on the cache's whole
-        buffers (fixed shapes), with the mask of :func:`attnkit.cache.visible` hiding the unwritten tail
-        and carrying the causal alignment; given masks and biases are widened to match.
+        gives the rows of the full forward pass. Run eagerly, the attention reads the written part of
+        the cache's buffers (a view, no copy), with the masks as given, as a call without a cache would.
+        Under ``torch.compile`` it runs on the whole buffers (fixed shapes, one graph for every token),
+        with the mask of :func:`attnkit.cache.visible` hiding the unwritten tail and carrying the causal
+        alignment; given masks and biases are widened to match.
 
         Args:
             query: ``[B, Lq, embed_dim]``.
@@ -266,22 +268,31 @@ class MultiHeadAttention(nn.Module):
                                  f"True = real token; got {describe(key_mask)}")
             km = key_mask[:, None, None, :]
             mask = km if mask is None else mask & km
+        if cache is not None and not torch.compiler.is_compiling():
+            # Checked before the cache is written: a refused call leaves it as it was.
+            mask, bias = (_on_prefix(name, t, kv_len, cache.max_len) for name, t in (("mask", mask), ("bias", bias)))
         q, k, v = self.project_qkv(query, key, value)
         if self.rotary is not None:
             q = self.rotary(q, kv_len - q.shape[-2])  # bottom-right: query i at Lk - Lq + i
             k = self.rotary(k, start)
+        on_buffers = False
         if cache is not None:
             cached = cache.update(k, v)
-            k, v = cached.k, cached.v  # (B, Hkv, max_len, D): the whole buffers
+            on_buffers = cached.seq_len is None  # a compiled step: the length is a tensor
+            if on_buffers:
+                k, v = cached.k, cached.v  # (B, Hkv, max_len, D): the whole buffers, fixed shapes
+            else:
+                # The written keys only: a view (nothing copied) that the cache's finiteness flag covers, and
+                # no mask to build or read for the unwritten tail; causal and window align bottom-right as
+                # without a cache.
+                k, v = cached.k[:, :, :kv_len], cached.v[:, :, :kv_len]
         if self.approx is not None:
-            if cache is not None:  # approximate methods see the written keys only, as they always have
-                k, v = k[:, :, :kv_len], v[:, :, :kv_len]
             plan = mask if is_plan(mask) else None
             return self._approx_forward(q, k, v, None if plan is not None else mask, is_causal, mask_plan=plan,
                                         bias=bias, window=window, mask_mod=mask_mod,
                                         score_mod=score_mod, position_bias=self.position_bias,
                                         need_weights=need_weights or None)
-        if cache is not None:
+        if on_buffers:
             mask, bias, mask_mod = _on_buffers(cached, q.shape[-2], mask, bias, mask_mod, is_causal, window)
             is_causal, window = False, None  # now in mask and mask_mod, aligned to the written length
         if self.position_bias is not None:
@@ -293,8 +304,6 @@ class MultiHeadAttention(nn.Module):
                         return_weights=need_weights, backend=self.backend if backend is None else backend)
         out, weights = res if need_weights else (res, None)
         out = self.out_proj(merge_heads(out))  # (B, Lq, embed_dim)
-        if weights is not None and cache is not None:
-            weights = weights[..., :kv_len]  # the cached keys, not the unwritten tail
         return (out, weights) if need_weights else out
 
     def _approx_forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
@@ -362,6 +371,18 @@ def _on_buffers(cached, q_len: int, mask, bias, mask_mod, is_causal: bool, windo
     seen = visible(cached, q_len, causal=is_causal, window=None if window is None else check_window(window))
     mask = seen if mask is None else mask & seen
     return mask, bias, mask_mod
+
+
+def _on_prefix(name: str, t: Tensor | None, kv_len: int, buffer: int) -> Tensor | None:
+    """A mask or bias of an eager cached call, over the ``kv_len`` keys cached after it (new ones included): as
+    given when it covers them (or broadcasts, a trailing dim of 1), cut to them when it covers the whole cache
+    (``buffer`` keys)."""
+    if t is None or is_plan(t) or t.shape[-1] in (1, kv_len):
+        return t
+    if t.shape[-1] == buffer:
+        return t[..., :kv_len]
+    raise ValueError(f"{name} must cover the {kv_len} cached keys (new ones included) or the whole cache "
+                     f"({buffer}) along its last dim, got shape {tuple(t.shape)}")
 
 
 def _check_compiled_step(need_weights: bool, key_mask, position_bias, approx) -> None:

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import backends, masks
+from attnkit.backends import sdpa as sdpa_module
+from attnkit.call import validate_call
 from tests.support import oracle
 from tests.support.backends import eager_backends
 from tests.support.tolerances import close
@@ -178,6 +180,25 @@ def test_causal_is_bottom_right_with_cache_layout():
     lq, lk = q.shape[2], k.shape[2]
     seen = (w > 0).sum(-1)
     assert seen[0, 0].tolist() == [lk - lq + 1 + i for i in range(lq)]
+
+
+def test_one_causal_query_sees_every_key_and_sdpa_builds_no_mask_for_it():
+    """A decode step: one query aligned bottom-right sits after every key, so causal masks nothing; SDPA then
+    gets no mask (none to build or read), and the answer is the unmasked call's, bit for bit, and the oracle's."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (1, 9, 9))
+    sdpa = backends.get("sdpa")
+    calls = []
+    real = sdpa_module.F.scaled_dot_product_attention
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sdpa_module.F, "scaled_dot_product_attention",
+                   lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+        out = sdpa(validate_call(q, k, v, is_causal=True))[0]
+    assert calls[0]["attn_mask"] is None and not calls[0]["is_causal"]
+    assert torch.equal(out, attnkit.attention(q, k, v, backend="sdpa"))
+    allowed = oracle.allowed_grid(2, 3, 1, 9, is_causal=True)
+    ref, _ = oracle.attention(q.double(), k.double(), v.double(), allowed=allowed)
+    close(out, ref, torch.float32)
 
 
 def test_leading_batch_dims_and_3d_inputs():

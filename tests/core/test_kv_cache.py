@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit.cache import KVCache, visible
 from attnkit.modules import MultiHeadAttention
+from attnkit.modules import attention as attention_module
 from attnkit.positional import ALiBi, RelativeKeyEmbedding, RotaryEmbedding, T5RelativeBias
 from tests.support.backends import eager_backends
 from tests.support.tolerances import close
@@ -159,6 +160,37 @@ def test_cached_decoding_on_every_backend_with_masks_bias_and_window(backend):
                         bias=None if bias is None else bias[:, :, start:stop, :stop], window=window))
         start = stop
     close(torch.cat(outs, 1), full)
+
+
+def test_an_eager_cached_step_attends_over_the_written_keys_only():
+    """Run eagerly, a cached step hands the backend a view of the written part of the buffers (no copy) and no
+    mask for the unwritten tail; a mask over the whole cache is cut to the written keys, one of another width is
+    refused naming it."""
+    torch.manual_seed(5)
+    mha = MultiHeadAttention(8, 2).double().eval()
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    cache = KVCache(1, 10, 2, 4, dtype=torch.float64)
+    mha(x[:, :3], cache=cache, is_causal=True)
+    seen = []
+    real = attention_module.attention
+
+    def spy(q, k, v, **kw):
+        seen.append((k, v, kw))
+        return real(q, k, v, **kw)
+
+    keep = torch.ones(1, 1, 1, 10, dtype=torch.bool)
+    keep[..., 1] = False
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention_module, "attention", spy)
+        out = mha(x[:, 3:], cache=cache, is_causal=True, mask=keep)
+    (k, v, kw), = seen
+    assert k.shape[-2] == v.shape[-2] == 4 and k.data_ptr() == cache.k.data_ptr()
+    assert kw["is_causal"] and kw["mask"].shape[-1] == 4
+    full = mha(x, is_causal=True, mask=keep[..., :4].expand(1, 1, 4, 4))
+    close(out, full[:, 3:])
+    with pytest.raises(ValueError, match=r"mask must cover the 5 cached keys .* got shape \(1, 1, 1, 7\)"):
+        mha(x[:, :1], cache=cache, mask=torch.ones(1, 1, 1, 7, dtype=torch.bool))
+    assert cache.seq_len == 4  # the refused call wrote nothing
 
 
 def test_cache_rejects_cross_attention_and_wrong_key_mask():

@@ -309,3 +309,19 @@ def test_a_decode_step_check_reads_its_query_and_the_caches_flag_once_not_the_bu
         assert nonfinite.all_finite(req)
     assert not [op for op in ops.seen if (1, 2, 32, 8) in op[1]], ops.seen  # the buffers are not read
     assert [name for name, _ in ops.seen].count("_local_scalar_dense.default") == 2, ops.seen  # q's sum, one flag
+
+
+def test_a_view_of_a_vouched_tensor_takes_its_flag_until_the_base_is_written():
+    """The written part of a cache's buffers (what an eager decode step attends over) is a view: the cache's
+    flag answers for it, and a write to the buffers through any view voids it for every view."""
+    cache = KVCache(1, 32, 2, 8)
+    cached = cache.update(torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8))
+    k, v = cached.k[:, :, :9], cached.v[:, :, :9]
+    req = validate_call(torch.randn(1, 2, 1, 8), k, v)
+    assert nonfinite._vouched(k) is nonfinite._vouched(v) is not None
+    assert _both_checks(req) == (True, True)
+    cached.k[0, 0, 20, 0] = NAN  # by hand, outside the view but in its storage: the flag no longer holds
+    assert nonfinite._vouched(k) is None
+    assert _both_checks(req) == (True, True)  # read: the view itself is finite
+    cached.k[0, 0, 3, 0] = NAN
+    assert _both_checks(req) == (False, False)
