@@ -1,4 +1,8 @@
-"""Recording the attention weights of a model's own forward pass, without changing the model.
+"""Recording what a model's own forward pass attends with, without changing the model.
+
+* :func:`recorded_weights` - each call's attention weights.
+* :func:`recorded_qk` - each call's queries and keys as the attention takes them (after the rotary
+  transform), whose ``q @ k^T * scale`` are its scores: what the viewer's score-terms panel shows.
 
 Usage::
 
@@ -9,9 +13,12 @@ Usage::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 
@@ -61,3 +68,81 @@ def recorded_weights(modules: Iterable[nn.Module]) -> Iterator[list[list[Tensor]
     finally:
         for h in handles:
             h.remove()
+
+
+class ScoreInputs(NamedTuple):
+    """One call's queries and keys as its attention took them: ``q @ k^T * scale`` are its scores,
+    before masks, biases, position biases and score mods are added."""
+
+    q: Tensor  #: ``[B, H, Lq, D]``, after the rotary transform (if any)
+    k: Tensor  #: ``[B, Hkv, Lk, D]``, after the rotary transform; with a KV cache, every cached key
+    scale: float  #: the module's ``scale``, or ``1 / sqrt(D)`` as :func:`attnkit.attention` uses
+
+
+@contextmanager
+def recorded_qk(modules: Iterable[nn.Module]) -> Iterator[list[list[ScoreInputs]]]:
+    """Inside the block, each :class:`attnkit.modules.MultiHeadAttention` in ``modules`` also keeps
+    the queries and keys its attention scores, so that a score can be taken apart by dimension
+    (:func:`attnkit.analysis.score_terms`, the viewer's ``qk=``).
+
+    Yields:
+        One list per module, appended to on each of its calls with a :class:`ScoreInputs`
+        ``(q, k, scale)`` (detached copies); with a KV cache each decoding step adds ``Lq = 1``
+        and every key cached so far.
+
+    A hook works them out after each call from the call's own arguments, the way ``forward``
+    does: the module's projections (``project_qkv``), then its rotary transform at the same
+    positions (query ``i`` at ``Lk - Lq + i``); with a cache, the keys are the cache's written
+    keys. The output is not touched, and nothing on the module changes; the projections of q and
+    k are made a second time. Use it beside :func:`recorded_weights` to keep both from one pass.
+    The hooks are removed when the block ends, also on an error.
+
+    Raises:
+        TypeError: a module that is not an attnkit ``MultiHeadAttention``.
+        ValueError: a module set to an approximate method (``kind``): its weights are not a
+            softmax of these scores.
+    """
+    from ..modules import MultiHeadAttention
+
+    modules = list(modules)
+    for m in modules:
+        if not isinstance(m, MultiHeadAttention):
+            raise TypeError(f"modules must be attnkit.modules.MultiHeadAttention, got {type(m).__name__}")
+        if m.approx is not None:
+            raise ValueError(f"modules must run exact attention (kind=None) to record q and k, got a module "
+                             f"with kind {m.approx.kind!r}, whose weights are not a softmax of q . k")
+    records: list[list[ScoreInputs]] = [[] for _ in modules]
+
+    def keep(calls: list[ScoreInputs]):
+        def hook(module, args, kwargs, output):
+            calls.append(_score_inputs(module, args, kwargs))
+        return hook
+
+    handles = []
+    try:
+        for m, calls in zip(modules, records, strict=True):
+            handles.append(m.register_forward_hook(keep(calls), with_kwargs=True))
+        yield records
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _score_inputs(module, args: tuple, kwargs: dict) -> ScoreInputs:
+    """q and k of one finished call of ``module``, as ``MultiHeadAttention.forward`` made them."""
+    given = dict(zip(("query", "key", "value"), args, strict=False)) | kwargs
+    query, key, value, cache = given["query"], given.get("key"), given.get("value"), given.get("cache")
+    key = query if key is None else key
+    value = key if value is None else value
+    with torch.no_grad():
+        q, k, _ = module.project_qkv(query, key, value)  # (B, H, Lq, D), (B, Hkv, Lk_new, D)
+        # The call has run: a cache now holds its keys, rotated, after those of earlier calls.
+        kv_len = key.shape[1] if cache is None else cache.seq_len
+        if module.rotary is not None:
+            q = module.rotary(q, kv_len - q.shape[-2])  # bottom-right: query i at Lk - Lq + i
+        if cache is not None:
+            k = cache.k[:, :, :kv_len]  # (B, Hkv, Lk, D), each key rotated when it was written
+        elif module.rotary is not None:
+            k = module.rotary(k, 0)
+    scale = module.scale if module.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return ScoreInputs(q.detach().clone(), k.detach().clone(), float(scale))
