@@ -52,6 +52,13 @@ TEMPLATE = r"""<!DOCTYPE html>
   .k { font-family: ui-monospace, "DejaVu Sans Mono", monospace; background: #eef2ff; border-radius: 3px; padding: 0 3px; white-space: pre; }
   .w { color: var(--muted); }
   .hint { color: var(--muted); font-size: 12px; }
+  #terms { margin-top: 14px; padding-top: 8px; border-top: 1px solid var(--line); }
+  #terms p { margin: 4px 0; }
+  #terms-top { padding-left: 0; list-style: none; margin: 4px 0; font: 12px ui-monospace, "DejaVu Sans Mono", monospace; }
+  #terms-chart { display: block; margin: 6px 0; }
+  #terms-chart text { font: 10px ui-monospace, "DejaVu Sans Mono", monospace; fill: var(--ink); }
+  .up { color: #b2182b; }
+  .down { color: #2166ac; }
 </style>
 </head>
 <body>
@@ -77,7 +84,7 @@ TEMPLATE = r"""<!DOCTYPE html>
       <div id="head-wrap"><div class="col" id="left"></div><canvas id="lines" width="240" height="20"></canvas><div class="col" id="right"></div></div>
     </section>
     <section id="view-matrix">
-      <p class="hint">Rows: queries; columns: keys; mean of the selected heads. Hover a cell.</p>
+      <p class="hint">Rows: queries; columns: keys; mean of the selected heads. Hover a cell; click one to take its score apart by dimension.</p>
       <canvas id="matrix" width="10" height="10"></canvas>
     </section>
     <section id="view-model">
@@ -85,7 +92,17 @@ TEMPLATE = r"""<!DOCTYPE html>
       <div id="grid"></div>
     </section>
   </div>
-  <aside><h2 id="info-title">Hover a token</h2><ol id="info-list"></ol></aside>
+  <aside><h2 id="info-title">Hover a token</h2><ol id="info-list"></ol>
+    <div id="terms" hidden>
+      <h2 id="terms-title"></h2>
+      <div class="group"><span class="label">Head</span> <select id="terms-head" aria-label="head of the score terms"></select></div>
+      <p id="terms-sum"></p>
+      <p id="terms-weight"></p>
+      <svg id="terms-chart" width="340" height="170" role="img" aria-label="the score's terms per dimension, largest first"></svg>
+      <ol id="terms-top"></ol>
+      <p class="hint" id="terms-hint"></p>
+    </div>
+  </aside>
 </main>
 <script id="attnkit-data" type="application/json">__ATTNKIT_DATA__</script>
 <script>
@@ -102,6 +119,12 @@ TEMPLATE = r"""<!DOCTYPE html>
   const W = D.mode === 'dense' ? bytes(D.weights) : null;
   const IDX = D.mode === 'topk' ? new Uint16Array(bytes(D.indices).buffer) : null;
   const VAL = D.mode === 'topk' ? bytes(D.values) : null;
+  // Score terms (when the page has q and k): q [NL, NH, L, dim], k [NL, kv_heads, L, dim] as float32,
+  // each row's log-sum-exp over the keys it may attend, and a bit per cell whose weight is exactly 0.
+  const TR = D.terms;
+  const TQ = TR ? new Float32Array(bytes(TR.q).buffer) : null, TK = TR ? new Float32Array(bytes(TR.k).buffer) : null;
+  const LSE = TR ? new Float64Array(bytes(TR.lse).buffer) : null, MASKED = TR && TR.masked ? bytes(TR.masked) : null;
+  const TOP_TERMS = 5;
 
   // One query row of one head, as floats in [0, 1] (weights are stored as 8-bit levels).
   function row(l, h, q) {
@@ -121,7 +144,7 @@ TEMPLATE = r"""<!DOCTYPE html>
     return [Math.round(255 - t * 247), Math.round(255 - t * 207), Math.round(255 - t * 148)];
   }
 
-  const state = { layer: 0, heads: [0], view: 'head', hover: null, drawn: [] };
+  const state = { layer: 0, heads: [0], view: 'head', hover: null, drawn: [], cell: null, termsHead: 0 };
   window.attnkit = { state, row, tokens: T };
 
   function sync() {
@@ -129,6 +152,7 @@ TEMPLATE = r"""<!DOCTYPE html>
     document.body.dataset.heads = state.heads.join(',');
     document.body.dataset.view = state.view;
     document.body.dataset.hover = state.hover ? state.hover.side + ':' + state.hover.i : '';
+    document.body.dataset.cell = state.cell ? state.cell.q + ':' + state.cell.k : '';
   }
 
   // ---- header and controls
@@ -223,6 +247,11 @@ TEMPLATE = r"""<!DOCTYPE html>
       for (let y = 0; y < cell; y++) for (let x = 0; x < cell; x++) { const p = ((a * cell + y) * s * cell + b * cell + x) * 4; img.data[p] = r; img.data[p + 1] = g; img.data[p + 2] = bl; img.data[p + 3] = 255; }
     }
     ctx.putImageData(img, pad, pad);
+    if (state.cell) {  // the cell whose score terms the panel shows
+      const a = Math.floor(state.cell.q * s / L), b = Math.floor(state.cell.k * s / L);
+      ctx.strokeStyle = '#f59e0b'; ctx.lineWidth = 2;
+      ctx.strokeRect(pad + b * cell + 1, pad + a * cell + 1, Math.max(1, cell - 2), Math.max(1, cell - 2));
+    }
     if (pad) {
       ctx.fillStyle = '#1d2433'; ctx.font = Math.min(12, cell - 1) + 'px monospace'; ctx.textBaseline = 'middle';
       T.forEach((t, i) => {
@@ -233,13 +262,25 @@ TEMPLATE = r"""<!DOCTYPE html>
     }
     matrixGeom = { pad, cell, s, m };
   }
-  $('matrix').addEventListener('mousemove', (ev) => {
-    if (!matrixGeom) return;
+  // The cell under the mouse: pooled cell (a, b) and the first query and key of its block.
+  function cellAt(ev) {
+    if (!matrixGeom) return null;
     const g = matrixGeom, rect = $('matrix').getBoundingClientRect();
     const a = Math.floor((ev.clientY - rect.top - g.pad) / g.cell), b = Math.floor((ev.clientX - rect.left - g.pad) / g.cell);
-    if (a < 0 || b < 0 || a >= g.s || b >= g.s) return;
-    const q = Math.floor(a * L / g.s), k = Math.floor(b * L / g.s);
-    info('Layer ' + state.layer + ', heads ' + state.heads.join(','), [[T[q], ' \u2192 ', T[k], ' ' + g.m[a * g.s + b].toFixed(3) + (g.s < L ? ' (max of a block)' : ''), { q, k }]]);
+    if (a < 0 || b < 0 || a >= g.s || b >= g.s) return null;
+    return { a, b, q: Math.floor(a * L / g.s), k: Math.floor(b * L / g.s) };
+  }
+  $('matrix').addEventListener('mousemove', (ev) => {
+    const c = cellAt(ev), g = matrixGeom;
+    if (!c) return;
+    info('Layer ' + state.layer + ', heads ' + state.heads.join(','), [[T[c.q], ' \u2192 ', T[c.k], ' ' + g.m[c.a * g.s + c.b].toFixed(3) + (g.s < L ? ' (max of a block)' : ''), { q: c.q, k: c.k }]]);
+  });
+  $('matrix').addEventListener('click', (ev) => {
+    const c = cellAt(ev);
+    if (!c) return;
+    state.cell = { q: c.q, k: c.k };
+    if (!state.heads.includes(state.termsHead)) state.termsHead = state.heads[0];
+    render();
   });
 
   // ---- all layers x heads
@@ -293,6 +334,97 @@ TEMPLATE = r"""<!DOCTYPE html>
     info((hv.side === 'q' ? 'What \u201c' + who + '\u201d attends to' : 'What attends to \u201c' + who + '\u201d') + ' (layer ' + state.layer + ')', items);
   }
 
+  // ---- score terms of the clicked cell: score = sum over d of q[i, d] * k[j, d] * scale
+  const SVG = $('terms-chart').namespaceURI;  // the page's own inline <svg> carries the SVG namespace
+  function svgEl(tag, attrs, text) {
+    const e = document.createElementNS(SVG, tag);
+    for (const [a, v] of Object.entries(attrs)) e.setAttribute(a, String(v));
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
+  const signed = (x, p) => (x > 0 ? '+' : '') + x.toPrecision(p);
+  for (let h = 0; h < NH; h++) { const o = el('option', '', 'head ' + h); o.value = String(h); $('terms-head').appendChild(o); }
+  $('terms-head').addEventListener('change', () => { state.termsHead = Number($('terms-head').value); render(); });
+  function scoreTerms(l, h, i, j) {  // [dim] terms, in float64 from the stored float32 q and k
+    const d = TR.dim, hk = Math.floor(h / (NH / TR.kv_heads)), s = TR.scale[l];
+    const qo = ((l * NH + h) * L + i) * d, ko = ((l * TR.kv_heads + hk) * L + j) * d;
+    return Array.from({ length: d }, (_, x) => TQ[qo + x] * TK[ko + x] * s);
+  }
+  function drawTerms(terms) {  // bars sorted by magnitude, the largest few labelled along the top
+    const svg = $('terms-chart'), W = 340, H = 170, TOP = 34, BOT = 6, d = terms.length;
+    svg.textContent = '';
+    const order = terms.map((t, x) => [x, t]).sort((u, v) => Math.abs(v[1]) - Math.abs(u[1]) || u[0] - v[0]);
+    let hi = 0, lo = 0;
+    for (const t of terms) { if (t > hi) hi = t; if (t < lo) lo = t; }
+    const unit = (H - TOP - BOT) / ((hi - lo) || 1), y0 = TOP + hi * unit, slot = (W - 8) / d, bw = Math.max(1, slot * 0.8);
+    const top = (t) => (t >= 0 ? y0 - t * unit : y0);
+    order.forEach(([x, t], r) => {
+      const bar = svgEl('rect', { x: 4 + r * slot, y: top(t), width: bw, height: Math.max(0.5, Math.abs(t) * unit), fill: t >= 0 ? '#b2182b' : '#2166ac' });
+      bar.dataset.dim = String(x); bar.dataset.term = String(t);
+      bar.appendChild(svgEl('title', {}, 'd' + x + ': ' + signed(t, 4)));
+      svg.appendChild(bar);
+    });
+    svg.appendChild(svgEl('line', { x1: 2, x2: W - 2, y1: y0, y2: y0, stroke: '#9ca3af', 'stroke-width': 1 }));
+    const n = Math.min(TOP_TERMS, d), lw = (W - 8) / n;
+    for (let r = 0; r < n; r++) {
+      const [x, t] = order[r], lx = 4 + (r + 0.5) * lw;
+      const lab = svgEl('text', { x: lx, y: 11, 'text-anchor': 'middle' }, 'd' + x);
+      lab.dataset.dim = String(x);
+      svg.append(lab, svgEl('text', { x: lx, y: 23, 'text-anchor': 'middle' }, signed(t, 3)));
+      svg.appendChild(svgEl('line', { x1: lx, y1: 26, x2: 4 + r * slot + bw / 2, y2: top(t), stroke: '#6b7280', 'stroke-width': 0.6 }));
+    }
+  }
+  function showTerms() {
+    const box = $('terms'), c = state.cell;
+    box.hidden = !c;
+    if (!c) return;
+    const l = state.layer, h = state.termsHead;
+    $('terms-head').value = String(h);
+    $('terms-title').textContent = '';
+    $('terms-title').append(document.createTextNode('Score of '), el('span', 'k', T[c.q]), document.createTextNode(' \u2192 '),
+                            el('span', 'k', T[c.k]), document.createTextNode(' (layer ' + l + ', query ' + c.q + ', key ' + c.k + ')'));
+    Object.assign(box.dataset, { layer: String(l), head: String(h), query: String(c.q), key: String(c.k) });
+    for (const id of ['terms-sum', 'terms-weight', 'terms-top', 'terms-chart', 'terms-hint']) $(id).textContent = '';
+    if (!TR) {
+      $('terms-sum').textContent = D.terms_note || 'This page holds the attention weights only: write it with qk= (the queries and keys, recorded with attnkit.analysis.record.recorded_qk) to take a score apart by dimension.';
+      return;
+    }
+    const terms = scoreTerms(l, h, c.q, c.k), d = terms.length;
+    let score = 0;
+    for (const t of terms) score += t;
+    const order = terms.map((t, x) => [x, t]).sort((u, v) => Math.abs(v[1]) - Math.abs(u[1]) || u[0] - v[0]);
+    const n = Math.min(TOP_TERMS, d);
+    let topSum = 0;
+    for (let r = 0; r < n; r++) topSum += order[r][1];
+    box.dataset.score = String(score);
+    $('terms-sum').append(document.createTextNode('score = q\u00b7k \u00d7 scale = sum of the ' + d + ' terms = '), el('b', '', score.toFixed(4)),
+                          el('span', 'w', ' (largest ' + n + ': ' + signed(topSum, 4) + (d > n ? ', the other ' + (d - n) + ': ' + signed(score - topSum, 4) : '') + ')'));
+    const cellIdx = ((l * NH + h) * L + c.q) * L + c.k, shown = row(l, h, c.q)[c.k];
+    let weight, say;
+    if (MASKED && (MASKED[cellIdx >> 3] >> (7 - (cellIdx & 7))) & 1) {
+      weight = 0; say = 'weight 0: this key is masked for this query, so its score is not used';
+    } else if (TR.softmax[l][h]) {
+      weight = Math.exp(score - LSE[(l * NH + h) * L + c.q]);
+      say = 'weight = softmax of the row\u2019s scores = ' + weight.toFixed(4) + ' (this head\u2019s map: ' + shown.toFixed(3) + ')';
+    } else {
+      weight = shown;
+      say = 'weight in the map = ' + shown.toFixed(3) + '; this head\u2019s weights are not the softmax of q\u00b7k \u00d7 scale alone (a position bias, a bias or a score_mod adds to its scores, or they were computed in lower precision)';
+    }
+    box.dataset.weight = String(weight);
+    box.dataset.softmax = TR.softmax[l][h] ? '1' : '0';
+    $('terms-weight').textContent = say;
+    drawTerms(terms);
+    const qo = ((l * NH + h) * L + c.q) * d, ko = ((l * TR.kv_heads + Math.floor(h / (NH / TR.kv_heads))) * L + c.k) * d;
+    for (let r = 0; r < n; r++) {
+      const [x, t] = order[r], li = el('li');
+      li.append(el('b', '', 'd' + x), document.createTextNode(': q ' + TQ[qo + x].toPrecision(4) + ' \u00d7 k ' + TK[ko + x].toPrecision(4) + ' \u00d7 ' + TR.scale[l].toPrecision(4) + ' = '),
+                el('span', t >= 0 ? 'up' : 'down', signed(t, 4)));
+      li.dataset.dim = String(x); li.dataset.term = String(t);
+      $('terms-top').appendChild(li);
+    }
+    $('terms-hint').textContent = 'Bars: the ' + d + ' terms q[i,d] \u00d7 k[j,d] \u00d7 scale, largest first; red raises the score, blue lowers it.';
+  }
+
   function render() {
     $('layer').value = String(state.layer);
     for (const b of document.querySelectorAll('#heads input')) b.checked = state.heads.includes(Number(b.dataset.head));
@@ -304,6 +436,7 @@ TEMPLATE = r"""<!DOCTYPE html>
       if (!gridBuilt) buildGrid();
       for (const t of document.querySelectorAll('.thumb')) t.classList.toggle('sel', Number(t.dataset.layer) === state.layer && state.heads.includes(Number(t.dataset.head)));
     }
+    showTerms();
     sync();
   }
   render();

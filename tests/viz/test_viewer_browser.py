@@ -1,6 +1,7 @@
 """The HTML viewer as a person uses it: headless Chromium opens it from file://, switches layer
-and head, hovers a token, and we check what is drawn, that no request left the page, that the
-console stayed clean, and that a hostile token renders as text. A screenshot is kept.
+and head, hovers a token, clicks a cell for its score's terms, and we check what is drawn and the
+numbers shown, that no request left the page, that the console stayed clean, and that a hostile
+token renders as text. A screenshot is kept.
 
 The browser is driven over the Chrome DevTools Protocol on a pipe (``--remote-debugging-pipe``:
 JSON messages separated by NUL bytes on file descriptors 3 and 4), so no Python package and no
@@ -21,7 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from attnkit.analysis import score_terms
 from attnkit.viz import write_viewer
+from tests.support.tolerances import close
+from tests.viz.test_viewer_terms import recorded_model
 
 pytestmark = pytest.mark.browser
 
@@ -136,6 +140,11 @@ class Browser:
                     " e.scrollIntoView({block: 'center'}); const b = e.getBoundingClientRect();"
                     " return [b.left + b.width / 2, b.top + b.height / 2]; })()")
         return r[0], r[1]
+
+    def click_at(self, x: float, y: float) -> None:
+        self.page("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+        for kind in ("mousePressed", "mouseReleased"):
+            self.page("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 
     def hover(self, selector: str) -> None:
         x, y = self.center(selector)
@@ -301,4 +310,100 @@ def test_long_input_stays_usable(browser, tmp_path):
     browser.click('#views button[data-view="matrix"]')
     assert browser.js("document.getElementById('matrix').width") == n  # one pixel a cell under 512
     assert set(browser.requests()) == {url}
+    assert browser.errors() == []
+
+
+def _click_cell(browser: Browser, q: int, k: int, n: int) -> None:
+    """Click the matrix cell of query ``q`` and key ``k`` (one cell a token: ``n`` <= 64 tokens)."""
+    pad, cell = 90, max(1, 560 // n)
+    left, top = browser.js("(() => { const c = document.getElementById('matrix'); c.scrollIntoView({block: 'center'});"
+                           " const b = c.getBoundingClientRect(); return [b.left, b.top]; })()")
+    browser.click_at(left + pad + k * cell + cell / 2, top + pad + q * cell + cell / 2)
+
+
+def _panel(browser: Browser) -> dict:
+    return browser.js("""(() => {
+      const box = document.getElementById('terms');
+      const terms = (sel) => Array.from(document.querySelectorAll(sel),
+                                        e => [Number(e.dataset.dim), Number(e.dataset.term)]);
+      return { hidden: box.hidden, data: Object.assign({}, box.dataset),
+               bars: terms('#terms-chart rect'), top: terms('#terms-top li'),
+               labels: Array.from(document.querySelectorAll('#terms-chart text[data-dim]'), t => Number(t.dataset.dim)),
+               title: document.getElementById('terms-title').textContent,
+               sum: document.getElementById('terms-sum').textContent,
+               shownScore: (document.querySelector('#terms-sum b') || {}).textContent,
+               weight: document.getElementById('terms-weight').textContent };
+    })()""")
+
+
+def test_clicking_a_cell_shows_its_score_terms(browser, tmp_path):
+    weights, qk = recorded_model()  # 3 layers x 4 heads, 2 key heads: rotary + causal, plain, ALiBi
+    n = len(TOKENS)
+    url = write_viewer(tmp_path / "terms.html", weights, TOKENS, qk=qk).resolve().as_uri()
+    browser.log.clear()
+    browser.open(url)
+    assert browser.js("document.getElementById('terms').hidden") is True
+    browser.click("#no-heads")
+    browser.click("#head-1")
+    browser.click("#head-3")
+    browser.click('#views button[data-view="matrix"]')
+    _click_cell(browser, BANK, RIVER, n)
+    assert browser.js("document.body.dataset.cell") == f"{BANK}:{RIVER}"
+    cell = 560 // n  # the clicked cell is outlined in orange
+    r, g, b, _ = browser.pixel("#matrix", 90 + RIVER * cell + 1, 90 + BANK * cell + cell // 2)
+    assert r > 200 and 120 < g < 200 and b < 60
+
+    def check(layer: int, head: int, query: int, key: int) -> dict:
+        p = _panel(browser)
+        assert not p["hidden"]
+        assert [p["data"][k] for k in ("layer", "head", "query", "key")] == [str(v) for v in (layer, head, query, key)]
+        q, k, scale = qk[layer]
+        expected = score_terms(q.double(), k.double(), scale=scale, query=query)[0, head, key]  # (D,)
+        bars = p["bars"]
+        # every dimension once, largest magnitude first, each term the float64 product of the recorded q and k
+        assert sorted(d for d, _ in bars) == list(range(expected.numel()))
+        assert [abs(t) for _, t in bars] == sorted((abs(t) for _, t in bars), reverse=True)
+        close(torch.tensor([t for _, t in sorted(bars)], dtype=torch.float64), expected)
+        assert p["labels"] == [d for d, _ in bars[:5]] and p["top"] == bars[:5]
+        # the score shown is their sum, and in the text to 4 places
+        score = float(p["data"]["score"])
+        close(torch.tensor(score, dtype=torch.float64), expected.sum())
+        assert p["shownScore"] == f"{score:.4f}" and f"sum of the {expected.numel()} terms" in p["sum"]
+        return p
+
+    # Layer 0, the first selected head: the weight is the softmax of the row's scores, as the model computed it
+    p = check(0, 1, BANK, RIVER)
+    assert p["data"]["softmax"] == "1" and "softmax of the row" in p["weight"]
+    close(torch.tensor(float(p["data"]["weight"])), weights[0][0, 1, BANK, RIVER])
+    # Another head from the panel's own menu: head 3 reads key head 1
+    browser.js("(() => { const s = document.getElementById('terms-head'); s.value = '3';"
+               " s.dispatchEvent(new Event('change')); })()")
+    p = check(0, 3, BANK, RIVER)
+    close(torch.tensor(float(p["data"]["weight"])), weights[0][0, 3, BANK, RIVER])
+    shot = browser.screenshot(tmp_path / "viewer_score_terms.png")
+    _keep(shot)
+    # A key the causal mask hides: its score exists, its weight is 0
+    _click_cell(browser, RIVER, BANK, n)
+    p = check(0, 3, RIVER, BANK)
+    assert p["data"]["weight"] == "0" and "masked" in p["weight"]
+    # Layer 2 adds ALiBi to its scores: the panel says so and shows the map's weight
+    browser.js("(() => { const s = document.getElementById('layer'); s.value = '2';"
+               " s.dispatchEvent(new Event('change')); })()")
+    p = check(2, 3, RIVER, BANK)
+    assert p["data"]["softmax"] == "0" and "not the softmax" in p["weight"]
+    assert abs(float(p["data"]["weight"]) - float(weights[2][0, 3, RIVER, BANK])) <= 0.5 / 255 + 1e-7
+    # The hostile token is text in the panel's title
+    _click_cell(browser, n - 1, 0, n)
+    assert EVIL in check(2, 3, n - 1, 0)["title"]
+    assert browser.js("document.querySelectorAll('img, iframe, object, embed').length") == 0
+    assert set(browser.requests()) == {url}
+    assert browser.errors() == []
+
+    # Without q and k the panel says how to get them
+    plain = write_viewer(tmp_path / "plain.html", weights, TOKENS).resolve().as_uri()
+    browser.open(plain)
+    browser.click('#views button[data-view="matrix"]')
+    _click_cell(browser, BANK, RIVER, n)
+    p = _panel(browser)
+    assert not p["hidden"] and p["bars"] == [] and "qk=" in p["sum"]
     assert browser.errors() == []
