@@ -71,6 +71,10 @@ void sgemm_(const char*, const char*, const int*, const int*, const int*, const 
             const float*, const int*, const float*, float*, const int*) __attribute__((weak));
 void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
             const double*, const int*, const double*, double*, const int*) __attribute__((weak));
+// MKL's product of bfloat16 matrices into float32 (layout, transa, transb as CBLAS's enums; MKL_INT is int in
+// the LP64 interface torch links): every product exact in float32, sums in float32.
+void cblas_gemm_bf16bf16f32(int, int, int, int, int, int, float, const c10::BFloat16*, int, const c10::BFloat16*, int,
+                            float, float*, int) __attribute__((weak));
 }
 
 namespace {
@@ -119,6 +123,21 @@ void gemm(bool ta, bool tb, Index m, Index n, Index k, T alpha, const T* a, Inde
   } else {
     dgemm_(&opb, &opa, &M, &N, &K, &alpha, b, &lb, a, &la, &beta, c, &lc);
   }
+}
+
+// bfloat16 products (see "bfloat16 products" at forward_impl): whether torch exports MKL's bf16 product, and
+// whether the forward uses it for bfloat16 inputs (set by the Python side once its self-check passed).
+bool has_bf16_gemm() { return cblas_gemm_bf16bf16f32 != nullptr; }
+std::atomic<bool> bf16_products{false};
+
+// Row-major C[m x n] (float) = op(A)[m x k] B'[k x n] + beta * C, A and B bfloat16, A never transposed; tb: B
+// stored transposed.
+void gemm_bf16(bool tb, Index m, Index n, Index k, const c10::BFloat16* a, Index lda, const c10::BFloat16* b,
+               Index ldb, float beta, float* c, Index ldc) {
+  constexpr int row_major = 101, no_trans = 111, trans = 112;
+  cblas_gemm_bf16bf16f32(row_major, no_trans, tb ? trans : no_trans, static_cast<int>(m), static_cast<int>(n),
+                         static_cast<int>(k), 1.0f, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta, c,
+                         static_cast<int>(ldc));
 }
 
 // A buffer the BLAS sees at the same (64-byte) alignment on every call: MKL picks its code path,
@@ -381,15 +400,16 @@ const std::vector<std::pair<Index, Index>>& segments(const Rows& R, Index p, Ind
   return out;
 }
 
-// A thread's buffers for key_chunks, made once and reused.
-template <typename T>
+// A thread's buffers for key_chunks, made once and reused. KV: how keys and values are stored (T, or
+// bfloat16 for the forward's bfloat16 products).
+template <typename T, typename KV = T>
 struct KeyScratch {
   Tensor kg_buf, vg_buf;
-  T *kg, *vg;  // gathered keys and values
+  KV *kg, *vg;  // gathered keys and values
   std::vector<T> bg;  // a row's bias at the gathered keys
   std::vector<std::pair<Index, Index>> iv, segs, lone;
   KeyScratch(Index chunk, Index E, Index Ev)
-      : kg(scratch<T>(kg_buf, chunk * E)), vg(scratch<T>(vg_buf, chunk * Ev)), bg(chunk) {}
+      : kg(scratch<KV>(kg_buf, chunk * E)), vg(scratch<KV>(vg_buf, chunk * Ev)), bg(chunk) {}
 };
 
 // The keys rows row(0..g-1) of set p see (segments, gaps shorter than `gap` closed), in chunks of at
@@ -400,9 +420,10 @@ struct KeyScratch {
 // body(kp, ldk, vp, ldv, kc, visible, bias_of): its keys and values (rows ldk, ldv apart),
 // visible(i, rg) row i's visible columns as ranges in rg (returns how many), bias_of(i) row i's
 // bias of head h at the chunk's columns.
-template <typename T, typename RowOf, typename Body>
+template <typename T, typename KV, typename RowOf, typename Body>
 void key_chunks(const Rows& R, Index p, Index g, const RowOf& row, Index gap, Index chunk, const Tensor& k,
-                const Tensor& v, const Tensor& bias, Index b, Index h, Index hkv, KeyScratch<T>& w, const Body& body) {
+                const Tensor& v, const Tensor& bias, Index b, Index h, Index hkv, KeyScratch<T, KV>& w,
+                const Body& body) {
   w.lone.clear();
   for (const auto& seg : segments(R, p, g, row, gap, w.iv, w.segs)) {
     if (seg.second - seg.first < LONE && seg.second - seg.first <= chunk) {
@@ -411,7 +432,7 @@ void key_chunks(const Rows& R, Index p, Index g, const RowOf& row, Index gap, In
     }
     for (Index c0 = seg.first; c0 < seg.second; c0 += chunk) {
       const Index kc = std::min(chunk, seg.second - c0);
-      body(row_ptr<T>(k, b, hkv, c0), k.stride(2), row_ptr<T>(v, b, hkv, c0), v.stride(2), kc,
+      body(row_ptr<KV>(k, b, hkv, c0), k.stride(2), row_ptr<KV>(v, b, hkv, c0), v.stride(2), kc,
            [&](Index i, std::vector<Index>& rg) { return R.ranges(p, i, c0, kc, rg); },
            // bias[h, j - i + L - 1]: a contiguous slice along the row
            [&](Index i) { return diagonal_row<T>(bias, h, c0 - i + R.L - 1); });
@@ -425,9 +446,9 @@ void key_chunks(const Rows& R, Index p, Index g, const RowOf& row, Index gap, In
     }
     const auto* segs = w.lone.data() + x0;
     const Index n = static_cast<Index>(x1 - x0);
-    gather_keys<T>(k, b, hkv, segs, n, w.kg);
-    gather_keys<T>(v, b, hkv, segs, n, w.vg);
-    body(static_cast<const T*>(w.kg), k.size(3), static_cast<const T*>(w.vg), v.size(3), kc,
+    gather_keys<KV>(k, b, hkv, segs, n, w.kg);
+    gather_keys<KV>(v, b, hkv, segs, n, w.vg);
+    body(static_cast<const KV*>(w.kg), k.size(3), static_cast<const KV*>(w.vg), v.size(3), kc,
          [&](Index i, std::vector<Index>& rg) { return R.ranges_in(p, i, segs, n, rg); },
          [&](Index i) { return gathered_bias<T>(bias, h, i, R.L, segs, n, w.bg.data()); });
     x0 = x1;
@@ -642,9 +663,16 @@ std::vector<std::array<Index, 3>> wide_row_groups(const Rows& R, Index B, Index 
   return groups;
 }
 
-template <typename T, typename Store = T>
+// bfloat16 products (KV = c10::BFloat16, with T = float and Store = bfloat16): q, k and v are read as they are
+// stored, the two products of a chunk take bfloat16 operands into float32 (gemm_bf16: each product exact,
+// sums in float32), and the weights p are rounded to bfloat16 for p v, as FlashAttention does on a GPU; the
+// softmax, its running maximum and sum and the accumulator stay float32. No float copy of k and v is made,
+// and a CPU with bfloat16 products runs both products at their speed.
+template <typename T, typename Store = T, typename KV = T>
 void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& stats, const Rows& R,
                   const Tensor& bias, T scale, T cap, Index q_rows, Index kv_chunk) {
+  constexpr bool bf16 = std::is_same_v<KV, c10::BFloat16>;
+  static_assert(!bf16 || (std::is_same_v<T, float> && std::is_same_v<Store, KV>), "bf16 products: float, bf16");
   const Shape d(q, k, v);
   const bool biased = bias.numel() > 0;
   const Index blocks = (d.L + q_rows - 1) / q_rows, G = d.groups(), K = R.K;
@@ -659,8 +687,17 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   const bool prescale = scale != T(1) && std::frexp(scale, &exponent) == T(0.5);
   const T s_eff = prescale ? T(1) : scale;
   constexpr bool converted = !std::is_same_v<Store, T>;  // half types: read and written a tile at a time
-  const auto take_query = [&](const Store* from, T* to) {  // a query row copied for a block (scaled: see above)
-    if constexpr (converted) {
+  // A query row copied for a block (scaled: see above); tmp: a row of E in T.
+  const auto take_query = [&](const Store* from, KV* to, T* tmp) {
+    if constexpr (bf16) {  // scaled by a power of two in float, exactly, and stored back as bfloat16
+      if (prescale) {
+        load_row<T, Store>(from, tmp, d.E);
+        at::vec::map([=](Vec x) { return x * Vec(scale); }, tmp, tmp, d.E);
+        store_row<T, KV>(tmp, to, d.E);
+      } else {
+        std::copy_n(from, d.E, to);
+      }
+    } else if constexpr (converted) {
       load_row<T, Store>(from, to, d.E);
       if (prescale) at::vec::map([=](Vec x) { return x * Vec(scale); }, to, to, d.E);
     } else if (prescale) {
@@ -670,21 +707,26 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     }
   };
   struct Scratch {  // a thread's buffers, made once and reused from group to group
-    Tensor s_buf, acc_buf, q_buf;
-    T *s, *acc, *qg;
+    Tensor s_buf, acc_buf, q_buf, p_buf;
+    T *s, *acc;
+    KV *qg, *pb;  // queries copied for a block; the weights rounded for p v (bfloat16 products)
     std::vector<T> o;  // an output row in the compute type, before it is stored (half types)
+    std::vector<T> qrow;  // a query row in the compute type, as it is scaled (bfloat16 products)
     std::vector<T> m, l;
     std::vector<bool> bad;  // a row's scores met a non-finite value (online_softmax_row)
     bool block_bad = false;  // a key or value of a chunk of the block is not finite
     std::vector<Index> rg;
-    KeyScratch<T> keys;
+    KeyScratch<T, KV> keys;
     Scratch(Index rows, Index chunk, const Shape& d, Index K)
         : s(scratch<T>(s_buf, rows * chunk)), acc(scratch<T>(acc_buf, rows * d.Ev)),
-          qg(scratch<T>(q_buf, rows * d.E)), o(d.Ev), m(rows), l(rows), bad(rows), rg(2 * K), keys(chunk, d.E, d.Ev) {}
+          qg(scratch<KV>(q_buf, rows * d.E)),
+          pb(scratch<KV>(p_buf, std::is_same_v<KV, c10::BFloat16> ? rows * chunk : 1)), o(d.Ev),
+          qrow(std::is_same_v<KV, c10::BFloat16> ? d.E : 0), m(rows), l(rows), bad(rows), rg(2 * K),
+          keys(chunk, d.E, d.Ev) {}
   };
   // Rows row(0..g-1) of (b, h), their queries at qp + r * lda (a row(r) < 0 is left out): scores in
   // chunks of the keys they see (key_chunks), an online softmax per row, and their outputs and statistics.
-  const auto attend = [&](Index b, Index h, const T* qp, Index lda, Index g, const auto& row, Scratch& w) {
+  const auto attend = [&](Index b, Index h, const KV* qp, Index lda, Index g, const auto& row, Scratch& w) {
     T* const s = w.s;
     T* const acc = w.acc;
     T* const m = w.m.data();
@@ -695,9 +737,13 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     w.block_bad = false;
     bool first = true;
     key_chunks<T>(R, R.set(b, h), g, row, q_rows, kv_chunk, k, v, bias, b, h, h / G, w.keys,
-                  [&](const T* kp, Index ldk, const T* vp, Index ldv, Index kc, const auto& visible,
+                  [&](const KV* kp, Index ldk, const KV* vp, Index ldv, Index kc, const auto& visible,
                       const auto& bias_of) {
-      gemm<T>(false, true, g, kc, d.E, T(1), qp, lda, kp, ldk, T(0), s, kc);
+      if constexpr (bf16) {
+        gemm_bf16(true, g, kc, d.E, qp, lda, kp, ldk, 0.0f, s, kc);
+      } else {
+        gemm<T>(false, true, g, kc, d.E, T(1), qp, lda, kp, ldk, T(0), s, kc);
+      }
       // One row's raw scores against every key of the chunk: a key that is not finite makes its score
       // with any finite query NaN or infinite (inf * 0 is NaN), whichever rows may see it.
       w.block_bad = w.block_bad || not_finite<T>(add_up<T>(s, kc, Vec(T(0))));
@@ -712,7 +758,12 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
           for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
         }
       }
-      gemm<T>(false, false, g, d.Ev, kc, T(1), s, kc, vp, ldv, first ? T(0) : T(1), acc, d.Ev);
+      if constexpr (bf16) {
+        store_row<T, KV>(s, w.pb, g * kc);  // the rows' weights side by side (kc apart), rounded to nearest
+        gemm_bf16(false, g, d.Ev, kc, w.pb, kc, vp, ldv, first ? 0.0f : 1.0f, acc, d.Ev);
+      } else {
+        gemm<T>(false, false, g, d.Ev, kc, T(1), s, kc, vp, ldv, first ? T(0) : T(1), acc, d.Ev);
+      }
       first = false;
     });
     T* const ms = stats.data_ptr<T>() + (b * d.H + h) * d.L;  // the row maximum, then log of the row sum
@@ -745,10 +796,10 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
       const char* skip = wide[R.set(b, h)].empty() ? nullptr : wide[R.set(b, h)].data() + i0;
       const Store* qs = row_ptr<Store>(q, b, h, i0);
-      const T* qp = reinterpret_cast<const T*>(qs);  // read in place unless converted or prescaled
+      const KV* qp = reinterpret_cast<const KV*>(qs);  // read in place unless converted or prescaled
       Index lda = q.stride(2);
-      if (prescale || converted) {
-        for (Index r = 0; r < rows; ++r) take_query(qs + r * lda, w.qg + r * d.E);
+      if (prescale || (converted && !bf16)) {
+        for (Index r = 0; r < rows; ++r) take_query(qs + r * lda, w.qg + r * d.E, w.qrow.data());
         qp = w.qg;
         lda = d.E;
       }
@@ -764,7 +815,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     for (Index it = 0; next(it);) {
       const Index b = groups[it][0] / d.H, h = groups[it][0] % d.H, g = groups[it][2];
       const Index* rows = listed[R.set(b, h)].data() + groups[it][1];
-      for (Index r = 0; r < g; ++r) take_query(row_ptr<Store>(q, b, h, rows[r]), w.qg + r * d.E);
+      for (Index r = 0; r < g; ++r) take_query(row_ptr<Store>(q, b, h, rows[r]), w.qg + r * d.E, w.qrow.data());
       attend(b, h, w.qg, d.E, g, [=](Index r) { return rows[r]; }, w);
     }
   });
@@ -1276,7 +1327,10 @@ std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor&
   check_blas();
   const Rows R(starts, ends, q.size(0), q.size(1));
   if (is_half(q)) {  // keys and values in float once (see load_row); queries and outputs a row at a time
-    if (q.scalar_type() == at::kBFloat16) {
+    if (q.scalar_type() == at::kBFloat16 && bf16_products.load(std::memory_order_relaxed)) {
+      forward_impl<float, c10::BFloat16, c10::BFloat16>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
+                                                        static_cast<float>(softcap), q_rows, kv_chunk);
+    } else if (q.scalar_type() == at::kBFloat16) {
       forward_impl<float, c10::BFloat16>(q, to_float<c10::BFloat16>(k), to_float<c10::BFloat16>(v), out, stats, R,
                                          bias, static_cast<float>(scale), static_cast<float>(softcap), q_rows,
                                          kv_chunk);
@@ -1354,4 +1408,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[B, H, Lq, Ev] with rows the BLAS can read, stats the forward's contiguous [2, B, H, Lq], all in q's dtype; "
         "kv_rows, q_chunk in [1, 2^20]");
   m.def("has_blas", &has_blas, "whether torch exposes the BLAS this module calls");
+  m.def("has_bf16_gemm", &has_bf16_gemm, "whether torch exposes MKL's bfloat16 product (cblas_gemm_bf16bf16f32)");
+  m.def(
+      "set_bf16_products",
+      [](bool on) {
+        TORCH_CHECK(!on || has_bf16_gemm(), "band kernel: bfloat16 products need MKL's cblas_gemm_bf16bf16f32, "
+                    "which this torch does not export");
+        bf16_products.store(on);
+      },
+      "whether the forward computes bfloat16 inputs with bfloat16 products (process-wide)");
+  m.def("bf16_products", [] { return bf16_products.load(); }, "what set_bf16_products set (False at first)");
 }

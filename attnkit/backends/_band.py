@@ -29,12 +29,22 @@ their first call together wait for that one load and all get the module (or the 
 
 Both operators check every argument before touching memory and name the one that does not fit
 ("What they check", above the operators below).
+
+bfloat16 inputs go through bfloat16 products where torch exports MKL's ``cblas_gemm_bf16bf16f32``
+(:func:`bf16_products`): the kernel reads q, k and v as they are stored, both products of a tile take
+bfloat16 operands into float32 sums, the softmax and the accumulator stay float32, and the weights are
+rounded to bfloat16 for the second product, as FlashAttention does on a GPU. On a CPU with bfloat16
+products (AVX512-BF16, AMX) that runs the products at their speed; elsewhere MKL widens them itself and
+the kernel still saves its float32 copy of the keys and values. Turned on once its own self-check
+passes; ``ATTNKIT_BF16_PRODUCTS=0`` (read then) or :func:`set_bf16_products` keeps the float32 products
+(a bfloat16 forward is then exactly the float32 kernel on the same values, rounded once).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 import sys
 import threading
 import weakref
@@ -64,6 +74,8 @@ _ISA_FLAGS = {
 }
 _reason: str | None = None
 _reports = False  # reports_nonfinite(): set once by _checked()
+_bf16_ok = False  # bfloat16 products exist and passed their self-check (set once by _checked())
+_bf16_reason: str | None = None  # why bf16_products() is False, once _checked() ran
 
 
 class BandInputs(NamedTuple):
@@ -102,6 +114,40 @@ def reports_nonfinite() -> bool:
     kernel sees every score and output row it makes, and the self-check found that the BLAS carries a
     non-finite value through a product with 0 (``0 * inf`` is NaN), as the kernel relies on for ``v``."""
     return available() and _reports
+
+
+def bf16_products() -> bool:
+    """Whether the kernel computes bfloat16 inputs with bfloat16 products (see the module docstring):
+    torch exports MKL's bfloat16 product, the self-check of that path passed, ``ATTNKIT_BF16_PRODUCTS`` is
+    not ``0``, and :func:`set_bf16_products` did not turn it off. Why not: :func:`bf16_products_reason`."""
+    return available() and _module().bf16_products()
+
+
+def bf16_products_reason() -> str | None:
+    """Why :func:`bf16_products` is False (None when it is True, or before the kernel was loaded)."""
+    if available() and _module().bf16_products():
+        return None
+    return _bf16_reason if available() else _reason
+
+
+def set_bf16_products(on: bool) -> None:
+    """Turn bfloat16 products on or off for every later call in this process (off: a bfloat16 forward is the
+    float32 kernel's, rounded once). Turning them on needs them to have passed the self-check.
+
+    Raises:
+        TypeError: ``on`` is not a bool.
+        ValueError: on, where :func:`bf16_products` could not be (the reason is in the message).
+    """
+    if not isinstance(on, bool):
+        raise TypeError(f"on must be a bool, got {type(on).__name__}")
+    global _bf16_reason
+    mod = _checked()
+    if on and not _bf16_ok:
+        raise ValueError(f"bfloat16 products are not available here: {bf16_products_reason()}")
+    if mod is not None:
+        mod.set_bf16_products(on)
+        if _bf16_ok:
+            _bf16_reason = None if on else "turned off by set_bf16_products(False)"
 
 
 def attention_if_finite(req: Call, inputs: BandInputs) -> Tensor | None:
@@ -410,7 +456,57 @@ def _checked():
     global _reports
     with real_tensors(), torch.inference_mode(False):
         _reports = all(_reports_in(mod, dtype) for dtype in DTYPES)
+        _use_bf16_products(mod)
     return mod
+
+
+def _use_bf16_products(mod) -> None:
+    """Turn bfloat16 products on when torch has them, ``ATTNKIT_BF16_PRODUCTS`` allows, and their self-check
+    passes; else leave them off with the reason in ``_bf16_reason``."""
+    global _bf16_reason, _bf16_ok
+    if not mod.has_bf16_gemm():
+        _bf16_reason = "this torch does not export MKL's bfloat16 product (cblas_gemm_bf16bf16f32)"
+        return
+    mod.set_bf16_products(True)
+    try:
+        err = _bf16_self_check(mod)
+        if err is None and _reports and not _reports_in(mod, torch.bfloat16):
+            err = "its statistics do not mark a non-finite value (0 * inf through MKL's bfloat16 product)"
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    if err is not None:
+        mod.set_bf16_products(False)
+        _bf16_reason = f"their self-check against the formula failed: {err}"
+        print(f"attnkit: banded kernel's bfloat16 products {_bf16_reason}; it computes bfloat16 in float32",
+              file=sys.stderr)
+        return
+    _bf16_ok = True
+    if os.environ.get("ATTNKIT_BF16_PRODUCTS", "1") == "0":
+        mod.set_bf16_products(False)
+        _bf16_reason = "turned off by ATTNKIT_BF16_PRODUCTS=0"
+
+
+def _bf16_self_check(mod) -> str | None:
+    """The forward with bfloat16 products against the formula in float64 on the same (bfloat16) values, on the
+    cases of :func:`_self_check` (windows, documents, several intervals per row, GQA, a bias, soft-capping, a
+    scale that is a power of two and one that is not): within 2^-5 of the values' largest magnitude, far above
+    the rounding of the weights and the output (about 2^-9 each) and far below a wrong product."""
+    gen = torch.Generator().manual_seed(1)
+    cases = (_window(70, 70, 5, 3), _window(50, 83, 200, 0), _documents((0, 17, 40, 41, 66), (0, 9, 9, 50, 61)),
+             _scattered(75, 80), _window(150, 150, 70, 70))
+    for n, (lq, lk, starts, ends) in enumerate(cases):
+        q, k, v = (torch.randn(*shape, generator=gen, device="cpu").to(torch.bfloat16)
+                   for shape in ((2, 4, lq, 16), (2, 2, lk, 16), (2, 2, lk, 24)))
+        heads = (0, 4, 1)[n % 3]
+        bias = torch.randn(heads, lq + lk - 1 if heads else 0, generator=gen, device="cpu")
+        scale, softcap = (0.25, 0.3)[n % 2], 2.0 if n == 3 else 0.0
+        out = mod.forward(q, k, v, starts, ends, bias, scale, softcap, 16, 32)[0]
+        want = _formula(*(t.double() for t in (q, k, v)), torch.zeros(2, 4, lq, 24, dtype=torch.float64), starts,
+                        ends, bias.double(), scale, softcap)[0]
+        err = (out.double() - want).abs().max().item()
+        if not err <= 2 ** -5 * v.abs().max().item():
+            return f"out differs by {err:.3g} (Lq={lq}, Lk={lk}, intervals per row={starts.shape[-1]})"
+    return None
 
 
 def _reports_in(mod, dtype: torch.dtype) -> bool:
@@ -424,7 +520,7 @@ def _reports_in(mod, dtype: torch.dtype) -> bool:
     q[..., 0] = 1.0
     k, v = torch.zeros_like(q), torch.ones_like(q)
     k[0, 0, 5, 0] = -4000.0  # row 4..6 give key 5 a weight of exactly 0
-    table = q.new_empty(0, 0)
+    table = torch.empty(0, 0, dtype=compute_dtype(dtype))
     clean = not bool(torch.isnan(mod.forward(q, k, v, starts, ends, table, 1.0, 0.0, 16, 32)[1][0]).any())
     marked = []
     for t, at, value in ((v, 5, inf), (v, 9, nan), (k, 1, -inf)):

@@ -16,7 +16,10 @@ from ..call import Call
 
 class Backend(Protocol):
     """What a backend is: a ``name``, ``not_supported_reasons(request)`` (empty when it can serve the
-    validated :class:`attnkit.call.Call` exactly) and ``__call__(request) -> (out, weights or None)``."""
+    validated :class:`attnkit.call.Call` exactly) and ``__call__(request) -> (out, weights or None)``.
+
+    A backend may also have ``prefers(request) -> bool``: True for calls it serves faster than the backends
+    before it in :func:`auto_order` (``"auto"`` then tries it first), each such rule a measured one."""
 
     name: str
 
@@ -82,7 +85,11 @@ def select(req: Call, name: str = "auto") -> Backend:
             raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(reasons))
         return backend
     why = {}
-    for candidate in auto_order(req.query.device) if name == "auto" else FAMILIES[name]:
+    order = auto_order(req.query.device) if name == "auto" else FAMILIES[name]
+    if name == "auto":
+        ahead = [n for n in order if getattr(_REGISTRY[n], "prefers", None) is not None and _REGISTRY[n].prefers(req)]
+        order = ahead + [n for n in order if n not in ahead]
+    for candidate in order:
         reasons = _REGISTRY[candidate].not_supported_reasons(req)
         if not reasons:
             return _REGISTRY[candidate]

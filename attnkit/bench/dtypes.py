@@ -2,14 +2,19 @@
 
 The anchor is this CPU's own matmul in each dtype, measured in the same run: its bf16:float32 and
 fp16:float32 speed ratios say what half precision can gain here at all (about 1 on a CPU without
-bf16/fp16 products, 2 or more with AVX512-BF16 or AMX). Each row times the same masked attention
-in the three dtypes on one thread (CPU-time medians, every dtype in each round), for attnkit and for SDPA (a
-causal call uses SDPA's own causal kernel; a window gives SDPA the dense boolean mask), and gives
-each dtype's time over attnkit's own float32 time. The CPU's flags that matter are printed first.
+bf16/fp16 products, 2 or more with AVX512-BF16 or AMX), and MKL's bfloat16 product (bfloat16 operands,
+float32 sums: the one the banded kernel calls for bfloat16) against float32. Each row times the same masked
+attention in the three dtypes on one thread (CPU-time medians, every dtype in each round), for attnkit and for
+SDPA (a causal call uses SDPA's own causal kernel; a window or documents give SDPA the dense boolean mask), and
+gives each dtype's time over attnkit's own float32 time; where the banded kernel serves bfloat16 with bfloat16
+products, a row `bfloat16, float32 products` times it with them turned off. The CPU's flags that matter are
+printed first.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import time
 from pathlib import Path
 
@@ -18,8 +23,9 @@ import torch.nn.functional as F
 
 import attnkit
 
-from .. import _cpu
-from ._util import interleaved_medians, markdown_table, matmul_gflops, progress, write_report
+from .. import _cpu, masks, scores
+from ..backends import _band
+from ._util import interleaved_medians, markdown_table, matmul_gflops, median_time, progress, write_report
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEADER = ["mask", "dtype", "attnkit backend", "attnkit ms", "SDPA ms", "SDPA / attnkit", "attnkit / own float32"]
@@ -38,10 +44,22 @@ def run(quick: bool, out_dir: Path) -> str:
         size = 512 if quick else 1024
         peak = {name: matmul_gflops(size, dtype) for name, dtype in DTYPES.items()}
         say("matmul GFLOP/s, one thread: " + ", ".join(f"{k} {v:.1f}" for k, v in peak.items()))
+        mkl = _mkl_bf16_gflops(size)
+        say(f"MKL's bfloat16 product: {mkl:.1f} GFLOP/s" if mkl else "MKL's bfloat16 product: not in this torch")
+        products = _band.bf16_products()
+        say(f"banded kernel, bfloat16 products: {'on' if products else 'off'}"
+            + ("" if products else f" ({_band.bf16_products_reason()})"))
         i = torch.arange(n)
         window = (i.view(-1, 1) - i.view(1, -1)).abs() <= 256
+        docs = torch.arange(n) * 4 // n  # four documents of n / 4 tokens
+        same_doc = (docs.view(-1, 1) == docs.view(1, -1)) & (i.view(-1, 1) >= i.view(1, -1))
+        alibi = scores.alibi(scores.alibi_slopes(heads))
         cases = {"window +-256": ({"window": (256, 256)}, {"attn_mask": window}),
-                 "causal": ({"is_causal": True}, {"is_causal": True})}
+                 "causal": ({"is_causal": True}, {"is_causal": True}),
+                 "documents (4, causal)": ({"mask_mod": masks.document_mod(docs), "is_causal": True},
+                                           {"attn_mask": same_doc}),
+                 "causal, ALiBi": ({"is_causal": True, "score_mod": alibi},
+                                   {"attn_mask": _alibi_bias(heads, n)})}
         rows = []
         for label, (ours, theirs) in cases.items():
             g = torch.Generator().manual_seed(0)
@@ -50,13 +68,22 @@ def run(quick: bool, out_dir: Path) -> str:
             fns = {}
             for name, (q, k, v) in inputs.items():  # every dtype and both sides in the same rounds
                 fns["attnkit", name] = lambda q=q, k=k, v=v, kw=ours: attnkit.attention(q, k, v, **kw)
-                fns["sdpa", name] = lambda q=q, k=k, v=v, kw=theirs: F.scaled_dot_product_attention(q, k, v, **kw)
+                mask = theirs.get("attn_mask")
+                kw = theirs if mask is None or mask.dtype == torch.bool else {"attn_mask": mask.to(q.dtype)}
+                fns["sdpa", name] = lambda q=q, k=k, v=v, kw=kw: F.scaled_dot_product_attention(q, k, v, **kw)
+            bf16 = inputs["bfloat16"]
+            widened = products and attnkit.which_backend(*bf16, **ours) == "band"
+            if widened:
+                fns["attnkit", "bfloat16, float32 products"] = lambda kw=ours, x=bf16: _without_products(x, kw)
             with torch.no_grad():
                 t = interleaved_medians(fns, repeat=repeat, alternate=True, clock=time.process_time)
-            for name, (q, k, v) in inputs.items():
-                row = [label, name, attnkit.which_backend(q, k, v, **ours), t["attnkit", name] * 1e3,
-                       t["sdpa", name] * 1e3, t["sdpa", name] / t["attnkit", name],
-                       t["attnkit", name] / t["attnkit", "float32"]]
+            names = [*inputs, *(["bfloat16, float32 products"] if widened else [])]
+            for name in names:
+                q, k, v = inputs.get(name, bf16)
+                backend = "band" if name not in inputs else attnkit.which_backend(q, k, v, **ours)
+                sdpa = t.get(("sdpa", name))
+                row = [label, name, backend, t["attnkit", name] * 1e3, "-" if sdpa is None else sdpa * 1e3,
+                       "-" if sdpa is None else sdpa / t["attnkit", name], t["attnkit", name] / t["attnkit", "float32"]]
                 say("  ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in row))
                 rows.append(row)
     finally:
@@ -64,13 +91,53 @@ def run(quick: bool, out_dir: Path) -> str:
     body = (f"CPU flags: {', '.join(have)}. Matmul anchor, one thread, {size}^2, measured in this run: "
             + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peak.items())
             + f" (bf16 : float32 = {peak['bfloat16'] / peak['float32']:.2f}, "
-            f"fp16 : float32 = {peak['float16'] / peak['float32']:.2f}).\n\n"
+            f"fp16 : float32 = {peak['float16'] / peak['float32']:.2f}); MKL's bfloat16 product (bfloat16 operands, "
+            "float32 sums, what the banded kernel calls) "
+            + (f"{mkl:.1f} GFLOP/s ({mkl / peak['float32']:.2f} of float32)" if mkl else "not in this torch")
+            + ". The banded kernel's bfloat16 products: " + ("on" if products else
+                                                             f"off ({_band.bf16_products_reason()})") + ".\n\n"
             f"B=1, H={heads}, D={dim}, n = {n}, forward, one thread; CPU-time medians of {repeat} rounds, each "
             "round running every dtype on both sides (the order reversed every other round, so that a shared "
             "machine's load hits all alike). `attnkit / own float32` is each dtype's attnkit time over attnkit's "
             "float32 time for the same mask (below 1: half precision is faster).\n\n" + markdown_table(HEADER, rows))
     return write_report(out_dir, "dtypes", "Half precision on the CPU: float32, bfloat16, float16", body,
                         "attnkit bench dtypes" + (" --quick" if quick else ""))
+
+
+def _without_products(inputs, kw):
+    """The banded kernel on bfloat16 inputs with its bfloat16 products off (the float32 products)."""
+    _band.set_bf16_products(False)
+    try:
+        return attnkit.attention(*inputs, backend="band", **kw)
+    finally:
+        _band.set_bf16_products(True)
+
+
+def _alibi_bias(heads: int, n: int) -> torch.Tensor:
+    """ALiBi and the causal mask as SDPA's float mask ``[H, n, n]``: -slope * distance, -inf above the diagonal."""
+    i = torch.arange(n)
+    dist = (i.view(-1, 1) - i.view(1, -1)).float()
+    bias = -scores.alibi_slopes(heads).view(-1, 1, 1) * dist
+    return bias.masked_fill(dist < 0, float("-inf"))
+
+
+def _mkl_bf16_gflops(n: int) -> float | None:
+    """MKL's ``cblas_gemm_bf16bf16f32`` (as torch exports it) on ``n x n`` bfloat16 matrices, GFLOP/s, or None
+    where torch has no such symbol."""
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        gemm = lib.cblas_gemm_bf16bf16f32
+    except (OSError, AttributeError):
+        return None
+    i32, ptr = ctypes.c_int, ctypes.c_void_p
+    gemm.restype = None
+    gemm.argtypes = [i32, i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32, ptr, i32, ctypes.c_float, ptr, i32]
+    a, b = (torch.randn(n, n).to(torch.bfloat16) for _ in range(2))
+    c = torch.empty(n, n)
+    row_major, no_trans = 101, 111
+    t = median_time(lambda: gemm(row_major, no_trans, no_trans, n, n, n, 1.0, a.data_ptr(), n, b.data_ptr(), n, 0.0,
+                                 c.data_ptr(), n), repeat=5, warmup=2)
+    return 2 * n**3 / t / 1e9
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,10 +1,16 @@
-"""Half precision through the banded kernel: bfloat16 and float16 go to the kernel as they are and are
-computed in float32 (queries and outputs converted a row at a time, keys and values once per call), so a
-half-precision forward is exactly the float32 kernel on the same values rounded once, its error against
-the float64 oracle is no larger than SDPA's own half-precision path on the same inputs, and gradients
-come back in the inputs' dtype."""
+"""Half precision through the banded kernel: bfloat16 and float16 go to the kernel as they are. float16, and
+bfloat16 without bfloat16 products, are computed in float32 (queries and outputs converted a row at a time,
+keys and values once per call), so such a forward is exactly the float32 kernel on the same values rounded
+once. With bfloat16 products (where torch exports MKL's) the products take bfloat16 operands and the weights
+are rounded to bfloat16 for the second one. Either way the error against the float64 oracle is no larger than
+SDPA's own half-precision path on the same inputs, and gradients come back in the inputs' dtype."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -31,6 +37,21 @@ CASES = {
 }
 
 
+@contextlib.contextmanager
+def _products(on: bool):
+    """bfloat16 products on or off for the block (skips where they are not available)."""
+    if on and _band.bf16_products_reason() is not None and not _band.bf16_products():
+        reason = _band.bf16_products_reason()
+        if not reason.startswith("turned off"):
+            pytest.skip(f"no bfloat16 products here: {reason}")
+    before = _band.bf16_products()
+    _band.set_bf16_products(on)
+    try:
+        yield
+    finally:
+        _band.set_bf16_products(before)
+
+
 def _inputs(shape, dtype, seed=0, strided=False):
     b, h, hkv, lq, lk = shape
     g = torch.Generator().manual_seed(seed)
@@ -44,26 +65,47 @@ def _inputs(shape, dtype, seed=0, strided=False):
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_a_half_forward_is_the_float32_kernel_rounded_once(dtype, case, strided):
+def test_a_half_forward_without_bf16_products_is_the_float32_kernel_rounded_once(dtype, case, strided):
     shape, kw = CASES[case]
     q, k, v = _inputs(shape, dtype, strided=strided)
-    with torch.no_grad():
+    with torch.no_grad(), _products(False):
         got = attnkit.attention(q, k, v, backend="band", **kw)
         want = attnkit.attention(q.float(), k.float(), v.float(), backend="band", **kw).to(dtype)
     assert got.dtype == dtype
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bf16_forward_with_bf16_products_is_the_formula_within_the_rounding_of_weights_and_output(case, strided):
+    """Every form of rows the kernel walks, with bfloat16 products: against the float64 oracle on the same
+    (bfloat16) values, within the table's bfloat16 tolerance; and not the float32 path (the switch works)."""
+    shape, kw = CASES[case]
+    b, h, hkv, lq, lk = shape
+    q, k, v = _inputs(shape, torch.bfloat16, strided=strided)
+    with torch.no_grad(), _products(True):
+        got = attnkit.attention(q, k, v, backend="band", **kw)
+    with torch.no_grad(), _products(False):
+        widened = attnkit.attention(q, k, v, backend="band", **kw)
+    ref = attnkit.attention(*(t.double() for t in (q, k, v)), backend="reference", **kw)
+    assert got.dtype == torch.bfloat16
+    close(got, ref, torch.bfloat16)
+    assert not torch.equal(got, widened)  # the weights rounded to bfloat16 move some outputs by an ulp
+
+
 @pytest.mark.parametrize("case", ["window", "causal, GQA, Lq < Lk", "documents"])
-@pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_the_half_error_is_no_larger_than_sdpas_own_half_path(dtype, case):
+@pytest.mark.parametrize(("dtype", "products"), [(torch.bfloat16, True), (torch.bfloat16, False),
+                                                 (torch.float16, False)],
+                         ids=["bf16 products", "bf16 in float32", "float16"])
+def test_the_half_error_is_no_larger_than_sdpas_own_half_path(dtype, case, products):
     shape, kw = CASES[case]
     b, h, hkv, lq, lk = shape
     q, k, v = _inputs(shape, dtype, seed=1)
     allowed = oracle.allowed_grid(b, h, lq, lk, is_causal=kw.get("is_causal", False), window=kw.get("window"),
                                   mask_mod=kw.get("mask_mod"))
     want, _ = oracle.attention(q.double(), k.double(), v.double(), allowed=allowed)
-    ours = (attnkit.attention(q, k, v, backend="band", **kw).double() - want).abs().max()
+    with _products(products):
+        ours = (attnkit.attention(q, k, v, backend="band", **kw).double() - want).abs().max()
     sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1),
                                           attn_mask=allowed)
     theirs = (sdpa.double() - want).abs().max()
@@ -99,3 +141,49 @@ def test_the_operator_takes_half_inputs_with_a_float32_bias_and_its_backward_ref
     with pytest.raises(RuntimeError, match="q must be float32 or float64, got"):
         torch.ops.attnkit.band_backward(out, q, k, v, out, stats, starts, ends, torch.zeros(0, 0), 0.3, 0.0, False,
                                         False)
+
+
+def test_bf16_products_are_on_where_torch_has_them_unless_turned_off_and_the_switch_checks_its_argument():
+    mod = _band._module()
+    if os.environ.get("ATTNKIT_BF16_PRODUCTS") == "0":
+        assert not _band.bf16_products() and "ATTNKIT_BF16_PRODUCTS=0" in _band.bf16_products_reason()
+    else:  # torch's x86 wheels link MKL, which has them on every x86 CPU (widened where the CPU has no bf16 products)
+        assert _band.bf16_products() is mod.has_bf16_gemm()
+        assert (_band.bf16_products_reason() is None) is mod.has_bf16_gemm()
+    with pytest.raises(TypeError, match="on must be a bool, got int"):
+        _band.set_bf16_products(1)
+    with _products(False):
+        assert not _band.bf16_products() and "set_bf16_products(False)" in _band.bf16_products_reason()
+
+
+def test_attnkit_bf16_products_0_keeps_float32_products():
+    code = ("from attnkit.backends import _band; assert _band.available(), _band.unavailable_reason(); "
+            "print(_band.bf16_products(), _band.bf16_products_reason())")
+    env = {**os.environ, "ATTNKIT_BF16_PRODUCTS": "0", "ATTNKIT_BUILD": "0"}  # the build this process made
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False turned off by ATTNKIT_BF16_PRODUCTS=0"
+
+
+def test_auto_serves_bf16_causal_inference_on_the_kernel_when_it_has_bf16_products():
+    """The one measured preference (attnkit bench dtypes): bfloat16 causal calls without a gradient go to the
+    kernel ahead of SDPA while it has bfloat16 products; with a gradient, without them, with no mask, or in
+    float32, SDPA keeps them. The kernel's answer is the oracle's within the bfloat16 tolerance, and a NaN
+    query poisons its own row only."""
+    q, k, v = _inputs((1, 4, 2, 90, 90), torch.bfloat16, seed=4)
+    with torch.no_grad(), _products(True):
+        assert attnkit.which_backend(q, k, v, is_causal=True) == "band"
+        assert attnkit.which_backend(q, k, v) == "sdpa"
+        assert attnkit.which_backend(q.float(), k.float(), v.float(), is_causal=True) == "sdpa"
+        out = attnkit.attention(q, k, v, is_causal=True)
+        bad = q.clone()
+        bad[0, 1, 30, 5] = float("nan")
+        poisoned = attnkit.attention(bad, k, v, is_causal=True)
+    with torch.no_grad(), _products(False):
+        assert attnkit.which_backend(q, k, v, is_causal=True) == "sdpa"
+    assert attnkit.which_backend(q.requires_grad_(), k, v, is_causal=True) == "sdpa"
+    ref = attnkit.attention(*(t.detach().double() for t in (q, k, v)), is_causal=True, backend="reference")
+    close(out, ref, torch.bfloat16)
+    rows = poisoned.isnan().all(-1)
+    assert rows[0, 1, 30] and rows.sum() == 1 and not (poisoned.isnan() & ~rows[..., None]).any()
+    assert torch.equal(poisoned.masked_fill(rows[..., None], 0), out.masked_fill(rows[..., None], 0))

@@ -21,7 +21,7 @@ def _window(n, left, right):
     return _band._window(n, n, left, right)[2:]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)  # bf16: its products
 @pytest.mark.parametrize(("name", "row", "value"), [
     ("q", 40, NAN), ("q", 40, INF), ("k", 40, NAN), ("k", 40, -INF), ("k", 40, INF), ("v", 40, NAN), ("v", 40, -INF),
     # a key row 40 cannot see but the kernel reads beside those it can (its block of rows spans them)
@@ -32,7 +32,7 @@ def test_the_forward_marks_a_row_whose_scores_or_output_met_a_non_finite_input(d
     t = {n: torch.randn(1, 2, 100, 8, generator=g, dtype=dtype) for n in ("q", "k", "v")}
     starts, ends = _window(100, 2, 2)
     mod = _band._module()
-    empty = t["q"].new_empty(0, 0)
+    empty = torch.empty(0, 0, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
     _, stats = mod.forward(t["q"], t["k"], t["v"], starts, ends, empty, 0.3, 0.0, 16, 64)
     assert not stats[0].isnan().any()
     t[name][0, 1, row, 3] = value
@@ -84,12 +84,14 @@ _PATTERNS = {  # name -> attention kwargs at n = 160: one block of rows, many, w
 @pytest.mark.parametrize("pattern", list(_PATTERNS))
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 @pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
-def test_an_inference_call_equals_the_exact_path_whatever_it_holds(pattern, where, value):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_an_inference_call_equals_the_exact_path_whatever_it_holds(pattern, where, value, dtype):
     """Without a gradient the kernel's own pass decides; its answer is the exact path's, bit for bit, for
-    a poison anywhere (seeded places across the rows, blocks and heads), on every form of rows."""
+    a poison anywhere (seeded places across the rows, blocks and heads), on every form of rows (bfloat16:
+    through its bfloat16 products where the kernel has them)."""
     n, gen = 160, torch.Generator().manual_seed(len(pattern) * 7 + "qkv".index(where))
     for _ in range(4):
-        t = {x: torch.randn(1, 4, n, 16, generator=gen) for x in "qkv"}
+        t = {x: torch.randn(1, 4, n, 16, generator=gen).to(dtype) for x in "qkv"}
         head, row, col = (int(torch.randint(m, (1,), generator=gen)) for m in (4, n, 16))
         t[where][0, head, row, col] = value
         kw = _PATTERNS[pattern](n)

@@ -41,8 +41,10 @@ Half types: both rows bound outputs of order 1 rounded once, plus the float32 wo
 half-precision CPU path, against the float64 oracle on the same rounded inputs (B=2, H=4, E=64; window
 +-40 at n = 257, causal at n = 300, no mask at n = 128; torch 2.13, AVX2), measured 2.7e-3, 7.2e-3
 and 3.6e-3 in bfloat16 and 5.7e-4, 1.1e-3 and 4.2e-4 in float16. attnkit's banded kernel measured 0.80
-to 1.00 of SDPA's on each (``tests/backends/test_band_half.py`` holds it to SDPA's error on the same
-inputs). The rows keep about 3x SDPA's worst: bfloat16 ``2e-2``, float16 ``3e-3``.
+to 1.00 of SDPA's on each with float32 products, and exactly SDPA's worst (1.00 on each of window, causal
+with GQA, documents) with bfloat16 products, whose weights are rounded to bfloat16 before the second product
+(``tests/backends/test_band_half.py`` holds it to SDPA's error on the same inputs). The rows keep about 3x
+SDPA's worst: bfloat16 ``2e-2``, float16 ``3e-3``.
 """
 
 from __future__ import annotations
