@@ -3,6 +3,7 @@
 * :func:`rollout` - attention rollout (Abnar & Zuidema 2020) with residual term and head fusion.
 * :func:`entropy`, :func:`mean_distance` - per-head summaries of attention maps.
 * :func:`recorded_weights` - the weights of a model's own forward pass, kept by hooks.
+* :func:`recorded_qk` - the queries and keys each attention call took (after positions), kept by hooks.
 * :func:`score_terms` - a score ``q . k * scale`` taken apart into its per-dimension terms.
 * :func:`attention_cost`, :func:`projection_params` - a complexity calculator (FLOPs, score-matrix
   memory, parameter counts), including the single- versus multi-head comparison that a widely copied
@@ -15,7 +16,7 @@ import typing as _typing
 if _typing.TYPE_CHECKING:
     from .complexity import AttentionCost, attention_cost, compare_heads, projection_params
     from .heads import entropy, mean_distance
-    from .record import recorded_weights
+    from .record import recorded_qk, recorded_weights
     from .rollout import fuse_heads, rollout
     from .terms import score_terms
 
@@ -27,6 +28,7 @@ __all__ = [
     "fuse_heads",
     "mean_distance",
     "projection_params",
+    "recorded_qk",
     "recorded_weights",
     "rollout",
     "score_terms",
@@ -37,7 +39,7 @@ __all__ = [
 _FROM = {"AttentionCost": "complexity", "attention_cost": "complexity", "compare_heads": "complexity",
          "projection_params": "complexity", "entropy": "heads", "mean_distance": "heads",
          "fuse_heads": "rollout", "rollout": "rollout", "recorded_weights": "record",
-         "score_terms": "terms"}
+         "recorded_qk": "record", "score_terms": "terms"}
 
 
 def __getattr__(name: str):

@@ -21,13 +21,16 @@ def add_parser(sub) -> None:
                    help="draw only this head of each chosen layer (default: a grid of all heads)")
     p.add_argument("--out", type=Path, default=Path("attnkit-viz"), help="output folder (default: ./attnkit-viz/)")
     p.add_argument("--format", choices=("png", "svg"), default="png", help="heat map format (default: png)")
+    p.add_argument("--terms", action="store_true",
+                   help="keep each layer's queries and keys in the viewer: clicking a cell of its matrix then "
+                        "shows that score's terms per head dimension")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     from ..demos import real_model as rm
 
-    att = rm.run(args.text, args.model,
+    att = rm.run(args.text, args.model, qk=args.terms,
                  before_run=lambda config: rm.check_outputs(config, args.out, layers=args.layer, head=args.head))
     rm.warn_unknown(att, "viz")
     n_layers, n_heads, n = att.shape

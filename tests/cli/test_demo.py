@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 
 import numpy as np
@@ -146,6 +147,20 @@ def test_viz_one_head_as_svg(tmp_path):
     names = {p.name for p in tmp_path.iterdir()}
     assert names == {"viewer.html", "layer1_head3.svg", "entropy.svg", "rollout.svg"}
     assert "<svg" in (tmp_path / "layer1_head3.svg").read_text()
+
+
+def test_viz_terms_puts_each_layers_queries_and_keys_in_the_viewer(tmp_path):
+    rc, _, _ = run_cli("viz", "The river bank was eroding.", "--layer", "0", "--out", str(tmp_path), "--terms")
+    assert rc == 0
+    assert _viewer_data(tmp_path)["terms"]["dim"] == 32 and _viewer_data(tmp_path)["terms_note"] == ""  # 384 / 12
+    rc, _, _ = run_cli("viz", "The river bank was eroding.", "--layer", "0", "--out", str(tmp_path / "plain"))
+    assert rc == 0 and _viewer_data(tmp_path / "plain")["terms"] is None  # without --terms: weights only
+
+
+def _viewer_data(folder) -> dict:
+    page = (folder / "viewer.html").read_text()
+    return json.loads(re.search(r'<script id="attnkit-data" type="application/json">(.*?)</script>', page,
+                                re.S).group(1))
 
 
 def test_complexity_prints_the_seed_004_comparison():
