@@ -8,6 +8,10 @@ from pathlib import Path
 from ..apps import TASKS
 from .command import positive_int
 
+#: Tasks that train one of several models, and those models (the first is the default). Listed here,
+#: not read from the task, so that a wrong ``--model`` is answered before torch is imported.
+MODELS = {"translate": ("transformer", "rnn")}
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -23,12 +27,21 @@ def add_parser(sub) -> None:
                         "numbers on one machine (default: 0)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR", help="output folder (default: ./attnkit-TASK/)")
     p.add_argument("--quick", action="store_true", help="tiny sizes that train in seconds (a smoke run)")
+    p.add_argument("--model", choices=list(dict.fromkeys(m for ms in MODELS.values() for m in ms)), default=None,
+                   help="which model to train, for " + "; ".join(
+                       f"{task}: {' or '.join(ms)} (default: {ms[0]})" for task, ms in MODELS.items())
+                   + ". translate's rnn is the baseline: a GRU encoder-decoder with additive attention "
+                     "(Bahdanau et al. 2015)")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     from .command import UserError, prepare_out
 
+    if args.model is not None and args.model not in MODELS.get(args.task, ()):
+        takes = f"its --model is one of {', '.join(MODELS[args.task])}" if args.task in MODELS else "it has no --model"
+        raise UserError(f"--model {args.model}: task {args.task!r} cannot train it ({takes})")
+    model = {} if args.model is None else {"model": args.model}
     out = args.out if args.out is not None else Path(f"attnkit-{args.task}")
     try:
         task = importlib.import_module(f"attnkit.apps.{args.task}")
@@ -40,10 +53,11 @@ def run(args) -> int:
     from ..viz.report import Section, write_report
 
     prepare_out(out)  # an unwritable --out fails here, before minutes of training
-    result = task.run(out=out, steps=args.steps, seed=args.seed, quick=args.quick)
+    result = task.run(out=out, steps=args.steps, seed=args.seed, quick=args.quick, **model)
     rows = result.evaluation_rows()  # labels with units, as the report shows them
     print(table(rows))
-    title = f"attnkit train {args.task}" + (" --quick" if args.quick else "")
+    title = f"attnkit train {args.task}" + (f" --model {args.model}" if args.model else "") + (
+        " --quick" if args.quick else "")
     summary = Section("Evaluation", f"--seed {args.seed}; {result.seconds:.0f} s in all.", table=rows)
     report = write_report(out / "report.html", title, [summary, *result.sections])
     print(f"checkpoint, pictures and report written to {out}/ (open {report})")
