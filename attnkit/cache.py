@@ -172,6 +172,26 @@ class KVCache(nn.Module):
         self.finite.fill_(True)
         self._vouch()
 
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on, keeping the first ``length`` (speculative decoding taking back
+        rejected tokens, or going back to a shared prompt). What is freed is zeroed, as :meth:`reset` zeroes it.
+
+        Raises:
+            ValueError: ``length`` is not an int in ``[0, seq_len]``.
+        """
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.seq_len:
+            raise ValueError(f"length must be an int in [0, {self.seq_len}] (seq_len), got {length!r}")
+        if length == self.seq_len:
+            return
+        self._recheck()
+        self.k[:, :, length:self.seq_len].zero_()
+        self.v[:, :, length:self.seq_len].zero_()
+        if not bool(self.finite):  # what is left may be finite again: read it
+            self.finite.copy_(nonfinite.finite(self.k) & nonfinite.finite(self.v))
+        self._len = length
+        self.cache_pos.fill_(length)
+        self._vouch()
+
     def reorder(self, index: Tensor) -> None:
         """Row ``i`` takes row ``index[i]``'s cached keys and values, in place (beam search: each
         hypothesis continues the one it extends; rows may repeat).

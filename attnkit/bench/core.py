@@ -19,6 +19,7 @@ import attnkit
 from attnkit import backends, nonfinite
 from attnkit.cache import KVCache
 from attnkit.call import validate_call
+from attnkit.modules import MultiHeadAttention
 
 from ._util import attention_flops, interleaved_medians, markdown_table, matmul_gflops, write_report
 
@@ -118,6 +119,7 @@ def _finiteness_check(n: int, heads: int, dim: int, repeat: int) -> str:
             if decode:
                 notes.append(f"{label}: {m['query read'] * 1e3:.3g} ms ({100 * m['query read'] / fwd:.2f}% of "
                              "the forward)")
+        rows.append(_module_decode_row(n, heads, dim, 10 * repeat))
     finally:
         torch.set_num_threads(threads)
     return (f"### The NaN/inf rule's finiteness check, n = {n}, forward, one thread\n\n"
@@ -136,10 +138,58 @@ def _finiteness_check(n: int, heads: int, dim: int, repeat: int) -> str:
             "at those statistics (its checks' cost inside the kernel is within `without`). A call that records a "
             "gradient keeps the check (the backward reads keys the forward did not): the row `forward and backward` "
             "times a training step, the forward and its backward, and its `% of fwd` columns are of that step. "
+            "The last row is a decode step as a model runs it: `MultiHeadAttention` (its four projections, the cache "
+            "write, the attention over the written keys) on one token with the cache cut back to the same length "
+            "before each round (`KVCache.crop`, untimed); `without` is the same step with the check replaced by "
+            "`True`, and `check in the call` times the check inside that step. "
             "Budget: 2% of the forward.\n\n"
             + markdown_table(CHECK_HEADER, rows)
             + "\n\nThe least any check that reads the query costs in the call (its sum read to the host, nothing "
             "else, timed like `in the call` in the same rounds): " + "; ".join(notes) + ".")
+
+
+def _module_decode_row(n: int, heads: int, dim: int, rounds: int) -> list:
+    """The check's cost in a decode step as a model runs it (see the table's text): one token through
+    ``MultiHeadAttention`` over a KV cache holding ``n // 2`` tokens of ``n``, with and without the check."""
+    g = torch.Generator().manual_seed(2)
+    embed = heads * dim
+    torch.manual_seed(2)
+    mha = MultiHeadAttention(embed, heads).eval()
+    x = torch.randn(1, n // 2 + 1, embed, generator=g)
+    cache = KVCache(1, n, heads, dim)
+    keep = n // 2
+    spent = []
+    real = nonfinite.all_finite
+
+    def timed_check(req) -> bool:
+        t0 = time.process_time()
+        ok = real(req)
+        spent.append(time.process_time() - t0)
+        return ok
+
+    def step(check) -> float:
+        cache.crop(keep)
+        nonfinite.all_finite = check
+        try:
+            t0 = time.process_time()
+            mha(x[:, keep:], cache=cache, is_causal=True)
+            return time.process_time() - t0
+        finally:
+            nonfinite.all_finite = real
+
+    with torch.no_grad():
+        mha(x[:, :keep], cache=cache, is_causal=True)
+        t = _rounds({"with": lambda: step(real), "without": lambda: step(lambda req: True),
+                     "in the call": lambda: step(timed_check)}, rounds)
+    backend = attnkit.which_backend(torch.randn(1, heads, 1, dim), cache.k[:, :, :keep + 1], cache.v[:, :, :keep + 1],
+                                    is_causal=True)
+    m = {name: statistics.median(ts) for name, ts in t.items()}
+    fwd, check = m["without"], statistics.median(spent[1:] if len(spent) > 1 else spent)
+    overhead = statistics.median(w - wo for w, wo in zip(t["with"], t["without"], strict=True)) / fwd
+    row = [f"decode step, MultiHeadAttention E={embed}, KV cache {keep + 1} of {n}", backend, m["with"] * 1e3,
+           fwd * 1e3, f"{100 * overhead:+.1f}", check * 1e3, f"{100 * check / fwd:.2f}", "-", "-"]
+    print(_progress_check(row))
+    return row
 
 
 def _timed(fn):

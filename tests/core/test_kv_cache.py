@@ -250,6 +250,29 @@ def test_reorder_refuses_a_bad_index_naming_it(index):
         cache.reorder(index)
 
 
+def test_crop_takes_back_tokens_and_decoding_goes_on_as_if_they_were_never_written():
+    torch.manual_seed(6)
+    mha = MultiHeadAttention(8, 2).double().eval()
+    x = torch.randn(1, 6, 8, dtype=torch.float64)
+    cache = KVCache(1, 8, 2, 4, dtype=torch.float64)
+    mha(x[:, :4], cache=cache, is_causal=True)
+    rejected = x[:, 4:].clone()
+    rejected[0, 0, 0] = float("nan")  # a draft token with a NaN: gone with the crop, the flag read again
+    mha(rejected, cache=cache, is_causal=True)
+    assert not bool(cache.finite)
+    cache.crop(4)
+    assert cache.seq_len == 4 and int(cache.cache_pos) == 4 and bool(cache.finite)
+    assert not cache.k[:, :, 4:].any() and not cache.v[:, :, 4:].any()  # freed: zeroed
+    out = mha(x[:, 4:], cache=cache, is_causal=True)
+    close(out, mha(x, is_causal=True)[:, 4:])
+    cache.crop(6)  # at seq_len: nothing to do
+    assert cache.seq_len == 6
+    with pytest.raises(ValueError, match=r"length must be an int in \[0, 6\] \(seq_len\), got 7"):
+        cache.crop(7)
+    with pytest.raises(ValueError, match="got True"):
+        cache.crop(True)
+
+
 def test_reset_zeroes_the_buffers():
     cache = KVCache(1, 5, num_kv_heads=2, head_dim=3)
     cache.update(torch.randn(1, 2, 4, 3), torch.full((1, 2, 4, 3), float("nan")))
