@@ -9,13 +9,21 @@ SDPA (a causal call uses SDPA's own causal kernel; a window or documents give SD
 gives each dtype's time over attnkit's own float32 time; where the banded kernel serves bfloat16 with bfloat16
 products, a row `bfloat16, float32 products` times it with them turned off. The CPU's flags that matter are
 printed first.
+
+A second table times a whole model: a small Mistral-architecture ``MistralForCausalLM`` from transformers
+(random weights from a seeded config, nothing downloaded; its sliding window shorter than the sequence), in
+bfloat16, one prefill of one sequence without gradient under ``attn_implementation="attnkit"`` and ``"sdpa"`` in
+the same rounds, with the backends that served attnkit's calls and the largest difference between the two
+implementations' logits. Without transformers the table says so and the rest runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,13 +31,19 @@ import torch.nn.functional as F
 
 import attnkit
 
-from .. import _cpu, masks, scores
+from .. import _cpu, backends, masks, scores
 from ..backends import _band
 from ._util import interleaved_medians, markdown_table, matmul_gflops, median_time, progress, write_report
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEADER = ["mask", "dtype", "attnkit backend", "attnkit ms", "SDPA ms", "SDPA / attnkit", "attnkit / own float32"]
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
+MODEL_HEADER = ["model", "n", "dtype", "attnkit backends", "attnkit ms", "SDPA ms", "SDPA / attnkit",
+                "max abs logit difference", "max abs logit"]
+#: The Mistral-style model of the second table: Mistral's layer (RMSNorm, rotary, GQA, SiLU-gated MLP, a causal
+#: sliding window) at a size that one CPU thread prefills at long lengths; the sequence is longer than the window.
+MISTRAL = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 512}
 
 
 def run(quick: bool, out_dir: Path) -> str:
@@ -86,6 +100,9 @@ def run(quick: bool, out_dir: Path) -> str:
                        "-" if sdpa is None else sdpa / t["attnkit", name], t["attnkit", name] / t["attnkit", "float32"]]
                 say("  ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in row))
                 rows.append(row)
+        model_n = 1024 if quick else 8192
+        model_repeat = 3 if quick else 5
+        model = _mistral_prefill(model_n, model_repeat, say)
     finally:
         torch.set_num_threads(threads)
     body = (f"CPU flags: {', '.join(have)}. Matmul anchor, one thread, {size}^2, measured in this run: "
@@ -99,9 +116,77 @@ def run(quick: bool, out_dir: Path) -> str:
             f"B=1, H={heads}, D={dim}, n = {n}, forward, one thread; CPU-time medians of {repeat} rounds, each "
             "round running every dtype on both sides (the order reversed every other round, so that a shared "
             "machine's load hits all alike). `attnkit / own float32` is each dtype's attnkit time over attnkit's "
-            "float32 time for the same mask (below 1: half precision is faster).\n\n" + markdown_table(HEADER, rows))
+            "float32 time for the same mask (below 1: half precision is faster).\n\n" + markdown_table(HEADER, rows)
+            + "\n\n## A Mistral-style model's prefill in bfloat16\n\n" + _model_text(model, model_n, model_repeat))
     return write_report(out_dir, "dtypes", "Half precision on the CPU: float32, bfloat16, float16", body,
                         "attnkit bench dtypes" + (" --quick" if quick else ""))
+
+
+def _mistral_prefill(n: int, repeat: int, say: Callable[[str], None]) -> list | str:
+    """The second table's row: :data:`MISTRAL` in bfloat16, one prefill of ``n`` tokens without gradient under
+    ``"attnkit"`` and ``"sdpa"`` (CPU-time medians of ``repeat`` rounds, both in each round), the backends that
+    served attnkit's calls, and the two logits' largest difference; or why it could not run."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+
+        from ..integrations import transformers as _registers_attnkit  # noqa: F401
+    except ImportError as e:
+        return f"Not measured: transformers could not be imported ({e})."
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(**MISTRAL, max_position_embeddings=n)
+    model = transformers.MistralForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, MISTRAL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(0))
+
+    def prefill(impl: str) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            model.set_attn_implementation(impl)
+            return model(input_ids=ids).logits
+        return run
+
+    fns = {impl: prefill(impl) for impl in ("attnkit", "sdpa")}
+    say(f"Mistral-style prefill, n = {n}, bfloat16")
+    with torch.no_grad():
+        with _served() as served:
+            ours = fns["attnkit"]()  # also the warm-up of both
+        theirs = fns["sdpa"]()
+        t = interleaved_medians(fns, repeat=repeat, warmup=0, alternate=True, clock=time.process_time)
+    row = [f"Mistral-style, window {MISTRAL['sliding_window']}", n, "bfloat16", ", ".join(sorted(set(served))),
+           t["attnkit"] * 1e3, t["sdpa"] * 1e3, t["sdpa"] / t["attnkit"],
+           (ours.double() - theirs.double()).abs().max().item(), theirs.double().abs().max().item()]
+    say("  ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in row))
+    return row
+
+
+def _model_text(model: list | str, n: int, repeat: int) -> str:
+    """The second table and what it measured, or the line saying why it was not measured."""
+    if isinstance(model, str):
+        return model
+    size = ", ".join(f"{k} {v}" for k, v in MISTRAL.items())
+    return (f"transformers' `MistralForCausalLM` with random weights from a seeded config ({size}), in bfloat16; "
+            f"one prefill of one sequence of n = {n} tokens without gradient, the sliding window shorter than it, "
+            f"under `attn_implementation=\"attnkit\"` and `\"sdpa\"`; one thread, CPU-time medians of {repeat} "
+            "rounds, each running both (the order reversed every other round). `attnkit backends`: what served "
+            "attnkit's attention calls; the logit columns compare the two implementations' logits over every "
+            "position.\n\n" + markdown_table(MODEL_HEADER, [model]))
+
+
+@contextlib.contextmanager
+def _served():
+    """The names of the attnkit backends that serve the attention calls made inside, in order."""
+    names: list[str] = []
+    select = backends.select
+
+    def spy(req, name="auto"):
+        chosen = select(req, name)
+        names.append(chosen.name)
+        return chosen
+
+    backends.select = spy
+    try:
+        yield names
+    finally:
+        backends.select = select
 
 
 def _without_products(inputs, kw):

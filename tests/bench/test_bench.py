@@ -63,3 +63,25 @@ def test_the_window_budget_times_the_kernels_tiles_and_products():
     products()
     torch.testing.assert_close(s, q @ k.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, s @ v, rtol=1e-5, atol=1e-5)
+
+
+def test_the_dtypes_suites_mistral_row_runs_both_implementations_and_compares_their_logits(monkeypatch):
+    """`bench dtypes`' model row on a tiny sequence (its window shortened to fit): attnkit's calls are served
+    by attnkit's kernel, the two implementations' logits agree within the bfloat16 row, and the table shows it."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from attnkit.bench import dtypes
+    from tests.support.tolerances import TOLERANCES
+
+    monkeypatch.setitem(dtypes.MISTRAL, "sliding_window", 16)
+    said = []
+    row = dtypes._mistral_prefill(48, 1, said.append)
+    assert said[0] == "Mistral-style prefill, n = 48, bfloat16" and len(said) == 2
+    label, n, dtype, served, ours, theirs, ratio, diff, scale = row
+    assert (label, n, dtype, served) == ("Mistral-style, window 16", 48, "bfloat16", "band")
+    assert ours > 0 and theirs > 0 and ratio == pytest.approx(theirs / ours)
+    tol = TOLERANCES[torch.bfloat16]
+    assert 0 < scale and diff <= tol["atol"] + tol["rtol"] * scale
+    text = dtypes._model_text(row, 48, 1)
+    assert "n = 48 tokens" in text and "| Mistral-style, window 16 | 48 | bfloat16 | band |" in text
