@@ -569,8 +569,11 @@ def compare(*, steps: int | None = None, seed: int = 0, quick: bool = False, pro
 
     The verdict names the steps, seed, held-out count, thread count and CPU. It calls the exact
     matches apart only when they differ by more than two standard errors of their difference (each
-    a share of the held-out dates); the time per step is one run's, on a machine that may have
-    been busy. Print the result for a table and the verdict.
+    a share of the held-out dates, counted with one more date right and one more wrong, so that a
+    share of 0 or 1 is not taken as certain); the time per step is one run's, on a machine that
+    may have been busy. At a budget where both models write every held-out date right, exact match
+    cannot tell them apart: fewer ``steps`` compare how fast each learns. Print the result for a
+    table and the verdict.
 
     Raises:
         ValueError: ``steps`` is not a positive int (:func:`attnkit.apps._common.fit`).
@@ -589,7 +592,9 @@ def _verdict(transformer: Trained, rnn: Trained, seed: int) -> str:
     where = (f"{cfg['steps']:,} training steps of {cfg['batch_size']} dates, seed {seed}, {n:,} held-out dates, "
              f"{torch.get_num_threads()} torch thread(s) on {cpu_name()}")
     a, b = transformer.greedy_exact, rnn.greedy_exact
-    two_se = 2 * math.sqrt((a * (1 - a) + b * (1 - b)) / n)
+    # Each share's variance with one date right and one wrong added, so that 0% and 100% have one too.
+    smoothed = [(round(x * n) + 1) / (n + 2) for x in (a, b)]
+    two_se = 2 * math.sqrt(sum(p * (1 - p) for p in smoothed) / n)
     if a == b:
         accuracy = f"greedy exact match {a:.1%} for both, so this run does not tell them apart"
     elif abs(a - b) <= two_se:

@@ -226,6 +226,9 @@ def test_the_verdict_says_what_was_measured_and_calls_a_gap_only_beyond_two_stan
     assert "the RNN wrote more" in apart and "does not tell" not in apart
     assert "the Transformer wrote more" in tr._verdict(_trained(0.9), _trained(0.5), seed=3)
     assert "0.0% for both, so this run does not tell them apart" in tr._verdict(_trained(0.0), _trained(0.0), seed=3)
+    # 100% against 99%: 4 dates of 400; with one date right and one wrong added, two standard errors are 1.2 points.
+    assert "does not tell them apart" in tr._verdict(_trained(1.0), _trained(0.99), seed=3)
+    assert "the Transformer wrote more" in tr._verdict(_trained(1.0), _trained(0.98), seed=3)
 
 
 def test_compare_trains_both_at_one_budget():
