@@ -8,7 +8,7 @@ predicate or dense bool mask whose plan finds that form), there is no dense ``bi
 soft-capping (``attnkit.scores.softcap``, or a user's own alone, see :func:`attnkit.scores.soft_cap`),
 on CPU in float32/float64, bfloat16/float16 (read as they are; bfloat16 through bfloat16 products where torch
 has them, see :mod:`._band`), once the kernel is built and has passed its self-check. ``"auto"`` tries it before
-SDPA for bfloat16 causal inference (:meth:`BandBackend.prefers`).
+SDPA for plain causal calls (:meth:`BandBackend.prefers`).
 """
 
 from __future__ import annotations
@@ -39,16 +39,14 @@ class BandBackend:
     )
 
     def prefers(self, req: Call) -> bool:
-        """Whether ``"auto"`` should try this backend before SDPA: a causal call in bfloat16 on the CPU with no
-        other mask, no score_mod and no gradient to record, when the kernel computes bfloat16 with bfloat16
-        products (:func:`._band.bf16_products`), which ``attnkit bench dtypes`` measures faster than SDPA's own
-        bfloat16 causal kernel. (No mask stays with SDPA: measured slower here without bfloat16 products.)"""
-        if not (req.is_causal and req.query.dtype == torch.bfloat16 and req.query.is_cpu and req.mask is None
-                and req.window is None and req.mask_mod is None and req.score_mod is None and req.bias is None):
-            return False
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (req.query, req.key, req.value)):
-            return False
-        return _band.bf16_products()
+        """Whether ``"auto"`` should try this backend before SDPA: a causal call with more than one query on the
+        CPU and no other mask, bias, score_mod or dropout, which the kernel serves faster than SDPA's own causal
+        kernel, forward and backward, in every dtype it takes (``attnkit bench core`` and ``attnkit bench
+        dtypes`` time both; the margin shrinks with length). One query (a decode step) stays with SDPA, which
+        needs no mask for it and is faster there."""
+        return (req.is_causal and req.q_len > 1 and req.query.is_cpu and req.mask is None and req.window is None
+                and req.mask_mod is None and req.score_mod is None and req.bias is None and req.dropout_p == 0
+                and not req.return_weights and compute_dtype(req.query.dtype) in _band.DTYPES and _band.available())
 
     def not_supported_reasons(self, req: Call) -> list[str]:
         reasons = refusals.reasons(self.REFUSALS, req)

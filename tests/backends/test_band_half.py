@@ -165,25 +165,26 @@ def test_attnkit_bf16_products_0_keeps_float32_products():
     assert done.stdout.strip() == "False turned off by ATTNKIT_BF16_PRODUCTS=0"
 
 
-def test_auto_serves_bf16_causal_inference_on_the_kernel_when_it_has_bf16_products():
-    """The one measured preference (attnkit bench dtypes): bfloat16 causal calls without a gradient go to the
-    kernel ahead of SDPA while it has bfloat16 products; with a gradient, without them, with no mask, or in
-    float32, SDPA keeps them. The kernel's answer is the oracle's within the bfloat16 tolerance, and a NaN
-    query poisons its own row only."""
-    q, k, v = _inputs((1, 4, 2, 90, 90), torch.bfloat16, seed=4)
-    with torch.no_grad(), _products(True):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *HALF], ids=str)
+def test_auto_serves_plain_causal_calls_on_the_kernel(dtype):
+    """The measured preference (attnkit bench core, attnkit bench dtypes): plain causal calls with more than one
+    query go to the kernel ahead of SDPA in every dtype, with or without a gradient; one query (a decode step),
+    no mask, a dense mask or dropout stay with SDPA. The kernel's answer is the oracle's within the table, and a
+    NaN query poisons its own row only."""
+    q, k, v = _inputs((1, 4, 2, 90, 90), dtype, seed=4)
+    with torch.no_grad():
         assert attnkit.which_backend(q, k, v, is_causal=True) == "band"
+        assert attnkit.which_backend(q[..., :1, :], k, v, is_causal=True) == "sdpa"
         assert attnkit.which_backend(q, k, v) == "sdpa"
-        assert attnkit.which_backend(q.float(), k.float(), v.float(), is_causal=True) == "sdpa"
+        assert attnkit.which_backend(q, k, v, is_causal=True, mask=torch.ones(90, 90, dtype=torch.bool)) == "sdpa"
         out = attnkit.attention(q, k, v, is_causal=True)
         bad = q.clone()
         bad[0, 1, 30, 5] = float("nan")
         poisoned = attnkit.attention(bad, k, v, is_causal=True)
-    with torch.no_grad(), _products(False):
-        assert attnkit.which_backend(q, k, v, is_causal=True) == "sdpa"
-    assert attnkit.which_backend(q.requires_grad_(), k, v, is_causal=True) == "sdpa"
+    assert attnkit.which_backend(q.requires_grad_(), k, v, is_causal=True) == "band"
+    assert attnkit.which_backend(q, k, v, is_causal=True, dropout_p=0.1) == "sdpa"
     ref = attnkit.attention(*(t.detach().double() for t in (q, k, v)), is_causal=True, backend="reference")
-    close(out, ref, torch.bfloat16)
+    close(out, ref, dtype)
     rows = poisoned.isnan().all(-1)
     assert rows[0, 1, 30] and rows.sum() == 1 and not (poisoned.isnan() & ~rows[..., None]).any()
     assert torch.equal(poisoned.masked_fill(rows[..., None], 0), out.masked_fill(rows[..., None], 0))

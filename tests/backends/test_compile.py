@@ -73,8 +73,8 @@ FAMILIES = {
 }
 INDUCTOR = ("window", "documents", "relative positions")
 #: Where a compiled call runs when not on the banded kernel: dense masks on SDPA, a user's score_mod
-#: (which cannot be probed while tracing) on the reference backend.
-NOT_ON_BAND = ("no mask", "causal", "dense mask", "key padding (dense)", "user score_mod", "Flamingo (per element)")
+#: (which cannot be probed while tracing) on the reference backend. (Plain causal: the band, which auto prefers.)
+NOT_ON_BAND = ("no mask", "dense mask", "key padding (dense)", "user score_mod", "Flamingo (per element)")
 #: A learned relative-position table: its gradient goes through the kernel's registered backward too.
 TABLE = torch.randn(H, 17, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True)
 LEARNED = {"relative positions": [TABLE]}
