@@ -35,3 +35,9 @@ def has_fp16_products() -> bool:
     """Whether the CPU multiplies float16 natively (AVX512-FP16 or AMX-FP16); without them a float16
     matrix product is emulated, slower than a float32 one."""
     return bool(flags() & {"avx512_fp16", "amx_fp16"})
+
+
+def has_bf16_products() -> bool:
+    """Whether the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16); without them MKL's bfloat16
+    product widens its operands itself, no faster than a float32 product."""
+    return bool(flags() & {"avx512_bf16", "amx_bf16"})

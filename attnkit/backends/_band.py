@@ -30,14 +30,16 @@ their first call together wait for that one load and all get the module (or the 
 Both operators check every argument before touching memory and name the one that does not fit
 ("What they check", above the operators below).
 
-bfloat16 inputs go through bfloat16 products where torch exports MKL's ``cblas_gemm_bf16bf16f32``
+bfloat16 inputs can go through bfloat16 products, where torch exports MKL's ``cblas_gemm_bf16bf16f32``
 (:func:`bf16_products`): the kernel reads q, k and v as they are stored, both products of a tile take
 bfloat16 operands into float32 sums, the softmax and the accumulator stay float32, and the weights are
-rounded to bfloat16 for the second product, as FlashAttention does on a GPU. On a CPU with bfloat16
-products (AVX512-BF16, AMX) that runs the products at their speed; elsewhere MKL widens them itself and
-the kernel still saves its float32 copy of the keys and values. Turned on once its own self-check
-passes; ``ATTNKIT_BF16_PRODUCTS=0`` (read then) or :func:`set_bf16_products` keeps the float32 products
-(a bfloat16 forward is then exactly the float32 kernel on the same values, rounded once).
+rounded to bfloat16 for the second product, as FlashAttention does on a GPU. That is for a CPU with
+bfloat16 products (AVX512-BF16, AMX), which runs the products at their speed; elsewhere MKL widens the
+operands itself and the float32 products are faster (``attnkit bench dtypes`` times both). So they are
+on, once their own self-check passes, where the CPU's flags say it has them
+(:func:`attnkit._cpu.has_bf16_products`); ``ATTNKIT_BF16_PRODUCTS=1`` or ``0`` (read then) turns them on
+or off anyway, and so does :func:`set_bf16_products`. Without them a bfloat16 forward is exactly the
+float32 kernel on the same values, rounded once.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .. import _cpu
 from .._tracing import assume_constant_result, real_tensors
 from ..call import Call
 from ..dtypes import HALF, compute_dtype
@@ -118,8 +121,9 @@ def reports_nonfinite() -> bool:
 
 def bf16_products() -> bool:
     """Whether the kernel computes bfloat16 inputs with bfloat16 products (see the module docstring):
-    torch exports MKL's bfloat16 product, the self-check of that path passed, ``ATTNKIT_BF16_PRODUCTS`` is
-    not ``0``, and :func:`set_bf16_products` did not turn it off. Why not: :func:`bf16_products_reason`."""
+    torch exports MKL's bfloat16 product, the self-check of that path passed, and the CPU has bfloat16
+    products or ``ATTNKIT_BF16_PRODUCTS=1`` asked for them, unless ``ATTNKIT_BF16_PRODUCTS=0`` or
+    :func:`set_bf16_products` turned them off. Why not: :func:`bf16_products_reason`."""
     return available() and _module().bf16_products()
 
 
@@ -481,9 +485,14 @@ def _use_bf16_products(mod) -> None:
               file=sys.stderr)
         return
     _bf16_ok = True
-    if os.environ.get("ATTNKIT_BF16_PRODUCTS", "1") == "0":
+    asked = os.environ.get("ATTNKIT_BF16_PRODUCTS")
+    if asked == "0":
         mod.set_bf16_products(False)
         _bf16_reason = "turned off by ATTNKIT_BF16_PRODUCTS=0"
+    elif asked != "1" and not _cpu.has_bf16_products():
+        mod.set_bf16_products(False)
+        _bf16_reason = ("this CPU has no bfloat16 products (no AVX512-BF16 or AMX-BF16 flag), where float32 "
+                        "products are faster; ATTNKIT_BF16_PRODUCTS=1 turns them on")
 
 
 def _bf16_self_check(mod) -> str | None:

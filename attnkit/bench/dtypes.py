@@ -7,7 +7,8 @@ float32 sums: the one the banded kernel calls for bfloat16) against float32. Eac
 attention in the three dtypes on one thread (CPU-time medians, every dtype in each round), for attnkit and for
 SDPA (a causal call uses SDPA's own causal kernel; a window or documents give SDPA the dense boolean mask), and
 gives each dtype's time over attnkit's own float32 time; where the banded kernel serves bfloat16 with bfloat16
-products, a row `bfloat16, float32 products` times it with them turned off. The CPU's flags that matter are
+products, a row times it the other way (`bfloat16, float32 products` where they are on, `bfloat16, bfloat16
+products` where they are off by default but available). The CPU's flags that matter are
 printed first.
 
 A second table times a whole model: a small Mistral-architecture ``MistralForCausalLM`` from transformers
@@ -86,12 +87,13 @@ def run(quick: bool, out_dir: Path) -> str:
                 kw = theirs if mask is None or mask.dtype == torch.bool else {"attn_mask": mask.to(q.dtype)}
                 fns["sdpa", name] = lambda q=q, k=k, v=v, kw=kw: F.scaled_dot_product_attention(q, k, v, **kw)
             bf16 = inputs["bfloat16"]
-            widened = products and attnkit.which_backend(*bf16, **ours) == "band"
+            other = f"bfloat16, {'float32' if products else 'bfloat16'} products"
+            widened = _band.available() and _band._bf16_ok and attnkit.which_backend(*bf16, **ours) == "band"
             if widened:
-                fns["attnkit", "bfloat16, float32 products"] = lambda kw=ours, x=bf16: _without_products(x, kw)
+                fns["attnkit", other] = lambda kw=ours, x=bf16, on=not products: _switched(x, kw, on)
             with torch.no_grad():
                 t = interleaved_medians(fns, repeat=repeat, alternate=True, clock=time.process_time)
-            names = [*inputs, *(["bfloat16, float32 products"] if widened else [])]
+            names = [*inputs, *([other] if widened else [])]
             for name in names:
                 q, k, v = inputs.get(name, bf16)
                 backend = "band" if name not in inputs else attnkit.which_backend(q, k, v, **ours)
@@ -189,13 +191,13 @@ def _served():
         backends.select = select
 
 
-def _without_products(inputs, kw):
-    """The banded kernel on bfloat16 inputs with its bfloat16 products off (the float32 products)."""
-    _band.set_bf16_products(False)
+def _switched(inputs, kw, on: bool):
+    """The banded kernel on bfloat16 inputs with its bfloat16 products ``on`` (or off), then back."""
+    _band.set_bf16_products(on)
     try:
         return attnkit.attention(*inputs, backend="band", **kw)
     finally:
-        _band.set_bf16_products(True)
+        _band.set_bf16_products(not on)
 
 
 def _alibi_bias(heads: int, n: int) -> torch.Tensor:

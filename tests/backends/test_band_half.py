@@ -7,7 +7,6 @@ SDPA's own half-precision path on the same inputs, and gradients come back in th
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import attnkit
 from attnkit import masks, scores
 from attnkit.backends import _band
 from tests.support import oracle
+from tests.support.backends import bf16_products
 from tests.support.tolerances import close
 
 pytestmark = pytest.mark.skipif(not _band.available(), reason="the banded kernel is not built here")
@@ -35,21 +35,6 @@ CASES = {
     "ALiBi": ((1, 4, 4, 100, 100), {"is_causal": True, "score_mod": scores.alibi(scores.alibi_slopes(4))}),
     "capped": ((1, 2, 2, 100, 100), {"window": (30, 30), "score_mod": scores.softcap(5.0)}),
 }
-
-
-@contextlib.contextmanager
-def _products(on: bool):
-    """bfloat16 products on or off for the block (skips where they are not available)."""
-    if on and _band.bf16_products_reason() is not None and not _band.bf16_products():
-        reason = _band.bf16_products_reason()
-        if not reason.startswith("turned off"):
-            pytest.skip(f"no bfloat16 products here: {reason}")
-    before = _band.bf16_products()
-    _band.set_bf16_products(on)
-    try:
-        yield
-    finally:
-        _band.set_bf16_products(before)
 
 
 def _inputs(shape, dtype, seed=0, strided=False):
@@ -68,7 +53,7 @@ def _inputs(shape, dtype, seed=0, strided=False):
 def test_a_half_forward_without_bf16_products_is_the_float32_kernel_rounded_once(dtype, case, strided):
     shape, kw = CASES[case]
     q, k, v = _inputs(shape, dtype, strided=strided)
-    with torch.no_grad(), _products(False):
+    with torch.no_grad(), bf16_products(False):
         got = attnkit.attention(q, k, v, backend="band", **kw)
         want = attnkit.attention(q.float(), k.float(), v.float(), backend="band", **kw).to(dtype)
     assert got.dtype == dtype
@@ -83,9 +68,9 @@ def test_a_bf16_forward_with_bf16_products_is_the_formula_within_the_rounding_of
     shape, kw = CASES[case]
     b, h, hkv, lq, lk = shape
     q, k, v = _inputs(shape, torch.bfloat16, strided=strided)
-    with torch.no_grad(), _products(True):
+    with torch.no_grad(), bf16_products(True):
         got = attnkit.attention(q, k, v, backend="band", **kw)
-    with torch.no_grad(), _products(False):
+    with torch.no_grad(), bf16_products(False):
         widened = attnkit.attention(q, k, v, backend="band", **kw)
     ref = attnkit.attention(*(t.double() for t in (q, k, v)), backend="reference", **kw)
     assert got.dtype == torch.bfloat16
@@ -104,7 +89,7 @@ def test_the_half_error_is_no_larger_than_sdpas_own_half_path(dtype, case, produ
     allowed = oracle.allowed_grid(b, h, lq, lk, is_causal=kw.get("is_causal", False), window=kw.get("window"),
                                   mask_mod=kw.get("mask_mod"))
     want, _ = oracle.attention(q.double(), k.double(), v.double(), allowed=allowed)
-    with _products(products):
+    with bf16_products(products):
         ours = (attnkit.attention(q, k, v, backend="band", **kw).double() - want).abs().max()
     sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1),
                                           attn_mask=allowed)
@@ -143,26 +128,33 @@ def test_the_operator_takes_half_inputs_with_a_float32_bias_and_its_backward_ref
                                         False)
 
 
-def test_bf16_products_are_on_where_torch_has_them_unless_turned_off_and_the_switch_checks_its_argument():
-    mod = _band._module()
-    if os.environ.get("ATTNKIT_BF16_PRODUCTS") == "0":
-        assert not _band.bf16_products() and "ATTNKIT_BF16_PRODUCTS=0" in _band.bf16_products_reason()
-    else:  # torch's x86 wheels link MKL, which has them on every x86 CPU (widened where the CPU has no bf16 products)
-        assert _band.bf16_products() is mod.has_bf16_gemm()
-        assert (_band.bf16_products_reason() is None) is mod.has_bf16_gemm()
+def test_bf16_products_are_on_where_the_cpu_has_them_unless_asked_otherwise_and_the_switch_checks_its_argument():
+    from attnkit import _cpu
+
+    mod = _band._module()  # torch's x86 wheels link MKL, which has the product on every x86 CPU
+    asked = os.environ.get("ATTNKIT_BF16_PRODUCTS")
+    want = mod.has_bf16_gemm() and (asked == "1" or asked != "0" and _cpu.has_bf16_products())
+    assert _band.bf16_products() is want
+    assert (_band.bf16_products_reason() is None) is want
+    if mod.has_bf16_gemm() and asked is None and not want:
+        assert "no AVX512-BF16 or AMX-BF16" in _band.bf16_products_reason()
     with pytest.raises(TypeError, match="on must be a bool, got int"):
         _band.set_bf16_products(1)
-    with _products(False):
+    with bf16_products(False):
         assert not _band.bf16_products() and "set_bf16_products(False)" in _band.bf16_products_reason()
 
 
-def test_attnkit_bf16_products_0_keeps_float32_products():
+@pytest.mark.parametrize(("asked", "printed"), [("0", "False turned off by ATTNKIT_BF16_PRODUCTS=0"),
+                                                ("1", "True None")])
+def test_attnkit_bf16_products_turns_them_off_or_on_whatever_the_cpu(asked, printed):
+    if asked == "1" and not _band._bf16_ok:
+        pytest.skip(f"no bfloat16 products here: {_band.bf16_products_reason()}")
     code = ("from attnkit.backends import _band; assert _band.available(), _band.unavailable_reason(); "
             "print(_band.bf16_products(), _band.bf16_products_reason())")
-    env = {**os.environ, "ATTNKIT_BF16_PRODUCTS": "0", "ATTNKIT_BUILD": "0"}  # the build this process made
+    env = {**os.environ, "ATTNKIT_BF16_PRODUCTS": asked, "ATTNKIT_BUILD": "0"}  # the build this process made
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "False turned off by ATTNKIT_BF16_PRODUCTS=0"
+    assert done.stdout.strip() == printed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *HALF], ids=str)

@@ -11,6 +11,7 @@ import attnkit
 from attnkit import masks, nonfinite, scores
 from attnkit.backends import _band
 from attnkit.call import validate_call
+from tests.support.backends import bf16_products
 
 pytestmark = pytest.mark.skipif(not _band.available(), reason="the banded kernel is not built here")
 
@@ -33,10 +34,11 @@ def test_the_forward_marks_a_row_whose_scores_or_output_met_a_non_finite_input(d
     starts, ends = _window(100, 2, 2)
     mod = _band._module()
     empty = torch.empty(0, 0, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    _, stats = mod.forward(t["q"], t["k"], t["v"], starts, ends, empty, 0.3, 0.0, 16, 64)
-    assert not stats[0].isnan().any()
-    t[name][0, 1, row, 3] = value
-    out, stats = mod.forward(t["q"], t["k"], t["v"], starts, ends, empty, 0.3, 0.0, 16, 64)
+    with bf16_products(dtype == torch.bfloat16):
+        _, stats = mod.forward(t["q"], t["k"], t["v"], starts, ends, empty, 0.3, 0.0, 16, 64)
+        assert not stats[0].isnan().any()
+        t[name][0, 1, row, 3] = value
+        out, stats = mod.forward(t["q"], t["k"], t["v"], starts, ends, empty, 0.3, 0.0, 16, 64)
     marked = stats[0].isnan()
     assert marked[0, 1].any() and not marked[0, 0].any()  # the other head read nothing non-finite
     # a row whose output is not finite is always marked: what the caller reads is never less than that
@@ -98,7 +100,7 @@ def test_an_inference_call_equals_the_exact_path_whatever_it_holds(pattern, wher
         req = validate_call(t["q"], t["k"], t["v"], **kw)
         band = attnkit.backends.get("band")
         assert band.sees_nonfinite(req)
-        with torch.no_grad():
+        with torch.no_grad(), bf16_products(dtype == torch.bfloat16):
             got = attnkit.attention(t["q"], t["k"], t["v"], backend="band", **kw)
             want = nonfinite.exact(band, req)[0]
         assert torch.equal(got.isnan(), want.isnan()), (head, row)

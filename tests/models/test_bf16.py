@@ -27,6 +27,7 @@ from attnkit.backends import _band
 from attnkit.cache import KVCache
 from attnkit.models import GPT2, Bert, BertConfig, GPT2Config
 from attnkit.modules import MultiHeadAttention, Transformer, TransformerDecoderLayer, TransformerEncoderLayer
+from tests.support.backends import bf16_products
 from tests.support.tolerances import TOLERANCES, close
 
 BF16 = torch.bfloat16
@@ -45,12 +46,12 @@ def causal(q_len: int, kv_len: int | None = None) -> str:
     return which_backend(q, k, k, is_causal=True)
 
 
-def test_causal_bfloat16_inference_goes_to_the_kernel():
-    """The rule the models' tests lean on: with bfloat16 products the kernel serves causal bfloat16 inference
-    of more than one query ahead of SDPA."""
-    if not _band.bf16_products():
-        pytest.skip(f"no bfloat16 products here: {_band.bf16_products_reason()}")
-    assert causal(37) == "band"
+def test_causal_bfloat16_calls_go_to_the_kernel():
+    """The rule the models' tests lean on: the kernel serves plain causal calls of more than one query ahead of
+    SDPA (one query, a decode step, stays with SDPA)."""
+    if not _band.available():
+        pytest.skip(f"no banded kernel here: {_band.unavailable_reason()}")
+    assert causal(37) == "band" and causal(1, 37) == "sdpa"
 
 
 @contextlib.contextmanager
@@ -110,20 +111,15 @@ def test_multihead_attention_in_bfloat16_matches_float64(case):
 
 
 @torch.no_grad()
-def test_the_kernel_with_float32_products_stays_within_the_row():
-    """With its bfloat16 products turned off the kernel computes bfloat16 inputs with float32 products: the
-    same module through it stays within the bfloat16 row too."""
-    if not _band.bf16_products():
-        pytest.skip(f"no bfloat16 products here: {_band.bf16_products_reason()}")
+@pytest.mark.parametrize("products", [True, False], ids=["bf16 products", "float32 products"])
+def test_the_kernel_with_either_products_stays_within_the_row(products):
+    """The kernel computes bfloat16 inputs with bfloat16 products (where the CPU has them, or asked) or with
+    float32 products: the same module through it stays within the bfloat16 row either way."""
     torch.manual_seed(0)
     low, high = twins(MultiHeadAttention(32, 4))
     x = bf16(2, 37, 32)
-    _band.set_bf16_products(False)
-    try:
-        with served() as ran:
-            out = low(x, is_causal=True, backend="band")
-    finally:
-        _band.set_bf16_products(True)
+    with bf16_products(products), served() as ran:
+        out = low(x, is_causal=True, backend="band")
     assert ran == ["band"]
     close(out, high(x.double(), is_causal=True), BF16)
 

@@ -1,6 +1,10 @@
-"""The backends that the generic backend-parametrized tests run."""
+"""The backends that the generic backend-parametrized tests run, and the banded kernel's bfloat16 switch."""
 
 from __future__ import annotations
+
+import contextlib
+
+import pytest
 
 from attnkit import backends
 
@@ -15,3 +19,20 @@ def eager_backends() -> list[str]:
     shapes whose kernels are shared across cases.
     """
     return [name for name in backends.available() if name != "flex"]
+
+
+@contextlib.contextmanager
+def bf16_products(on: bool):
+    """The banded kernel's bfloat16 products on or off for the block, whatever this CPU's default (on: skips
+    where torch has none, or their self-check failed)."""
+    from attnkit.backends import _band
+
+    if on and not (_band.available() and _band._bf16_ok):
+        pytest.skip(f"no bfloat16 products here: {_band.bf16_products_reason()}")
+    before, reason = _band.bf16_products(), _band._bf16_reason
+    _band.set_bf16_products(on)
+    try:
+        yield
+    finally:
+        _band.set_bf16_products(before)
+        _band._bf16_reason = reason  # as the process had it (its default's reason, not the switch's)
