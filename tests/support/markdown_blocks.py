@@ -35,8 +35,11 @@ def run_python(code: str, where: str, tmp_path: Path, timeout: int = 300) -> Non
     script = tmp_path / "block.py"
     script.write_text(code, encoding="utf-8")
     # ATTNKIT_BUILD=0: a block that reaches the banded kernel uses a cached build or its stated
-    # fallback, so the test does not spend a minute compiling it.
-    env = {**os.environ, "ATTNKIT_BUILD": "0", "MPLBACKEND": "Agg"}
+    # fallback, so the test does not spend a minute compiling it. The block runs on this process's
+    # threads (one per xdist worker): more would fight the other workers for the cores.
+    import torch
+
+    env = {**os.environ, "ATTNKIT_BUILD": "0", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     proc = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"{where}:\n{code}\n{proc.stderr[-3000:]}"
