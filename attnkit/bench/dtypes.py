@@ -61,9 +61,8 @@ def run(quick: bool, out_dir: Path) -> str:
         say("matmul GFLOP/s, one thread: " + ", ".join(f"{k} {v:.1f}" for k, v in peak.items()))
         mkl = _mkl_bf16_gflops(size)
         say(f"MKL's bfloat16 product: {mkl:.1f} GFLOP/s" if mkl else "MKL's bfloat16 product: not in this torch")
-        products = _band.bf16_products()
-        say(f"banded kernel, bfloat16 products: {'on' if products else 'off'}"
-            + ("" if products else f" ({_band.bf16_products_reason()})"))
+        products, why_not = _band.bf16_products(), _band.bf16_products_reason()  # (before the rows switch them)
+        say(f"banded kernel, bfloat16 products: {'on' if products else 'off'}" + ("" if products else f" ({why_not})"))
         i = torch.arange(n)
         window = (i.view(-1, 1) - i.view(1, -1)).abs() <= 256
         docs = torch.arange(n) * 4 // n  # four documents of n / 4 tokens
@@ -114,7 +113,7 @@ def run(quick: bool, out_dir: Path) -> str:
             "float32 sums, what the banded kernel calls) "
             + (f"{mkl:.1f} GFLOP/s ({mkl / peak['float32']:.2f} of float32)" if mkl else "not in this torch")
             + ". The banded kernel's bfloat16 products: " + ("on" if products else
-                                                             f"off ({_band.bf16_products_reason()})") + ".\n\n"
+                                                             f"off ({why_not})") + ".\n\n"
             f"B=1, H={heads}, D={dim}, n = {n}, forward, one thread; CPU-time medians of {repeat} rounds, each "
             "round running every dtype on both sides (the order reversed every other round, so that a shared "
             "machine's load hits all alike). `attnkit / own float32` is each dtype's attnkit time over attnkit's "
