@@ -72,6 +72,7 @@ def attention(
                         mask_mod=mask_mod, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
                         return_weights=return_weights)
     chosen = backends.select(req, backend)
+    backends.registry.note_served(chosen)
     out, weights = nonfinite.call(chosen, req)
     return (out, weights) if return_weights else out
 

@@ -49,6 +49,23 @@ def _check(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     return q, k
 
 
+def score_scale(scale, head_dim: int, name: str = "scale") -> float:
+    """The factor on ``q . k``: ``scale`` checked (a finite real number), or ``1 / sqrt(head_dim)`` for None, as
+    :func:`attnkit.attention` uses. ``name`` is how errors call it.
+
+    Raises:
+        TypeError: ``scale`` is not a real number or None.
+        ValueError: ``scale`` is not finite.
+    """
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{name} must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{name} must be finite, got {scale}")
+    return float(scale)
+
+
 def score_terms(q: Tensor, k: Tensor, *, scale: float | None = None, query: int | None = None) -> Tensor:
     """The terms ``q[i, d] * k[j, d] * scale`` whose sum over ``d`` is the score of query ``i`` and key ``j``.
 
@@ -74,12 +91,7 @@ def score_terms(q: Tensor, k: Tensor, *, scale: float | None = None, query: int 
             ``query`` out of range.
     """
     q, k = _check(q, k)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    elif not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    scale = score_scale(scale, q.shape[-1])
     if query is not None:
         if isinstance(query, bool) or not isinstance(query, numbers.Integral):
             raise TypeError(f"query must be an int or None, got {type(query).__name__}")

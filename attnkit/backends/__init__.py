@@ -13,7 +13,7 @@ The registry is :mod:`.registry`; each kernel is a module here (``sdpa``, ``band
 :mod:`.refusals`.
 """
 
-from .registry import AUTO_ORDER, DEVICE_FIRST, FAMILIES, Backend, auto_order, available, get, register, select
+from .registry import AUTO_ORDER, DEVICE_FIRST, FAMILIES, Backend, auto_order, available, get, register, select, served
 
 __all__ = ["AUTO_ORDER", "DEVICE_FIRST", "FAMILIES", "Backend", "auto_order", "available", "get", "register",
-           "select"]
+           "select", "served"]

@@ -6,6 +6,9 @@ when it is first imported. ``attnkit.backends`` offers these names.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -71,6 +74,38 @@ def get(name: str) -> Backend:
     if name not in _REGISTRY:
         raise ValueError(f"backend must be 'auto' or one of {available() + list(FAMILIES)}, got {name!r}")
     return _REGISTRY[name]
+
+
+_SERVED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("attnkit_served", default=None)
+
+
+@contextlib.contextmanager
+def served() -> Iterator[list[str]]:
+    """A list that fills, in order, with the name of the backend that serves each attention call made inside
+    the block (in this thread or task; nested blocks each see their own calls), so a model's calls can be
+    told apart, e.g. which layer ran on which kernel::
+
+        with attnkit.backends.served() as names:
+            model(x)
+        print(names)            # ['band', 'band', 'sdpa', ...]
+    """
+    names: list[str] = []
+    outer = _SERVED.get()
+    token = _SERVED.set(names)
+    try:
+        yield names
+    finally:
+        _SERVED.reset(token)
+        if outer is not None:
+            outer.extend(names)
+
+
+def note_served(backend: Backend) -> None:
+    """Tell the :func:`served` blocks around this call that ``backend`` serves an attention call
+    (``attnkit.attention`` does, once per call; :func:`select` alone, as ``which_backend`` uses it, does not)."""
+    names = _SERVED.get()
+    if names is not None:
+        names.append(backend.name)
 
 
 def select(req: Call, name: str = "auto") -> Backend:

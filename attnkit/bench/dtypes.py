@@ -20,7 +20,6 @@ implementations' logits. Without transformers the table says so and the rest run
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import time
@@ -148,7 +147,7 @@ def _mistral_prefill(n: int, repeat: int, say: Callable[[str], None]) -> list | 
     fns = {impl: prefill(impl) for impl in ("attnkit", "sdpa")}
     say(f"Mistral-style prefill, n = {n}, bfloat16")
     with torch.no_grad():
-        with _served() as served:
+        with backends.served() as served:
             ours = fns["attnkit"]()  # also the warm-up of both
         theirs = fns["sdpa"]()
         t = interleaved_medians(fns, repeat=repeat, warmup=0, alternate=True, clock=time.process_time)
@@ -170,24 +169,6 @@ def _model_text(model: list | str, n: int, repeat: int) -> str:
             "rounds, each running both (the order reversed every other round). `attnkit backends`: what served "
             "attnkit's attention calls; the logit columns compare the two implementations' logits over every "
             "position.\n\n" + markdown_table(MODEL_HEADER, [model]))
-
-
-@contextlib.contextmanager
-def _served():
-    """The names of the attnkit backends that serve the attention calls made inside, in order."""
-    names: list[str] = []
-    select = backends.select
-
-    def spy(req, name="auto"):
-        chosen = select(req, name)
-        names.append(chosen.name)
-        return chosen
-
-    backends.select = spy
-    try:
-        yield names
-    finally:
-        backends.select = select
 
 
 def _switched(inputs, kw, on: bool):

@@ -27,7 +27,6 @@ import base64
 import html
 import json
 import math
-import numbers
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 
 from .._io import atomic_write
 from .._text import utf8_safe
+from ..analysis.terms import score_scale
 from ._viewer_template import TEMPLATE
 
 _JSON_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
@@ -65,13 +65,10 @@ def _stack(attentions, batch_index: int) -> np.ndarray:
                              f"got shape {tuple(a.shape)}")
         if out and a.shape != out[0].shape:
             raise ValueError(f"attentions[{i}] has shape {a.shape}, expected {out[0].shape} like layer 0")
-        bad = np.argwhere(~np.isfinite(a))
-        if len(bad):
-            h, q, k = bad[0]
-            # Weights are shown as levels of [0, 1]; NaN has no level, and drawing it as 0 would hide
-            # the bug that produced it.
-            raise ValueError(f"attentions[{i}] (layer {i}) has {len(bad)} non-finite weights, first at head {h}, "
-                             f"query {q}, key {k} ({a[h, q, k]}); the viewer needs finite weights")
+        # Weights are shown as levels of [0, 1]; NaN has no level, and drawing it as 0 would hide the bug
+        # that produced it.
+        _all_finite(a, f"attentions[{i}] (layer {i})", "weights", ("head", "query", "key"),
+                    "the viewer needs finite weights")
         out.append(a)
     return np.stack(out)
 
@@ -95,6 +92,16 @@ def _heads_array(t, name: str, batch_index: int) -> np.ndarray:
     if a.ndim != 3:
         raise ValueError(f"{name} must be [B, H, L, D] or [H, L, D], got shape {tuple(a.shape)}")
     return a
+
+
+def _all_finite(a: np.ndarray, what: str, values: str, axes: tuple[str, str, str], need: str) -> None:
+    """Raise a ValueError naming ``what``, how many of its ``values`` are not finite and where the first is
+    (by the three ``axes``), unless every entry of the 3-D ``a`` is finite."""
+    bad = np.argwhere(~np.isfinite(a))
+    if len(bad):
+        at = tuple(int(x) for x in bad[0])
+        where = ", ".join(f"{axis} {x}" for axis, x in zip(axes, at, strict=True))
+        raise ValueError(f"{what} has {len(bad)} non-finite {values}, first at {where} ({a[at]}); {need}")
 
 
 def _score_inputs(qk, n_layers: int, n_heads: int, n: int, batch_index: int):
@@ -121,18 +128,10 @@ def _score_inputs(qk, n_layers: int, n_heads: int, n: int, batch_index: int):
         if qs and (k.shape, q.shape) != (ks[0].shape, qs[0].shape):
             raise ValueError(f"qk[{i}] has q {tuple(q.shape)} and k {tuple(k.shape)}, expected q "
                              f"{tuple(qs[0].shape)} and k {tuple(ks[0].shape)} like layer 0")
-        if scale is None:
-            scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
-        elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"qk[{i}] scale must be a real number or None, got {type(scale).__name__}")
-        if not math.isfinite(scale):
-            raise ValueError(f"qk[{i}] scale must be finite, got {scale}")
+        scale = score_scale(scale, q.shape[-1], f"qk[{i}] scale")
         for name, t in (("q", q), ("k", k)):
-            bad = np.argwhere(~np.isfinite(t))
-            if len(bad):
-                h, pos, d = bad[0]
-                raise ValueError(f"qk[{i}] {name} (layer {i}) has {len(bad)} non-finite values, first at head {h}, "
-                                 f"position {pos}, dimension {d} ({t[h, pos, d]}); the viewer needs finite q and k")
+            _all_finite(t, f"qk[{i}] {name} (layer {i})", "values", ("head", "position", "dimension"),
+                        "the viewer needs finite q and k")
         qs.append(q)
         ks.append(k)
         scales.append(float(scale))

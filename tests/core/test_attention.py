@@ -255,3 +255,30 @@ def test_float16_on_a_cpu_without_float16_products_is_computed_in_float32_and_ro
     with torch.no_grad():
         native = attnkit.attention(q, k, v, is_causal=True, backend="sdpa")
         assert torch.equal(native, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_served_names_the_backend_of_each_call_in_order_and_nothing_else():
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    with attnkit.backends.served() as outer:
+        attnkit.attention(q, k, v)
+        with attnkit.backends.served() as inner:
+            attnkit.attention(q, k, v, return_weights=True)
+            attnkit.which_backend(q, k, v, score_mod=lambda s, b, h, i, j: s)  # chooses, serves nothing
+        attnkit.attention(q, k, v, backend="tiles")
+    assert inner == ["reference"]
+    assert outer == ["sdpa", "reference", "tiles"]  # an inner block's calls count in the outer one too
+    seen = []
+
+    def other_thread():
+        with attnkit.backends.served() as names:
+            attnkit.attention(q, k, v, backend="reference")
+        seen.append(names)
+
+    import threading
+
+    with attnkit.backends.served() as mine:
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        attnkit.attention(q, k, v)
+    assert seen == [["reference"]] and mine == ["sdpa"]  # each thread its own calls

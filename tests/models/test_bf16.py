@@ -16,7 +16,6 @@ the largest logit, above the row's absolute part for the small ones; SDPA's bflo
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -54,22 +53,6 @@ def test_causal_bfloat16_calls_go_to_the_kernel():
     assert causal(37) == "band" and causal(1, 37) == "sdpa"
 
 
-@contextlib.contextmanager
-def served():
-    """The names of the backends that serve each attention call made inside, in order."""
-    names: list[str] = []
-    select = backends.select
-
-    def spy(req, name="auto"):
-        chosen = select(req, name)
-        names.append(chosen.name)
-        return chosen
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(backends, "select", spy)
-        yield names
-
-
 def twins(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """``module`` in bfloat16, and its float64 twin with the same (bfloat16) weights."""
     low = module.eval().to(BF16)
@@ -103,7 +86,7 @@ def test_multihead_attention_in_bfloat16_matches_float64(case):
         "key padding": ((x,), {"key_mask": key_mask}, "sdpa"),
         "cross": ((x, memory), {}, "sdpa"),
     }[case]
-    with served() as ran:
+    with backends.served() as ran:
         out = low(*args, **kw)
     assert ran == [want]
     assert out.dtype == BF16
@@ -118,7 +101,7 @@ def test_the_kernel_with_either_products_stays_within_the_row(products):
     torch.manual_seed(0)
     low, high = twins(MultiHeadAttention(32, 4))
     x = bf16(2, 37, 32)
-    with bf16_products(products), served() as ran:
+    with bf16_products(products), backends.served() as ran:
         out = low(x, is_causal=True, backend="band")
     assert ran == ["band"]
     close(out, high(x.double(), is_causal=True), BF16)
@@ -148,7 +131,7 @@ def test_transformer_layers_in_bfloat16_match_float64(case):
     if kw.get("key_mask") == "padding":
         kw = {"key_mask": torch.arange(13) < torch.tensor([[13], [9]])}
     args = (src, tgt) if case == "encoder-decoder" else (tgt, src) if pair else (tgt,)
-    with served() as ran:
+    with backends.served() as ran:
         out = low(*args, **kw)
     want = {"pre-norm causal encoder layer": [causal(13)], "post-norm padded encoder layer": ["sdpa"],
             "decoder layer": [causal(13), "sdpa"], "encoder-decoder": ["sdpa", causal(13), "sdpa"]}[case]
@@ -164,7 +147,7 @@ def test_decoder_layer_cached_steps_in_bfloat16_equal_its_full_forward():
     tgt, memory = bf16(2, 13, 32), bf16(2, 7, 32, seed=1)
     full = low(tgt, memory)
     cache = KVCache(2, 13, 4, 8, dtype=BF16)
-    with served() as ran:
+    with backends.served() as ran:
         steps = [low(tgt[:, :5], memory, cache=cache)] + [low(tgt[:, t:t + 1], memory, cache=cache)
                                                           for t in range(5, 13)]
     # each call: the causal self-attention over what is cached, then the cross-attention
@@ -200,7 +183,7 @@ def prompts():
 @torch.no_grad()
 def test_gpt2_in_bfloat16_matches_float64(gpt2, prompts):
     low, high = gpt2
-    with served() as ran:
+    with backends.served() as ran:
         logits = low(prompts).logits
     assert ran == [causal(9)] * 2
     assert logits.dtype == BF16
@@ -220,7 +203,7 @@ def test_gpt2_cached_decoding_in_bfloat16_equals_its_full_forward(gpt2, prompts)
     full = low(prompts).logits
     cache = low.make_cache(3, 9)
     assert all(c.k.dtype == BF16 for c in cache)
-    with served() as ran:
+    with backends.served() as ran:
         steps = [low(prompts[:, :4], cache=cache).logits]
         steps += [low(prompts[:, t:t + 1], cache=cache).logits for t in range(4, 9)]
     assert ran == [causal(4)] * 2 + [causal(1, t) for t in range(5, 10) for _ in range(2)]
@@ -238,7 +221,7 @@ def test_gpt2_greedy_in_bfloat16_follows_float32_up_to_a_near_tie(std, prompts):
     low, _ = twins(tiny_gpt2(std))
     single = copy.deepcopy(low).float()
     new = 12
-    with served() as ran:
+    with backends.served() as ran:
         ours = low.generate(prompts, new)
     assert ran == [causal(9)] * 2 + [causal(1, t) for t in range(10, 9 + new) for _ in range(2)]
     theirs = single.generate(prompts, new)
@@ -271,7 +254,7 @@ def test_bert_in_bfloat16_matches_float64_on_a_padded_batch(backend):
     real = torch.ones_like(ids)
     real[1, 7:] = 0
     real[2, 3:] = 0
-    with served() as ran:
+    with backends.served() as ran:
         out = low(ids, attention_mask=real)
     assert ran == ["sdpa" if backend == "auto" else "band"] * 2
     want = high(ids, attention_mask=real)
