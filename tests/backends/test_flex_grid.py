@@ -177,3 +177,15 @@ def test_pytorch_cpu_flex_reads_keys_past_the_end_of_k_at_small_head_dims():
     assert bool(out[-1, -1].isnan().any())
     close(out[:, :-1], want[:, :-1], torch.float32)
     close(out[0, -1], want[0, -1], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_decode_step_one_query_over_many_keys_matches_the_oracle(dtype):
+    """A decode step's shape, ``Lq = 1`` over ``Lk = 600`` keys (FlexAttention takes a path of its own for
+    so few queries): causal aligned bottom-right (every key) and a window over the last 100 keys, both
+    through the registered backend, against the float64 oracle."""
+    q, k, v = qkv(lq=1, lk=600, dtype=dtype)
+    backend = attnkit.backends.get("flex")
+    for kw in ({"is_causal": True}, {"window": (100, 0)}):
+        out = forward(backend, q, k, v, **kw)
+        close(out, expected(q.double(), k.double(), v.double(), **kw), dtype)
