@@ -82,8 +82,9 @@ _SERVED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("attn
 @contextlib.contextmanager
 def served() -> Iterator[list[str]]:
     """A list that fills, in order, with the name of the backend that serves each attention call made inside
-    the block (in this thread or task; nested blocks each see their own calls), so a model's calls can be
-    told apart, e.g. which layer ran on which kernel::
+    the block (in this thread or task; an inner block's calls count in the outer one too; calls traced by
+    ``torch.compile`` are not listed), so a model's calls can be told apart, e.g. which layer ran on which
+    kernel::
 
         with attnkit.backends.served() as names:
             model(x)
@@ -102,7 +103,10 @@ def served() -> Iterator[list[str]]:
 
 def note_served(backend: Backend) -> None:
     """Tell the :func:`served` blocks around this call that ``backend`` serves an attention call
-    (``attnkit.attention`` does, once per call; :func:`select` alone, as ``which_backend`` uses it, does not)."""
+    (``attnkit.attention`` does, once per call; :func:`select` alone, as ``which_backend`` uses it, does not).
+    Under ``torch.compile`` nothing is noted: a traced call is not served until the graph runs."""
+    if torch.compiler.is_compiling():
+        return
     names = _SERVED.get()
     if names is not None:
         names.append(backend.name)
