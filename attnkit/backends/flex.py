@@ -200,8 +200,7 @@ def _work_out(req: Call, block: int) -> _Inputs:
         # zero columns change no score; see CPU_MIN_HEAD_DIM for the kernel they steer around
         fill = (0, CPU_MIN_HEAD_DIM - q.shape[-1])
         q, k = torch.nn.functional.pad(q, fill), torch.nn.functional.pad(k, fill)
-    mask_fn, mask_key, mask_what = _mask_function(req)
-    block_mask = _block_mask(req, block, _in_range_mask(mask_fn, req.q_len, req.kv_len))
+    mask_fn, mask_key, mask_what, block_mask = _mask_and_blocks(req, block)
     score_fn, score_key = None, None
     if req.score_mod is not None:
         score_fn = _score_function(_unwrapped(req.score_mod), req.q_len, req.kv_len)
@@ -334,6 +333,26 @@ def _dense(mask: Tensor, dev: torch.device):
         return m[tuple(ix if t else 0 for t, ix in zip(take, (b, h, q_idx, kv_idx), strict=True))]
 
     return dense, ("dense", take), "a dense mask"
+
+
+def _mask_and_blocks(req: Call, block: int):
+    """``(mask fn, its key, words, BlockMask)`` of the call. A plan passed as the mask (what the transformers
+    integration hands every layer of a forward) keeps them on itself, per block size, device, heads and
+    lengths: the layers that share it share one BlockMask, made once per forward. A plan's tensors do not
+    change once built, so neither does what is kept."""
+    plan = req.mask_mod if isinstance(req.mask_mod, MaskPlan) and req.mask is None else None
+    key = (block, req.query.device, req.heads, req.q_len, req.kv_len)
+    kept = None if plan is None else getattr(plan, "_flex_masks", None)
+    if kept is not None and key in kept:
+        return kept[key]
+    mask_fn, mask_key, mask_what = _mask_function(req)
+    made = (mask_fn, mask_key, mask_what, _block_mask(req, block, _in_range_mask(mask_fn, req.q_len, req.kv_len)))
+    if plan is not None:
+        if kept is None:  # (two threads may both make one: either is right, one is kept)
+            kept = {}
+            plan._flex_masks = kept
+        kept[key] = made
+    return made
 
 
 def _block_mask(req: Call, block: int, mask_fn):

@@ -374,6 +374,23 @@ def test_a_dense_mask_and_a_plan_match_the_oracle(dtype):
     close(out, expected(q, k, v, allowed=masks.materialize(plan, B, H, L, L)), dtype)
 
 
+def test_layers_sharing_a_plan_share_one_block_mask_made_once():
+    """What the transformers integration does: every layer of a forward gets the same MaskPlan. The first call
+    makes the BlockMask and keeps it on the plan; the next layers (other q, k, v) reuse it; another plan, or
+    another head count, makes its own. Nothing compiles here."""
+    plan = attnkit.mask_plan(masks.document_mod(DOCS), q_len=L, batch=B)
+    with torch.no_grad():
+        first = flex._inputs(validate_call(*qkv(seed=1), mask=plan), BLOCK).args[4]
+        again = flex._inputs(validate_call(*qkv(seed=2), mask=plan), BLOCK).args[4]
+        assert again is first
+        other_plan = attnkit.mask_plan(masks.document_mod(DOCS), q_len=L, batch=B)
+        assert flex._inputs(validate_call(*qkv(seed=1), mask=other_plan), BLOCK).args[4] is not first
+        assert flex._inputs(validate_call(*qkv(h=2, hkv=2, seed=1), mask=plan), BLOCK).args[4] is not first
+    assert torch.equal(first.to_dense(), flex._block_mask(validate_call(*qkv(), mask=plan), BLOCK,
+                                                          flex._mask_function(validate_call(*qkv(), mask=plan))[0])
+                       .to_dense())
+
+
 def test_nan_in_the_inputs_reaches_only_the_rows_that_see_it():
     q, k, v = qkv()
     k[0, 1, 40] = float("nan")  # under causal, rows 40.. of batch 0 head 1 see it
