@@ -180,3 +180,30 @@ def test_auto_serves_plain_causal_calls_on_the_kernel(dtype):
     rows = poisoned.isnan().all(-1)
     assert rows[0, 1, 30] and rows.sum() == 1 and not (poisoned.isnan() & ~rows[..., None]).any()
     assert torch.equal(poisoned.masked_fill(rows[..., None], 0), out.masked_fill(rows[..., None], 0))
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_learned_alibi_slopes_and_a_relative_table_get_their_gradients_in_their_own_dtype(param_dtype):
+    """bfloat16 inputs through the kernel with learned score_mod tensors (a model kept in float32, or cast to
+    bfloat16 whole): the gradients reach the slopes and the table in the tensors' own dtype, and equal the
+    float64 formula's within the bfloat16 row."""
+    q, k, v = (t.requires_grad_() for t in _inputs((1, 4, 4, 60, 60), torch.bfloat16, seed=5))
+    g = torch.Generator().manual_seed(6)
+    slopes = scores.alibi_slopes(4).to(param_dtype).requires_grad_()
+    table = (0.3 * torch.randn(4, 13, generator=g)).to(param_dtype).requires_grad_()
+    dout = torch.randn(1, 4, 60, 48, generator=g).to(torch.bfloat16)
+
+    def mod(s, t):
+        return scores.compose(scores.alibi(s), scores.relative_position_bias(t, 6))
+
+    with attnkit.backends.served() as ran:
+        out = attnkit.attention(q, k, v, is_causal=True, score_mod=mod(slopes, table), backend="band")
+    assert ran == ["band"]
+    grads = torch.autograd.grad(out, (slopes, table), dout)
+    s64, t64 = (p.detach().double().requires_grad_() for p in (slopes, table))
+    want = attnkit.attention(*(t.detach().double() for t in (q, k, v)), is_causal=True, score_mod=mod(s64, t64),
+                             backend="reference")
+    wants = torch.autograd.grad(want, (s64, t64), dout.double())
+    for got, expected in zip(grads, wants, strict=True):
+        assert got.dtype == param_dtype
+        close(got, expected, torch.bfloat16)
