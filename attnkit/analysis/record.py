@@ -18,7 +18,6 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
-import torch
 from torch import Tensor, nn
 
 
@@ -90,12 +89,10 @@ def recorded_qk(modules: Iterable[nn.Module]) -> Iterator[list[list[ScoreInputs]
         ``(q, k, scale)`` (detached copies); with a KV cache each decoding step adds ``Lq = 1``
         and every key cached so far.
 
-    A hook works them out after each call from the call's own arguments, the way ``forward``
-    does: the module's projections (``project_qkv``), then its rotary transform at the same
-    positions (query ``i`` at ``Lk - Lq + i``); with a cache, the keys are the cache's written
-    keys. The output is not touched, and nothing on the module changes; the projections of q and
-    k are made a second time. Use it beside :func:`recorded_weights` to keep both from one pass.
-    The hooks are removed when the block ends, also on an error.
+    Each module hands them over itself, as its attention takes them (after the rotary transform;
+    with a cache, the written keys), through its ``score_inputs_sinks``: the output is not touched and
+    nothing is computed twice. Use it beside :func:`recorded_weights` to keep both from one pass.
+    The sinks are removed when the block ends, also on an error.
 
     Raises:
         TypeError: a module that is not an attnkit ``MultiHeadAttention``.
@@ -113,36 +110,19 @@ def recorded_qk(modules: Iterable[nn.Module]) -> Iterator[list[list[ScoreInputs]
                              f"with kind {m.approx.kind!r}, whose weights are not a softmax of q . k")
     records: list[list[ScoreInputs]] = [[] for _ in modules]
 
-    def keep(calls: list[ScoreInputs]):
-        def hook(module, args, kwargs, output):
-            calls.append(_score_inputs(module, args, kwargs))
-        return hook
+    def keep(module, calls: list[ScoreInputs]):
+        def sink(q: Tensor, k: Tensor) -> None:
+            scale = module.scale if module.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+            calls.append(ScoreInputs(q.detach().clone(), k.detach().clone(), float(scale)))
+        return sink
 
-    handles = []
+    added = []
     try:
         for m, calls in zip(modules, records, strict=True):
-            handles.append(m.register_forward_hook(keep(calls), with_kwargs=True))
+            sink = keep(m, calls)
+            m.score_inputs_sinks.append(sink)
+            added.append((m, sink))
         yield records
     finally:
-        for h in handles:
-            h.remove()
-
-
-def _score_inputs(module, args: tuple, kwargs: dict) -> ScoreInputs:
-    """q and k of one finished call of ``module``, as ``MultiHeadAttention.forward`` made them."""
-    given = dict(zip(("query", "key", "value"), args, strict=False)) | kwargs
-    query, key, value, cache = given["query"], given.get("key"), given.get("value"), given.get("cache")
-    key = query if key is None else key
-    value = key if value is None else value
-    with torch.no_grad():
-        q, k, _ = module.project_qkv(query, key, value)  # (B, H, Lq, D), (B, Hkv, Lk_new, D)
-        # The call has run: a cache now holds its keys, rotated, after those of earlier calls.
-        kv_len = key.shape[1] if cache is None else cache.seq_len
-        if module.rotary is not None:
-            q = module.rotary(q, kv_len - q.shape[-2])  # bottom-right: query i at Lk - Lq + i
-        if cache is not None:
-            k = cache.k[:, :, :kv_len]  # (B, Hkv, Lk, D), each key rotated when it was written
-        elif module.rotary is not None:
-            k = module.rotary(k, 0)
-    scale = module.scale if module.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return ScoreInputs(q.detach().clone(), k.detach().clone(), float(scale))
+        for m, sink in added:
+            m.score_inputs_sinks.remove(sink)

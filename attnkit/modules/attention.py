@@ -127,6 +127,9 @@ class MultiHeadAttention(nn.Module):
         self.dropout, self.share_kv, self.share_qk = dropout, share_kv, share_qk
         self.backend, self.scale = backend, scale
         self.rotary, self.position_bias = rotary, position_bias
+        # Callables given (q, k) as the exact attention takes them, on every call: how
+        # attnkit.analysis.recorded_qk keeps a call's queries and keys without working them out again.
+        self.score_inputs_sinks: list = []
         fk = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **fk)
         self.k_proj = None if share_qk else nn.Linear(kdim, num_kv_heads * head_dim, bias=bias, **fk)
@@ -298,6 +301,8 @@ class MultiHeadAttention(nn.Module):
         if self.position_bias is not None:
             pos_mod = self.position_bias.score_mod(q, k, offset=kv_len - q.shape[-2])
             score_mod = pos_mod if score_mod is None else compose(pos_mod, score_mod)
+        for sink in self.score_inputs_sinks:
+            sink(q, k)
         res = attention(q, k, v, mask=mask, bias=bias, is_causal=is_causal, window=window,
                         mask_mod=mask_mod, score_mod=score_mod, scale=self.scale,
                         dropout_p=self.dropout if self.training else 0.0,
