@@ -39,14 +39,15 @@ class BandBackend:
     )
 
     def prefers(self, req: Call) -> bool:
-        """Whether ``"auto"`` should try this backend before SDPA: a causal call with more than one query on the
-        CPU and no other mask, bias, score_mod or dropout, which the kernel serves faster than SDPA's own causal
+        """Whether ``"auto"`` should try this backend before SDPA: a plain causal call (no other mask, bias or
+        score_mod) with more than one query on the CPU, which the kernel serves faster than SDPA's own causal
         kernel, forward and backward, in every dtype it takes (``attnkit bench core`` and ``attnkit bench
         dtypes`` time both; the margin shrinks with length). One query (a decode step) stays with SDPA, which
-        needs no mask for it and is faster there."""
+        needs no mask for it and is faster there. Whether the kernel can serve the call (its dtype, dropout,
+        weights, the kernel built) is :meth:`not_supported_reasons`' to say: refused, the call goes on down
+        the order."""
         return (req.is_causal and req.q_len > 1 and req.query.is_cpu and req.mask is None and req.window is None
-                and req.mask_mod is None and req.score_mod is None and req.bias is None and req.dropout_p == 0
-                and not req.return_weights and compute_dtype(req.query.dtype) in _band.DTYPES and _band.available())
+                and req.mask_mod is None and req.score_mod is None and req.bias is None)
 
     def not_supported_reasons(self, req: Call) -> list[str]:
         reasons = refusals.reasons(self.REFUSALS, req)
