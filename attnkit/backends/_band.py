@@ -44,12 +44,14 @@ float32 kernel on the same values, rounded once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -152,6 +154,20 @@ def set_bf16_products(on: bool) -> None:
         mod.set_bf16_products(on)
         if _bf16_ok:
             _bf16_reason = None if on else "turned off by set_bf16_products(False)"
+
+
+@contextlib.contextmanager
+def bf16_products_set(on: bool) -> Iterator[None]:
+    """:func:`set_bf16_products` for the block, then the products as they were, and the reason for them
+    (to compare the two settings in one process; process-wide, like the switch itself)."""
+    global _bf16_reason
+    before, reason = bf16_products(), _bf16_reason
+    set_bf16_products(on)
+    try:
+        yield
+    finally:
+        set_bf16_products(before)
+        _bf16_reason = reason
 
 
 def attention_if_finite(req: Call, inputs: BandInputs) -> Tensor | None:

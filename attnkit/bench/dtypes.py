@@ -60,7 +60,7 @@ def run(quick: bool, out_dir: Path) -> str:
         say("matmul GFLOP/s, one thread: " + ", ".join(f"{k} {v:.1f}" for k, v in peak.items()))
         mkl = _mkl_bf16_gflops(size)
         say(f"MKL's bfloat16 product: {mkl:.1f} GFLOP/s" if mkl else "MKL's bfloat16 product: not in this torch")
-        products, why_not = _band.bf16_products(), _band.bf16_products_reason()  # (before the rows switch them)
+        products, why_not = _band.bf16_products(), _band.bf16_products_reason()
         say(f"banded kernel, bfloat16 products: {'on' if products else 'off'}" + ("" if products else f" ({why_not})"))
         i = torch.arange(n)
         window = (i.view(-1, 1) - i.view(1, -1)).abs() <= 256
@@ -86,12 +86,12 @@ def run(quick: bool, out_dir: Path) -> str:
                 fns["sdpa", name] = lambda q=q, k=k, v=v, kw=kw: F.scaled_dot_product_attention(q, k, v, **kw)
             bf16 = inputs["bfloat16"]
             other = f"bfloat16, {'float32' if products else 'bfloat16'} products"
-            widened = _band.available() and _band._bf16_ok and attnkit.which_backend(*bf16, **ours) == "band"
-            if widened:
+            switched = _band.available() and _band._bf16_ok and attnkit.which_backend(*bf16, **ours) == "band"
+            if switched:
                 fns["attnkit", other] = lambda kw=ours, x=bf16, on=not products: _switched(x, kw, on)
             with torch.no_grad():
                 t = interleaved_medians(fns, repeat=repeat, alternate=True, clock=time.process_time)
-            names = [*inputs, *([other] if widened else [])]
+            names = [*inputs, *([other] if switched else [])]
             for name in names:
                 q, k, v = inputs.get(name, bf16)
                 backend = "band" if name not in inputs else attnkit.which_backend(q, k, v, **ours)
@@ -172,12 +172,9 @@ def _model_text(model: list | str, n: int, repeat: int) -> str:
 
 
 def _switched(inputs, kw, on: bool):
-    """The banded kernel on bfloat16 inputs with its bfloat16 products ``on`` (or off), then back."""
-    _band.set_bf16_products(on)
-    try:
+    """The banded kernel on bfloat16 inputs with its bfloat16 products ``on`` (or off), then as they were."""
+    with _band.bf16_products_set(on):
         return attnkit.attention(*inputs, backend="band", **kw)
-    finally:
-        _band.set_bf16_products(not on)
 
 
 def _alibi_bias(heads: int, n: int) -> torch.Tensor:

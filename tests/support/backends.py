@@ -29,10 +29,5 @@ def bf16_products(on: bool):
 
     if on and not (_band.available() and _band._bf16_ok):
         pytest.skip(f"no bfloat16 products here: {_band.bf16_products_reason()}")
-    before, reason = _band.bf16_products(), _band._bf16_reason
-    _band.set_bf16_products(on)
-    try:
+    with _band.bf16_products_set(on):
         yield
-    finally:
-        _band.set_bf16_products(before)
-        _band._bf16_reason = reason  # as the process had it (its default's reason, not the switch's)
