@@ -1226,13 +1226,13 @@ void check_blas_rows(const Tensor& t, const char* name) {
               t.strides(), " for sizes ", t.sizes());
 }
 
-// q [B, H, Lq, E], k [B, Hkv, Lk, E], v [B, Hkv, Lk, Ev]: float32 or float64, one dtype, H a multiple of Hkv.
 bool is_half(const Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
 
 // The type the kernel computes in for q's dtype: float32 for the half types.
 at::ScalarType compute_type(const Tensor& q) { return is_half(q) ? at::kFloat : q.scalar_type(); }
 
-// half: whether q may be bfloat16 or float16 (the forward, which converts them a tile at a time).
+// q [B, H, Lq, E], k [B, Hkv, Lk, E], v [B, Hkv, Lk, Ev]: float32 or float64 (half: also bfloat16 or float16,
+// for the forward, which reads them as they are), one dtype, H a multiple of Hkv.
 void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, bool half = false) {
   TORCH_CHECK(q.defined() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble || (half && is_half(q))),
               "band kernel: q must be float32 or float64", half ? " (or bfloat16, float16)" : "", ", got ",
@@ -1398,10 +1398,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &band_forward,
         "forward(q, k, v, starts, ends, bias, scale, softcap, q_rows, kv_chunk) -> [out, stats]: out [B, H, Lq, Ev] "
         "and stats [2, B, H, Lq] (row maxima, log row sums) of banded attention. Checks every argument first "
-        "(RuntimeError naming it): q [B, H, Lq, E] float32/float64, k [B, Hkv, Lk, E] and v [B, Hkv, Lk, Ev] in its "
-        "dtype with H a multiple of Hkv, all dense CPU with rows the BLAS can read; starts/ends contiguous int64 "
-        "[P, Lq, K >= 1], P 1, B or B*H, 0 <= start <= end <= Lk; bias [0, 0] or contiguous [1 or H, Lq + Lk - 1]; "
-        "scale finite, softcap finite >= 0; q_rows, kv_chunk in [1, 2^20]");
+        "(RuntimeError naming it): q [B, H, Lq, E] float32/float64/bfloat16/float16, k [B, Hkv, Lk, E] and "
+        "v [B, Hkv, Lk, Ev] in its dtype with H a multiple of Hkv, all dense CPU with rows the BLAS can read; "
+        "starts/ends contiguous int64 [P, Lq, K >= 1], P 1, B or B*H, 0 <= start <= end <= Lk; bias [0, 0] or "
+        "contiguous [1 or H, Lq + Lk - 1] in q's dtype (float32 for the half types); scale finite, softcap finite "
+        ">= 0; q_rows, kv_chunk in [1, 2^20]. stats are in q's dtype (float32 for the half types)");
   m.def("backward", &band_backward,
         "backward(dout, q, k, v, out, stats, starts, ends, bias, scale, softcap, kv_rows, q_chunk, deterministic, "
         "bias_grad) -> [dq, dk, dv, dbias] of banded attention. Checks what forward checks, and dout, out "
