@@ -353,7 +353,8 @@ def merge_heads(x: Tensor) -> Tensor:
 
 
 def _on_buffers(cached, q_len: int, mask, bias, mask_mod, is_causal: bool, window):
-    """A cached call's masking, moved onto the cache's whole buffers (``Lk = max_len``).
+    """A compiled cached step's masking, moved onto the cache's whole buffers (``Lk = max_len``; the
+    written length is a tensor there, so a mask's width cannot be checked against it).
 
     Masks and biases over the cached keys get the tail appended (masked, zero) and meet
     :func:`attnkit.cache.visible`, which hides the tail and, for ``is_causal``, aligns causality to the
@@ -364,12 +365,9 @@ def _on_buffers(cached, q_len: int, mask, bias, mask_mod, is_causal: bool, windo
 
     buffer = cached.k.shape[-2]
     widened = []
-    for name, t, fill in (("mask", mask, False), ("bias", bias, 0.0)):
+    for t, fill in ((mask, False), (bias, 0.0)):
         # A trailing key dim of 1 broadcasts over the buffer; the tail is hidden by visible anyway.
         if t is not None and t.shape[-1] not in (1, buffer):
-            if cached.seq_len is not None and t.shape[-1] != cached.seq_len:  # (unknown in a compiled step)
-                raise ValueError(f"{name} must cover the {cached.seq_len} cached keys (new ones included) or "
-                                 f"the whole cache ({buffer}) along its last dim, got shape {tuple(t.shape)}")
             t = F.pad(t, (0, buffer - t.shape[-1]), value=fill)
         widened.append(t)
     mask, bias = widened
