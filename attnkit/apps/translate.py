@@ -237,15 +237,24 @@ def greedy(model: Seq2Seq | RNNSeq2Seq, src: Tensor, src_key_mask: Tensor | None
     if isinstance(model, RNNSeq2Seq):
         return greedy_rnn(model, src, src_key_mask)[0]
     memory = model.encode(src, src_key_mask)
-    b = memory.shape[0]
-    caches = model.transformer.decoder.make_caches(b, model.tgt_len)
-    out = torch.full((b, model.tgt_len), PAD)
-    tok = torch.full((b, 1), BOS)
+    caches = model.transformer.decoder.make_caches(memory.shape[0], model.tgt_len)
+    return _greedy(lambda t, tok: _next_logp(model, tok[:, None], memory, src_key_mask, caches), memory.shape[0],
+                   model.tgt_len)
+
+
+def _greedy(next_scores, b: int, tgt_len: int) -> Tensor:
+    """The greedy rule both models decode by: at each step the most likely token, never ``PAD``, and
+    ``PAD`` after a row's <eos>. ``next_scores(t, tok [B]) -> [B, V]``: the scores of the token after
+    ``tok`` at step ``t`` (the model's state kept by the caller). Returns ``[B, tgt_len]`` ids."""
+    out = torch.full((b, tgt_len), PAD)
+    tok = torch.full((b,), BOS)
     done = torch.zeros(b, dtype=torch.bool)
-    for t in range(model.tgt_len):
-        tok = _next_logp(model, tok, memory, src_key_mask, caches).argmax(-1, keepdim=True)  # (B, 1)
-        out[:, t] = tok[:, 0].masked_fill(done, PAD)
-        done |= tok[:, 0] == EOS
+    for t in range(tgt_len):
+        scores = next_scores(t, tok)
+        scores[:, PAD] = float("-inf")  # PAD only fills rows after their <eos>
+        tok = scores.argmax(-1)  # (B,)
+        out[:, t] = tok.masked_fill(done, PAD)
+        done |= tok == EOS
         if done.all():
             break
     return out
@@ -312,20 +321,15 @@ def greedy_rnn(model: RNNSeq2Seq, src: Tensor, src_key_mask: Tensor | None = Non
         token (rows after a row's <eos> are those of tokens it did not keep).
     """
     enc = model.encode(src, src_key_mask)
-    b = src.shape[0]
-    out = torch.full((b, model.tgt_len), PAD)
-    weights = torch.zeros(b, model.tgt_len, src.shape[1])
-    tok, state = torch.full((b,), BOS), enc.state
-    done = torch.zeros(b, dtype=torch.bool)
-    for t in range(model.tgt_len):
+    weights = torch.zeros(src.shape[0], model.tgt_len, src.shape[1])
+    state = enc.state
+
+    def next_scores(t: int, tok: Tensor) -> Tensor:
+        nonlocal state
         logits, state, weights[:, t] = model.step(tok, state, enc, src_key_mask)
-        logits[:, PAD] = float("-inf")  # as _next_logp: PAD only fills rows after their <eos>
-        tok = logits.argmax(-1)  # (B,)
-        out[:, t] = tok.masked_fill(done, PAD)
-        done |= tok == EOS
-        if done.all():
-            break
-    return out, weights
+        return logits
+
+    return _greedy(next_scores, src.shape[0], model.tgt_len), weights
 
 
 def recording_cross_attention(model: Seq2Seq):
