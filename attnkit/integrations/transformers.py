@@ -18,13 +18,33 @@ the banded kernel. A plain causal mask without padding, or no mask at all, is pa
 
 Honoured: ``scaling``, ``dropout``, ``softcap`` (Gemma 2, through ``attnkit.scores.softcap``),
 GQA (no ``repeat_kv``), ``output_attentions`` (weights from ``backend="reference"``, as eager).
-Attention sinks (``s_aux``/``sinks``) and ``position_bias`` are refused with a ValueError naming
-the model class and the argument, never served inexactly.
+
+``position_bias`` (T5, mT5, UMT5, LongT5 and the like: a dense ``[1, H, Lq, Lk]`` term that eager adds
+to the scaled scores) is served exactly, in one of three ways:
+
+* all zeros and not requiring grad (T5's cross-attention): dropped, nothing is added;
+* Toeplitz, one value per head and ``kv - q`` in every batch row (T5's bucketed relative bias): an
+  :class:`attnkit.scores.DiagonalBias` score_mod, whose table ``[H, Lq + Lk - 1]`` is read from the
+  tensor's first column and first row, so the banded kernel serves it (and flex and the tiles call it
+  cell by cell); gradients reach the tensor summed along each diagonal, which is what eager gives
+  whatever the bias is computed from as a function of head and ``kv - q`` (T5's bucket embedding). A
+  leaf tensor that requires grad keeps its per-cell gradient: it goes the dense way;
+* anything else (a per-batch bias, another model's): the dense ``bias=`` of :func:`attnkit.attention`.
+
+Whether a tensor is zeros or Toeplitz is checked exactly (every cell) once per tensor and version:
+T5 hands the same tensor to every layer of a stack. Under ``torch.compile`` nothing is decided on
+values: the tensor is passed as the dense ``bias=``.
+
+Attention sinks (``s_aux``/``sinks``) are refused with a ValueError naming the model class and the
+argument, never served inexactly.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 import attnkit
 from attnkit import scores
@@ -66,9 +86,11 @@ def attnkit_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention signature over :func:`attnkit.attention`; returns ``[B, Lq, H, E]``."""
-    for argument in ("s_aux", "sinks", "position_bias"):
+    for argument in ("s_aux", "sinks"):
         if kwargs.get(argument) is not None:
             _refuse(module, argument, type(kwargs[argument]).__name__)
+    position_mod, dense_bias = _position_bias_terms(kwargs.get("position_bias"), query.shape[0], query.shape[1],
+                                                   query.shape[2], key.shape[2])
     if isinstance(attention_mask, MaskPlan):  # attnkit_mask's: the layer's whole mask, worked out once
         causal = False
     else:
@@ -78,12 +100,14 @@ def attnkit_attention_forward(
             is_causal = getattr(module, "is_causal", True)
         causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
     cap = kwargs.get("softcap")
+    mods = [m for m in (position_mod, None if cap is None else scores.softcap(float(cap))) if m is not None]
     want_weights = bool(kwargs.get("output_attentions", False))
     result = attnkit.attention(
         query, key, value,
         mask=attention_mask,
+        bias=dense_bias,
         is_causal=causal,
-        score_mod=scores.softcap(float(cap)) if cap is not None else None,
+        score_mod=scores.compose(*mods) if len(mods) > 1 else (mods[0] if mods else None),
         scale=scaling,
         dropout_p=dropout if module.training else 0.0,
         return_weights=want_weights,
@@ -91,6 +115,94 @@ def attnkit_attention_forward(
     )
     out, weights = result if want_weights else (result, None)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _position_bias_terms(position_bias: torch.Tensor | None, batch: int, heads: int, q_len: int,
+                         kv_len: int) -> tuple[scores.DiagonalBias | None, torch.Tensor | None]:
+    """A model's ``position_bias`` (added to the scaled scores, as eager does) as ``(score_mod, bias)``
+    for :func:`attnkit.attention`: ``(None, None)`` for zeros that do not require grad,
+    ``(DiagonalBias, None)`` for a Toeplitz ``[1 or B, H, Lq, Lk]`` tensor, else ``(None, position_bias)``.
+
+    Shape notation: ``B`` batch, ``H`` query heads, ``Lq``/``Lk`` query/key lengths.
+
+    Args:
+        position_bias: a float tensor broadcastable to ``[B, H, Lq, Lk]``, or None.
+        batch, heads, q_len, kv_len: the call's sizes.
+
+    Raises:
+        TypeError: ``position_bias`` is not a floating-point tensor (a shape that does not broadcast
+            is :func:`attnkit.attention`'s to refuse).
+    """
+    if position_bias is None:
+        return None, None
+    if not isinstance(position_bias, torch.Tensor) or not position_bias.is_floating_point():
+        is_tensor = isinstance(position_bias, torch.Tensor)
+        got = f"dtype {position_bias.dtype}" if is_tensor else type(position_bias).__name__
+        raise TypeError(f"position_bias must be a floating-point tensor [1 or B, H, Lq, Lk] added to the scores, "
+                        f"got {got}")
+    if torch.compiler.is_compiling():  # a traced graph cannot branch on the tensor's values
+        return None, position_bias
+    full = position_bias.dim() == 4 and tuple(position_bias.shape) in ((1, heads, q_len, kv_len),
+                                                                       (batch, heads, q_len, kv_len))
+    if not full or 0 in position_bias.shape:
+        return None, position_bias
+    kind = _kind(position_bias)
+    if kind == "zeros" and not position_bias.requires_grad:
+        return None, None
+    if kind == "other" or (position_bias.requires_grad and position_bias.is_leaf):
+        return None, position_bias  # a leaf's own gradient is per cell, not per diagonal
+    return _diagonal_bias(position_bias), None
+
+
+#: The verdict on each position_bias tensor seen, ``tensor -> (version, kind)``, held weakly (by identity),
+#: so that the stack's later layers, handed the same tensor, do not check it again. Touched under _KINDS_LOCK.
+_KINDS = WeakIdKeyDictionary()
+_KINDS_LOCK = threading.Lock()
+
+
+def _kind(t: torch.Tensor) -> str:
+    """``"zeros"``, ``"toeplitz"`` (each head's cells depend only on ``kv - q``, and every batch row is the
+    first) or ``"other"``: checked on every cell, once per tensor and version (an inference tensor, which
+    has no version counter, on every call)."""
+    version = None if t.is_inference() else t._version
+    if version is not None:
+        with _KINDS_LOCK:
+            seen = _KINDS.get(t)
+        if seen is not None and seen[0] == version:
+            return seen[1]
+    kind = _classify(t)
+    if version is not None:
+        with _KINDS_LOCK:
+            _KINDS[t] = (version, kind)
+    return kind
+
+
+def _classify(t: torch.Tensor) -> str:
+    """:func:`_kind`'s check itself, on every cell of ``t`` ``[1 or B, H, Lq, Lk]``."""
+    with torch.no_grad():
+        if not bool(t.any()):
+            return "zeros"
+        same_rows = t.shape[0] == 1 or torch.equal(t, t[:1].expand_as(t))
+        # each cell equals the one up and to the left of it: compared as two views, nothing is copied
+        return "toeplitz" if same_rows and torch.equal(t[..., 1:, 1:], t[..., :-1, :-1]) else "other"
+
+
+def _diagonal_bias(position_bias: torch.Tensor) -> scores.DiagonalBias:
+    """A Toeplitz ``position_bias`` ``[1 or B, H, Lq, Lk]`` as a :class:`attnkit.scores.DiagonalBias` that
+    reads its first batch row: cell by cell, or as the table ``[H, Lq + Lk - 1]`` (column
+    ``kv - q + Lq - 1``) of the first column reversed (``kv - q < 0``) and the first row."""
+    first = position_bias[0]  # [H, Lq, Lk]; the other batch rows are equal to it
+
+    def bias(dtype, b, h, q_idx, kv_idx):
+        return scores.like_score(first[h, q_idx, kv_idx], dtype)
+
+    def table(heads, q_len, kv_len, dtype=None):
+        if (heads, q_len, kv_len) != tuple(first.shape):
+            return None
+        diagonals = torch.cat([first[:, 1:, 0].flip(-1), first[:, 0, :]], dim=-1)  # [H, Lq - 1 + Lk]
+        return scores.like_score(diagonals, dtype or diagonals.dtype)
+
+    return scores.DiagonalBias((bias, table))
 
 
 def attnkit_mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None, q_offset: int = 0,
