@@ -35,8 +35,9 @@ Whether a tensor is zeros or Toeplitz is checked exactly (every cell) once per t
 T5 hands the same tensor to every layer of a stack. Under ``torch.compile`` nothing is decided on
 values: the tensor is passed as the dense ``bias=``.
 
-Attention sinks (``s_aux``/``sinks``) are refused with a ValueError naming the model class and the
-argument, never served inexactly.
+Attention sinks (``s_aux``/``sinks``), and a ``softcap`` together with a ``position_bias`` (no model
+has both, and eager gives no order for them), are refused with a ValueError naming the model class and
+the argument, never served inexactly.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def attnkit_attention_forward(
     for argument in ("s_aux", "sinks"):
         if kwargs.get(argument) is not None:
             _refuse(module, argument, type(kwargs[argument]).__name__)
+    cap = kwargs.get("softcap")
+    if cap is not None and kwargs.get("position_bias") is not None:  # no model has both, nor an eager order for them
+        _refuse(module, "softcap", f"{cap!r} together with a position_bias")
     position_mod, dense_bias = _position_bias_terms(kwargs.get("position_bias"), query.shape[0], query.shape[1],
                                                    query.shape[2], key.shape[2])
     if isinstance(attention_mask, MaskPlan):  # attnkit_mask's: the layer's whole mask, worked out once
@@ -99,15 +103,14 @@ def attnkit_attention_forward(
         if is_causal is None:
             is_causal = getattr(module, "is_causal", True)
         causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
-    cap = kwargs.get("softcap")
-    mods = [m for m in (position_mod, None if cap is None else scores.softcap(float(cap))) if m is not None]
+    score_mod = position_mod if cap is None else scores.softcap(float(cap))
     want_weights = bool(kwargs.get("output_attentions", False))
     result = attnkit.attention(
         query, key, value,
         mask=attention_mask,
         bias=dense_bias,
         is_causal=causal,
-        score_mod=scores.compose(*mods) if len(mods) > 1 else (mods[0] if mods else None),
+        score_mod=score_mod,
         scale=scaling,
         dropout_p=dropout if module.training else 0.0,
         return_weights=want_weights,

@@ -220,9 +220,11 @@ def test_the_verdict_is_checked_once_per_tensor_and_again_after_an_in_place_writ
     assert len(checked) == 3
 
 
-def test_sinks_are_still_refused_and_a_position_bias_must_be_a_float_tensor():
+def test_sinks_and_a_capped_position_bias_are_refused_and_a_position_bias_must_be_a_float_tensor():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"_Probe.*'sinks'"):
         hf.attnkit_attention_forward(_Probe(), q, k, v, None, sinks=torch.zeros(H))
+    with pytest.raises(ValueError, match=r"_Probe.*'softcap'"):
+        hf.attnkit_attention_forward(_Probe(), q, k, v, None, softcap=5.0, position_bias=torch.zeros(1, H, LQ, LK))
     with pytest.raises(TypeError, match="position_bias must be a floating-point tensor"):
         hf.attnkit_attention_forward(_Probe(), q, k, v, None, position_bias=torch.zeros(1, H, LQ, LK, dtype=torch.long))
