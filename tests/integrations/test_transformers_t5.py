@@ -228,3 +228,26 @@ def test_sinks_and_a_capped_position_bias_are_refused_and_a_position_bias_must_b
         hf.attnkit_attention_forward(_Probe(), q, k, v, None, softcap=5.0, position_bias=torch.zeros(1, H, LQ, LK))
     with pytest.raises(TypeError, match="position_bias must be a floating-point tensor"):
         hf.attnkit_attention_forward(_Probe(), q, k, v, None, position_bias=torch.zeros(1, H, LQ, LK, dtype=torch.long))
+
+
+def test_the_verdicts_cache_is_safe_under_threads():
+    """Threads released together classify one shared tensor and fresh ones that die at once (their cache
+    entries go while others are written), each thread also writing its own tensor in place: every
+    verdict is the tensor's."""
+    from tests.support.racing import race
+
+    table = torch.randn(H, LQ + LK - 1, dtype=torch.float64)
+    shared = _toeplitz(table)
+    mine = [_toeplitz(table).clone() for _ in range(4)]
+
+    def body(me, together):
+        for n in range(60):
+            if n % 20 == 0:
+                together()
+            assert isinstance(hf._position_bias_terms(shared, 2, H, LQ, LK)[0], scores.DiagonalBias)
+            fresh = _toeplitz(table) if n % 2 else torch.randn(1, H, LQ, LK, dtype=torch.float64)
+            assert (hf._position_bias_terms(fresh, 2, H, LQ, LK)[1] is None) == bool(n % 2)
+            mine[me][0, 0, 1, 1] += 1.0 if n % 2 else -1.0  # Toeplitz again after every second write
+            assert (hf._position_bias_terms(mine[me], 2, H, LQ, LK)[1] is None) == (n % 2 == 1)
+
+    race(body, 4, 1e-6)
