@@ -130,14 +130,28 @@ void gemm(bool ta, bool tb, Index m, Index n, Index k, T alpha, const T* a, Inde
 bool has_bf16_gemm() { return cblas_gemm_bf16bf16f32 != nullptr; }
 std::atomic<bool> bf16_products{false};
 
-// Row-major C[m x n] (float) = op(A)[m x k] B'[k x n] + beta * C, A and B bfloat16, A never transposed; tb: B
-// stored transposed.
-void gemm_bf16(bool tb, Index m, Index n, Index k, const c10::BFloat16* a, Index lda, const c10::BFloat16* b,
-               Index ldb, float beta, float* c, Index ldc) {
+// Row-major C[m x n] (float) = alpha * op(A)[m x k] * op(B)[k x n] + beta * C, A and B bfloat16; ta/tb: the
+// operand is stored transposed.
+void gemm_bf16(bool ta, bool tb, Index m, Index n, Index k, float alpha, const c10::BFloat16* a, Index lda,
+               const c10::BFloat16* b, Index ldb, float beta, float* c, Index ldc) {
   constexpr int row_major = 101, no_trans = 111, trans = 112;
-  cblas_gemm_bf16bf16f32(row_major, no_trans, tb ? trans : no_trans, static_cast<int>(m), static_cast<int>(n),
-                         static_cast<int>(k), 1.0f, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta, c,
-                         static_cast<int>(ldc));
+  cblas_gemm_bf16bf16f32(row_major, ta ? trans : no_trans, tb ? trans : no_trans, static_cast<int>(m),
+                         static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b,
+                         static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+}
+
+// The kernel's one product: C (T) = alpha * op(A) * op(B) + beta * C with A and B stored as KV, through gemm
+// when KV is T, and through MKL's bfloat16 product (T float) when KV is bfloat16.
+template <typename T, typename KV>
+inline void product(bool ta, bool tb, Index m, Index n, Index k, T alpha, const KV* a, Index lda, const KV* b,
+                    Index ldb, T beta, T* c, Index ldc) {
+  if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+    static_assert(std::is_same_v<T, float>, "bfloat16 products sum in float32");
+    gemm_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else {
+    static_assert(std::is_same_v<KV, T>, "products of one type, or bfloat16 into float32");
+    gemm<T>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
 }
 
 // A buffer the BLAS sees at the same (64-byte) alignment on every call: MKL picks its code path,
@@ -290,6 +304,17 @@ inline void store_row(const T* from, S* to, Index n) {
       at::vec::convert_from_float<S>(VT::loadu(from + j), VT::loadu(from + j + VT::size())).store(to + j);
     }
     for (; j < n; ++j) to[j] = static_cast<S>(from[j]);
+  }
+}
+
+// n values of x as a product's operand of type KV: x itself when KV is T, else rounded to nearest into buf.
+template <typename T, typename KV>
+inline const KV* operand(const T* x, Index n, KV* buf) {
+  if constexpr (std::is_same_v<KV, T>) {
+    return x;
+  } else {
+    store_row<T, KV>(x, buf, n);
+    return buf;
   }
 }
 
@@ -739,11 +764,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     key_chunks<T>(R, R.set(b, h), g, row, q_rows, kv_chunk, k, v, bias, b, h, h / G, w.keys,
                   [&](const KV* kp, Index ldk, const KV* vp, Index ldv, Index kc, const auto& visible,
                       const auto& bias_of) {
-      if constexpr (bf16) {
-        gemm_bf16(true, g, kc, d.E, qp, lda, kp, ldk, 0.0f, s, kc);
-      } else {
-        gemm<T>(false, true, g, kc, d.E, T(1), qp, lda, kp, ldk, T(0), s, kc);
-      }
+      product<T, KV>(false, true, g, kc, d.E, T(1), qp, lda, kp, ldk, T(0), s, kc);
       // One row's raw scores against every key of the chunk: a key that is not finite makes its score
       // with any finite query NaN or infinite (inf * 0 is NaN), whichever rows may see it.
       w.block_bad = w.block_bad || not_finite<T>(add_up<T>(s, kc, Vec(T(0))));
@@ -758,12 +779,9 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
           for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
         }
       }
-      if constexpr (bf16) {
-        store_row<T, KV>(s, w.pb, g * kc);  // the rows' weights side by side (kc apart), rounded to nearest
-        gemm_bf16(false, g, d.Ev, kc, w.pb, kc, vp, ldv, first ? 0.0f : 1.0f, acc, d.Ev);
-      } else {
-        gemm<T>(false, false, g, d.Ev, kc, T(1), s, kc, vp, ldv, first ? T(0) : T(1), acc, d.Ev);
-      }
+      // the rows' weights side by side (kc apart), rounded to nearest for bfloat16 products
+      product<T, KV>(false, false, g, d.Ev, kc, T(1), operand<T, KV>(s, g * kc, w.pb), kc, vp, ldv, first ? T(0) : T(1),
+                     acc, d.Ev);
       first = false;
     });
     T* const ms = stats.data_ptr<T>() + (b * d.H + h) * d.L;  // the row maximum, then log of the row sum
@@ -878,8 +896,9 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
 }
 
 // delta[b, h, i] = dout[b, h, i, :] . out[b, h, i, :] (FlashAttention's D), in one pass over both
-// (no [B, H, L, Ev] product in memory); rows may be strided, entries along a row contiguous.
-template <typename T>
+// (no [B, H, L, Ev] product in memory); rows may be strided, entries along a row contiguous. S: how dout and
+// out are stored (bfloat16 under bfloat16 products, read into T as they are summed).
+template <typename T, typename S = T>
 void row_dots(const Tensor& x, const Tensor& y, Tensor& delta) {
   using Vec = at::vec::Vectorized<T>;
   const Index H = x.size(1), L = x.size(2), E = x.size(3);
@@ -887,13 +906,22 @@ void row_dots(const Tensor& x, const Tensor& y, Tensor& delta) {
   at::parallel_for(0, x.size(0) * H * L, 2048, [&](Index begin, Index end) {
     for (Index r = begin; r < end; ++r) {
       const Index b = r / (H * L), h = (r / L) % H, i = r % L;
-      const T* a = row_ptr<T>(x, b, h, i);
-      const T* c = row_ptr<T>(y, b, h, i);
+      const S* a = row_ptr<S>(x, b, h, i);
+      const S* c = row_ptr<S>(y, b, h, i);
       Vec acc(T(0));
       Index j = 0;
-      for (; j + Vec::size() <= E; j += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(c + j), acc);
+      if constexpr (std::is_same_v<S, T>) {
+        for (; j + Vec::size() <= E; j += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(c + j), acc);
+      } else {
+        using VS = at::vec::Vectorized<S>;
+        for (; j + VS::size() <= E; j += VS::size()) {
+          auto [a0, a1] = at::vec::convert_to_float<S>(VS::loadu(a + j));
+          auto [c0, c1] = at::vec::convert_to_float<S>(VS::loadu(c + j));
+          acc = at::vec::fmadd(a1, c1, at::vec::fmadd(a0, c0, acc));
+        }
+      }
       T sum = at::vec::vec_reduce_all<T>([](Vec u, Vec w) { return u + w; }, acc);
-      for (; j < E; ++j) sum += a[j] * c[j];
+      for (; j < E; ++j) sum += static_cast<T>(a[j]) * static_cast<T>(c[j]);
       dl[r] = sum;
     }
   });
@@ -905,7 +933,7 @@ void row_dots(const Tensor& x, const Tensor& y, Tensor& delta) {
 // chunks of q_chunk rows. dK and dV of a group are summed apart and added to its keys' rows, dQ to
 // its rows (an item owns its heads' rows; deterministic, dQ comes from the pass over query blocks,
 // which sees every key).
-template <typename T>
+template <typename T, typename KV = T>
 void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
                    const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Rows& R, const Tensor& bias,
                    Tensor& dbias, T scale, T cap, Index kv_rows, Index q_chunk, bool deterministic,
@@ -936,13 +964,16 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     }
   }
   each_item(d.B * d.Hkv, deterministic && bias_grad, [&](const auto& next) {
-    Tensor kg_buf, vg_buf, dkg_buf, dvg_buf, p_buf, ds_buf;
-    T* const kg = scratch<T>(kg_buf, kv_rows * d.E);
-    T* const vg = scratch<T>(vg_buf, kv_rows * d.Ev);
+    constexpr bool rounds = !std::is_same_v<KV, T>;  // P and dS rounded for the products that take them
+    Tensor kg_buf, vg_buf, dkg_buf, dvg_buf, p_buf, ds_buf, pk_buf, dsk_buf;
+    KV* const kg = scratch<KV>(kg_buf, kv_rows * d.E);
+    KV* const vg = scratch<KV>(vg_buf, kv_rows * d.Ev);
     T* const dkg = scratch<T>(dkg_buf, kv_rows * d.E);
     T* const dvg = scratch<T>(dvg_buf, kv_rows * d.Ev);
     T* const p = scratch<T>(p_buf, q_chunk * kv_rows);
     T* const ds = scratch<T>(ds_buf, q_chunk * kv_rows);
+    KV* const pk = scratch<KV>(pk_buf, rounds ? q_chunk * kv_rows : 1);
+    KV* const dsk = scratch<KV>(dsk_buf, rounds ? q_chunk * kv_rows : 1);
     std::vector<T> bg(kv_rows);
     std::vector<Index> rg(2 * R.K);
     Segments runs;
@@ -955,8 +986,8 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
           const Index n_segs = static_cast<Index>(group.size());
           Index cols = 0;
           for (const auto& seg : group) cols += seg.second - seg.first;
-          gather_keys<T>(k, b, hk, segs, n_segs, kg);
-          gather_keys<T>(v, b, hk, segs, n_segs, vg);
+          gather_keys<KV>(k, b, hk, segs, n_segs, kg);
+          gather_keys<KV>(v, b, hk, segs, n_segs, vg);
           std::fill(dkg, dkg + cols * d.E, T(0));
           std::fill(dvg, dvg + cols * d.Ev, T(0));
           runs.clear();
@@ -971,10 +1002,10 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
           for (const auto& run : runs) {
             for (Index i0 = run.first; i0 < run.second; i0 += q_chunk) {
               const Index n = std::min(q_chunk, run.second - i0);
-              const T* qp = row_ptr<T>(q, b, h, i0);
-              const T* dop = row_ptr<T>(dout, b, h, i0);
-              gemm<T>(false, true, n, cols, d.E, T(1), qp, q.stride(2), kg, d.E, T(0), p, cols);
-              gemm<T>(false, true, n, cols, d.Ev, T(1), dop, dout.stride(2), vg, d.Ev, T(0), ds, cols);
+              const KV* qp = row_ptr<KV>(q, b, h, i0);
+              const KV* dop = row_ptr<KV>(dout, b, h, i0);
+              product<T, KV>(false, true, n, cols, d.E, T(1), qp, q.stride(2), kg, d.E, T(0), p, cols);
+              product<T, KV>(false, true, n, cols, d.Ev, T(1), dop, dout.stride(2), vg, d.Ev, T(0), ds, cols);
               for (Index r = 0; r < n; ++r) {
                 const Index i = i0 + r, count = R.ranges_in(set, i, segs, n_segs, rg);
                 const T* br = biased ? gathered_bias<T>(bias, h, i, d.L, segs, n_segs, bg.data()) : nullptr;
@@ -988,11 +1019,13 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
                   }
                 }
               }
-              gemm<T>(true, false, cols, d.Ev, n, T(1), p, cols, dop, dout.stride(2), T(1), dvg, d.Ev);
-              gemm<T>(true, false, cols, d.E, n, scale, ds, cols, qp, q.stride(2), T(1), dkg, d.E);
+              const KV* ds_op = operand<T, KV>(ds, n * cols, dsk);
+              product<T, KV>(true, false, cols, d.Ev, n, T(1), operand<T, KV>(p, n * cols, pk), cols, dop,
+                             dout.stride(2), T(1), dvg, d.Ev);
+              product<T, KV>(true, false, cols, d.E, n, scale, ds_op, cols, qp, q.stride(2), T(1), dkg, d.E);
               if (!deterministic) {  // (this item alone writes these heads' rows now: no lock)
-                gemm<T>(false, false, n, d.E, cols, scale, ds, cols, kg, d.E, T(1),
-                        dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
+                product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kg, d.E, T(1),
+                               dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
               }
             }
           }
@@ -1012,11 +1045,17 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   });
 }
 
-template <typename T>
+// bfloat16 products (KV = c10::BFloat16, T = float), as in the forward: q, k, v and dout are read as they are
+// stored, and each of the four products of a tile (S = q k^T, dP = dout v^T, dV += P^T dout, dK += dS^T q, and
+// dQ += dS k) takes bfloat16 operands into float32 sums; P and dS are rounded to bfloat16 for the products
+// that take them (as FlashAttention does on a GPU), while the probabilities, dS itself and the sums of dQ, dK,
+// dV and the bias gradient stay float32.
+template <typename T, typename KV = T>
 void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
                    const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Rows& R, const Tensor& bias,
                    Tensor& dbias, T scale, T cap, Index kv_rows, Index q_chunk, bool deterministic) {
   using Vec = at::vec::Vectorized<T>;
+  constexpr bool rounds = !std::is_same_v<KV, T>;  // P and dS rounded for the products that take them
   const Shape d(q, k, v);
   const bool biased = bias.numel() > 0, bias_grad = biased && dbias.size(0) > 0;
   const Index blocks = (d.S + kv_rows - 1) / kv_rows, G = d.groups(), groups = (d.L + LOCK_ROWS - 1) / LOCK_ROWS;
@@ -1028,18 +1067,20 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   const auto seen_by = key_block_rows(R, d.S, kv_rows, wide);
   std::vector<std::mutex> locks(deterministic ? 0 : d.B * d.H * groups);
   each_item(d.B * d.Hkv * blocks, deterministic && bias_grad, [&](const auto& next) {
-    Tensor p_buf, ds_buf, qg_buf, dog_buf, dqg_buf;
+    Tensor p_buf, ds_buf, qg_buf, dog_buf, dqg_buf, pk_buf, dsk_buf;
     T* const p = scratch<T>(p_buf, kv_rows * q_chunk);
     T* const ds = scratch<T>(ds_buf, kv_rows * q_chunk);
-    T* const qg = scratch<T>(qg_buf, q_chunk * d.E);
-    T* const dog = scratch<T>(dog_buf, q_chunk * d.Ev);
+    KV* const pk = scratch<KV>(pk_buf, rounds ? kv_rows * q_chunk : 1);
+    KV* const dsk = scratch<KV>(dsk_buf, rounds ? kv_rows * q_chunk : 1);
+    KV* const qg = scratch<KV>(qg_buf, q_chunk * d.E);
+    KV* const dog = scratch<KV>(dog_buf, q_chunk * d.Ev);
     T* const dqg = scratch<T>(dqg_buf, q_chunk * d.E);
     std::vector<Index> rg(2 * R.K), wide_cols, lone;
     for (Index it = 0; next(it);) {
       const Index blk = interleaved(it % blocks, blocks), hk = (it / blocks) % d.Hkv, b = it / (blocks * d.Hkv);
       const Index j0 = blk * kv_rows, cols = std::min(kv_rows, d.S - j0);
-      const T* kp = row_ptr<T>(k, b, hk, j0);
-      const T* vp = row_ptr<T>(v, b, hk, j0);
+      const KV* kp = row_ptr<KV>(k, b, hk, j0);
+      const KV* vp = row_ptr<KV>(v, b, hk, j0);
       T* dkp = dk.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.E;
       T* dvp = dv.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.Ev;
       for (Index g = 0; g < G; ++g) {
@@ -1051,11 +1092,11 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
         }
         // n rows row(0..n-1), their queries and output gradients at qp and dop (rows ldq, ldo apart),
         // against the block's keys: scores and dP, probabilities and dS, dV and dK of the block, and
-        // the rows' dQ shares through add_dq(dS).
-        const auto rows_chunk = [&](Index n, const T* qp, Index ldq, const T* dop, Index ldo, const auto& row,
+        // the rows' dQ shares through add_dq(n, dS as the product's operand).
+        const auto rows_chunk = [&](Index n, const KV* qp, Index ldq, const KV* dop, Index ldo, const auto& row,
                                     const auto& add_dq) {
-          gemm<T>(false, true, n, cols, d.E, T(1), qp, ldq, kp, k.stride(2), T(0), p, cols);
-          gemm<T>(false, true, n, cols, d.Ev, T(1), dop, ldo, vp, v.stride(2), T(0), ds, cols);
+          product<T, KV>(false, true, n, cols, d.E, T(1), qp, ldq, kp, k.stride(2), T(0), p, cols);
+          product<T, KV>(false, true, n, cols, d.Ev, T(1), dop, ldo, vp, v.stride(2), T(0), ds, cols);
           for (Index r = 0; r < n; ++r) {
             const Index i = row(r);
             const Index count = R.ranges(set, i, j0, cols, rg);
@@ -1071,9 +1112,11 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
               }
             }
           }
-          gemm<T>(true, false, cols, d.Ev, n, T(1), p, cols, dop, ldo, T(1), dvp, d.Ev);
-          gemm<T>(true, false, cols, d.E, n, scale, ds, cols, qp, ldq, T(1), dkp, d.E);
-          if (!deterministic) add_dq(n);  // (deterministic: dQ comes from the row-owned pass below)
+          const KV* ds_op = operand<T, KV>(ds, n * cols, dsk);
+          product<T, KV>(true, false, cols, d.Ev, n, T(1), operand<T, KV>(p, n * cols, pk), cols, dop, ldo, T(1), dvp,
+                         d.Ev);
+          product<T, KV>(true, false, cols, d.E, n, scale, ds_op, cols, qp, ldq, T(1), dkp, d.E);
+          if (!deterministic) add_dq(n, ds_op);  // (deterministic: dQ comes from the row-owned pass below)
         };
         lone.clear();  // rows of runs shorter than LONE (a global token's row): gathered below
         for (const auto& run : seen_by[set][blk]) {
@@ -1082,12 +1125,13 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
             continue;
           }
           for (Index i0 = run.first; i0 < run.second; i0 += q_chunk) {
-            rows_chunk(std::min(q_chunk, run.second - i0), row_ptr<T>(q, b, h, i0), q.stride(2),
-                       row_ptr<T>(dout, b, h, i0), dout.stride(2), [i0](Index r) { return i0 + r; }, [&](Index n) {
+            rows_chunk(std::min(q_chunk, run.second - i0), row_ptr<KV>(q, b, h, i0), q.stride(2),
+                       row_ptr<KV>(dout, b, h, i0), dout.stride(2), [i0](Index r) { return i0 + r; },
+                       [&](Index n, const KV* ds_op) {
                          const Index base = (b * d.H + h) * groups, ga = i0 / LOCK_ROWS, ge = (i0 + n - 1) / LOCK_ROWS;
                          for (Index x = ga; x <= ge; ++x) locks[base + x].lock();  // ascending: no deadlock
-                         gemm<T>(false, false, n, d.E, cols, scale, ds, cols, kp, k.stride(2), T(1),
-                                 dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
+                         product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kp, k.stride(2), T(1),
+                                        dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
                          for (Index x = ga; x <= ge; ++x) locks[base + x].unlock();
                        });
           }
@@ -1096,11 +1140,11 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
           const Index n = std::min<Index>(q_chunk, static_cast<Index>(lone.size() - x0));
           const Index* rows = lone.data() + x0;
           for (Index r = 0; r < n; ++r) {
-            std::copy_n(row_ptr<T>(q, b, h, rows[r]), d.E, qg + r * d.E);
-            std::copy_n(row_ptr<T>(dout, b, h, rows[r]), d.Ev, dog + r * d.Ev);
+            std::copy_n(row_ptr<KV>(q, b, h, rows[r]), d.E, qg + r * d.E);
+            std::copy_n(row_ptr<KV>(dout, b, h, rows[r]), d.Ev, dog + r * d.Ev);
           }
-          rows_chunk(n, qg, d.E, dog, d.Ev, [rows](Index r) { return rows[r]; }, [&](Index n) {
-            gemm<T>(false, false, n, d.E, cols, scale, ds, cols, kp, k.stride(2), T(0), dqg, d.E);
+          rows_chunk(n, qg, d.E, dog, d.Ev, [rows](Index r) { return rows[r]; }, [&](Index n, const KV* ds_op) {
+            product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kp, k.stride(2), T(0), dqg, d.E);
             for (Index r = 0; r < n; ++r) {
               auto& lock = locks[(b * d.H + h) * groups + rows[r] / LOCK_ROWS];
               T* dqr = dq.data_ptr<T>() + (row0 + rows[r]) * d.E;
@@ -1113,31 +1157,34 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       }
     }
   });
-  if (any_wide) wide_key_pass<T>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, scale, cap, kv_rows, q_chunk,
+  if (any_wide) wide_key_pass<T, KV>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, scale, cap, kv_rows, q_chunk,
                                  deterministic, wide);
   if (!deterministic) return;
   // dQ by query blocks, as the forward walks them (key_chunks; the wide rows apart, in gathered
   // groups): each block sums its keys' shares in one fixed order.
   struct Scratch {  // a thread's buffers
-    Tensor p_buf, ds_buf, q_buf, do_buf, dq_buf;
-    T *p, *ds, *qg, *dog, *dqg;
+    Tensor p_buf, ds_buf, dsk_buf, q_buf, do_buf, dq_buf;
+    T *p, *ds;
+    KV *dsk, *qg, *dog;
+    T* dqg;
     std::vector<Index> rg;
-    KeyScratch<T> keys;
+    KeyScratch<T, KV> keys;
     Scratch(Index rows, Index chunk, const Shape& d, Index K)
-        : p(scratch<T>(p_buf, rows * chunk)), ds(scratch<T>(ds_buf, rows * chunk)), qg(scratch<T>(q_buf, rows * d.E)),
-          dog(scratch<T>(do_buf, rows * d.Ev)), dqg(scratch<T>(dq_buf, rows * d.E)), rg(2 * K),
+        : p(scratch<T>(p_buf, rows * chunk)), ds(scratch<T>(ds_buf, rows * chunk)),
+          dsk(scratch<KV>(dsk_buf, rounds ? rows * chunk : 1)), qg(scratch<KV>(q_buf, rows * d.E)),
+          dog(scratch<KV>(do_buf, rows * d.Ev)), dqg(scratch<T>(dq_buf, rows * d.E)), rg(2 * K),
           keys(chunk, d.E, d.Ev) {}
   };
   // dQ of rows row(0..g-1) of (b, h) (a row(r) < 0 is left out), their queries and output gradients
   // at qp and dop (rows ldq, ldo apart), added to dqp (rows E apart).
-  const auto dq_rows = [&](Index b, Index h, const T* qp, Index ldq, const T* dop, Index ldo, Index g,
+  const auto dq_rows = [&](Index b, Index h, const KV* qp, Index ldq, const KV* dop, Index ldo, Index g,
                            const auto& row, T* dqp, Scratch& w) {
     const Index base = (b * d.H + h) * d.L;
     key_chunks<T>(R, R.set(b, h), g, row, kv_rows, q_chunk, k, v, bias, b, h, h / G, w.keys,
-                  [&](const T* kp, Index ldk, const T* vp, Index ldv, Index kc, const auto& visible,
+                  [&](const KV* kp, Index ldk, const KV* vp, Index ldv, Index kc, const auto& visible,
                       const auto& bias_of) {
-      gemm<T>(false, true, g, kc, d.E, T(1), qp, ldq, kp, ldk, T(0), w.p, kc);
-      gemm<T>(false, true, g, kc, d.Ev, T(1), dop, ldo, vp, ldv, T(0), w.ds, kc);
+      product<T, KV>(false, true, g, kc, d.E, T(1), qp, ldq, kp, ldk, T(0), w.p, kc);
+      product<T, KV>(false, true, g, kc, d.Ev, T(1), dop, ldo, vp, ldv, T(0), w.ds, kc);
       for (Index r = 0; r < g; ++r) {
         const Index i = row(r);
         const Index count = i < 0 ? 0 : visible(i, w.rg);  // (none: zeros, and the statistics are not read)
@@ -1146,7 +1193,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
         probabilities<T>(w.p + r * kc, w.ds + r * kc, kc, w.rg.data(), count, scale, br, cap, m_all[at], ll_all[at],
                          dl_all[at]);
       }
-      gemm<T>(false, false, g, d.E, kc, scale, w.ds, kc, kp, ldk, T(1), dqp, d.E);
+      product<T, KV>(false, false, g, d.E, kc, scale, operand<T, KV>(w.ds, g * kc, w.dsk), kc, kp, ldk, T(1), dqp,
+                     d.E);
     });
   };
   const Index q_blocks = (d.L + kv_rows - 1) / kv_rows;
@@ -1159,7 +1207,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       const Index i0 = blk * kv_rows, rows = std::min(kv_rows, d.L - i0);
       const auto& wide_set = wide_r[R.set(b, h)];
       const char* skip = wide_set.empty() ? nullptr : wide_set.data() + i0;
-      dq_rows(b, h, row_ptr<T>(q, b, h, i0), q.stride(2), row_ptr<T>(dout, b, h, i0), dout.stride(2), rows,
+      dq_rows(b, h, row_ptr<KV>(q, b, h, i0), q.stride(2), row_ptr<KV>(dout, b, h, i0), dout.stride(2), rows,
               [=](Index r) { return skip != nullptr && skip[r] ? Index(-1) : i0 + r; },
               dq.data_ptr<T>() + ((b * d.H + h) * d.L + i0) * d.E, w);
     }
@@ -1173,8 +1221,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       const Index b = row_groups[it][0] / d.H, h = row_groups[it][0] % d.H, g = row_groups[it][2];
       const Index* rows = listed[R.set(b, h)].data() + row_groups[it][1];
       for (Index r = 0; r < g; ++r) {
-        std::copy_n(row_ptr<T>(q, b, h, rows[r]), d.E, w.qg + r * d.E);
-        std::copy_n(row_ptr<T>(dout, b, h, rows[r]), d.Ev, w.dog + r * d.Ev);
+        std::copy_n(row_ptr<KV>(q, b, h, rows[r]), d.E, w.qg + r * d.E);
+        std::copy_n(row_ptr<KV>(dout, b, h, rows[r]), d.Ev, w.dog + r * d.Ev);
       }
       std::fill(w.dqg, w.dqg + g * d.E, T(0));
       dq_rows(b, h, w.qg, d.E, w.dog, d.Ev, g, [=](Index r) { return rows[r]; }, w.dqg, w);
@@ -1200,7 +1248,12 @@ constexpr Index MAX_BLOCK = Index(1) << 20;
 constexpr Index MAX_INT = std::numeric_limits<int>::max();
 
 std::string dtype_name(at::ScalarType t) {
-  return t == at::kFloat ? "float32" : t == at::kDouble ? "float64" : t == at::kLong ? "int64" : c10::toString(t);
+  return t == at::kFloat      ? "float32"
+         : t == at::kDouble   ? "float64"
+         : t == at::kLong     ? "int64"
+         : t == at::kBFloat16 ? "bfloat16"
+         : t == at::kHalf     ? "float16"
+                              : c10::toString(t);
 }
 
 std::string described(const Tensor& t) {
@@ -1351,16 +1404,20 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
                                   const Tensor& out, const Tensor& stats, const Tensor& starts, const Tensor& ends,
                                   const Tensor& bias, double scale, double softcap, Index kv_rows, Index q_chunk,
                                   bool deterministic, bool bias_grad) {
-  check_qkv(q, k, v);
+  // bfloat16 only through bfloat16 products (other half types are widened by the caller)
+  const bool bf16 = q.defined() && q.scalar_type() == at::kBFloat16 && bf16_products.load(std::memory_order_relaxed);
+  TORCH_CHECK(!q.defined() || !is_half(q) || bf16, "band kernel: the backward takes q in float32 or float64, or in "
+              "bfloat16 while bfloat16 products are on (set_bf16_products), got ", described(q));
+  check_qkv(q, k, v, bf16);
   const Index B = q.size(0), H = q.size(1), L = q.size(2);
-  // dout and out [B, H, Lq, Ev], stats the forward's [2, B, H, Lq], in q's dtype
+  // dout and out [B, H, Lq, Ev] in q's dtype, stats the forward's [2, B, H, Lq] in the compute type
   for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&dout, "dout"}, {&out, "out"}}) {
     check_tensor(*t, name, q.scalar_type(), 4, "[B, H, Lq, Ev] in q's dtype");
     TORCH_CHECK(t->sizes() == at::IntArrayRef({B, H, L, v.size(3)}), "band kernel: ", name,
                 " must be [B, H, Lq, Ev] = ", at::IntArrayRef({B, H, L, v.size(3)}), " (q's B, H, Lq and v's Ev), got ",
                 t->sizes());
   }
-  check_tensor(stats, "stats", q.scalar_type(), 4, "[2, B, H, Lq] in q's dtype");
+  check_tensor(stats, "stats", compute_type(q), 4, "[2, B, H, Lq] in q's dtype (float32 for bfloat16)");
   TORCH_CHECK(stats.sizes() == at::IntArrayRef({2, B, H, L}) && stats.is_contiguous(),
               "band kernel: stats must be the forward's contiguous [2, B, H, Lq] = ", at::IntArrayRef({2, B, H, L}),
               ", got ", stats.sizes(), stats.is_contiguous() ? "" : " (not contiguous)");
@@ -1378,17 +1435,28 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
   check_blas();
   // The bias gradient, per thread (no slots when none is wanted: a constant table, such as ALiBi's
   // fixed slopes, skips the pass over dS that sums it)
+  // (gradients summed in the compute type; under bfloat16 products stored as bfloat16 at the end, as q)
+  const auto sums = q.options().dtype(compute_type(q));
   Tensor dbias = at::zeros({bias.numel() > 0 && bias_grad ? at::get_num_threads() : 0, bias.size(0), bias.size(1)},
-                           q.options());
-  Tensor delta = at::empty({B, H, L}, q.options());
-  Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
-  Tensor dv = at::zeros(v.sizes(), v.options());
+                           sums);
+  Tensor delta = at::empty({B, H, L}, sums);
+  Tensor dq = at::zeros(q.sizes(), sums), dk = at::zeros(k.sizes(), sums), dv = at::zeros(v.sizes(), sums);
   const Rows R(starts, ends, B, H);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
-    row_dots<scalar_t>(dout, out, delta);
-    backward_impl<scalar_t>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, static_cast<scalar_t>(scale),
-                            static_cast<scalar_t>(softcap), kv_rows, q_chunk, deterministic);
-  });
+  if (bf16) {
+    row_dots<float, c10::BFloat16>(dout, out, delta);
+    backward_impl<float, c10::BFloat16>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias,
+                                        static_cast<float>(scale), static_cast<float>(softcap), kv_rows, q_chunk,
+                                        deterministic);
+    dq = dq.to(q.scalar_type());
+    dk = dk.to(q.scalar_type());
+    dv = dv.to(q.scalar_type());
+  } else {
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
+      row_dots<scalar_t>(dout, out, delta);
+      backward_impl<scalar_t>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, static_cast<scalar_t>(scale),
+                              static_cast<scalar_t>(softcap), kv_rows, q_chunk, deterministic);
+    });
+  }
   return {dq, dk, dv, dbias.size(0) > 0 ? dbias.sum(0) : at::zeros_like(bias)};
 }
 
@@ -1406,7 +1474,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &band_backward,
         "backward(dout, q, k, v, out, stats, starts, ends, bias, scale, softcap, kv_rows, q_chunk, deterministic, "
         "bias_grad) -> [dq, dk, dv, dbias] of banded attention. Checks what forward checks, and dout, out "
-        "[B, H, Lq, Ev] with rows the BLAS can read, stats the forward's contiguous [2, B, H, Lq], all in q's dtype; "
+        "[B, H, Lq, Ev] with rows the BLAS can read in q's dtype, stats the forward's contiguous [2, B, H, Lq] in the "
+        "compute type; q float32 or float64, or bfloat16 while bfloat16 products are on (then the four products "
+        "of the backward take bfloat16 operands, and gradients are summed in float32 and returned as bfloat16); "
         "kv_rows, q_chunk in [1, 2^20]");
   m.def("has_blas", &has_blas, "whether torch exposes the BLAS this module calls");
   m.def("has_bf16_gemm", &has_bf16_gemm, "whether torch exposes MKL's bfloat16 product (cblas_gemm_bf16bf16f32)");
@@ -1417,6 +1487,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     "which this torch does not export");
         bf16_products.store(on);
       },
-      "whether the forward computes bfloat16 inputs with bfloat16 products (process-wide)");
+      "whether the forward and the backward compute bfloat16 inputs with bfloat16 products (process-wide)");
   m.def("bf16_products", [] { return bf16_products.load(); }, "what set_bf16_products set (False at first)");
 }

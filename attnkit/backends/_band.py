@@ -31,14 +31,15 @@ Both operators check every argument before touching memory and name the one that
 ("What they check", above the operators below).
 
 bfloat16 inputs can go through bfloat16 products, where torch exports MKL's ``cblas_gemm_bf16bf16f32``
-(:func:`bf16_products`): the kernel reads q, k and v as they are stored, both products of a tile take
-bfloat16 operands into float32 sums, the softmax and the accumulator stay float32, and the weights are
-rounded to bfloat16 for the second product, as FlashAttention does on a GPU. That is for a CPU with
+(:func:`bf16_products`): the kernel reads q, k and v (and, in the backward, the output's gradient) as they
+are stored, and every product of a tile (two in the forward, five in the backward) takes bfloat16 operands
+into float32 sums; the softmax, the accumulator and the gradients' sums stay float32, and the weights (and
+in the backward dS) are rounded to bfloat16 for the products that take them, as FlashAttention does on a GPU. That is for a CPU with
 bfloat16 products (AVX512-BF16, AMX), which runs the products at their speed; elsewhere MKL widens the
 operands itself and the float32 products are faster (``attnkit bench dtypes`` times both). So they are
 on, once their own self-check passes, where the CPU's flags say it has them
 (:func:`attnkit._cpu.has_bf16_products`); ``ATTNKIT_BF16_PRODUCTS=1`` or ``0`` (read then) turns them on
-or off anyway, and so does :func:`set_bf16_products`. Without them a bfloat16 forward is exactly the
+or off anyway, and so does :func:`set_bf16_products`. Without them a bfloat16 call is exactly the
 float32 kernel on the same values, rounded once.
 """
 
@@ -372,9 +373,10 @@ def _rows(x: Tensor) -> Tensor:
 #   q, k and v with unit stride along the last dim and rows at least a row apart (what the BLAS reads in place; the
 #   operator makes them so, the module's forward refuses them otherwise). The module's own block sizes (q_rows,
 #   kv_chunk) must be in [1, 2^20].
-# - band_backward: all of that but q float32 or float64 only (:func:`_gradient` widens half types once), and
+# - band_backward: all of that but q float32, float64, or bfloat16 while bfloat16 products are on (:func:`_gradient`
+#   widens the other half types once), and
 #   dout and out ``[B, H, Lq, Ev]`` (q's B, H, Lq, v's Ev) with rows as q's, stats the forward's contiguous
-#   ``[2, B, H, Lq]``, all in q's dtype; kv_rows, q_chunk in [1, 2^20].
+#   ``[2, B, H, Lq]``, all in q's dtype (stats in the compute dtype); kv_rows, q_chunk in [1, 2^20].
 # Statistics are in the compute dtype (float32 for half q).
 # What is not checked: that each row's intervals are sorted and disjoint (the plan builds them
 # so; out of order they give wrong sums, never a read out of bounds).
@@ -439,7 +441,9 @@ def _gradient(ctx, dout, _dstats):
     q, k, v, out, stats, starts, ends, bias = ctx.saved_tensors
     bias_grad = ctx.needs_input_grad[5]  # a learned table; a constant one (fixed ALiBi slopes) skips the sum
     stored = q.dtype
-    if stored in HALF:  # the backward computes in float32 from tensors converted once; gradients stored as q
+    # bfloat16 under bfloat16 products goes as it is; other half types are computed in float32 from tensors
+    # converted once. Gradients are stored as q.
+    if stored in HALF and not (stored == torch.bfloat16 and _module().bf16_products()):
         dout, q, k, v, out = (t.to(stats.dtype) for t in (dout, q, k, v, out))
     dq, dk, dv, dbias = torch.ops.attnkit.band_backward(dout, q, k, v, out, stats, starts, ends, bias, ctx.scale,
                                                          ctx.softcap, torch.are_deterministic_algorithms_enabled(),
@@ -512,25 +516,33 @@ def _use_bf16_products(mod) -> None:
 
 
 def _bf16_self_check(mod) -> str | None:
-    """The forward with bfloat16 products against the formula in float64 on the same (bfloat16) values, on the
-    cases of :func:`_self_check` (windows, documents, several intervals per row, GQA, a bias, soft-capping, a
-    scale that is a power of two and one that is not): within 2^-5 of the values' largest magnitude, far above
-    the rounding of the weights and the output (about 2^-9 each) and far below a wrong product."""
+    """The forward and the backward with bfloat16 products against the formula in float64 on the same (bfloat16)
+    values, on the cases of :func:`_self_check` (windows, documents, several intervals per row, GQA, a bias,
+    soft-capping, a scale that is a power of two and one that is not, dQ under locks and from its own pass): each
+    result within 2^-5 of its largest magnitude (the values', for the output), far above the rounding of the
+    weights, dS and the results (about 2^-9 each) and far below a wrong product."""
     gen = torch.Generator().manual_seed(1)
     cases = (_window(70, 70, 5, 3), _window(50, 83, 200, 0), _documents((0, 17, 40, 41, 66), (0, 9, 9, 50, 61)),
              _scattered(75, 80), _window(150, 150, 70, 70))
     for n, (lq, lk, starts, ends) in enumerate(cases):
-        q, k, v = (torch.randn(*shape, generator=gen, device="cpu").to(torch.bfloat16)
-                   for shape in ((2, 4, lq, 16), (2, 2, lk, 16), (2, 2, lk, 24)))
+        q, k, v, dout = (torch.randn(*shape, generator=gen, device="cpu").to(torch.bfloat16)
+                         for shape in ((2, 4, lq, 16), (2, 2, lk, 16), (2, 2, lk, 24), (2, 4, lq, 24)))
         heads = (0, 4, 1)[n % 3]
         bias = torch.randn(heads, lq + lk - 1 if heads else 0, generator=gen, device="cpu")
         scale, softcap = (0.25, 0.3)[n % 2], 2.0 if n == 3 else 0.0
-        out = mod.forward(q, k, v, starts, ends, bias, scale, softcap, 16, 32)[0]
-        want = _formula(*(t.double() for t in (q, k, v)), torch.zeros(2, 4, lq, 24, dtype=torch.float64), starts,
-                        ends, bias.double(), scale, softcap)[0]
-        err = (out.double() - want).abs().max().item()
-        if not err <= 2 ** -5 * v.abs().max().item():
-            return f"out differs by {err:.3g} (Lq={lq}, Lk={lk}, intervals per row={starts.shape[-1]})"
+        out, stats = mod.forward(q, k, v, starts, ends, bias, scale, softcap, 16, 32)
+        grads = mod.backward(dout, q, k, v, out, stats, starts, ends, bias, scale, softcap, 16, 24, n % 2 == 0, True)
+        want_out, want_grads = _formula(*(t.double() for t in (q, k, v, dout)), starts, ends, bias.double(), scale,
+                                        softcap)
+        got = (out, *grads)
+        want = (want_out, *want_grads)
+        for name, g, w, size in zip(("out", "dq", "dk", "dv", "dbias"), got, want, (v, *want_grads), strict=True):
+            if not w.numel():  # no bias: no bias gradient
+                continue
+            err = (g.double() - w).abs().max().item()
+            if not err <= 2 ** -5 * size.double().abs().max().item():
+                return (f"{name} differs by {err:.3g} (Lq={lq}, Lk={lk}, intervals per row={starts.shape[-1]}, "
+                        f"deterministic={n % 2 == 0})")
     return None
 
 

@@ -99,14 +99,17 @@ def test_the_half_error_is_no_larger_than_sdpas_own_half_path(dtype, case, produ
 
 
 @pytest.mark.parametrize("case", ["window", "causal, GQA, Lq < Lk", "ALiBi"])
-@pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_half_gradients_come_back_in_the_inputs_dtype_within_the_table(dtype, case):
+@pytest.mark.parametrize(("dtype", "products"), [(torch.bfloat16, True), (torch.bfloat16, False),
+                                                 (torch.float16, False)],
+                         ids=["bf16 products", "bf16 in float32", "float16"])
+def test_half_gradients_come_back_in_the_inputs_dtype_within_the_table(dtype, case, products):
     shape, kw = CASES[case]
     b, h, hkv, lq, lk = shape
     q, k, v = (t.requires_grad_() for t in _inputs(shape, dtype, seed=2))
     dout = torch.randn(b, h, lq, 48, generator=torch.Generator().manual_seed(3)).to(dtype)
-    out = attnkit.attention(q, k, v, backend="band", **kw)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    with bf16_products(products):
+        out = attnkit.attention(q, k, v, backend="band", **kw)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
     # the formula in float64 on the same (rounded) inputs: the reference backend, which the grids hold to the oracle
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     want = attnkit.attention(q64, k64, v64, backend="reference", **kw)
@@ -116,16 +119,69 @@ def test_half_gradients_come_back_in_the_inputs_dtype_within_the_table(dtype, ca
         close(got, expected, dtype)
 
 
-def test_the_operator_takes_half_inputs_with_a_float32_bias_and_its_backward_refuses_them():
+#: The rows the backward walks in its own ways: key blocks with their runs of rows, lone rows gathered (a
+#: global token's), wide keys apart, and under deterministic algorithms dQ from its own pass over query blocks.
+GRAD_CASES = ["window", "causal, GQA, Lq < Lk", "documents", "global tokens (wide rows)"]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["dQ under locks", "dQ by query blocks"])
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_bf16_gradients_with_bf16_products_err_no_more_than_sdpas_bf16_backward(case, deterministic):
+    """The backward's products take bfloat16 operands (P and dS rounded, as FlashAttention does): each gradient's
+    error against the float64 formula on the same values is at most SDPA's own bfloat16 backward's (measured
+    0.4-1.0 of it, dQ's mostly equal: the final rounding), and the path is not the widened one."""
+    shape, kw = CASES[case]
+    b, h, hkv, lq, lk = shape
+    q, k, v = _inputs(shape, torch.bfloat16, seed=7)
+    dout = torch.randn(b, h, lq, 48, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    wants = torch.autograd.grad(attnkit.attention(q64, k64, v64, backend="reference", **kw), (q64, k64, v64),
+                                dout.double())
+
+    def grads(fn, products=False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            with bf16_products(products):
+                return torch.autograd.grad(fn(*leaves), leaves, dout)
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+    ours = grads(lambda a, c, e: attnkit.attention(a, c, e, backend="band", **kw), products=True)
+    widened = grads(lambda a, c, e: attnkit.attention(a, c, e, backend="band", **kw))
+    allowed = oracle.allowed_grid(b, h, lq, lk, is_causal=kw.get("is_causal", False), window=kw.get("window"),
+                                  mask_mod=kw.get("mask_mod"))
+    theirs = grads(lambda a, c, e: F.scaled_dot_product_attention(a, c.repeat_interleave(h // hkv, 1),
+                                                                  e.repeat_interleave(h // hkv, 1), attn_mask=allowed))
+    for name, got, sdpa, want in zip("qkv", ours, theirs, wants, strict=True):
+        assert got.dtype == torch.bfloat16
+        err, sdpa_err = ((x.double() - want).abs().max().item() for x in (got, sdpa))
+        assert err <= sdpa_err * 1.05, (name, err, sdpa_err)
+    assert not all(torch.equal(a, c) for a, c in zip(ours, widened, strict=True))
+
+
+def test_the_operator_takes_half_inputs_with_a_float32_bias_and_its_backward_only_bf16_under_bf16_products():
     q, k, v = _inputs((1, 2, 2, 20, 20), torch.bfloat16)
     starts, ends = _band._window(20, 20, 3, 3)[2:]
     with pytest.raises(RuntimeError, match=r"bias .*float32 for half types"):
         torch.ops.attnkit.band_forward(q, k, v, starts, ends, torch.zeros(2, 39, dtype=torch.bfloat16), 0.3, 0.0)
     out, stats = torch.ops.attnkit.band_forward(q, k, v, starts, ends, torch.zeros(2, 39), 0.3, 0.0)
     assert out.dtype == torch.bfloat16 and stats.dtype == torch.float32
-    with pytest.raises(RuntimeError, match="q must be float32 or float64, got"):
-        torch.ops.attnkit.band_backward(out, q, k, v, out, stats, starts, ends, torch.zeros(0, 0), 0.3, 0.0, False,
-                                        False)
+    no_bias = torch.zeros(0, 0)
+    with bf16_products(False), pytest.raises(RuntimeError, match=r"q in float32 or float64, or in bfloat16 while "
+                                                                  r"bfloat16 products are on .*got bfloat16"):
+        torch.ops.attnkit.band_backward(out, q, k, v, out, stats, starts, ends, no_bias, 0.3, 0.0, False, False)
+    with bf16_products(False), pytest.raises(RuntimeError, match="got float16"):
+        half = [t.half() for t in (out, q, k, v, out)]
+        torch.ops.attnkit.band_backward(*half, stats, starts, ends, no_bias, 0.3, 0.0, False, False)
+    if _band._bf16_ok:
+        with bf16_products(True):
+            with pytest.raises(RuntimeError, match=r"stats must be a dense float32"):
+                torch.ops.attnkit.band_backward(out, q, k, v, out, stats.bfloat16(), starts, ends, no_bias, 0.3, 0.0,
+                                                False, False)
+            grads = torch.ops.attnkit.band_backward(out, q, k, v, out, stats, starts, ends, no_bias, 0.3, 0.0, False,
+                                                    False)
+        assert [g.dtype for g in grads[:3]] == [torch.bfloat16] * 3
 
 
 def test_bf16_products_are_on_where_the_cpu_has_them_unless_asked_otherwise_and_the_switch_checks_its_argument():
