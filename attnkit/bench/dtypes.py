@@ -36,7 +36,8 @@ from ..backends import _band
 from ._util import interleaved_medians, markdown_table, matmul_gflops, median_time, progress, write_report
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HEADER = ["mask", "dtype", "attnkit backend", "attnkit ms", "SDPA ms", "SDPA / attnkit", "attnkit / own float32"]
+HEADER = ["mask", "dtype", "pass", "attnkit backend", "attnkit ms", "SDPA ms", "SDPA / attnkit",
+          "attnkit / own float32"]
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
 MODEL_HEADER = ["model", "n", "dtype", "attnkit backends", "attnkit ms", "SDPA ms", "SDPA / attnkit",
                 "max abs logit difference", "max abs logit"]
@@ -76,30 +77,10 @@ def run(quick: bool, out_dir: Path) -> str:
         rows = []
         for label, (ours, theirs) in cases.items():
             g = torch.Generator().manual_seed(0)
-            base = [torch.randn(1, heads, n, dim, generator=g) for _ in range(3)]
-            inputs = {name: [t.to(dtype) for t in base] for name, dtype in DTYPES.items()}
-            fns = {}
-            for name, (q, k, v) in inputs.items():  # every dtype and both sides in the same rounds
-                fns["attnkit", name] = lambda q=q, k=k, v=v, kw=ours: attnkit.attention(q, k, v, **kw)
-                mask = theirs.get("attn_mask")
-                kw = theirs if mask is None or mask.dtype == torch.bool else {"attn_mask": mask.to(q.dtype)}
-                fns["sdpa", name] = lambda q=q, k=k, v=v, kw=kw: F.scaled_dot_product_attention(q, k, v, **kw)
-            bf16 = inputs["bfloat16"]
-            other = f"bfloat16, {'float32' if products else 'bfloat16'} products"
-            switched = _band.available() and _band._bf16_ok and attnkit.which_backend(*bf16, **ours) == "band"
-            if switched:
-                fns["attnkit", other] = lambda kw=ours, x=bf16, on=not products: _switched(x, kw, on)
-            with torch.no_grad():
-                t = interleaved_medians(fns, repeat=repeat, alternate=True, clock=time.process_time)
-            names = [*inputs, *([other] if switched else [])]
-            for name in names:
-                q, k, v = inputs.get(name, bf16)
-                backend = "band" if name not in inputs else attnkit.which_backend(q, k, v, **ours)
-                sdpa = t.get(("sdpa", name))
-                row = [label, name, backend, t["attnkit", name] * 1e3, "-" if sdpa is None else sdpa * 1e3,
-                       "-" if sdpa is None else sdpa / t["attnkit", name], t["attnkit", name] / t["attnkit", "float32"]]
-                say("  ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in row))
-                rows.append(row)
+            base = [torch.randn(1, heads, n, dim, generator=g) for _ in range(4)]
+            for backward in (False, True):
+                rows += _case_rows(label, ours, theirs, base, backward, products, repeat if not backward else
+                                   max(3, repeat - 2), say)
         model_n = 1024 if quick else 8192
         model_repeat = 3 if quick else 5
         model = _mistral_prefill(model_n, model_repeat, say)
@@ -113,13 +94,54 @@ def run(quick: bool, out_dir: Path) -> str:
             + (f"{mkl:.1f} GFLOP/s ({mkl / peak['float32']:.2f} of float32)" if mkl else "not in this torch")
             + ". The banded kernel's bfloat16 products: " + ("on" if products else
                                                              f"off ({why_not})") + ".\n\n"
-            f"B=1, H={heads}, D={dim}, n = {n}, forward, one thread; CPU-time medians of {repeat} rounds, each "
+            f"B=1, H={heads}, D={dim}, n = {n}, forward (and forward and backward, with a fixed output gradient), "
+            f"one thread; CPU-time medians of {repeat} rounds ({max(3, repeat - 2)} with the backward), each "
             "round running every dtype on both sides (the order reversed every other round, so that a shared "
             "machine's load hits all alike). `attnkit / own float32` is each dtype's attnkit time over attnkit's "
             "float32 time for the same mask (below 1: half precision is faster).\n\n" + markdown_table(HEADER, rows)
             + "\n\n## A Mistral-style model's prefill in bfloat16\n\n" + _model_text(model, model_n, model_repeat))
     return write_report(out_dir, "dtypes", "Half precision on the CPU: float32, bfloat16, float16", body,
                         "attnkit bench dtypes" + (" --quick" if quick else ""))
+
+
+def _case_rows(label: str, ours: dict, theirs: dict, base: list, backward: bool, products: bool, repeat: int,
+               say: Callable[[str], None]) -> list[list]:
+    """One mask's rows: attnkit and SDPA in every dtype (and attnkit's bfloat16 with the other products setting
+    where the banded kernel serves it), forward alone or forward and backward, timed in the same rounds."""
+    inputs = {name: [t.to(dtype).requires_grad_(backward) for t in base[:3]] for name, dtype in DTYPES.items()}
+    douts = {name: base[3].to(dtype) for name, dtype in DTYPES.items()}
+
+    def timed(call, leaves, dout):
+        if not backward:
+            return call
+        return lambda: torch.autograd.grad(call(), leaves, dout)
+
+    fns = {}
+    for name, (q, k, v) in inputs.items():  # every dtype and both sides in the same rounds
+        fns["attnkit", name] = timed(lambda q=q, k=k, v=v: attnkit.attention(q, k, v, **ours), (q, k, v), douts[name])
+        mask = theirs.get("attn_mask")
+        kw = theirs if mask is None or mask.dtype == torch.bool else {"attn_mask": mask.to(q.dtype)}
+        fns["sdpa", name] = timed(lambda q=q, k=k, v=v, kw=kw: F.scaled_dot_product_attention(q, k, v, **kw),
+                                  (q, k, v), douts[name])
+    bf16 = inputs["bfloat16"]
+    other = f"bfloat16, {'float32' if products else 'bfloat16'} products"
+    switched = _band.available() and _band._bf16_ok and attnkit.which_backend(*bf16, **ours) == "band"
+    if switched:
+        fns["attnkit", other] = timed(lambda kw=ours, x=bf16, on=not products: _switched(x, kw, on), bf16,
+                                      douts["bfloat16"])
+    with torch.set_grad_enabled(backward):
+        t = interleaved_medians(fns, repeat=repeat, alternate=True, clock=time.process_time)
+    rows = []
+    for name in [*inputs, *([other] if switched else [])]:
+        q, k, v = inputs.get(name, bf16)
+        backend = "band" if name not in inputs else attnkit.which_backend(q, k, v, **ours)
+        sdpa = t.get(("sdpa", name))
+        row = [label, name, "forward and backward" if backward else "forward", backend, t["attnkit", name] * 1e3,
+               "-" if sdpa is None else sdpa * 1e3, "-" if sdpa is None else sdpa / t["attnkit", name],
+               t["attnkit", name] / t["attnkit", "float32"]]
+        say("  ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in row))
+        rows.append(row)
+    return rows
 
 
 def _mistral_prefill(n: int, repeat: int, say: Callable[[str], None]) -> list | str:
@@ -172,7 +194,8 @@ def _model_text(model: list | str, n: int, repeat: int) -> str:
 
 
 def _switched(inputs, kw, on: bool):
-    """The banded kernel on bfloat16 inputs with its bfloat16 products ``on`` (or off), then as they were."""
+    """The banded kernel on bfloat16 inputs with its bfloat16 products ``on`` (or off), then as they were (the
+    backward reads the setting when it runs: a timed backward runs it inside)."""
     with _band.bf16_products_set(on):
         return attnkit.attention(*inputs, backend="band", **kw)
 
