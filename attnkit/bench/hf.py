@@ -2,10 +2,12 @@
 and "eager", random weights from configs built in code (no download).
 
 The question it answers: how much of a model's prefill (and forward+backward) does attnkit's
-attention change, end to end, for a Mistral-style model (sliding window 512) and a Gemma 2-style
+attention change, end to end, for a Mistral-style model (sliding window 512), a Gemma 2-style
 model (soft-capping, alternating local/global layers; transformers 5.24 refuses "sdpa" for Gemma2Model, so
-eager is its anchor)? Targets: Mistral >= 2x sdpa, Gemma 2 >= 1.5x
-eager and sdpa, at n = 8192 (forward+backward at 4096).
+eager is its anchor) and a T5-style encoder (a learned relative position bias per head, which the model hands
+every layer as a dense ``[1, H, n, n]`` tensor: attnkit reads it as one bias per diagonal, sdpa takes it as a
+float mask)? Targets: Mistral >= 2x sdpa, Gemma 2 >= 1.5x eager and sdpa, at n = 8192 (forward+backward at
+4096).
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ def _gemma2(layers: int):
         num_attention_heads=16, num_key_value_heads=4, head_dim=64, sliding_window=512,
         attn_logit_softcapping=50.0, max_position_embeddings=16384)
     return transformers.Gemma2Model(config)
+
+
+def _t5_encoder(layers: int):
+    import transformers
+    config = transformers.T5Config(
+        vocab_size=1000, d_model=512, d_kv=64, d_ff=1024, num_layers=layers, num_heads=8,
+        relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.0)
+    return transformers.T5EncoderModel(config)
 
 
 def _forward(model, impl, ids, backward=False):
@@ -91,7 +101,8 @@ def run(quick: bool, out_dir: Path) -> str:
     rows = []
     cases = [("Mistral", _mistral, "prefill", n_fwd, ["attnkit", "sdpa"]),
              ("Mistral", _mistral, "fwd+bwd", n_bwd, ["attnkit", "sdpa"]),
-             ("Gemma 2", _gemma2, "prefill", n_fwd, ["attnkit", "eager"])]
+             ("Gemma 2", _gemma2, "prefill", n_fwd, ["attnkit", "eager"]),
+             ("T5 encoder", _t5_encoder, "prefill", n_bwd, ["attnkit", "sdpa", "eager"])]
     for name, build, kind, n, impls in cases:
         model = build(layers).eval()
         ids = torch.randint(0, 1000, (1, n))

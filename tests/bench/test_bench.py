@@ -85,3 +85,26 @@ def test_the_dtypes_suites_mistral_row_runs_both_implementations_and_compares_th
     assert 0 < scale and diff <= tol["atol"] + tol["rtol"] * scale
     text = dtypes._model_text(row, 48, 1)
     assert "n = 48 tokens" in text and "| Mistral-style, window 16 | 48 | bfloat16 | band |" in text
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward and backward"])
+def test_the_dtypes_suites_rows_time_attnkit_and_sdpa_in_every_dtype(backward):
+    """`bench dtypes`' rows for one mask on a tiny size: every dtype on both sides, the pass named, attnkit's
+    backend named, each time positive and the last column each dtype's time over attnkit's float32 time."""
+    import torch
+
+    from attnkit.backends import _band
+    from attnkit.bench import dtypes
+
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(1, 2, 64, 16, generator=g) for _ in range(4)]
+    i = torch.arange(64)
+    said = []
+    rows = dtypes._case_rows("window +-8", {"window": (8, 8)}, {"attn_mask": (i[:, None] - i).abs() <= 8}, base,
+                             backward, _band.bf16_products(), 1, said.append)
+    assert [r[1] for r in rows[:3]] == ["float32", "bfloat16", "float16"] and len(said) == len(rows)
+    for label, _, pass_, backend, ours, theirs, ratio, _own in rows:
+        assert label == "window +-8" and pass_ == ("forward and backward" if backward else "forward")
+        assert backend == ("band" if _band.available() else backend) and ours > 0
+        assert theirs == "-" or ratio == pytest.approx(theirs / ours)
+    assert rows[0][-1] == 1 and all(r[-1] == pytest.approx(r[4] / rows[0][4]) for r in rows)
