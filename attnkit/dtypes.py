@@ -4,10 +4,11 @@ Half-precision inputs (``float16``, ``bfloat16``) are computed in float32 by the
 (scores, softmax and the weighted sum), and the result is cast back to the input's dtype; float32
 and float64 compute in their own dtype. One rule, here, so that the reference, band, tiles and ring
 paths round the same way and can be compared with one tolerance table. The one exception is the
-banded kernel's bfloat16 forward and backward where it uses bfloat16 products (a CPU that has them, or
-asked for): every product takes bfloat16 operands (exact products, float32 sums; the weights, and in the
-backward dS, rounded to bfloat16 for the products that take them), while the softmax, its statistics and
-every sum of the output and the gradients stay float32; see :mod:`attnkit.backends._band`.
+banded kernel's forward and backward where it uses products of the half type (bfloat16 or float16, on a
+CPU that multiplies that type natively, or asked for): every product takes operands of that type (exact
+products, float32 sums; the weights, and in the backward dS, rounded to that type for the products that
+take them), while the softmax, its statistics and every sum of the output and the gradients stay float32;
+see :mod:`attnkit.backends._band`.
 """
 
 from __future__ import annotations

@@ -75,6 +75,9 @@ void dgemm_(const char*, const char*, const int*, const int*, const int*, const 
 // the LP64 interface torch links): every product exact in float32, sums in float32.
 void cblas_gemm_bf16bf16f32(int, int, int, int, int, int, float, const c10::BFloat16*, int, const c10::BFloat16*, int,
                             float, float*, int) __attribute__((weak));
+// The same for float16 operands (each product of two float16 numbers is exact in float32 too).
+void cblas_gemm_f16f16f32(int, int, int, int, int, int, float, const c10::Half*, int, const c10::Half*, int, float,
+                          float*, int) __attribute__((weak));
 }
 
 namespace {
@@ -125,32 +128,45 @@ void gemm(bool ta, bool tb, Index m, Index n, Index k, T alpha, const T* a, Inde
   }
 }
 
-// bfloat16 products (see "bfloat16 products" at forward_impl): whether torch exports MKL's bf16 product, and
-// whether the forward uses it for bfloat16 inputs (set by the Python side once its self-check passed).
+// Half products (see "half products" at forward_impl): whether torch exports MKL's bfloat16 and float16 products,
+// and whether the kernel uses them for inputs of that type (each set by the Python side once its self-check passed).
 bool has_bf16_gemm() { return cblas_gemm_bf16bf16f32 != nullptr; }
+bool has_f16_gemm() { return cblas_gemm_f16f16f32 != nullptr; }
 std::atomic<bool> bf16_products{false};
+std::atomic<bool> f16_products{false};
 
-// Row-major C[m x n] (float) = alpha * op(A)[m x k] * op(B)[k x n] + beta * C, A and B bfloat16; ta/tb: the
-// operand is stored transposed.
-void gemm_bf16(bool ta, bool tb, Index m, Index n, Index k, float alpha, const c10::BFloat16* a, Index lda,
-               const c10::BFloat16* b, Index ldb, float beta, float* c, Index ldc) {
+// Whether t's type is a half type whose products are on: the kernel then computes it with them.
+bool with_half_products(const Tensor& t) {
+  return t.defined() && ((t.scalar_type() == at::kBFloat16 && bf16_products.load(std::memory_order_relaxed)) ||
+                         (t.scalar_type() == at::kHalf && f16_products.load(std::memory_order_relaxed)));
+}
+
+// Row-major C[m x n] (float) = alpha * op(A)[m x k] * op(B)[k x n] + beta * C, A and B of half type H (MKL's
+// product for it); ta/tb: the operand is stored transposed.
+template <typename H>
+void gemm_half(bool ta, bool tb, Index m, Index n, Index k, float alpha, const H* a, Index lda, const H* b, Index ldb,
+               float beta, float* c, Index ldc) {
   constexpr int row_major = 101, no_trans = 111, trans = 112;
-  cblas_gemm_bf16bf16f32(row_major, ta ? trans : no_trans, tb ? trans : no_trans, static_cast<int>(m),
-                         static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b,
-                         static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+  const int opa = ta ? trans : no_trans, opb = tb ? trans : no_trans, M = static_cast<int>(m), N = static_cast<int>(n),
+            K = static_cast<int>(k), la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
+  if constexpr (std::is_same_v<H, c10::BFloat16>) {
+    cblas_gemm_bf16bf16f32(row_major, opa, opb, M, N, K, alpha, a, la, b, lb, beta, c, lc);
+  } else {
+    cblas_gemm_f16f16f32(row_major, opa, opb, M, N, K, alpha, a, la, b, lb, beta, c, lc);
+  }
 }
 
 // The kernel's one product: C (T) = alpha * op(A) * op(B) + beta * C with A and B stored as KV, through gemm
-// when KV is T, and through MKL's bfloat16 product (T float) when KV is bfloat16.
+// when KV is T, and through MKL's half product (T float) when KV is bfloat16 or float16.
 template <typename T, typename KV>
 inline void product(bool ta, bool tb, Index m, Index n, Index k, T alpha, const KV* a, Index lda, const KV* b,
                     Index ldb, T beta, T* c, Index ldc) {
-  if constexpr (std::is_same_v<KV, c10::BFloat16>) {
-    static_assert(std::is_same_v<T, float>, "bfloat16 products sum in float32");
-    gemm_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  } else {
-    static_assert(std::is_same_v<KV, T>, "products of one type, or bfloat16 into float32");
+  if constexpr (std::is_same_v<KV, T>) {
     gemm<T>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else {
+    static_assert(std::is_same_v<T, float> && (std::is_same_v<KV, c10::BFloat16> || std::is_same_v<KV, c10::Half>),
+                  "products of one type, or of a half type into float32");
+    gemm_half<KV>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 }
 
@@ -688,16 +704,16 @@ std::vector<std::array<Index, 3>> wide_row_groups(const Rows& R, Index B, Index 
   return groups;
 }
 
-// bfloat16 products (KV = c10::BFloat16, with T = float and Store = bfloat16): q, k and v are read as they are
-// stored, the two products of a chunk take bfloat16 operands into float32 (gemm_bf16: each product exact,
-// sums in float32), and the weights p are rounded to bfloat16 for p v, as FlashAttention does on a GPU; the
+// Half products (KV = Store = c10::BFloat16 or c10::Half, with T = float): q, k and v are read as they are
+// stored, the two products of a chunk take half operands into float32 (gemm_half: each product exact, sums
+// in float32), and the weights p are rounded to the half type for p v, as FlashAttention does on a GPU; the
 // softmax, its running maximum and sum and the accumulator stay float32. No float copy of k and v is made,
-// and a CPU with bfloat16 products runs both products at their speed.
+// and a CPU with products of that type runs both products at their speed.
 template <typename T, typename Store = T, typename KV = T>
 void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& stats, const Rows& R,
                   const Tensor& bias, T scale, T cap, Index q_rows, Index kv_chunk) {
-  constexpr bool bf16 = std::is_same_v<KV, c10::BFloat16>;
-  static_assert(!bf16 || (std::is_same_v<T, float> && std::is_same_v<Store, KV>), "bf16 products: float, bf16");
+  constexpr bool halves = !std::is_same_v<KV, T>;  // half products
+  static_assert(!halves || (std::is_same_v<T, float> && std::is_same_v<Store, KV>), "half products: float, half");
   const Shape d(q, k, v);
   const bool biased = bias.numel() > 0;
   const Index blocks = (d.L + q_rows - 1) / q_rows, G = d.groups(), K = R.K;
@@ -714,7 +730,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   constexpr bool converted = !std::is_same_v<Store, T>;  // half types: read and written a tile at a time
   // A query row copied for a block (scaled: see above); tmp: a row of E in T.
   const auto take_query = [&](const Store* from, KV* to, T* tmp) {
-    if constexpr (bf16) {  // scaled by a power of two in float, exactly, and stored back as bfloat16
+    if constexpr (halves) {  // scaled by a power of two in float, exactly, and stored back in the half type
       if (prescale) {
         load_row<T, Store>(from, tmp, d.E);
         at::vec::map([=](Vec x) { return x * Vec(scale); }, tmp, tmp, d.E);
@@ -745,8 +761,8 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     Scratch(Index rows, Index chunk, const Shape& d, Index K)
         : s(scratch<T>(s_buf, rows * chunk)), acc(scratch<T>(acc_buf, rows * d.Ev)),
           qg(scratch<KV>(q_buf, rows * d.E)),
-          pb(scratch<KV>(p_buf, std::is_same_v<KV, c10::BFloat16> ? rows * chunk : 1)), o(d.Ev),
-          qrow(std::is_same_v<KV, c10::BFloat16> ? d.E : 0), m(rows), l(rows), bad(rows), rg(2 * K),
+          pb(scratch<KV>(p_buf, halves ? rows * chunk : 1)), o(d.Ev), qrow(halves ? d.E : 0), m(rows), l(rows),
+          bad(rows), rg(2 * K),
           keys(chunk, d.E, d.Ev) {}
   };
   // Rows row(0..g-1) of (b, h), their queries at qp + r * lda (a row(r) < 0 is left out): scores in
@@ -816,7 +832,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       const Store* qs = row_ptr<Store>(q, b, h, i0);
       const KV* qp = reinterpret_cast<const KV*>(qs);  // read in place unless converted or prescaled
       Index lda = q.stride(2);
-      if (prescale || (converted && !bf16)) {
+      if (prescale || (converted && !halves)) {
         for (Index r = 0; r < rows; ++r) take_query(qs + r * lda, w.qg + r * d.E, w.qrow.data());
         qp = w.qg;
         lda = d.E;
@@ -1045,11 +1061,11 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   });
 }
 
-// bfloat16 products (KV = c10::BFloat16, T = float), as in the forward: q, k, v and dout are read as they are
-// stored, and each of the four products of a tile (S = q k^T, dP = dout v^T, dV += P^T dout, dK += dS^T q, and
-// dQ += dS k) takes bfloat16 operands into float32 sums; P and dS are rounded to bfloat16 for the products
-// that take them (as FlashAttention does on a GPU), while the probabilities, dS itself and the sums of dQ, dK,
-// dV and the bias gradient stay float32.
+// Half products (KV = c10::BFloat16 or c10::Half, T = float), as in the forward: q, k, v and dout are read as
+// they are stored, and each of the five products of a tile (S = q k^T, dP = dout v^T, dV += P^T dout,
+// dK += dS^T q, and dQ += dS k) takes half operands into float32 sums; P and dS are rounded to the half type
+// for the products that take them (as FlashAttention does on a GPU), while the probabilities, dS itself and
+// the sums of dQ, dK, dV and the bias gradient stay float32.
 template <typename T, typename KV = T>
 void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
                    const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Rows& R, const Tensor& bias,
@@ -1380,9 +1396,12 @@ std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor&
   check_blas();
   const Rows R(starts, ends, q.size(0), q.size(1));
   if (is_half(q)) {  // keys and values in float once (see load_row); queries and outputs a row at a time
-    if (q.scalar_type() == at::kBFloat16 && bf16_products.load(std::memory_order_relaxed)) {
+    if (with_half_products(q) && q.scalar_type() == at::kBFloat16) {
       forward_impl<float, c10::BFloat16, c10::BFloat16>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
                                                         static_cast<float>(softcap), q_rows, kv_chunk);
+    } else if (with_half_products(q)) {
+      forward_impl<float, c10::Half, c10::Half>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
+                                                static_cast<float>(softcap), q_rows, kv_chunk);
     } else if (q.scalar_type() == at::kBFloat16) {
       forward_impl<float, c10::BFloat16>(q, to_float<c10::BFloat16>(k), to_float<c10::BFloat16>(v), out, stats, R,
                                          bias, static_cast<float>(scale), static_cast<float>(softcap), q_rows,
@@ -1404,11 +1423,12 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
                                   const Tensor& out, const Tensor& stats, const Tensor& starts, const Tensor& ends,
                                   const Tensor& bias, double scale, double softcap, Index kv_rows, Index q_chunk,
                                   bool deterministic, bool bias_grad) {
-  // bfloat16 only through bfloat16 products (other half types are widened by the caller)
-  const bool bf16 = q.defined() && q.scalar_type() == at::kBFloat16 && bf16_products.load(std::memory_order_relaxed);
-  TORCH_CHECK(!q.defined() || !is_half(q) || bf16, "band kernel: the backward takes q in float32 or float64, or in "
-              "bfloat16 while bfloat16 products are on (set_bf16_products), got ", described(q));
-  check_qkv(q, k, v, bf16);
+  // a half type only through its products (without them the caller widens it)
+  const bool halves = with_half_products(q);
+  TORCH_CHECK(!q.defined() || !is_half(q) || halves, "band kernel: the backward takes q in float32 or float64, or in "
+              "bfloat16 or float16 while that type's products are on (set_bf16_products, set_f16_products), got ",
+              described(q));
+  check_qkv(q, k, v, halves);
   const Index B = q.size(0), H = q.size(1), L = q.size(2);
   // dout and out [B, H, Lq, Ev] in q's dtype, stats the forward's [2, B, H, Lq] in the compute type
   for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&dout, "dout"}, {&out, "out"}}) {
@@ -1417,7 +1437,7 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
                 " must be [B, H, Lq, Ev] = ", at::IntArrayRef({B, H, L, v.size(3)}), " (q's B, H, Lq and v's Ev), got ",
                 t->sizes());
   }
-  check_tensor(stats, "stats", compute_type(q), 4, "[2, B, H, Lq] in q's dtype (float32 for bfloat16)");
+  check_tensor(stats, "stats", compute_type(q), 4, "[2, B, H, Lq] in q's dtype (float32 for the half types)");
   TORCH_CHECK(stats.sizes() == at::IntArrayRef({2, B, H, L}) && stats.is_contiguous(),
               "band kernel: stats must be the forward's contiguous [2, B, H, Lq] = ", at::IntArrayRef({2, B, H, L}),
               ", got ", stats.sizes(), stats.is_contiguous() ? "" : " (not contiguous)");
@@ -1435,18 +1455,24 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
   check_blas();
   // The bias gradient, per thread (no slots when none is wanted: a constant table, such as ALiBi's
   // fixed slopes, skips the pass over dS that sums it)
-  // (gradients summed in the compute type; under bfloat16 products stored as bfloat16 at the end, as q)
+  // (gradients summed in the compute type; under half products stored in q's type at the end)
   const auto sums = q.options().dtype(compute_type(q));
   Tensor dbias = at::zeros({bias.numel() > 0 && bias_grad ? at::get_num_threads() : 0, bias.size(0), bias.size(1)},
                            sums);
   Tensor delta = at::empty({B, H, L}, sums);
   Tensor dq = at::zeros(q.sizes(), sums), dk = at::zeros(k.sizes(), sums), dv = at::zeros(v.sizes(), sums);
   const Rows R(starts, ends, B, H);
-  if (bf16) {
+  if (halves && q.scalar_type() == at::kBFloat16) {
     row_dots<float, c10::BFloat16>(dout, out, delta);
     backward_impl<float, c10::BFloat16>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias,
                                         static_cast<float>(scale), static_cast<float>(softcap), kv_rows, q_chunk,
                                         deterministic);
+  } else if (halves) {
+    row_dots<float, c10::Half>(dout, out, delta);
+    backward_impl<float, c10::Half>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, static_cast<float>(scale),
+                                    static_cast<float>(softcap), kv_rows, q_chunk, deterministic);
+  }
+  if (halves) {
     dq = dq.to(q.scalar_type());
     dk = dk.to(q.scalar_type());
     dv = dv.to(q.scalar_type());
@@ -1475,11 +1501,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "backward(dout, q, k, v, out, stats, starts, ends, bias, scale, softcap, kv_rows, q_chunk, deterministic, "
         "bias_grad) -> [dq, dk, dv, dbias] of banded attention. Checks what forward checks, and dout, out "
         "[B, H, Lq, Ev] with rows the BLAS can read in q's dtype, stats the forward's contiguous [2, B, H, Lq] in the "
-        "compute type; q float32 or float64, or bfloat16 while bfloat16 products are on (then the four products "
-        "of the backward take bfloat16 operands, and gradients are summed in float32 and returned as bfloat16); "
-        "kv_rows, q_chunk in [1, 2^20]");
+        "compute type; q float32 or float64, or bfloat16 or float16 while that type's products are on (then the "
+        "five products of the backward take operands of that type, and gradients are summed in float32 and "
+        "returned in q's type); kv_rows, q_chunk in [1, 2^20]");
   m.def("has_blas", &has_blas, "whether torch exposes the BLAS this module calls");
   m.def("has_bf16_gemm", &has_bf16_gemm, "whether torch exposes MKL's bfloat16 product (cblas_gemm_bf16bf16f32)");
+  m.def("has_f16_gemm", &has_f16_gemm, "whether torch exposes MKL's float16 product (cblas_gemm_f16f16f32)");
   m.def(
       "set_bf16_products",
       [](bool on) {
@@ -1488,5 +1515,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         bf16_products.store(on);
       },
       "whether the forward and the backward compute bfloat16 inputs with bfloat16 products (process-wide)");
+  m.def(
+      "set_f16_products",
+      [](bool on) {
+        TORCH_CHECK(!on || has_f16_gemm(), "band kernel: float16 products need MKL's cblas_gemm_f16f16f32, "
+                    "which this torch does not export");
+        f16_products.store(on);
+      },
+      "whether the forward and the backward compute float16 inputs with float16 products (process-wide)");
   m.def("bf16_products", [] { return bf16_products.load(); }, "what set_bf16_products set (False at first)");
+  m.def("f16_products", [] { return f16_products.load(); }, "what set_f16_products set (False at first)");
 }

@@ -30,17 +30,19 @@ their first call together wait for that one load and all get the module (or the 
 Both operators check every argument before touching memory and name the one that does not fit
 ("What they check", above the operators below).
 
-bfloat16 inputs can go through bfloat16 products, where torch exports MKL's ``cblas_gemm_bf16bf16f32``
-(:func:`bf16_products`): the kernel reads q, k and v (and, in the backward, the output's gradient) as they
-are stored, and every product of a tile (two in the forward, five in the backward) takes bfloat16 operands
-into float32 sums; the softmax, the accumulator and the gradients' sums stay float32, and the weights (and
-in the backward dS) are rounded to bfloat16 for the products that take them, as FlashAttention does on a GPU. That is for a CPU with
-bfloat16 products (AVX512-BF16, AMX), which runs the products at their speed; elsewhere MKL widens the
-operands itself and the float32 products are faster (``attnkit bench dtypes`` times both). So they are
-on, once their own self-check passes, where the CPU's flags say it has them
-(:func:`attnkit._cpu.has_bf16_products`); ``ATTNKIT_BF16_PRODUCTS=1`` or ``0`` (read then) turns them on
-or off anyway, and so does :func:`set_bf16_products`. Without them a bfloat16 call is exactly the
-float32 kernel on the same values, rounded once.
+bfloat16 and float16 inputs can go through products of their own type, where torch exports MKL's
+``cblas_gemm_bf16bf16f32`` and ``cblas_gemm_f16f16f32`` (:func:`half_products`): the kernel reads q, k and v
+(and, in the backward, the output's gradient) as they are stored, and every product of a tile (two in the
+forward, five in the backward) takes half operands into float32 sums (a product of two such numbers is
+exact in float32); the softmax, the accumulator and the gradients' sums stay float32, and the weights (and
+in the backward dS) are rounded to the half type for the products that take them, as FlashAttention does
+on a GPU. That is for a CPU that multiplies the type natively (AVX512-BF16 or AMX-BF16; AVX512-FP16 or
+AMX-FP16), which runs the products at their speed; elsewhere MKL widens the operands itself and the float32
+products are faster (``attnkit bench dtypes`` times both). So each type's products are on, once their own
+self-check passes, where the CPU's flags say it has them (:mod:`attnkit._cpu`); ``ATTNKIT_BF16_PRODUCTS``
+and ``ATTNKIT_FP16_PRODUCTS`` (``1`` or ``0``, read then) turn them on or off anyway, and so does
+:func:`set_half_products`. Without them a half-precision call is exactly the float32 kernel on the same
+values, rounded once.
 """
 
 from __future__ import annotations
@@ -80,8 +82,13 @@ _ISA_FLAGS = {
 }
 _reason: str | None = None
 _reports = False  # reports_nonfinite(): set once by _checked()
-_bf16_ok = False  # bfloat16 products exist and passed their self-check (set once by _checked())
-_bf16_reason: str | None = None  # why bf16_products() is False, once _checked() ran
+#: Per half type, how its products are named: the compiled module's tag (``set_<tag>_products``,
+#: ``<tag>_products``, ``has_<tag>_gemm``), the environment variable that forces them on or off, whether the CPU
+#: multiplies that type natively, and the flags that say so.
+_HALF_PRODUCTS = {torch.bfloat16: ("bf16", "ATTNKIT_BF16_PRODUCTS", _cpu.has_bf16_products, "AVX512-BF16 or AMX-BF16"),
+                  torch.float16: ("f16", "ATTNKIT_FP16_PRODUCTS", _cpu.has_fp16_products, "AVX512-FP16 or AMX-FP16")}
+_products_ok: dict[torch.dtype, bool] = {}  # a half type's products exist and passed their self-check (_checked())
+_products_reason: dict[torch.dtype, str | None] = {}  # why half_products(dtype) is False, once _checked() ran
 
 
 class BandInputs(NamedTuple):
@@ -122,53 +129,85 @@ def reports_nonfinite() -> bool:
     return available() and _reports
 
 
-def bf16_products() -> bool:
-    """Whether the kernel computes bfloat16 inputs with bfloat16 products (see the module docstring):
-    torch exports MKL's bfloat16 product, the self-check of that path passed, and the CPU has bfloat16
-    products or ``ATTNKIT_BF16_PRODUCTS=1`` asked for them, unless ``ATTNKIT_BF16_PRODUCTS=0`` or
-    :func:`set_bf16_products` turned them off. Why not: :func:`bf16_products_reason`."""
-    return available() and _module().bf16_products()
+def half_products(dtype: torch.dtype) -> bool:
+    """Whether the kernel computes ``dtype`` (bfloat16 or float16) inputs with products of that type (see the
+    module docstring): torch exports MKL's product for it, the self-check of that path passed, and the CPU
+    multiplies that type natively or ``ATTNKIT_BF16_PRODUCTS=1`` (``ATTNKIT_FP16_PRODUCTS=1``) asked for them,
+    unless that variable is ``0`` or :func:`set_half_products` turned them off. Why not:
+    :func:`half_products_reason`."""
+    tag = _tag(dtype)
+    return available() and getattr(_module(), f"{tag}_products")()
 
 
-def bf16_products_reason() -> str | None:
-    """Why :func:`bf16_products` is False (None when it is True, or before the kernel was loaded)."""
-    if available() and _module().bf16_products():
+def half_products_reason(dtype: torch.dtype) -> str | None:
+    """Why :func:`half_products` is False for ``dtype`` (None when it is True, or before the kernel was loaded)."""
+    if half_products(dtype):
         return None
-    return _bf16_reason if available() else _reason
+    return _products_reason.get(dtype) if available() else _reason
 
 
-def set_bf16_products(on: bool) -> None:
-    """Turn bfloat16 products on or off for every later call in this process (off: a bfloat16 forward is the
+def set_half_products(dtype: torch.dtype, on: bool) -> None:
+    """Turn ``dtype``'s products on or off for every later call in this process (off: such a call is the
     float32 kernel's, rounded once). Turning them on needs them to have passed the self-check.
 
     Raises:
-        TypeError: ``on`` is not a bool.
-        ValueError: on, where :func:`bf16_products` could not be (the reason is in the message).
+        TypeError: ``dtype`` is not bfloat16 or float16, or ``on`` is not a bool.
+        ValueError: on, where :func:`half_products` could not be (the reason is in the message).
     """
+    tag = _tag(dtype)
     if not isinstance(on, bool):
         raise TypeError(f"on must be a bool, got {type(on).__name__}")
-    global _bf16_reason
     mod = _checked()
-    if on and not _bf16_ok:
-        raise ValueError(f"bfloat16 products are not available here: {bf16_products_reason()}")
+    if on and not _products_ok.get(dtype):
+        raise ValueError(f"{dtype_name(dtype)} products are not available here: {half_products_reason(dtype)}")
     if mod is not None:
-        mod.set_bf16_products(on)
-        if _bf16_ok:
-            _bf16_reason = None if on else "turned off by set_bf16_products(False)"
+        getattr(mod, f"set_{tag}_products")(on)
+        if _products_ok.get(dtype):
+            _products_reason[dtype] = None if on else f"turned off by set_half_products({dtype_name(dtype)}, False)"
 
 
 @contextlib.contextmanager
-def bf16_products_set(on: bool) -> Iterator[None]:
-    """:func:`set_bf16_products` for the block, then the products as they were, and the reason for them
+def half_products_set(dtype: torch.dtype, on: bool) -> Iterator[None]:
+    """:func:`set_half_products` for the block, then the products as they were, and the reason for them
     (to compare the two settings in one process; process-wide, like the switch itself)."""
-    global _bf16_reason
-    before, reason = bf16_products(), _bf16_reason
-    set_bf16_products(on)
+    before, reason = half_products(dtype), _products_reason.get(dtype)
+    set_half_products(dtype, on)
     try:
         yield
     finally:
-        set_bf16_products(before)
-        _bf16_reason = reason
+        set_half_products(dtype, before)
+        _products_reason[dtype] = reason
+
+
+def bf16_products() -> bool:
+    """:func:`half_products` for bfloat16."""
+    return half_products(torch.bfloat16)
+
+
+def bf16_products_reason() -> str | None:
+    """:func:`half_products_reason` for bfloat16."""
+    return half_products_reason(torch.bfloat16)
+
+
+def set_bf16_products(on: bool) -> None:
+    """:func:`set_half_products` for bfloat16."""
+    set_half_products(torch.bfloat16, on)
+
+
+def bf16_products_set(on: bool) -> contextlib.AbstractContextManager[None]:
+    """:func:`half_products_set` for bfloat16."""
+    return half_products_set(torch.bfloat16, on)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _tag(dtype: torch.dtype) -> str:
+    if dtype not in _HALF_PRODUCTS:
+        raise TypeError(f"dtype must be torch.bfloat16 or torch.float16 (the half types with products), got {dtype!r}")
+    return _HALF_PRODUCTS[dtype][0]
 
 
 def attention_if_finite(req: Call, inputs: BandInputs) -> Tensor | None:
@@ -373,8 +412,8 @@ def _rows(x: Tensor) -> Tensor:
 #   q, k and v with unit stride along the last dim and rows at least a row apart (what the BLAS reads in place; the
 #   operator makes them so, the module's forward refuses them otherwise). The module's own block sizes (q_rows,
 #   kv_chunk) must be in [1, 2^20].
-# - band_backward: all of that but q float32, float64, or bfloat16 while bfloat16 products are on (:func:`_gradient`
-#   widens the other half types once), and
+# - band_backward: all of that but q float32, float64, or bfloat16 or float16 while that type's products are on
+#   (:func:`_gradient` widens a half type without them once), and
 #   dout and out ``[B, H, Lq, Ev]`` (q's B, H, Lq, v's Ev) with rows as q's, stats the forward's contiguous
 #   ``[2, B, H, Lq]``, all in q's dtype (stats in the compute dtype); kv_rows, q_chunk in [1, 2^20].
 # Statistics are in the compute dtype (float32 for half q).
@@ -441,9 +480,9 @@ def _gradient(ctx, dout, _dstats):
     q, k, v, out, stats, starts, ends, bias = ctx.saved_tensors
     bias_grad = ctx.needs_input_grad[5]  # a learned table; a constant one (fixed ALiBi slopes) skips the sum
     stored = q.dtype
-    # bfloat16 under bfloat16 products goes as it is; other half types are computed in float32 from tensors
-    # converted once. Gradients are stored as q.
-    if stored in HALF and not (stored == torch.bfloat16 and _module().bf16_products()):
+    # a half type under its products goes as it is; otherwise it is computed in float32 from tensors converted
+    # once. Gradients are stored as q.
+    if stored in HALF and not getattr(_module(), f"{_tag(stored)}_products")():
         dout, q, k, v, out = (t.to(stats.dtype) for t in (dout, q, k, v, out))
     dq, dk, dv, dbias = torch.ops.attnkit.band_backward(dout, q, k, v, out, stats, starts, ends, bias, ctx.scale,
                                                          ctx.softcap, torch.are_deterministic_algorithms_enabled(),
@@ -480,43 +519,46 @@ def _checked():
     global _reports
     with real_tensors(), torch.inference_mode(False):
         _reports = all(_reports_in(mod, dtype) for dtype in DTYPES)
-        _use_bf16_products(mod)
+        for dtype in _HALF_PRODUCTS:
+            _use_half_products(mod, dtype)
     return mod
 
 
-def _use_bf16_products(mod) -> None:
-    """Turn bfloat16 products on when torch has them, ``ATTNKIT_BF16_PRODUCTS`` allows, and their self-check
-    passes; else leave them off with the reason in ``_bf16_reason``."""
-    global _bf16_reason, _bf16_ok
-    if not mod.has_bf16_gemm():
-        _bf16_reason = "this torch does not export MKL's bfloat16 product (cblas_gemm_bf16bf16f32)"
+def _use_half_products(mod, dtype: torch.dtype) -> None:
+    """Turn ``dtype``'s products on when torch has them, its environment variable allows, and their self-check
+    passes; else leave them off with the reason in ``_products_reason``."""
+    tag, variable, native, flags = _HALF_PRODUCTS[dtype]
+    name, symbol = dtype_name(dtype), f"cblas_gemm_{tag}{tag}f32"
+    if not getattr(mod, f"has_{tag}_gemm")():
+        _products_reason[dtype] = f"this torch does not export MKL's {name} product ({symbol})"
         return
-    mod.set_bf16_products(True)
+    switch = getattr(mod, f"set_{tag}_products")
+    switch(True)
     try:
-        err = _bf16_self_check(mod)
-        if err is None and _reports and not _reports_in(mod, torch.bfloat16):
-            err = "its statistics do not mark a non-finite value (0 * inf through MKL's bfloat16 product)"
+        err = _half_self_check(mod, dtype)
+        if err is None and _reports and not _reports_in(mod, dtype):
+            err = f"its statistics do not mark a non-finite value (0 * inf through MKL's {name} product)"
     except Exception as e:
         err = f"{type(e).__name__}: {e}"
     if err is not None:
-        mod.set_bf16_products(False)
-        _bf16_reason = f"their self-check against the formula failed: {err}"
-        print(f"attnkit: banded kernel's bfloat16 products {_bf16_reason}; it computes bfloat16 in float32",
+        switch(False)
+        _products_reason[dtype] = f"their self-check against the formula failed: {err}"
+        print(f"attnkit: banded kernel's {name} products {_products_reason[dtype]}; it computes {name} in float32",
               file=sys.stderr)
         return
-    _bf16_ok = True
-    asked = os.environ.get("ATTNKIT_BF16_PRODUCTS")
+    _products_ok[dtype] = True
+    asked = os.environ.get(variable)
     if asked == "0":
-        mod.set_bf16_products(False)
-        _bf16_reason = "turned off by ATTNKIT_BF16_PRODUCTS=0"
-    elif asked != "1" and not _cpu.has_bf16_products():
-        mod.set_bf16_products(False)
-        _bf16_reason = ("this CPU has no bfloat16 products (no AVX512-BF16 or AMX-BF16 flag), where float32 "
-                        "products are faster; ATTNKIT_BF16_PRODUCTS=1 turns them on")
+        switch(False)
+        _products_reason[dtype] = f"turned off by {variable}=0"
+    elif asked != "1" and not native():
+        switch(False)
+        _products_reason[dtype] = (f"this CPU has no {name} products (no {flags} flag), where float32 products are "
+                                   f"faster; {variable}=1 turns them on")
 
 
-def _bf16_self_check(mod) -> str | None:
-    """The forward and the backward with bfloat16 products against the formula in float64 on the same (bfloat16)
+def _half_self_check(mod, dtype: torch.dtype) -> str | None:
+    """The forward and the backward with ``dtype``'s products against the formula in float64 on the same (``dtype``)
     values, on the cases of :func:`_self_check` (windows, documents, several intervals per row, GQA, a bias,
     soft-capping, a scale that is a power of two and one that is not, dQ under locks and from its own pass): each
     result within 2^-5 of its largest magnitude (the values', for the output), far above the rounding of the
@@ -525,7 +567,7 @@ def _bf16_self_check(mod) -> str | None:
     cases = (_window(70, 70, 5, 3), _window(50, 83, 200, 0), _documents((0, 17, 40, 41, 66), (0, 9, 9, 50, 61)),
              _scattered(75, 80), _window(150, 150, 70, 70))
     for n, (lq, lk, starts, ends) in enumerate(cases):
-        q, k, v, dout = (torch.randn(*shape, generator=gen, device="cpu").to(torch.bfloat16)
+        q, k, v, dout = (torch.randn(*shape, generator=gen, device="cpu").to(dtype)
                          for shape in ((2, 4, lq, 16), (2, 2, lk, 16), (2, 2, lk, 24), (2, 4, lq, 24)))
         heads = (0, 4, 1)[n % 3]
         bias = torch.randn(heads, lq + lk - 1 if heads else 0, generator=gen, device="cpu")

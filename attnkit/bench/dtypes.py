@@ -2,14 +2,14 @@
 
 The anchor is this CPU's own matmul in each dtype, measured in the same run: its bf16:float32 and
 fp16:float32 speed ratios say what half precision can gain here at all (about 1 on a CPU without
-bf16/fp16 products, 2 or more with AVX512-BF16 or AMX), and MKL's bfloat16 product (bfloat16 operands,
-float32 sums: the one the banded kernel calls for bfloat16) against float32. Each row times the same masked
-attention in the three dtypes on one thread (CPU-time medians, every dtype in each round), for attnkit and for
-SDPA (a causal call uses SDPA's own causal kernel; a window or documents give SDPA the dense boolean mask), and
-gives each dtype's time over attnkit's own float32 time; where the banded kernel serves bfloat16 with bfloat16
-products, a row times it the other way (`bfloat16, float32 products` where they are on, `bfloat16, bfloat16
-products` where they are off by default but available). The CPU's flags that matter are
-printed first.
+bf16/fp16 products, 2 or more with AVX512-BF16 or AMX), and MKL's bfloat16 and float16 products (half operands,
+float32 sums: the ones the banded kernel calls with half products) against float32. Each row times the same
+masked attention in the three dtypes on one thread (CPU-time medians, every dtype in each round), forward and
+then forward and backward, for attnkit and for SDPA (a causal call uses SDPA's own causal kernel; a window or
+documents give SDPA the dense boolean mask), and gives each dtype's time over attnkit's own float32 time; where
+the banded kernel serves a half type, a row times it with that type's products set the other way
+(`bfloat16, float32 products` where they are on, `bfloat16, bfloat16 products` where they are off by default
+but available; the same for float16). The CPU's flags that matter are printed first.
 
 A second table times a whole model: a small Mistral-architecture ``MistralForCausalLM`` from transformers
 (random weights from a seeded config, nothing downloaded; its sliding window shorter than the sequence), in
@@ -38,6 +38,8 @@ from ._util import interleaved_medians, markdown_table, matmul_gflops, median_ti
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEADER = ["mask", "dtype", "pass", "attnkit backend", "attnkit ms", "SDPA ms", "SDPA / attnkit",
           "attnkit / own float32"]
+#: The half types the banded kernel can multiply as they are, with MKL's product for each.
+HALF_PRODUCTS = {"bfloat16": "cblas_gemm_bf16bf16f32", "float16": "cblas_gemm_f16f16f32"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
 MODEL_HEADER = ["model", "n", "dtype", "attnkit backends", "attnkit ms", "SDPA ms", "SDPA / attnkit",
                 "max abs logit difference", "max abs logit"]
@@ -59,10 +61,13 @@ def run(quick: bool, out_dir: Path) -> str:
         size = 512 if quick else 1024
         peak = {name: matmul_gflops(size, dtype) for name, dtype in DTYPES.items()}
         say("matmul GFLOP/s, one thread: " + ", ".join(f"{k} {v:.1f}" for k, v in peak.items()))
-        mkl = _mkl_bf16_gflops(size)
-        say(f"MKL's bfloat16 product: {mkl:.1f} GFLOP/s" if mkl else "MKL's bfloat16 product: not in this torch")
-        products, why_not = _band.bf16_products(), _band.bf16_products_reason()
-        say(f"banded kernel, bfloat16 products: {'on' if products else 'off'}" + ("" if products else f" ({why_not})"))
+        mkl = {name: _mkl_half_gflops(size, name) for name in HALF_PRODUCTS}
+        for name, gflops in mkl.items():
+            say(f"MKL's {name} product: " + (f"{gflops:.1f} GFLOP/s" if gflops else "not in this torch"))
+        products = {name: _band.half_products(DTYPES[name]) if _band.available() else False for name in HALF_PRODUCTS}
+        why_not = {name: _band.half_products_reason(DTYPES[name]) for name in HALF_PRODUCTS}
+        for name, on in products.items():
+            say(f"banded kernel, {name} products: {'on' if on else 'off'}" + ("" if on else f" ({why_not[name]})"))
         i = torch.arange(n)
         window = (i.view(-1, 1) - i.view(1, -1)).abs() <= 256
         docs = torch.arange(n) * 4 // n  # four documents of n / 4 tokens
@@ -89,11 +94,13 @@ def run(quick: bool, out_dir: Path) -> str:
     body = (f"CPU flags: {', '.join(have)}. Matmul anchor, one thread, {size}^2, measured in this run: "
             + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peak.items())
             + f" (bf16 : float32 = {peak['bfloat16'] / peak['float32']:.2f}, "
-            f"fp16 : float32 = {peak['float16'] / peak['float32']:.2f}); MKL's bfloat16 product (bfloat16 operands, "
-            "float32 sums, what the banded kernel calls) "
-            + (f"{mkl:.1f} GFLOP/s ({mkl / peak['float32']:.2f} of float32)" if mkl else "not in this torch")
-            + ". The banded kernel's bfloat16 products: " + ("on" if products else
-                                                             f"off ({why_not})") + ".\n\n"
+            f"fp16 : float32 = {peak['float16'] / peak['float32']:.2f}); MKL's half products (half operands, float32 "
+            "sums, what the banded kernel calls with half products): "
+            + ", ".join(f"{name} " + (f"{g:.1f} GFLOP/s ({g / peak['float32']:.2f} of float32)" if g else
+                                      "not in this torch") for name, g in mkl.items())
+            + ". The banded kernel's half products: "
+            + "; ".join(f"{name} " + ("on" if on else f"off ({why_not[name]})") for name, on in products.items())
+            + ".\n\n"
             f"B=1, H={heads}, D={dim}, n = {n}, forward (and forward and backward, with a fixed output gradient), "
             f"one thread; CPU-time medians of {repeat} rounds ({max(3, repeat - 2)} with the backward), each "
             "round running every dtype on both sides (the order reversed every other round, so that a shared "
@@ -104,10 +111,11 @@ def run(quick: bool, out_dir: Path) -> str:
                         "attnkit bench dtypes" + (" --quick" if quick else ""))
 
 
-def _case_rows(label: str, ours: dict, theirs: dict, base: list, backward: bool, products: bool, repeat: int,
-               say: Callable[[str], None]) -> list[list]:
-    """One mask's rows: attnkit and SDPA in every dtype (and attnkit's bfloat16 with the other products setting
-    where the banded kernel serves it), forward alone or forward and backward, timed in the same rounds."""
+def _case_rows(label: str, ours: dict, theirs: dict, base: list, backward: bool, products: dict[str, bool],
+               repeat: int, say: Callable[[str], None]) -> list[list]:
+    """One mask's rows: attnkit and SDPA in every dtype (and attnkit's half types with their products set the
+    other way where the banded kernel serves them; ``products``: each half type's default), forward alone or
+    forward and backward, timed in the same rounds."""
     inputs = {name: [t.to(dtype).requires_grad_(backward) for t in base[:3]] for name, dtype in DTYPES.items()}
     douts = {name: base[3].to(dtype) for name, dtype in DTYPES.items()}
 
@@ -123,17 +131,19 @@ def _case_rows(label: str, ours: dict, theirs: dict, base: list, backward: bool,
         kw = theirs if mask is None or mask.dtype == torch.bool else {"attn_mask": mask.to(q.dtype)}
         fns["sdpa", name] = timed(lambda q=q, k=k, v=v, kw=kw: F.scaled_dot_product_attention(q, k, v, **kw),
                                   (q, k, v), douts[name])
-    bf16 = inputs["bfloat16"]
-    other = f"bfloat16, {'float32' if products else 'bfloat16'} products"
-    switched = _band.available() and _band._bf16_ok and attnkit.which_backend(*bf16, **ours) == "band"
-    if switched:
-        fns["attnkit", other] = timed(lambda kw=ours, x=bf16, on=not products: _switched(x, kw, on), bf16,
-                                      douts["bfloat16"])
+    others = {}  # row name -> the half type it times the other way
+    for name, on in products.items():
+        x = inputs[name]
+        if _band.available() and _band._products_ok.get(DTYPES[name]) and attnkit.which_backend(*x, **ours) == "band":
+            other = f"{name}, {'float32' if on else name} products"
+            others[other] = name
+            step = timed(lambda x=x: attnkit.attention(*x, backend="band", **ours), x, douts[name])
+            fns["attnkit", other] = lambda step=step, dtype=DTYPES[name], on=not on: _switched(step, dtype, on)
     with torch.set_grad_enabled(backward):
         t = interleaved_medians(fns, repeat=repeat, alternate=True, clock=time.process_time)
     rows = []
-    for name in [*inputs, *([other] if switched else [])]:
-        q, k, v = inputs.get(name, bf16)
+    for name in [*inputs, *others]:
+        q, k, v = inputs.get(name) or inputs[others[name]]
         backend = "band" if name not in inputs else attnkit.which_backend(q, k, v, **ours)
         sdpa = t.get(("sdpa", name))
         row = [label, name, "forward and backward" if backward else "forward", backend, t["attnkit", name] * 1e3,
@@ -193,11 +203,11 @@ def _model_text(model: list | str, n: int, repeat: int) -> str:
             "position.\n\n" + markdown_table(MODEL_HEADER, [model]))
 
 
-def _switched(inputs, kw, on: bool):
-    """The banded kernel on bfloat16 inputs with its bfloat16 products ``on`` (or off), then as they were (the
-    backward reads the setting when it runs: a timed backward runs it inside)."""
-    with _band.bf16_products_set(on):
-        return attnkit.attention(*inputs, backend="band", **kw)
+def _switched(step: Callable[[], object], dtype: torch.dtype, on: bool):
+    """``step()`` (a forward, or a forward and its backward, which reads the setting when it runs) with the banded
+    kernel's products of half type ``dtype`` ``on`` (or off), then as they were."""
+    with _band.half_products_set(dtype, on):
+        return step()
 
 
 def _alibi_bias(heads: int, n: int) -> torch.Tensor:
@@ -208,18 +218,19 @@ def _alibi_bias(heads: int, n: int) -> torch.Tensor:
     return bias.masked_fill(dist < 0, float("-inf"))
 
 
-def _mkl_bf16_gflops(n: int) -> float | None:
-    """MKL's ``cblas_gemm_bf16bf16f32`` (as torch exports it) on ``n x n`` bfloat16 matrices, GFLOP/s, or None
-    where torch has no such symbol."""
+def _mkl_half_gflops(n: int, name: str) -> float | None:
+    """MKL's product of ``n x n`` matrices of half type ``name`` (``bfloat16``: ``cblas_gemm_bf16bf16f32``,
+    ``float16``: ``cblas_gemm_f16f16f32``, as torch exports them) into float32, GFLOP/s, or None where torch has
+    no such symbol."""
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        gemm = lib.cblas_gemm_bf16bf16f32
+        gemm = getattr(lib, HALF_PRODUCTS[name])
     except (OSError, AttributeError):
         return None
     i32, ptr = ctypes.c_int, ctypes.c_void_p
     gemm.restype = None
     gemm.argtypes = [i32, i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32, ptr, i32, ctypes.c_float, ptr, i32]
-    a, b = (torch.randn(n, n).to(torch.bfloat16) for _ in range(2))
+    a, b = (torch.randn(n, n).to(DTYPES[name]) for _ in range(2))
     c = torch.empty(n, n)
     row_major, no_trans = 101, 111
     t = median_time(lambda: gemm(row_major, no_trans, no_trans, n, n, n, 1.0, a.data_ptr(), n, b.data_ptr(), n, 0.0,

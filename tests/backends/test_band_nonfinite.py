@@ -4,6 +4,8 @@ an inference call need not read q, k and v once more before the kernel does."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ import attnkit
 from attnkit import masks, nonfinite, scores
 from attnkit.backends import _band
 from attnkit.call import validate_call
-from tests.support.backends import bf16_products
+from tests.support.backends import half_products
 
 pytestmark = pytest.mark.skipif(not _band.available(), reason="the banded kernel is not built here")
 
@@ -22,7 +24,8 @@ def _window(n, left, right):
     return _band._window(n, n, left, right)[2:]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)  # bf16: its products
+# the half types through their products
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(("name", "row", "value"), [
     ("q", 40, NAN), ("q", 40, INF), ("k", 40, NAN), ("k", 40, -INF), ("k", 40, INF), ("v", 40, NAN), ("v", 40, -INF),
     # a key row 40 cannot see but the kernel reads beside those it can (its block of rows spans them)
@@ -34,7 +37,7 @@ def test_the_forward_marks_a_row_whose_scores_or_output_met_a_non_finite_input(d
     starts, ends = _window(100, 2, 2)
     mod = _band._module()
     empty = torch.empty(0, 0, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    with bf16_products(dtype == torch.bfloat16):
+    with _products(dtype):
         _, stats = mod.forward(t["q"], t["k"], t["v"], starts, ends, empty, 0.3, 0.0, 16, 64)
         assert not stats[0].isnan().any()
         t[name][0, 1, row, 3] = value
@@ -86,7 +89,7 @@ _PATTERNS = {  # name -> attention kwargs at n = 160: one block of rows, many, w
 @pytest.mark.parametrize("pattern", list(_PATTERNS))
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 @pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_an_inference_call_equals_the_exact_path_whatever_it_holds(pattern, where, value, dtype):
     """Without a gradient the kernel's own pass decides; its answer is the exact path's, bit for bit, for
     a poison anywhere (seeded places across the rows, blocks and heads), on every form of rows (bfloat16:
@@ -100,8 +103,13 @@ def test_an_inference_call_equals_the_exact_path_whatever_it_holds(pattern, wher
         req = validate_call(t["q"], t["k"], t["v"], **kw)
         band = attnkit.backends.get("band")
         assert band.sees_nonfinite(req)
-        with torch.no_grad(), bf16_products(dtype == torch.bfloat16):
+        with torch.no_grad(), _products(dtype):
             got = attnkit.attention(t["q"], t["k"], t["v"], backend="band", **kw)
             want = nonfinite.exact(band, req)[0]
         assert torch.equal(got.isnan(), want.isnan()), (head, row)
         assert torch.equal(got.nan_to_num(), want.nan_to_num()), (head, row)
+
+
+def _products(dtype: torch.dtype):
+    """A half type through its own products (where torch has them; skipped elsewhere), others as they are."""
+    return half_products(dtype, True) if dtype in (torch.bfloat16, torch.float16) else contextlib.nullcontext()

@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SEED, CASES = 29, 300
 TIMEOUT_S = 240  # the fuzz takes seconds; a call that hangs is a failure too
 #: What the fuzz calls; a new export or operator must be added to it (the test checks these lists).
-EXPORTS = ("backward", "bf16_products", "forward", "has_bf16_gemm", "has_blas", "set_bf16_products")
+EXPORTS = ("backward", "bf16_products", "f16_products", "forward", "has_bf16_gemm", "has_blas", "has_f16_gemm",
+           "set_bf16_products", "set_f16_products")
 OPERATORS = ("attnkit::band_backward", "attnkit::band_forward")
 MAX_BLOCK = 2**20
 F64 = torch.float64
@@ -348,10 +349,16 @@ def _child(seed: int, cases: int, log: str) -> None:
                          ("has_bf16_gemm()", mod.has_bf16_gemm), ("has_bf16_gemm(1)", lambda: mod.has_bf16_gemm(1)),
                          ("bf16_products()", mod.bf16_products), ("bf16_products(1)", lambda: mod.bf16_products(1)),
                          ("set_bf16_products()", mod.set_bf16_products),
-                         ("set_bf16_products('x')", lambda: mod.set_bf16_products("x"))):
+                         ("set_bf16_products('x')", lambda: mod.set_bf16_products("x")),
+                         ("has_f16_gemm()", mod.has_f16_gemm), ("has_f16_gemm(1)", lambda: mod.has_f16_gemm(1)),
+                         ("f16_products()", mod.f16_products), ("f16_products(1)", lambda: mod.f16_products(1)),
+                         ("set_f16_products()", mod.set_f16_products),
+                         ("set_f16_products('x')", lambda: mod.set_f16_products("x"))):
         attempt(label, thunk)
     if mod.has_bf16_gemm():  # what the process had (the self-check's choice) stays
         attempt("set_bf16_products(on)", lambda: mod.set_bf16_products(mod.bf16_products()))
+    if mod.has_f16_gemm():
+        attempt("set_f16_products(on)", lambda: mod.set_f16_products(mod.f16_products()))
     calls = _calls(mod)
     forward = calls["torch.ops.attnkit.band_forward"]
     for n in range(cases):

@@ -100,9 +100,13 @@ def test_the_dtypes_suites_rows_time_attnkit_and_sdpa_in_every_dtype(backward):
     base = [torch.randn(1, 2, 64, 16, generator=g) for _ in range(4)]
     i = torch.arange(64)
     said = []
+    products = {name: _band.half_products(dtypes.DTYPES[name]) for name in dtypes.HALF_PRODUCTS}
     rows = dtypes._case_rows("window +-8", {"window": (8, 8)}, {"attn_mask": (i[:, None] - i).abs() <= 8}, base,
-                             backward, _band.bf16_products(), 1, said.append)
+                             backward, products, 1, said.append)
     assert [r[1] for r in rows[:3]] == ["float32", "bfloat16", "float16"] and len(said) == len(rows)
+    switched = [f"{name}, {'float32' if on else name} products" for name, on in products.items()
+                if _band._products_ok.get(dtypes.DTYPES[name])]  # each half type timed the other way
+    assert [r[1] for r in rows[3:]] == switched
     for label, _, pass_, backend, ours, theirs, ratio, _own in rows:
         assert label == "window +-8" and pass_ == ("forward and backward" if backward else "forward")
         assert backend == ("band" if _band.available() else backend) and ours > 0

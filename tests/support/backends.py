@@ -1,4 +1,4 @@
-"""The backends that the generic backend-parametrized tests run, and the banded kernel's bfloat16 switch."""
+"""The backends that the generic backend-parametrized tests run, and the banded kernel's half-products switch."""
 
 from __future__ import annotations
 
@@ -22,12 +22,19 @@ def eager_backends() -> list[str]:
 
 
 @contextlib.contextmanager
-def bf16_products(on: bool):
-    """The banded kernel's bfloat16 products on or off for the block, whatever this CPU's default (on: skips
-    where torch has none, or their self-check failed)."""
+def half_products(dtype, on: bool):
+    """The banded kernel's products of half type ``dtype`` on or off for the block, whatever this CPU's default
+    (on: skips where torch has none, or their self-check failed)."""
     from attnkit.backends import _band
 
-    if on and not (_band.available() and _band._bf16_ok):
-        pytest.skip(f"no bfloat16 products here: {_band.bf16_products_reason()}")
-    with _band.bf16_products_set(on):
+    if on and not (_band.available() and _band._products_ok.get(dtype)):
+        pytest.skip(f"no {dtype} products here: {_band.half_products_reason(dtype)}")
+    with _band.half_products_set(dtype, on):
         yield
+
+
+def bf16_products(on: bool):
+    """:func:`half_products` for bfloat16."""
+    import torch
+
+    return half_products(torch.bfloat16, on)
