@@ -84,8 +84,8 @@ def run(quick: bool, out_dir: Path) -> str:
             g = torch.Generator().manual_seed(0)
             base = [torch.randn(1, heads, n, dim, generator=g) for _ in range(4)]
             for backward in (False, True):
-                rows += _case_rows(label, ours, theirs, base, backward, products, repeat if not backward else
-                                   max(3, repeat - 2), say)
+                rows += _case_rows(label, ours, theirs, base, backward, products, repeat,
+                                   repeat if not backward else 3, say)
         model_n = 1024 if quick else 8192
         model_repeat = 3 if quick else 5
         model = _mistral_prefill(model_n, model_repeat, say)
@@ -102,20 +102,23 @@ def run(quick: bool, out_dir: Path) -> str:
             + "; ".join(f"{name} " + ("on" if on else f"off ({why_not[name]})") for name, on in products.items())
             + ".\n\n"
             f"B=1, H={heads}, D={dim}, n = {n}, forward (and forward and backward, with a fixed output gradient), "
-            f"one thread; CPU-time medians of {repeat} rounds ({max(3, repeat - 2)} with the backward), each "
-            "round running every dtype on both sides (the order reversed every other round, so that a shared "
-            "machine's load hits all alike). `attnkit / own float32` is each dtype's attnkit time over attnkit's "
-            "float32 time for the same mask (below 1: half precision is faster).\n\n" + markdown_table(HEADER, rows)
+            f"one thread; CPU-time medians of {repeat} rounds for attnkit, each running every dtype (the order "
+            "reversed every other round, so that a shared machine's load hits all alike), then of SDPA's in "
+            f"rounds of their own ({repeat} forward, 3 with the backward: seconds each on a dense mask). `attnkit "
+            "/ own float32` is each dtype's attnkit time over attnkit's float32 time for the same mask and pass "
+            "(below 1: half precision is faster).\n\n" + markdown_table(HEADER, rows)
             + "\n\n## A Mistral-style model's prefill in bfloat16\n\n" + _model_text(model, model_n, model_repeat))
     return write_report(out_dir, "dtypes", "Half precision on the CPU: float32, bfloat16, float16", body,
                         "attnkit bench dtypes" + (" --quick" if quick else ""))
 
 
 def _case_rows(label: str, ours: dict, theirs: dict, base: list, backward: bool, products: dict[str, bool],
-               repeat: int, say: Callable[[str], None]) -> list[list]:
+               repeat: int, sdpa_repeat: int, say: Callable[[str], None]) -> list[list]:
     """One mask's rows: attnkit and SDPA in every dtype (and attnkit's half types with their products set the
     other way where the banded kernel serves them; ``products``: each half type's default), forward alone or
-    forward and backward, timed in the same rounds."""
+    forward and backward. attnkit's calls are timed in rounds of their own (``repeat``), so that SDPA's far
+    longer calls on a dense mask, and the memory they take and give back, do not fall between the calls that
+    the last column compares; SDPA's then, in rounds of their own (``sdpa_repeat``)."""
     inputs = {name: [t.to(dtype).requires_grad_(backward) for t in base[:3]] for name, dtype in DTYPES.items()}
     douts = {name: base[3].to(dtype) for name, dtype in DTYPES.items()}
 
@@ -140,7 +143,10 @@ def _case_rows(label: str, ours: dict, theirs: dict, base: list, backward: bool,
             step = timed(lambda x=x: attnkit.attention(*x, backend="band", **ours), x, douts[name])
             fns["attnkit", other] = lambda step=step, dtype=DTYPES[name], on=not on: _switched(step, dtype, on)
     with torch.set_grad_enabled(backward):
-        t = interleaved_medians(fns, repeat=repeat, alternate=True, clock=time.process_time)
+        t = interleaved_medians({key: fn for key, fn in fns.items() if key[0] == "attnkit"}, repeat=repeat,
+                                alternate=True, clock=time.process_time)
+        t |= interleaved_medians({key: fn for key, fn in fns.items() if key[0] == "sdpa"}, repeat=sdpa_repeat,
+                                 alternate=True, clock=time.process_time)
     rows = []
     for name in [*inputs, *others]:
         q, k, v = inputs.get(name) or inputs[others[name]]

@@ -102,7 +102,7 @@ def test_the_dtypes_suites_rows_time_attnkit_and_sdpa_in_every_dtype(backward):
     said = []
     products = {name: _band.half_products(dtypes.DTYPES[name]) for name in dtypes.HALF_PRODUCTS}
     rows = dtypes._case_rows("window +-8", {"window": (8, 8)}, {"attn_mask": (i[:, None] - i).abs() <= 8}, base,
-                             backward, products, 1, said.append)
+                             backward, products, 1, 1, said.append)
     assert [r[1] for r in rows[:3]] == ["float32", "bfloat16", "float16"] and len(said) == len(rows)
     switched = [f"{name}, {'float32' if on else name} products" for name, on in products.items()
                 if _band._products_ok.get(dtypes.DTYPES[name])]  # each half type timed the other way
