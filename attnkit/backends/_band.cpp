@@ -795,7 +795,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
           for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
         }
       }
-      // the rows' weights side by side (kc apart), rounded to nearest for bfloat16 products
+      // the rows' weights side by side (kc apart), rounded to nearest for half products
       product<T, KV>(false, false, g, d.Ev, kc, T(1), operand<T, KV>(s, g * kc, w.pb), kc, vp, ldv, first ? T(0) : T(1),
                      acc, d.Ev);
       first = false;
@@ -913,7 +913,7 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
 
 // delta[b, h, i] = dout[b, h, i, :] . out[b, h, i, :] (FlashAttention's D), in one pass over both
 // (no [B, H, L, Ev] product in memory); rows may be strided, entries along a row contiguous. S: how dout and
-// out are stored (bfloat16 under bfloat16 products, read into T as they are summed).
+// out are stored (a half type under its products, read into T as they are summed).
 template <typename T, typename S = T>
 void row_dots(const Tensor& x, const Tensor& y, Tensor& delta) {
   using Vec = at::vec::Vectorized<T>;

@@ -8,6 +8,7 @@ gradients come back in the inputs' dtype."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -36,6 +37,14 @@ CASES = {
     "ALiBi": ((1, 4, 4, 100, 100), {"is_causal": True, "score_mod": scores.alibi(scores.alibi_slopes(4))}),
     "capped": ((1, 2, 2, 100, 100), {"window": (30, 30), "score_mod": scores.softcap(5.0)}),
 }
+
+
+@functools.cache  # the oracle's grid calls the mask_mod cell by cell: seconds for the larger cases, once each
+def _allowed(case: str) -> torch.Tensor:
+    """The oracle's bool ``[B, H, Lq, Lk]`` for ``CASES[case]``."""
+    (b, h, _, lq, lk), kw = CASES[case]
+    return oracle.allowed_grid(b, h, lq, lk, is_causal=kw.get("is_causal", False), window=kw.get("window"),
+                               mask_mod=kw.get("mask_mod"))
 
 
 def _inputs(shape, dtype, seed=0, strided=False):
@@ -95,8 +104,7 @@ def test_the_half_error_is_within_sdpas_own_half_path(dtype, case, products, see
     shape, kw = CASES[case]
     b, h, hkv, lq, lk = shape
     q, k, v = _inputs(shape, dtype, seed=seed)
-    allowed = oracle.allowed_grid(b, h, lq, lk, is_causal=kw.get("is_causal", False), window=kw.get("window"),
-                                  mask_mod=kw.get("mask_mod"))
+    allowed = _allowed(case)
     want, _ = oracle.attention(q.double(), k.double(), v.double(), allowed=allowed)
     with half_products(dtype, products):
         ours = (attnkit.attention(q, k, v, backend="band", **kw).double() - want).abs().max()
@@ -161,8 +169,7 @@ def test_half_gradients_with_half_products_err_no_more_than_sdpas_half_backward(
 
     ours = grads(lambda a, c, e: attnkit.attention(a, c, e, backend="band", **kw), products=True)
     widened = grads(lambda a, c, e: attnkit.attention(a, c, e, backend="band", **kw))
-    allowed = oracle.allowed_grid(b, h, lq, lk, is_causal=kw.get("is_causal", False), window=kw.get("window"),
-                                  mask_mod=kw.get("mask_mod"))
+    allowed = _allowed(case)
     theirs = grads(lambda a, c, e: F.scaled_dot_product_attention(a, c.repeat_interleave(h // hkv, 1),
                                                                   e.repeat_interleave(h // hkv, 1), attn_mask=allowed))
     for name, got, sdpa, want in zip("qkv", ours, theirs, wants, strict=True):
