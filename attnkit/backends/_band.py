@@ -179,26 +179,6 @@ def half_products_set(dtype: torch.dtype, on: bool) -> Iterator[None]:
         _products_reason[dtype] = reason
 
 
-def bf16_products() -> bool:
-    """:func:`half_products` for bfloat16."""
-    return half_products(torch.bfloat16)
-
-
-def bf16_products_reason() -> str | None:
-    """:func:`half_products_reason` for bfloat16."""
-    return half_products_reason(torch.bfloat16)
-
-
-def set_bf16_products(on: bool) -> None:
-    """:func:`set_half_products` for bfloat16."""
-    set_half_products(torch.bfloat16, on)
-
-
-def bf16_products_set(on: bool) -> contextlib.AbstractContextManager[None]:
-    """:func:`half_products_set` for bfloat16."""
-    return half_products_set(torch.bfloat16, on)
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")

@@ -228,7 +228,6 @@ def test_half_products_are_on_where_the_cpu_has_them_unless_asked_otherwise_and_
     with half_products(dtype, False):
         assert not _band.half_products(dtype)
         assert f"set_half_products({_band.dtype_name(dtype)}, False)" in _band.half_products_reason(dtype)
-    assert _band.bf16_products() is _band.half_products(torch.bfloat16)  # the bfloat16 shorthand
 
 
 @pytest.mark.parametrize(("asked", "printed"), [("0", "False turned off by {}=0"), ("1", "True None")])

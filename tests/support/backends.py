@@ -32,9 +32,3 @@ def half_products(dtype, on: bool):
     with _band.half_products_set(dtype, on):
         yield
 
-
-def bf16_products(on: bool):
-    """:func:`half_products` for bfloat16."""
-    import torch
-
-    return half_products(torch.bfloat16, on)
