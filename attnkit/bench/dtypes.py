@@ -128,7 +128,7 @@ def _case_rows(label: str, ours: dict, theirs: dict, base: list, backward: bool,
         return lambda: torch.autograd.grad(call(), leaves, dout)
 
     fns = {}
-    for name, (q, k, v) in inputs.items():  # every dtype and both sides in the same rounds
+    for name, (q, k, v) in inputs.items():  # every dtype on both sides (each side timed in rounds of its own)
         fns["attnkit", name] = timed(lambda q=q, k=k, v=v: attnkit.attention(q, k, v, **ours), (q, k, v), douts[name])
         mask = theirs.get("attn_mask")
         kw = theirs if mask is None or mask.dtype == torch.bool else {"attn_mask": mask.to(q.dtype)}
