@@ -160,7 +160,7 @@ class FlexBackend:
         ins = _inputs(req, self.block_size)
         try:
             out = _family(ins.family).run(ins, req)
-        except _CompileFailed as e:
+        except CompileFailed as e:
             fallback = self.fallback(req)
             print(f"attnkit: compiled flex_attention cannot serve this call ({e}); the {fallback.name} backend "
                   "serves it", file=sys.stderr, flush=True)
@@ -173,21 +173,44 @@ class FlexBackend:
 # --------------------------------------------------------------------------------------------
 
 
+def attention_with_lse(req: Call, *, block_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """Compiled Flex's output ``[B, H, Lq, Ev]`` and each row's log-sum-exp ``[B, H, Lq]`` (float32, natural
+    log; ``-inf`` for a row with no allowed key, whose output is zeros), for a caller that merges partial
+    results, as ring attention merges its blocks (:func:`attnkit.ops.tiles.merge_partials`).
+
+    4-D calls only (``req.query [B, H, Lq, E]``); the caller checks first that Flex may serve the call
+    (:meth:`FlexBackend.not_supported_reasons`: on the CPU, no gradient). Both results are differentiable
+    where Flex is (CUDA), the log-sum-exp too. The output is in Flex's dtype (the input's on CUDA, float32
+    for half inputs on the CPU).
+
+    Raises:
+        CompileFailed: compiled Flex cannot serve this family of calls (its compile failed or its first
+            output disagreed with the formula; said on stderr, and remembered).
+    """
+    if req.query.dim() != 4:
+        raise ValueError(f"attention_with_lse needs 4-D inputs [B, H, L, E], got query shape {tuple(req.query.shape)}")
+    ins = _inputs(req, block_size or BLOCK_SIZE, lse=True)
+    if ins.family in _failed:
+        raise CompileFailed(_failed[ins.family])
+    out, lse = _family(ins.family).run(ins, req)
+    return out, lse
+
+
 class _Inputs:
     """Flex's arguments for one call and the family they compile to (worked out once per call)."""
 
-    def __init__(self, args: tuple, family: tuple, what: str):
-        self.args, self.family, self.what = args, family, what
+    def __init__(self, args: tuple, family: tuple, what: str, lse: bool = False):
+        self.args, self.family, self.what, self.lse = args, family, what, lse
 
 
-def _inputs(req: Call, block: int) -> _Inputs:
-    key = ("flex", block)
+def _inputs(req: Call, block: int, lse: bool = False) -> _Inputs:
+    key = ("flex", block, lse)
     if key not in req.memo:
-        req.memo[key] = _work_out(req, block)
+        req.memo[key] = _work_out(req, block, lse)
     return req.memo[key]
 
 
-def _work_out(req: Call, block: int) -> _Inputs:
+def _work_out(req: Call, block: int, lse: bool = False) -> _Inputs:
     dev = req.query.device
     dtype = compute_dtype(req.query.dtype) if dev.type == "cpu" else req.query.dtype
     grad = _needs_grad(req)
@@ -207,10 +230,10 @@ def _work_out(req: Call, block: int) -> _Inputs:
         score_key = _mod_key(req.score_mod)
     gqa = req.heads != req.kv_heads
     family = (dev.type, dev.index, dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), req.scale, gqa,
-              grad, torch.is_inference_mode_enabled(), block, mask_key, score_key)
+              grad, torch.is_inference_mode_enabled(), block, mask_key, score_key, lse)
     score_what = "no score_mod" if req.score_mod is None else masks.mod_name("score_mod", _unwrapped(req.score_mod))
     what = f"{dtype} {what_qk}, {mask_what}, {score_what}"
-    return _Inputs((q, k, v, score_fn, block_mask, req.scale, gqa), family, what)
+    return _Inputs((q, k, v, score_fn, block_mask, req.scale, gqa), family, what, lse)
 
 
 def _unwrapped(mod):
@@ -418,7 +441,7 @@ def _cells(req: Call):
 # --------------------------------------------------------------------------------------------
 
 
-class _CompileFailed(RuntimeError):
+class CompileFailed(RuntimeError):
     """Compiled flex_attention cannot serve a family: its compile failed, or its first output disagreed
     with the formula (the message says why, in one line)."""
 
@@ -447,7 +470,7 @@ class _Family:
         self.lock = threading.Lock()
         self.fn = None
 
-    def run(self, ins: _Inputs, req: Call) -> Tensor:
+    def run(self, ins: _Inputs, req: Call):
         fn = self.fn
         if fn is None:
             with self.lock:
@@ -459,18 +482,18 @@ class _Family:
         except torch._dynamo.exc.TorchDynamoException as e:  # a recompile TorchDynamo made on its own failed
             raise self._failure(ins, e) from e
 
-    def _first(self, ins: _Inputs, req: Call) -> Tensor:
+    def _first(self, ins: _Inputs, req: Call):
         if ins.family in _failed:
-            raise _CompileFailed(_failed[ins.family])
+            raise CompileFailed(_failed[ins.family])
         print(f"attnkit: compiling PyTorch's flex_attention for {ins.what} (once per shape, dtype and mod)",
               file=sys.stderr, flush=True)
         start = time.perf_counter()
-        fn = _compile()
+        fn = _compile(ins.lse)
         try:
             out = fn(*ins.args)
         except Exception as e:  # noqa: BLE001 - whatever stops the compile, the next backend serves the call
             raise self._failure(ins, e) from e
-        wrong = _disagreement(req, ins, out)
+        wrong = _disagreement(req, ins, out[0] if ins.lse else out)
         if wrong is not None:
             raise self._failure(ins, ValueError(f"the compiled kernel disagrees with the formula: {wrong}"))
         self.fn = fn
@@ -478,11 +501,11 @@ class _Family:
         return out
 
     @staticmethod
-    def _failure(ins: _Inputs, e: Exception) -> _CompileFailed:
+    def _failure(ins: _Inputs, e: Exception) -> CompileFailed:
         first = (str(e).strip().splitlines() or [""])[0]
         reason = f"{type(e).__name__}: {first}"[:300]
         _failed[ins.family] = reason
-        return _CompileFailed(reason)
+        return CompileFailed(reason)
 
 
 #: (batch element, head) pairs of a family's first call whose first, middle and last query rows are
@@ -545,12 +568,27 @@ def _allowed_rows(req: Call, bi, hi, qi, b, h, i, kv) -> Tensor | None:
     return torch.broadcast_to(pred(b, h, i, kv), (1, 1, len(bi), kv.shape[-1])).reshape(len(bi), -1)
 
 
-def _compile():
-    """``torch.compile(flex_attention)`` on a code object of its own (see the module docstring)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    def run(q, k, v, score_mod, block_mask, scale, enable_gqa):
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-
+def _compile(lse: bool = False):
+    """``torch.compile(flex_attention)`` on a code object of its own (see the module docstring); ``lse``: it
+    returns ``(out, log-sum-exp)``."""
+    run = _flex_call(lse)
     run.__code__ = run.__code__.replace()
     return torch.compile(run, dynamic=False, fullgraph=True)
+
+
+def _flex_call(lse: bool = False):
+    """``run(q, k, v, score_mod, block_mask, scale, enable_gqa)``: Flex's output, or ``(out, log-sum-exp)``."""
+    from torch.nn.attention import flex_attention as fa
+
+    aux = getattr(fa, "AuxRequest", None)  # (PyTorch 2.9 on; before it, return_lse=True, deprecated since)
+
+    def run(q, k, v, score_mod, block_mask, scale, enable_gqa):
+        kw = {"score_mod": score_mod, "block_mask": block_mask, "scale": scale, "enable_gqa": enable_gqa}
+        if not lse:
+            return fa.flex_attention(q, k, v, **kw)
+        if aux is None:
+            return fa.flex_attention(q, k, v, return_lse=True, **kw)
+        out, extra = fa.flex_attention(q, k, v, return_aux=aux(lse=True), **kw)
+        return out, extra.lse
+
+    return run

@@ -15,10 +15,14 @@ kernel applies (a bias per head and diagonal, tanh soft-capping) on *global* pos
 mask is worked out once per call as each of this rank's query rows' allowed keys, as intervals
 (:func:`attnkit.mask_plan`); each (query run, key run) of a block then goes through the banded C++
 kernel of the ``"band"`` backend (:func:`attnkit.backends._band.partial_forward`), so a rank
-computes only allowed cells, as one process would. Without the kernel (not built, not CPU) or
-without an interval form shared by the heads (a mask that depends on the head), the block is
-computed in tiles of at most 512 x 512 scores with the predicate evaluated per tile, and empty
-tiles are skipped.
+computes only allowed cells, as one process would. On CUDA tensors a block goes through compiled
+FlexAttention (:func:`attnkit.backends.flex.attention_with_lse`): its BlockMask from the block's own
+mask plan, the bias and cap as a score mod on global positions, its log-sum-exp merged as the
+kernel's; its backward computes the block again under autograd and hands Flex's backward the
+block's share of the merged result (see :func:`_flex_block_backward`). Otherwise (the kernel not
+built, a mask without an interval form shared by the heads, a block compiled Flex cannot serve),
+the block is computed in tiles of at most 512 x 512 scores with the predicate evaluated per tile,
+and empty tiles are skipped.
 
 Every rank must be called alike (apart from its shards): one small ``all_gather`` per call of
 each rank's shard lengths and arguments (:mod:`.agree`) checks that, so a rank called differently
@@ -32,6 +36,7 @@ on the order in which autograd runs other nodes.
 from __future__ import annotations
 
 import struct
+import sys
 import zlib
 from dataclasses import dataclass, field
 
@@ -42,7 +47,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import closures, scores
 from .. import masks as _masks
-from ..backends import _band
+from ..backends import _band, flex
 from ..call import validate_call
 from ..dtypes import compute_dtype
 from ..intervals import row_bounds
@@ -57,6 +62,9 @@ __all__ = ["ring_attention"]
 _SKIP = "skip"  # sentinel: the block has no allowed (query, key) pair
 _KV_TAG, _DKV_TAG = 17, 18
 _TILE = 512  # rows and columns of the largest score tile a rank materialises (tiles path)
+#: Devices whose blocks go through compiled FlexAttention (the banded kernel runs on the CPU only).
+_FLEX_DEVICES = ("cuda",)
+_FLEX_SAID: set[str] = set()  # the reasons compiled Flex could not serve a block, said once each
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,9 @@ class _Ring:
     kv_heads: int
     scale: float
     compute_dtype: torch.dtype
+    flex: bool = False  # blocks through compiled FlexAttention (see _flex_block); else the kernel or tiles
     _jobs: dict = field(default_factory=dict, compare=False, repr=False)
+    _plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     def source(self, step: int) -> int:
         """Which rank's key/value block this rank holds at ``step``."""
@@ -109,6 +119,25 @@ class _Ring:
                         out.append((rs, cs, st, en, slice(first, first + r + n - 1)))
             self._jobs[src] = out
         return self._jobs[src]
+
+    def plan(self, src: int):
+        """The mask plan of (my queries, block ``src``) on the block's own indices, for Flex: the whole mask on
+        global positions, worked out once per call and block; _SKIP where no cell is allowed."""
+        if src not in self._plans:
+            q_pos, kv_pos = self.q_pos, self.kv_pos[src]
+            if q_pos.numel() == 0 or kv_pos.numel() == 0:
+                self._plans[src] = _SKIP
+                return _SKIP
+            whole = self.predicate or _every_key
+
+            def block(b, h, q_idx, kv_idx):  # row i, column j: global query q_pos[i], key kv_pos[j]
+                return whole(b, h, q_pos[q_idx], kv_pos[kv_idx])
+
+            plan = mask_plan(block, q_len=q_pos.numel(), kv_len=kv_pos.numel(), batch=self.batch, heads=self.heads,
+                             device=q_pos.device)
+            empty = plan.starts is not None and not bool((plan.starts < plan.ends).any())
+            self._plans[src] = _SKIP if empty else plan
+        return self._plans[src]
 
     def allowed(self, q_pos: Tensor, kv_pos: Tensor):
         """Mask ``[B|1, Hkv|1, G|1, Lq, Lk]`` for these positions; None = all allowed; _SKIP = none."""
@@ -147,6 +176,10 @@ class _Ring:
                 allowed = self.allowed(self.q_pos[rows], kv_pos[cols])
                 if allowed is not _SKIP:
                     yield rows, cols, allowed
+
+
+def _every_key(b, h, q_idx, kv_idx) -> Tensor:
+    return kv_idx >= 0
 
 
 def _runs(pos: Tensor) -> list[tuple[slice, int]]:
@@ -274,6 +307,13 @@ class _RingAttention(torch.autograd.Function):
 
 def _block_forward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, table: Tensor | None):
     """``(query rows, block columns, out, lse)`` of each piece of block ``src`` with work in it."""
+    if ring.flex:
+        got = _flex_block(ring, src, q, k, v, table)
+        if got is _SKIP:
+            return
+        if got is not None:
+            yield slice(None), slice(None), *got
+            return
     if ring.rows is not None:
         for rows, cols, starts, ends, diagonals in ring.jobs(src):
             bias = None if table is None else table[:, diagonals]
@@ -292,6 +332,13 @@ def _block_backward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, dout
     """``(query rows, block columns, dq, dk, dv, diagonals, dbias)`` of each piece of block ``src`` with work
     in it, given the merged ``out`` and ``lse`` of every block; dk, dv summed over the query heads of a
     group; dbias (None without a bias) for the columns ``diagonals`` of the table."""
+    if ring.flex:
+        got = _flex_block_backward(ring, src, q, k, v, dout, out, lse, table)
+        if got is _SKIP:
+            return
+        if got is not None:
+            yield slice(None), slice(None), *got[:3], slice(None), got[3]
+            return
     if ring.rows is not None:
         for rows, cols, starts, ends, diagonals in ring.jobs(src):
             bias = None if table is None else table[:, diagonals]
@@ -308,6 +355,69 @@ def _block_backward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, dout
         dq_t, dk_t, dv_t, _ = tile_backward(qg[..., rows, :], kg[..., cols, :], vg[..., cols, :], dg[..., rows, :],
                                             lg[..., rows], delta[..., rows], scale=ring.scale, allowed=allowed)
         yield rows, cols, dq_t.flatten(1, 2), dk_t.sum(2), dv_t.sum(2), None, None
+
+
+def _flex_block(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, table: Tensor | None):
+    """``(out, lse)`` of my queries against block ``src`` through compiled FlexAttention, its BlockMask from the
+    block's mask plan (:meth:`_Ring.plan`) and the score's bias and cap on global positions; _SKIP where no
+    cell is allowed; None where compiled Flex cannot serve the block (said on stderr once per reason: the
+    tiles path serves it then, which applies no score_mod, so a call with one raises instead)."""
+    plan = ring.plan(src)
+    if plan is _SKIP:
+        return _SKIP
+    req = validate_call(q, k, v, mask=plan, score_mod=_global_score(ring, src, table), scale=ring.scale)
+    try:
+        return flex.attention_with_lse(req)
+    except flex.CompileFailed as e:
+        if table is not None or ring.cap:
+            raise RuntimeError(f"ring_attention: compiled flex_attention cannot serve a block ({e}), and the tiles "
+                               "path that would serve it instead applies no score_mod") from e
+        if str(e) not in _FLEX_SAID:
+            _FLEX_SAID.add(str(e))
+            print(f"attnkit: compiled flex_attention cannot serve a ring_attention block ({e}); the tiles path "
+                  "serves it", file=sys.stderr, flush=True)
+        return None
+
+
+def _flex_block_backward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor,
+                         lse: Tensor, table: Tensor | None):
+    """``(dq, dk, dv, dtable)`` of block ``src`` through Flex's own backward, given the merged ``out`` and
+    ``lse``; dtable None without a table. Flex's backward takes its block's own statistics, so the block is
+    computed again under autograd and its share of the merge is differentiated:
+    ``out = sum_b w_b o_b`` with ``w_b = exp(lse_b - lse)``, whence ``dL/do_b = w_b dout`` and
+    ``dL/dlse_b = w_b (dout . o_b - dout . out)``."""
+    with torch.enable_grad():
+        ins = [t.detach().requires_grad_() for t in (q, k, v)]
+        tg = None if table is None else table.detach().requires_grad_()
+        got = _flex_block(ring, src, *ins, tg)
+        if got is _SKIP or got is None:
+            return got
+        o, l = got
+        w = torch.where(torch.isneginf(l), 0.0, torch.exp(l - lse))  # a block with nothing for the row: no share
+        delta = (dout * out).sum(-1)
+        grad_o = (w.unsqueeze(-1) * dout).to(o.dtype)
+        grad_l = (w * ((dout * o.detach()).sum(-1) - delta)).to(l.dtype)
+        wrt = ins + ([tg] if tg is not None else [])
+        grads = torch.autograd.grad((o, l), wrt, (grad_o, grad_l), allow_unused=True)
+    dq, dk, dv = (torch.zeros_like(t) if g is None else g for t, g in zip(ins, grads, strict=False))
+    dtable = None if tg is None else (torch.zeros_like(tg) if grads[3] is None else grads[3])
+    return dq, dk, dv, dtable
+
+
+def _global_score(ring: _Ring, src: int, table: Tensor | None):
+    """The score_mod of block ``src`` on its own indices: the diagonal bias ``table[h, kv - q + Lq - 1]`` of
+    the global positions, then the tanh cap (what the banded kernel applies); None without either."""
+    if table is None and not ring.cap:
+        return None
+    q_pos, kv_pos, cap, last = ring.q_pos, ring.kv_pos[src], ring.cap, ring.q_len - 1
+    per_head = table is not None and table.shape[0] > 1
+
+    def score(s, b, h, q_idx, kv_idx):
+        if table is not None:
+            s = s + table[h if per_head else 0, kv_pos[kv_idx] - q_pos[q_idx] + last]
+        return cap * torch.tanh(s / cap) if cap else s
+
+    return score
 
 
 def ring_attention(
@@ -349,8 +459,8 @@ def ring_attention(
             ``attnkit.attention``: padding (``attnkit.masks.padding_mod(lengths)``), documents,
             the sparse patterns of :mod:`attnkit.masks`, or your own. The same on every rank.
         score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` on global indices, as in
-            ``attnkit.attention``, where the banded kernel can apply it: an additive bias per head
-            and diagonal (ALiBi, relative positions; ``attnkit.scores``' or your own, probed by
+            ``attnkit.attention``, as the banded kernel (CPU) or compiled Flex (CUDA) apply it: an
+            additive bias per head and diagonal (ALiBi, relative positions; ``attnkit.scores``' or your own, probed by
             :func:`attnkit.scores.kernel_terms`) and/or tanh soft-capping. A bias's learned tensors
             get this rank's share of their gradient: sum it over the ranks (``sync_grads``).
         scale: defaults to ``1 / sqrt(E)``.
@@ -474,17 +584,21 @@ def _make_ring(req, group, layout: str) -> tuple[_Ring, Tensor | None]:
     offset = kv_len - q_len  # bottom-right alignment over the global lengths
     cd = compute_dtype(q.dtype)
     kernel = q.device.type == "cpu" and cd in _band.DTYPES and _band.available()
+    use_flex = not kernel and q.device.type in _FLEX_DEVICES and cd in flex.DTYPES
     lo, hi = (t[0, q_pos.cpu(), 0] for t in row_bounds(q_len, kv_len, req.is_causal, req.window))
     bounds = (lo, hi.masked_fill(lo >= hi, 0))  # an empty row widens no tile's bounds
     rows = _my_rows(req, q_pos, q_len, kv_len) if kernel else None
     table, cap = None, 0.0
     if req.score_mod is not None and q_len and kv_len:  # decided from global sizes alike on every rank
+        applies = rows is not None or use_flex
         terms = scores.kernel_terms(req.score_mod, batch=q.shape[0], heads=q.shape[1], q_len=q_len, kv_len=kv_len,
-                                    dtype=cd, device=q.device) if rows is not None else None
+                                    dtype=cd, device=q.device) if applies else None
         if terms is None:
-            why = scores.NOT_KERNEL_TERMS if rows is not None else (
-                "the banded kernel cannot run this call (not built, not on CPU, or a mask without an interval form)")
-            raise ValueError(f"ring_attention serves a score_mod on the banded kernel only, and here {why}")
+            why = scores.NOT_KERNEL_TERMS if applies else (
+                "neither runs this call: the banded kernel is not built or the mask has no interval form, and "
+                f"compiled Flex serves {' and '.join(_FLEX_DEVICES)} tensors in {', '.join(map(str, flex.DTYPES))}")
+            raise ValueError("ring_attention serves a score_mod only as the banded kernel (CPU) or compiled Flex "
+                             f"(CUDA) apply it, and here {why}")
         table, cap = terms
     ring = _Ring(
         group=group, rank=rank, world=world,
@@ -493,6 +607,7 @@ def _make_ring(req, group, layout: str) -> tuple[_Ring, Tensor | None]:
         predicate=combined_mask_mod(req.is_causal, req.window, offset, req.mask_mod),
         rows=rows, q_len=q_len, cap=cap, bounds=bounds,
         batch=q.shape[0], heads=q.shape[1], kv_heads=req.key.shape[1], scale=req.scale, compute_dtype=cd,
+        flex=use_flex,
     )
     return ring, table
 

@@ -16,6 +16,7 @@ a mod TorchDynamo cannot trace).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import types
@@ -244,9 +245,9 @@ def stand_in_compiler(monkeypatch):
     it made are forgotten after."""
     stand_in = types.SimpleNamespace(made=[], compiler=None)
 
-    def compile_():
+    def compile_(lse=False):
         stand_in.made.append(1)
-        return stand_in.compiler()
+        return stand_in.compiler(lse) if lse else stand_in.compiler()
 
     monkeypatch.setattr(flex, "_compile", compile_)
     before_families, before_failed = set(flex._families), set(flex._failed)
@@ -321,6 +322,42 @@ def test_a_family_whose_first_output_disagrees_with_the_formula_is_not_used(stan
     with torch.no_grad(), pytest.raises(ValueError, match="backend 'flex' cannot serve this call: compiled "
                                                           "flex_attention cannot serve this family of calls"):
         SMALL(validate_call(q, k, v, is_causal=True))  # a direct call says why, as a forced backend does
+
+
+def test_attention_with_lse_gives_each_row_its_log_sum_exp_and_both_gradients(stand_in_compiler):
+    """What ring attention merges its blocks with: the output and each row's log-sum-exp (-inf and zeros for a
+    row that sees nothing), differentiable in both (CUDA's compiled Flex; here Flex's own eager maths, which
+    PyTorch refuses a CPU backward only at its door)."""
+    import torch.nn.attention.flex_attention as fa
+
+    stand_in_compiler.compiler = flex._flex_call  # Flex uncompiled
+    q, k, v = (t.requires_grad_() for t in qkv(hkv=2, lq=12, lk=9, seed=3))
+    alibi = scores.alibi(scores.alibi_slopes(H))
+    dead = masks.padding_mod(torch.tensor([9, 0]))  # batch element 1 sees no key
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fa, "_validate_device", lambda *args: None)
+        out, lse = flex.attention_with_lse(validate_call(q, k, v, mask_mod=dead, window=(4, 1), score_mod=alibi),
+                                           block_size=BLOCK)
+        g_out, g_lse = torch.randn_like(out), torch.randn_like(lse)
+        got = torch.autograd.grad((out, lse), (q, k, v), (g_out, g_lse))
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    kv = ref_in[1].repeat_interleave(H // 2, 1), ref_in[2].repeat_interleave(H // 2, 1)
+    s = alibi(ref_in[0] @ kv[0].transpose(-1, -2) / math.sqrt(E), *oracle_grid(2, H, 12, 9))
+    allowed = oracle.allowed_grid(2, H, 12, 9, window=(4, 1), mask_mod=dead)
+    s = s.masked_fill(~allowed, -math.inf)
+    want_lse = s.logsumexp(-1)
+    want = torch.where(torch.isneginf(want_lse)[..., None], 0.0, torch.softmax(s, -1).nan_to_num(0.0)) @ kv[1]
+    assert bool(torch.isneginf(lse[1]).all()) and not bool(out[1].any())
+    close(out, want, torch.float32)
+    close(lse, want_lse, torch.float32)
+    live = torch.where(torch.isneginf(want_lse), 0.0, want_lse)  # the dead rows' -inf has no gradient
+    want_grads = torch.autograd.grad(((want * g_out.double()).sum() + (live * g_lse.double()).sum()), ref_in)
+    for a, b in zip(got, want_grads, strict=True):
+        close(a, b, torch.float32)
+
+
+def oracle_grid(*sizes):
+    return [torch.arange(n).view([-1 if d == i else 1 for d in range(4)]) for i, n in enumerate(sizes)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -319,7 +319,7 @@ def _score_mod_cases(rank, world):
         ring_attention(*(shard(t, 2) for t in (q, k, v)), score_mod=lambda s, b, h, i, j: s * 2)
         failures.append(f"rank {rank}: a score_mod the kernel cannot apply was not refused")
     except ValueError as e:
-        if "ring_attention serves a score_mod on the banded kernel only" not in str(e):
+        if "ring_attention serves a score_mod only as the banded kernel (CPU) or compiled Flex (CUDA)" not in str(e):
             failures.append(f"rank {rank}: unexpected refusal {e}")
     return failures
 
@@ -327,6 +327,110 @@ def _score_mod_cases(rank, world):
 @pytest.mark.timeout(90)
 def test_ring_score_biases_and_soft_caps_2_ranks():
     _check(run_local(_score_mod_cases, 2, timeout=SPAWN_TIMEOUT))
+
+
+# --------------------------------------------------------------------------------------------
+# The Flex path (what CUDA tensors take), on the CPU
+# --------------------------------------------------------------------------------------------
+
+
+def _eager_flex(lse=False):
+    """Flex uncompiled in place of the compiled one: PyTorch refuses a CPU backward only at
+    flex_attention's door (``_validate_device``), and its eager maths has one."""
+    import torch.nn.attention.flex_attention as fa
+
+    from attnkit.backends import flex as flex_module
+
+    fa._validate_device = lambda *args: None
+    # (eager flex_attention still traces itself; shapes kept static, as attnkit's own compile keeps them)
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    return flex_module._flex_call(lse)
+
+
+def _flex_path(rank, world):
+    """Each block through Flex with its log-sum-exp, merged as the other paths merge theirs, and its
+    gradients through Flex's backward of the block given the merged statistics: the grid's masks and
+    layouts, GQA, dead rows, a learned relative table and a cap, against one process in float64, through
+    Flex's eager maths (compiled Flex on the CPU has neither a backward nor the log-sum-exp); and one compiled
+    forward, whose failure to compile hands the blocks to the tiles path."""
+    import warnings
+
+    from attnkit import scores
+    from attnkit.backends import flex as flex_module
+
+    warnings.filterwarnings("ignore", message=".*flex_attention.*")
+    ring_module._FLEX_DEVICES = ("cpu",)
+    ring_module._band.available = lambda: False  # a spawned worker: nothing else runs in it
+    served = []
+    with_lse = flex_module.attention_with_lse
+    flex_module.attention_with_lse = lambda req, **kw: served.append(req.q_len) or with_lse(req, **kw)
+    failures = []
+
+    # compiled: PyTorch 2.13's CPU Flex cannot return the log-sum-exp, so the compile fails, which is said and
+    # remembered, and the tiles path serves the blocks (should a later PyTorch compile it, Flex serves them)
+    c = _case("zigzag", lq=16, lk=16, dtype=torch.float32, batch=1)
+    q, k, v, _ = _inputs(c, seed=3)
+    q, k = (torch.nn.functional.pad(t, (0, 16)) for t in (q, k))  # head dim 24: CPU Flex's bounded tile code
+    want = attnkit.attention(q.double(), k.double(), v.double(), is_causal=True, backend="reference")
+    with torch.no_grad():
+        out = ring_attention(*(shard(t, 2, layout="zigzag") for t in (q, k, v)), layout="zigzag", is_causal=True)
+    try:
+        close(out, shard(want, 2, layout="zigzag"), dtype=torch.float32)
+    except AssertionError as e:
+        failures.append(f"rank {rank} compiled forward: {str(e).splitlines()[:3]}")
+    if not served:
+        failures.append(f"rank {rank}: the compiled forward did not try Flex")
+
+    flex_module._compile = _eager_flex
+    flex_module._families.clear()
+    masking = [{"is_causal": True}, {"window": (3, 1)}, {"lengths": [9, 0]}, {"mod": "documents"},
+               {"mod": "user", "is_causal": True}, {"mod": "heads", "window": (4, 4)}]
+    shapes = (("zigzag", {"lq": 13, "lk": 13}), ("contiguous", {"lq": 5, "lk": 12}))  # Lq < Lk: bottom-right
+    cases = [_case(shapes[i % 2][0], dtype=torch.float32, **m, **shapes[i % 2][1]) for i, m in enumerate(masking)]
+    served.clear()
+    failures += _compare_cases(rank, world, cases)
+    if len(served) < len(cases):
+        failures.append(f"rank {rank}: {len(served)} blocks through Flex for {len(cases)} cases")
+
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(4, 9, generator=g, dtype=torch.float64)
+    table32 = table.float()
+    slopes = scores.alibi_slopes(4, dtype=torch.float64)
+
+    def relative(t):  # a learned table, clipped distances
+        return lambda score, b, h, q_idx, kv_idx: score + t[h, (kv_idx - q_idx).clamp(-4, 4) + 4]
+
+    c = _case("zigzag", lq=13, lk=13)
+    for what, ref_mod, mod, learned, size in (
+            ("a learned relative table", relative(table), relative(table32), (table, table32), 1),
+            ("ALiBi then a cap", scores.compose(scores.alibi(slopes), scores.softcap(5.0)),
+             scores.compose(scores.alibi(slopes.float()), scores.softcap(5.0)), None, 3)):  # scores the cap bites
+        q, k, v, dout = (t * size for t in _inputs(c, seed=9))
+        for t in learned or ():
+            t.requires_grad_()
+        ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+        want = attnkit.attention(*ref_in, score_mod=ref_mod, window=(3, 2), backend="reference")
+        want.backward(dout)
+        mine = [shard(t.float(), 2, layout="zigzag").detach().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*mine, layout="zigzag", window=(3, 2), score_mod=mod)
+        out.backward(shard(dout.float(), 2, layout="zigzag"))
+        pairs = [("out", out, shard(want, 2, layout="zigzag"))]
+        pairs += [(name, got.grad, shard(ref.grad, 2, layout="zigzag"))
+                 for name, got, ref in zip(("dq", "dk", "dv"), mine, ref_in, strict=True)]
+        if learned:
+            dist.all_reduce(learned[1].grad)  # each rank holds its query rows' share
+            pairs.append(("table", learned[1].grad, learned[0].grad))
+        for name, actual, expected in pairs:
+            try:
+                close(actual, expected, dtype=torch.float32)
+            except AssertionError as e:
+                failures.append(f"rank {rank} {what} through Flex, {name}: {str(e).splitlines()[:4]}")
+    return failures
+
+
+@pytest.mark.timeout(90)
+def test_ring_through_flex_with_its_log_sum_exp_2_ranks():
+    _check(run_local(_flex_path, 2, timeout=SPAWN_TIMEOUT))
 
 
 # --------------------------------------------------------------------------------------------
