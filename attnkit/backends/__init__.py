@@ -5,7 +5,8 @@ when it can serve the request exactly) and ``__call__(request) -> (out, weights 
 ``"auto"`` takes the first backend in :func:`auto_order` (:data:`AUTO_ORDER`, with the device's own
 engines first: :data:`DEVICE_FIRST`) that can serve a request; forcing a
 backend that cannot raises ``ValueError`` with its reasons, and when none fits, every backend's.
-A family name (:data:`FAMILIES`: ``"blockwise"``) takes the first of its members that can serve;
+A family name (:data:`FAMILIES`: ``"blockwise"``) takes the first of its members that can serve, in
+:func:`family_order` (on CUDA compiled FlexAttention first: :data:`FAMILY_DEVICE_FIRST`);
 ``attnkit.which_backend`` always names the member that runs.
 
 The registry is :mod:`.registry`; each kernel is a module here (``sdpa``, ``band``, ``reference``,
@@ -13,7 +14,20 @@ The registry is :mod:`.registry`; each kernel is a module here (``sdpa``, ``band
 :mod:`.refusals`.
 """
 
-from .registry import AUTO_ORDER, DEVICE_FIRST, FAMILIES, Backend, auto_order, available, get, register, select, served
+from .registry import (
+    AUTO_ORDER,
+    DEVICE_FIRST,
+    FAMILIES,
+    FAMILY_DEVICE_FIRST,
+    Backend,
+    auto_order,
+    available,
+    family_order,
+    get,
+    register,
+    select,
+    served,
+)
 
-__all__ = ["AUTO_ORDER", "DEVICE_FIRST", "FAMILIES", "Backend", "auto_order", "available", "get", "register",
-           "select", "served"]
+__all__ = ["AUTO_ORDER", "DEVICE_FIRST", "FAMILIES", "FAMILY_DEVICE_FIRST", "Backend", "auto_order", "available",
+           "family_order", "get", "register", "select", "served"]

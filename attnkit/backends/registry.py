@@ -42,7 +42,11 @@ dense mask or bias), then ``flex`` (compiled FlexAttention) for windows, plans, 
 ``score_mod``; the CPU-only kernels refuse there, so ``tiles`` and ``reference`` follow."""
 FAMILIES: dict[str, tuple[str, ...]] = {"blockwise": ("band", "fused_tiles", "tiles")}
 """Names that stand for the first member able to serve a call: ``"blockwise"`` is the exact
-O(tile)-memory kernels, fastest first."""
+O(tile)-memory kernels, fastest first (see :data:`FAMILY_DEVICE_FIRST` for other devices)."""
+FAMILY_DEVICE_FIRST: dict[str, dict[str, tuple[str, ...]]] = {"blockwise": {"cuda": ("flex",)}}
+"""Per family and device type, members that go before the family's own there: on CUDA, where the CPU
+kernels refuse, ``"blockwise"`` is compiled FlexAttention before the tiles (on the CPU it is not a
+member: its compile would cost seconds where the kernels serve at once)."""
 
 
 def register(backend: Backend, *, auto_rank: int | None = None) -> Backend:
@@ -58,6 +62,13 @@ def auto_order(device) -> list[str]:
     :data:`DEVICE_FIRST` backends that are registered, then the rest of :data:`AUTO_ORDER`."""
     first = [n for n in DEVICE_FIRST.get(torch.device(device).type, ()) if n in _REGISTRY]
     return first + [n for n in AUTO_ORDER if n not in first]
+
+
+def family_order(name: str, device) -> list[str]:
+    """The members family ``name`` tries on ``device``: :data:`FAMILY_DEVICE_FIRST`'s for the device that are
+    registered, then :data:`FAMILIES`'."""
+    first = [n for n in FAMILY_DEVICE_FIRST.get(name, {}).get(torch.device(device).type, ()) if n in _REGISTRY]
+    return first + [n for n in FAMILIES[name] if n not in first]
 
 
 def available() -> list[str]:
@@ -124,7 +135,7 @@ def select(req: Call, name: str = "auto") -> Backend:
             raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(reasons))
         return backend
     why = {}
-    order = auto_order(req.query.device) if name == "auto" else FAMILIES[name]
+    order = auto_order(req.query.device) if name == "auto" else family_order(name, req.query.device)
     if name == "auto":
         ahead = [n for n in order if getattr(_REGISTRY[n], "prefers", None) is not None and _REGISTRY[n].prefers(req)]
         order = ahead + [n for n in order if n not in ahead]

@@ -225,10 +225,14 @@ def test_on_the_cpu_auto_never_picks_flex_and_on_cuda_it_comes_after_sdpa():
     assert order == attnkit.backends.AUTO_ORDER and order[-1] == "flex"
     assert order[:-1] == ["sdpa", "band", "fused_tiles", "tiles", "reference"]
     assert attnkit.backends.auto_order(torch.device("cuda", 0))[:2] == ["sdpa", "flex"]
+    # the "blockwise" family: flex first on CUDA, not a member on the CPU
+    assert attnkit.backends.family_order("blockwise", "cpu") == ["band", "fused_tiles", "tiles"]
+    assert attnkit.backends.family_order("blockwise", "cuda") == ["flex", "band", "fused_tiles", "tiles"]
     q, k, v = qkv()
     with torch.no_grad():  # what flex serves goes to the CPU kernels (these two ask for no band kernel build)
         cosine = lambda s, b, h, i, j: s * torch.cos(s)  # noqa: E731
         assert attnkit.which_backend(q, k, v, is_causal=True, score_mod=cosine) == "tiles"
+        assert attnkit.which_backend(q, k, v, is_causal=True, score_mod=cosine, backend="blockwise") == "tiles"
         assert attnkit.which_backend(q, k, v, mask_mod=documents, return_weights=True) == "reference"
     with pytest.raises(ValueError, match="block_size must be a positive int or None, got 0"):
         FlexBackend(block_size=0)

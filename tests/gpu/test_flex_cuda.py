@@ -125,3 +125,5 @@ def test_on_cuda_auto_takes_sdpa_for_what_it_does_exactly_and_flex_for_the_rest(
     assert attnkit.which_backend(q, k, v, window=(40, 0), return_weights=True) == "reference"
     q64, k64, v64 = (t.detach().double() for t in (q, k, v))  # flex computes no float64: tiles
     assert attnkit.which_backend(q64, k64, v64, window=(40, 0)) == "tiles"
+    assert attnkit.which_backend(q, k, v, window=(40, 0), backend="blockwise") == "flex"
+    assert attnkit.which_backend(q64, k64, v64, window=(40, 0), backend="blockwise") == "tiles"
