@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import masks as _masks
 from . import per_element
+from .dtypes import DTYPES
 from .maskplan import MaskPlan, for_call
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -128,6 +129,13 @@ def validate_call(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64 (what attnkit computes in), got "
+                            f"dtype {t.dtype} on {t.device}; convert it first, e.g. {name}.to(torch.bfloat16)")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device, which holds no values to attend over: attnkit computes "
+                             "on CPU and CUDA tensors (the PyTorch backends, sdpa, tiles and reference, on any "
+                             "device PyTorch computes on)")
         if t.dim() < 3:
             raise ValueError(f"{name} must have shape [..., heads, length, dim] (at least 3-D), "
                              f"got shape {tuple(t.shape)}")

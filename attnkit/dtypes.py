@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
+#: Every dtype a call may come in: the half types and the two full ones (not float8 and the like, which
+#: PyTorch itself does not multiply or sum on every device).
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -45,6 +45,10 @@ V = torch.randn(2, 2, 7, 6)
 @pytest.mark.parametrize("args, kwargs, exc, pattern", [
     ((Q.numpy(), K, V), {}, TypeError, r"query must be a torch.Tensor, got ndarray"),
     ((Q.long(), K, V), {}, TypeError, r"query must be a floating-point tensor, got dtype torch.int64"),
+    ((Q.to(torch.float8_e4m3fn), K, V), {}, TypeError, r"query must be float16, bfloat16, float32 or float64 \(what "
+     r"attnkit computes in\), got dtype torch.float8_e4m3fn on cpu; convert it first, e.g. query.to\(torch.bfloat16"),
+    ((Q, K.to("meta"), V), {}, ValueError, r"key is on the meta device, which holds no values to attend over: attnkit "
+     r"computes on CPU and CUDA tensors"),
     ((Q[0, 0], K, V), {}, ValueError, r"query must have shape \[..., heads, length, dim\].*\(5, 8\)"),
     ((Q, K.double(), V), {}, TypeError, r"key dtype torch.float64 does not match query dtype torch.float32"),
     ((Q, K[:1], V), {}, ValueError, r"key batch dims \(1,\) must equal query batch dims \(2,\)"),
