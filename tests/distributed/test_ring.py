@@ -351,8 +351,8 @@ def _flex_path(rank, world):
     """Each block through Flex with its log-sum-exp, merged as the other paths merge theirs, and its
     gradients through Flex's backward of the block given the merged statistics: the grid's masks and
     layouts, GQA, dead rows, a learned relative table and a cap, against one process in float64, through
-    Flex's eager maths (compiled Flex on the CPU has neither a backward nor the log-sum-exp); and one compiled
-    forward, whose failure to compile hands the blocks to the tiles path."""
+    Flex's eager maths (compiled Flex on the CPU has neither a backward nor the log-sum-exp); and a family
+    that fails to compile, whose blocks the tiles path serves."""
     import warnings
 
     from attnkit import scores
@@ -366,23 +366,35 @@ def _flex_path(rank, world):
     flex_module.attention_with_lse = lambda req, **kw: served.append(req.q_len) or with_lse(req, **kw)
     failures = []
 
-    # compiled: PyTorch 2.13's CPU Flex cannot return the log-sum-exp, so the compile fails, which is said and
-    # remembered, and the tiles path serves the blocks (should a later PyTorch compile it, Flex serves them)
+    # a family compiled Flex cannot serve (a stand-in compile that fails): the tiles path serves its blocks, said
+    # once; with a score_mod, which the tiles do not apply, the call raises naming the cause
+    def no_compiler(lse=False):
+        def kernel(*args):
+            raise RuntimeError("no C++ compiler found")
+        return kernel
+
+    flex_module._compile = no_compiler
     c = _case("zigzag", lq=16, lk=16, dtype=torch.float32, batch=1)
     q, k, v, _ = _inputs(c, seed=3)
-    q, k = (torch.nn.functional.pad(t, (0, 16)) for t in (q, k))  # head dim 24: CPU Flex's bounded tile code
     want = attnkit.attention(q.double(), k.double(), v.double(), is_causal=True, backend="reference")
-    with torch.no_grad():
-        out = ring_attention(*(shard(t, 2, layout="zigzag") for t in (q, k, v)), layout="zigzag", is_causal=True)
+    mine = [shard(t, 2, layout="zigzag") for t in (q, k, v)]
+    out = ring_attention(*mine, layout="zigzag", is_causal=True)
     try:
         close(out, shard(want, 2, layout="zigzag"), dtype=torch.float32)
     except AssertionError as e:
-        failures.append(f"rank {rank} compiled forward: {str(e).splitlines()[:3]}")
+        failures.append(f"rank {rank} a block compiled Flex cannot serve: {str(e).splitlines()[:3]}")
     if not served:
-        failures.append(f"rank {rank}: the compiled forward did not try Flex")
+        failures.append(f"rank {rank}: the blocks did not try Flex")
+    try:
+        ring_attention(*mine, layout="zigzag", is_causal=True, score_mod=scores.alibi(scores.alibi_slopes(4)))
+        failures.append(f"rank {rank}: a score_mod on blocks compiled Flex cannot serve was not refused")
+    except RuntimeError as e:
+        if "compiled flex_attention cannot serve a block (RuntimeError: no C++ compiler found)" not in str(e):
+            failures.append(f"rank {rank}: unexpected error {e}")
 
     flex_module._compile = _eager_flex
     flex_module._families.clear()
+    flex_module._failed.clear()
     masking = [{"is_causal": True}, {"window": (3, 1)}, {"lengths": [9, 0]}, {"mod": "documents"},
                {"mod": "user", "is_causal": True}, {"mod": "heads", "window": (4, 4)}]
     shapes = (("zigzag", {"lq": 13, "lk": 13}), ("contiguous", {"lq": 5, "lk": 12}))  # Lq < Lk: bottom-right
