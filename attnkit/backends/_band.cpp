@@ -1423,12 +1423,9 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
                                   const Tensor& out, const Tensor& stats, const Tensor& starts, const Tensor& ends,
                                   const Tensor& bias, double scale, double softcap, Index kv_rows, Index q_chunk,
                                   bool deterministic, bool bias_grad) {
-  // a half type only through its products (without them the caller widens it)
+  // a half type through its products, or widened here (see below)
   const bool halves = with_half_products(q);
-  TORCH_CHECK(!q.defined() || !is_half(q) || halves, "band kernel: the backward takes q in float32 or float64, or in "
-              "bfloat16 or float16 while that type's products are on (set_bf16_products, set_f16_products), got ",
-              described(q));
-  check_qkv(q, k, v, halves);
+  check_qkv(q, k, v, true);
   const Index B = q.size(0), H = q.size(1), L = q.size(2);
   // dout and out [B, H, Lq, Ev] in q's dtype, stats the forward's [2, B, H, Lq] in the compute type
   for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&dout, "dout"}, {&out, "out"}}) {
@@ -1471,8 +1468,21 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
     row_dots<float, c10::Half>(dout, out, delta);
     backward_impl<float, c10::Half>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, static_cast<float>(scale),
                                     static_cast<float>(softcap), kv_rows, q_chunk, deterministic);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    // Without its products a half type is computed in float32: dout and out are read as they are for the
+    // row dots, and q, k, v and dout widened once each (to_float: vectorised, in parallel), as the forward
+    // widens its keys and values.
+    row_dots<float, c10::BFloat16>(dout, out, delta);
+    backward_impl<float>(to_float<c10::BFloat16>(dout), to_float<c10::BFloat16>(q), to_float<c10::BFloat16>(k),
+                         to_float<c10::BFloat16>(v), stats, delta, dq, dk, dv, R, bias, dbias, static_cast<float>(scale),
+                         static_cast<float>(softcap), kv_rows, q_chunk, deterministic);
+  } else if (q.scalar_type() == at::kHalf) {
+    row_dots<float, c10::Half>(dout, out, delta);
+    backward_impl<float>(to_float<c10::Half>(dout), to_float<c10::Half>(q), to_float<c10::Half>(k),
+                         to_float<c10::Half>(v), stats, delta, dq, dk, dv, R, bias, dbias, static_cast<float>(scale),
+                         static_cast<float>(softcap), kv_rows, q_chunk, deterministic);
   }
-  if (halves) {
+  if (is_half(q)) {
     dq = dq.to(q.scalar_type());
     dk = dk.to(q.scalar_type());
     dv = dv.to(q.scalar_type());

@@ -231,8 +231,8 @@ def _run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor
             got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name} must be an int64 CPU tensor [P, Lq, K] (P 1, B or B*H), got {got}")
     compute = compute_dtype(query.dtype)
-    # Half types go to the kernel as they are: its forward converts a tile at a time (the backward, each
-    # tensor once, in _gradient).
+    # Half types go to the kernel as they are: its forward converts a tile at a time (without its products,
+    # the backward widens q, k, v and dout once each, in the kernel).
     stored = query.dtype if query.dtype in HALF and key.dtype == value.dtype == query.dtype else compute
     q, k, v = (t.to(stored).reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in (query, key, value))
     table = query.new_empty(0, 0, dtype=compute) if bias is None else bias.to(compute)
@@ -392,8 +392,8 @@ def _rows(x: Tensor) -> Tensor:
 #   q, k and v with unit stride along the last dim and rows at least a row apart (what the BLAS reads in place; the
 #   operator makes them so, the module's forward refuses them otherwise). The module's own block sizes (q_rows,
 #   kv_chunk) must be in [1, 2^20].
-# - band_backward: all of that but q float32, float64, or bfloat16 or float16 while that type's products are on
-#   (:func:`_gradient` widens a half type without them once), and
+# - band_backward: all of that (a half type without its products widened in the kernel: q, k, v and dout once
+#   each, dout and out read as they are for the row dots), and
 #   dout and out ``[B, H, Lq, Ev]`` (q's B, H, Lq, v's Ev) with rows as q's, stats the forward's contiguous
 #   ``[2, B, H, Lq]``, all in q's dtype (stats in the compute dtype); kv_rows, q_chunk in [1, 2^20].
 # Statistics are in the compute dtype (float32 for half q).
@@ -459,15 +459,11 @@ def _save_for_backward(ctx, inputs, output):
 def _gradient(ctx, dout, _dstats):
     q, k, v, out, stats, starts, ends, bias = ctx.saved_tensors
     bias_grad = ctx.needs_input_grad[5]  # a learned table; a constant one (fixed ALiBi slopes) skips the sum
-    stored = q.dtype
-    # a half type under its products goes as it is; otherwise it is computed in float32 from tensors converted
-    # once. Gradients are stored as q.
-    if stored in HALF and not getattr(_module(), f"{_tag(stored)}_products")():
-        dout, q, k, v, out = (t.to(stats.dtype) for t in (dout, q, k, v, out))
+    # a half type goes as it is (the kernel takes its products, or widens q, k, v and dout once each); the
+    # gradients come back in q's dtype
     dq, dk, dv, dbias = torch.ops.attnkit.band_backward(dout, q, k, v, out, stats, starts, ends, bias, ctx.scale,
                                                          ctx.softcap, torch.are_deterministic_algorithms_enabled(),
                                                          bias_grad)
-    dq, dk, dv = (t.to(stored) for t in (dq, dk, dv))
     return dq, dk, dv, None, None, dbias if bias_grad else None, None, None
 
 

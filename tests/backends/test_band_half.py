@@ -181,7 +181,7 @@ def test_half_gradients_with_half_products_err_no_more_than_sdpas_half_backward(
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_the_operator_takes_half_inputs_with_a_float32_bias_and_its_backward_only_under_their_products(dtype):
+def test_the_operator_takes_half_inputs_with_a_float32_bias_and_its_backward_with_or_without_their_products(dtype):
     q, k, v = _inputs((1, 2, 2, 20, 20), dtype)
     starts, ends = _band._window(20, 20, 3, 3)[2:]
     with pytest.raises(RuntimeError, match=r"bias .*float32 for half types"):
@@ -189,10 +189,15 @@ def test_the_operator_takes_half_inputs_with_a_float32_bias_and_its_backward_onl
     out, stats = torch.ops.attnkit.band_forward(q, k, v, starts, ends, torch.zeros(2, 39), 0.3, 0.0)
     assert out.dtype == dtype and stats.dtype == torch.float32
     no_bias = torch.zeros(0, 0)
-    with half_products(dtype, False), pytest.raises(
-            RuntimeError, match=rf"q in float32 or float64, or in bfloat16 or float16 while that type's products "
-                                rf"are on .*got {_band.dtype_name(dtype)}"):
-        torch.ops.attnkit.band_backward(out, q, k, v, out, stats, starts, ends, no_bias, 0.3, 0.0, False, False)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with half_products(dtype, False):  # widened in the kernel: the float32 backward of the widened tensors, rounded
+        grads = torch.ops.attnkit.band_backward(dout, q, k, v, out, stats, starts, ends, no_bias, 0.3, 0.0, False,
+                                                False)
+        wide = torch.ops.attnkit.band_backward(*(t.float() for t in (dout, q, k, v, out)), stats, starts, ends,
+                                               no_bias, 0.3, 0.0, False, False)
+    assert [g.dtype for g in grads[:3]] == [dtype] * 3
+    for got, want in zip(grads[:3], wide[:3], strict=True):
+        assert torch.equal(got, want.to(dtype))
     if _band._products_ok.get(dtype):
         with half_products(dtype, True):
             with pytest.raises(RuntimeError, match=r"stats must be a dense float32"):
