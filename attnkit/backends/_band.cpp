@@ -323,6 +323,23 @@ inline void store_row(const T* from, S* to, Index n) {
   }
 }
 
+// n rows of t ([B, H, L, width], unit stride along width) from row i0 of head h of batch element b, as a
+// product of KV operands reads them: in place (stored as KV; ld their stride), or widened from their storage
+// type S into buf (n x width; ld = width). The backward of a half type without its products reads its
+// inputs a tile at a time this way (no float32 copy of a whole tensor).
+template <typename KV, typename S>
+inline const KV* rows_as(const Tensor& t, Index b, Index h, Index i0, Index n, KV* buf, Index& ld) {
+  if constexpr (std::is_same_v<KV, S>) {
+    ld = t.stride(2);
+    return row_ptr<KV>(t, b, h, i0);
+  } else {
+    const Index width = t.size(3);
+    for (Index r = 0; r < n; ++r) load_row<KV, S>(row_ptr<S>(t, b, h, i0 + r), buf + r * width, width);
+    ld = width;
+    return buf;
+  }
+}
+
 // n values of x as a product's operand of type KV: x itself when KV is T, else rounded to nearest into buf.
 template <typename T, typename KV>
 inline const KV* operand(const T* x, Index n, KV* buf) {
@@ -384,13 +401,15 @@ T* bias_grad_row(Tensor& dbias, const Tensor& bias, Index h, Index c) {
   return dbias.data_ptr<T>() + (slot * dbias.size(1) + (bias.size(0) == 1 ? 0 : h)) * dbias.size(2) + c;
 }
 
-// Keys in sorted, disjoint segments segs[0..n), side by side: their rows of t ([B, H, S, width],
-// head h) copied to out.
-template <typename T>
+// Keys in sorted, disjoint segments segs[0..n), side by side: their rows of t ([L, width] of head h, stored
+// as S) copied to out as T (widened where S is a half type and T is not).
+template <typename T, typename S = T>
 void gather_keys(const Tensor& t, Index b, Index h, const std::pair<Index, Index>* segs, Index n, T* out) {
   const Index width = t.size(3);
   for (Index x = 0; x < n; ++x) {
-    for (Index j = segs[x].first; j < segs[x].second; ++j, out += width) std::copy_n(row_ptr<T>(t, b, h, j), width, out);
+    for (Index j = segs[x].first; j < segs[x].second; ++j, out += width) {
+      load_row<T, S>(row_ptr<S>(t, b, h, j), out, width);
+    }
   }
 }
 
@@ -461,7 +480,8 @@ struct KeyScratch {
 // body(kp, ldk, vp, ldv, kc, visible, bias_of): its keys and values (rows ldk, ldv apart),
 // visible(i, rg) row i's visible columns as ranges in rg (returns how many), bias_of(i) row i's
 // bias of head h at the chunk's columns.
-template <typename T, typename KV, typename RowOf, typename Body>
+// S: how k and v are stored (KV, or a half type that the backward without its products widens per chunk).
+template <typename T, typename KV, typename S = KV, typename RowOf, typename Body>
 void key_chunks(const Rows& R, Index p, Index g, const RowOf& row, Index gap, Index chunk, const Tensor& k,
                 const Tensor& v, const Tensor& bias, Index b, Index h, Index hkv, KeyScratch<T, KV>& w,
                 const Body& body) {
@@ -473,7 +493,10 @@ void key_chunks(const Rows& R, Index p, Index g, const RowOf& row, Index gap, In
     }
     for (Index c0 = seg.first; c0 < seg.second; c0 += chunk) {
       const Index kc = std::min(chunk, seg.second - c0);
-      body(row_ptr<KV>(k, b, hkv, c0), k.stride(2), row_ptr<KV>(v, b, hkv, c0), v.stride(2), kc,
+      Index ldk = 0, ldv = 0;
+      const KV* kp = rows_as<KV, S>(k, b, hkv, c0, kc, w.kg, ldk);
+      const KV* vp = rows_as<KV, S>(v, b, hkv, c0, kc, w.vg, ldv);
+      body(kp, ldk, vp, ldv, kc,
            [&](Index i, std::vector<Index>& rg) { return R.ranges(p, i, c0, kc, rg); },
            // bias[h, j - i + L - 1]: a contiguous slice along the row
            [&](Index i) { return diagonal_row<T>(bias, h, c0 - i + R.L - 1); });
@@ -487,8 +510,8 @@ void key_chunks(const Rows& R, Index p, Index g, const RowOf& row, Index gap, In
     }
     const auto* segs = w.lone.data() + x0;
     const Index n = static_cast<Index>(x1 - x0);
-    gather_keys<KV>(k, b, hkv, segs, n, w.kg);
-    gather_keys<KV>(v, b, hkv, segs, n, w.vg);
+    gather_keys<KV, S>(k, b, hkv, segs, n, w.kg);
+    gather_keys<KV, S>(v, b, hkv, segs, n, w.vg);
     body(static_cast<const KV*>(w.kg), k.size(3), static_cast<const KV*>(w.vg), v.size(3), kc,
          [&](Index i, std::vector<Index>& rg) { return R.ranges_in(p, i, segs, n, rg); },
          [&](Index i) { return gathered_bias<T>(bias, h, i, R.L, segs, n, w.bg.data()); });
@@ -949,7 +972,7 @@ void row_dots(const Tensor& x, const Tensor& y, Tensor& delta) {
 // chunks of q_chunk rows. dK and dV of a group are summed apart and added to its keys' rows, dQ to
 // its rows (an item owns its heads' rows; deterministic, dQ comes from the pass over query blocks,
 // which sees every key).
-template <typename T, typename KV = T>
+template <typename T, typename KV = T, typename S = KV>
 void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
                    const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Rows& R, const Tensor& bias,
                    Tensor& dbias, T scale, T cap, Index kv_rows, Index q_chunk, bool deterministic,
@@ -981,7 +1004,10 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   }
   each_item(d.B * d.Hkv, deterministic && bias_grad, [&](const auto& next) {
     constexpr bool rounds = !std::is_same_v<KV, T>;  // P and dS rounded for the products that take them
-    Tensor kg_buf, vg_buf, dkg_buf, dvg_buf, p_buf, ds_buf, pk_buf, dsk_buf;
+    constexpr bool widens = !std::is_same_v<KV, S>;  // q and dout read a chunk at a time into qb, dob
+    Tensor kg_buf, vg_buf, dkg_buf, dvg_buf, p_buf, ds_buf, pk_buf, dsk_buf, qb_buf, dob_buf;
+    KV* const qb = scratch<KV>(qb_buf, widens ? q_chunk * d.E : 1);
+    KV* const dob = scratch<KV>(dob_buf, widens ? q_chunk * d.Ev : 1);
     KV* const kg = scratch<KV>(kg_buf, kv_rows * d.E);
     KV* const vg = scratch<KV>(vg_buf, kv_rows * d.Ev);
     T* const dkg = scratch<T>(dkg_buf, kv_rows * d.E);
@@ -1002,8 +1028,8 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
           const Index n_segs = static_cast<Index>(group.size());
           Index cols = 0;
           for (const auto& seg : group) cols += seg.second - seg.first;
-          gather_keys<KV>(k, b, hk, segs, n_segs, kg);
-          gather_keys<KV>(v, b, hk, segs, n_segs, vg);
+          gather_keys<KV, S>(k, b, hk, segs, n_segs, kg);
+          gather_keys<KV, S>(v, b, hk, segs, n_segs, vg);
           std::fill(dkg, dkg + cols * d.E, T(0));
           std::fill(dvg, dvg + cols * d.Ev, T(0));
           runs.clear();
@@ -1018,10 +1044,11 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
           for (const auto& run : runs) {
             for (Index i0 = run.first; i0 < run.second; i0 += q_chunk) {
               const Index n = std::min(q_chunk, run.second - i0);
-              const KV* qp = row_ptr<KV>(q, b, h, i0);
-              const KV* dop = row_ptr<KV>(dout, b, h, i0);
-              product<T, KV>(false, true, n, cols, d.E, T(1), qp, q.stride(2), kg, d.E, T(0), p, cols);
-              product<T, KV>(false, true, n, cols, d.Ev, T(1), dop, dout.stride(2), vg, d.Ev, T(0), ds, cols);
+              Index ldq = 0, ldo = 0;
+              const KV* qp = rows_as<KV, S>(q, b, h, i0, n, qb, ldq);
+              const KV* dop = rows_as<KV, S>(dout, b, h, i0, n, dob, ldo);
+              product<T, KV>(false, true, n, cols, d.E, T(1), qp, ldq, kg, d.E, T(0), p, cols);
+              product<T, KV>(false, true, n, cols, d.Ev, T(1), dop, ldo, vg, d.Ev, T(0), ds, cols);
               for (Index r = 0; r < n; ++r) {
                 const Index i = i0 + r, count = R.ranges_in(set, i, segs, n_segs, rg);
                 const T* br = biased ? gathered_bias<T>(bias, h, i, d.L, segs, n_segs, bg.data()) : nullptr;
@@ -1036,9 +1063,9 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
                 }
               }
               const KV* ds_op = operand<T, KV>(ds, n * cols, dsk);
-              product<T, KV>(true, false, cols, d.Ev, n, T(1), operand<T, KV>(p, n * cols, pk), cols, dop,
-                             dout.stride(2), T(1), dvg, d.Ev);
-              product<T, KV>(true, false, cols, d.E, n, scale, ds_op, cols, qp, q.stride(2), T(1), dkg, d.E);
+              product<T, KV>(true, false, cols, d.Ev, n, T(1), operand<T, KV>(p, n * cols, pk), cols, dop, ldo, T(1),
+                             dvg, d.Ev);
+              product<T, KV>(true, false, cols, d.E, n, scale, ds_op, cols, qp, ldq, T(1), dkg, d.E);
               if (!deterministic) {  // (this item alone writes these heads' rows now: no lock)
                 product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kg, d.E, T(1),
                                dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
@@ -1066,7 +1093,10 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
 // dK += dS^T q, and dQ += dS k) takes half operands into float32 sums; P and dS are rounded to the half type
 // for the products that take them (as FlashAttention does on a GPU), while the probabilities, dS itself and
 // the sums of dQ, dK, dV and the bias gradient stay float32.
-template <typename T, typename KV = T>
+// S: how q, k, v and dout are stored: KV, or a half type without its products (KV = T = float), read a
+// tile at a time and widened (rows_as, gather_keys): each key block once, each chunk of query rows once per
+// key block that sees it (a row of E values against the block's E x kv_rows products).
+template <typename T, typename KV = T, typename S = KV>
 void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& stats,
                    const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv, const Rows& R, const Tensor& bias,
                    Tensor& dbias, T scale, T cap, Index kv_rows, Index q_chunk, bool deterministic) {
@@ -1082,8 +1112,11 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   const auto wide = wide_keys(R, d.S, kv_rows, any_wide);
   const auto seen_by = key_block_rows(R, d.S, kv_rows, wide);
   std::vector<std::mutex> locks(deterministic ? 0 : d.B * d.H * groups);
+  constexpr bool widens = !std::is_same_v<KV, S>;
   each_item(d.B * d.Hkv * blocks, deterministic && bias_grad, [&](const auto& next) {
-    Tensor p_buf, ds_buf, qg_buf, dog_buf, dqg_buf, pk_buf, dsk_buf;
+    Tensor p_buf, ds_buf, qg_buf, dog_buf, dqg_buf, pk_buf, dsk_buf, kb_buf, vb_buf;
+    KV* const kb = scratch<KV>(kb_buf, widens ? kv_rows * d.E : 1);  // a key block widened (widens only)
+    KV* const vb = scratch<KV>(vb_buf, widens ? kv_rows * d.Ev : 1);
     T* const p = scratch<T>(p_buf, kv_rows * q_chunk);
     T* const ds = scratch<T>(ds_buf, kv_rows * q_chunk);
     KV* const pk = scratch<KV>(pk_buf, rounds ? kv_rows * q_chunk : 1);
@@ -1095,8 +1128,9 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     for (Index it = 0; next(it);) {
       const Index blk = interleaved(it % blocks, blocks), hk = (it / blocks) % d.Hkv, b = it / (blocks * d.Hkv);
       const Index j0 = blk * kv_rows, cols = std::min(kv_rows, d.S - j0);
-      const KV* kp = row_ptr<KV>(k, b, hk, j0);
-      const KV* vp = row_ptr<KV>(v, b, hk, j0);
+      Index ldk = 0, ldv = 0;
+      const KV* kp = rows_as<KV, S>(k, b, hk, j0, cols, kb, ldk);
+      const KV* vp = rows_as<KV, S>(v, b, hk, j0, cols, vb, ldv);
       T* dkp = dk.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.E;
       T* dvp = dv.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.Ev;
       for (Index g = 0; g < G; ++g) {
@@ -1111,8 +1145,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
         // the rows' dQ shares through add_dq(n, dS as the product's operand).
         const auto rows_chunk = [&](Index n, const KV* qp, Index ldq, const KV* dop, Index ldo, const auto& row,
                                     const auto& add_dq) {
-          product<T, KV>(false, true, n, cols, d.E, T(1), qp, ldq, kp, k.stride(2), T(0), p, cols);
-          product<T, KV>(false, true, n, cols, d.Ev, T(1), dop, ldo, vp, v.stride(2), T(0), ds, cols);
+          product<T, KV>(false, true, n, cols, d.E, T(1), qp, ldq, kp, ldk, T(0), p, cols);
+          product<T, KV>(false, true, n, cols, d.Ev, T(1), dop, ldo, vp, ldv, T(0), ds, cols);
           for (Index r = 0; r < n; ++r) {
             const Index i = row(r);
             const Index count = R.ranges(set, i, j0, cols, rg);
@@ -1141,12 +1175,15 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
             continue;
           }
           for (Index i0 = run.first; i0 < run.second; i0 += q_chunk) {
-            rows_chunk(std::min(q_chunk, run.second - i0), row_ptr<KV>(q, b, h, i0), q.stride(2),
-                       row_ptr<KV>(dout, b, h, i0), dout.stride(2), [i0](Index r) { return i0 + r; },
+            const Index n0 = std::min(q_chunk, run.second - i0);
+            Index ldq = 0, ldo = 0;
+            const KV* qp = rows_as<KV, S>(q, b, h, i0, n0, qg, ldq);
+            const KV* dop = rows_as<KV, S>(dout, b, h, i0, n0, dog, ldo);
+            rows_chunk(n0, qp, ldq, dop, ldo, [i0](Index r) { return i0 + r; },
                        [&](Index n, const KV* ds_op) {
                          const Index base = (b * d.H + h) * groups, ga = i0 / LOCK_ROWS, ge = (i0 + n - 1) / LOCK_ROWS;
                          for (Index x = ga; x <= ge; ++x) locks[base + x].lock();  // ascending: no deadlock
-                         product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kp, k.stride(2), T(1),
+                         product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kp, ldk, T(1),
                                         dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
                          for (Index x = ga; x <= ge; ++x) locks[base + x].unlock();
                        });
@@ -1156,11 +1193,11 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
           const Index n = std::min<Index>(q_chunk, static_cast<Index>(lone.size() - x0));
           const Index* rows = lone.data() + x0;
           for (Index r = 0; r < n; ++r) {
-            std::copy_n(row_ptr<KV>(q, b, h, rows[r]), d.E, qg + r * d.E);
-            std::copy_n(row_ptr<KV>(dout, b, h, rows[r]), d.Ev, dog + r * d.Ev);
+            load_row<KV, S>(row_ptr<S>(q, b, h, rows[r]), qg + r * d.E, d.E);
+            load_row<KV, S>(row_ptr<S>(dout, b, h, rows[r]), dog + r * d.Ev, d.Ev);
           }
           rows_chunk(n, qg, d.E, dog, d.Ev, [rows](Index r) { return rows[r]; }, [&](Index n, const KV* ds_op) {
-            product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kp, k.stride(2), T(0), dqg, d.E);
+            product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kp, ldk, T(0), dqg, d.E);
             for (Index r = 0; r < n; ++r) {
               auto& lock = locks[(b * d.H + h) * groups + rows[r] / LOCK_ROWS];
               T* dqr = dq.data_ptr<T>() + (row0 + rows[r]) * d.E;
@@ -1173,7 +1210,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       }
     }
   });
-  if (any_wide) wide_key_pass<T, KV>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, scale, cap, kv_rows, q_chunk,
+  if (any_wide) wide_key_pass<T, KV, S>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, scale, cap, kv_rows, q_chunk,
                                  deterministic, wide);
   if (!deterministic) return;
   // dQ by query blocks, as the forward walks them (key_chunks; the wide rows apart, in gathered
@@ -1196,7 +1233,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   const auto dq_rows = [&](Index b, Index h, const KV* qp, Index ldq, const KV* dop, Index ldo, Index g,
                            const auto& row, T* dqp, Scratch& w) {
     const Index base = (b * d.H + h) * d.L;
-    key_chunks<T>(R, R.set(b, h), g, row, kv_rows, q_chunk, k, v, bias, b, h, h / G, w.keys,
+    key_chunks<T, KV, S>(R, R.set(b, h), g, row, kv_rows, q_chunk, k, v, bias, b, h, h / G, w.keys,
                   [&](const KV* kp, Index ldk, const KV* vp, Index ldv, Index kc, const auto& visible,
                       const auto& bias_of) {
       product<T, KV>(false, true, g, kc, d.E, T(1), qp, ldq, kp, ldk, T(0), w.p, kc);
@@ -1223,7 +1260,10 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       const Index i0 = blk * kv_rows, rows = std::min(kv_rows, d.L - i0);
       const auto& wide_set = wide_r[R.set(b, h)];
       const char* skip = wide_set.empty() ? nullptr : wide_set.data() + i0;
-      dq_rows(b, h, row_ptr<KV>(q, b, h, i0), q.stride(2), row_ptr<KV>(dout, b, h, i0), dout.stride(2), rows,
+      Index ldq = 0, ldo = 0;
+      const KV* qp = rows_as<KV, S>(q, b, h, i0, rows, w.qg, ldq);
+      const KV* dop = rows_as<KV, S>(dout, b, h, i0, rows, w.dog, ldo);
+      dq_rows(b, h, qp, ldq, dop, ldo, rows,
               [=](Index r) { return skip != nullptr && skip[r] ? Index(-1) : i0 + r; },
               dq.data_ptr<T>() + ((b * d.H + h) * d.L + i0) * d.E, w);
     }
@@ -1237,8 +1277,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       const Index b = row_groups[it][0] / d.H, h = row_groups[it][0] % d.H, g = row_groups[it][2];
       const Index* rows = listed[R.set(b, h)].data() + row_groups[it][1];
       for (Index r = 0; r < g; ++r) {
-        std::copy_n(row_ptr<KV>(q, b, h, rows[r]), d.E, w.qg + r * d.E);
-        std::copy_n(row_ptr<KV>(dout, b, h, rows[r]), d.Ev, w.dog + r * d.Ev);
+        load_row<KV, S>(row_ptr<S>(q, b, h, rows[r]), w.qg + r * d.E, d.E);
+        load_row<KV, S>(row_ptr<S>(dout, b, h, rows[r]), w.dog + r * d.Ev, d.Ev);
       }
       std::fill(w.dqg, w.dqg + g * d.E, T(0));
       dq_rows(b, h, w.qg, d.E, w.dog, d.Ev, g, [=](Index r) { return rows[r]; }, w.dqg, w);
@@ -1469,18 +1509,17 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
     backward_impl<float, c10::Half>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias, static_cast<float>(scale),
                                     static_cast<float>(softcap), kv_rows, q_chunk, deterministic);
   } else if (q.scalar_type() == at::kBFloat16) {
-    // Without its products a half type is computed in float32: dout and out are read as they are for the
-    // row dots, and q, k, v and dout widened once each (to_float: vectorised, in parallel), as the forward
-    // widens its keys and values.
+    // Without its products a half type is computed in float32, its inputs read as they are stored and
+    // widened a tile at a time (see backward_impl): no float32 copy of a whole tensor.
     row_dots<float, c10::BFloat16>(dout, out, delta);
-    backward_impl<float>(to_float<c10::BFloat16>(dout), to_float<c10::BFloat16>(q), to_float<c10::BFloat16>(k),
-                         to_float<c10::BFloat16>(v), stats, delta, dq, dk, dv, R, bias, dbias, static_cast<float>(scale),
-                         static_cast<float>(softcap), kv_rows, q_chunk, deterministic);
+    backward_impl<float, float, c10::BFloat16>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias,
+                                               static_cast<float>(scale), static_cast<float>(softcap), kv_rows,
+                                               q_chunk, deterministic);
   } else if (q.scalar_type() == at::kHalf) {
     row_dots<float, c10::Half>(dout, out, delta);
-    backward_impl<float>(to_float<c10::Half>(dout), to_float<c10::Half>(q), to_float<c10::Half>(k),
-                         to_float<c10::Half>(v), stats, delta, dq, dk, dv, R, bias, dbias, static_cast<float>(scale),
-                         static_cast<float>(softcap), kv_rows, q_chunk, deterministic);
+    backward_impl<float, float, c10::Half>(dout, q, k, v, stats, delta, dq, dk, dv, R, bias, dbias,
+                                           static_cast<float>(scale), static_cast<float>(softcap), kv_rows, q_chunk,
+                                           deterministic);
   }
   if (is_half(q)) {
     dq = dq.to(q.scalar_type());

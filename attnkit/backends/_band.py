@@ -231,8 +231,7 @@ def _run(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, ends: Tensor
             got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name} must be an int64 CPU tensor [P, Lq, K] (P 1, B or B*H), got {got}")
     compute = compute_dtype(query.dtype)
-    # Half types go to the kernel as they are: its forward converts a tile at a time (without its products,
-    # the backward widens q, k, v and dout once each, in the kernel).
+    # Half types go to the kernel as they are: its forward and backward convert a tile at a time.
     stored = query.dtype if query.dtype in HALF and key.dtype == value.dtype == query.dtype else compute
     q, k, v = (t.to(stored).reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in (query, key, value))
     table = query.new_empty(0, 0, dtype=compute) if bias is None else bias.to(compute)
@@ -392,8 +391,8 @@ def _rows(x: Tensor) -> Tensor:
 #   q, k and v with unit stride along the last dim and rows at least a row apart (what the BLAS reads in place; the
 #   operator makes them so, the module's forward refuses them otherwise). The module's own block sizes (q_rows,
 #   kv_chunk) must be in [1, 2^20].
-# - band_backward: all of that (a half type without its products widened in the kernel: q, k, v and dout once
-#   each, dout and out read as they are for the row dots), and
+# - band_backward: all of that (a half type without its products read as stored and widened a tile at a
+#   time), and
 #   dout and out ``[B, H, Lq, Ev]`` (q's B, H, Lq, v's Ev) with rows as q's, stats the forward's contiguous
 #   ``[2, B, H, Lq]``, all in q's dtype (stats in the compute dtype); kv_rows, q_chunk in [1, 2^20].
 # Statistics are in the compute dtype (float32 for half q).
@@ -459,8 +458,8 @@ def _save_for_backward(ctx, inputs, output):
 def _gradient(ctx, dout, _dstats):
     q, k, v, out, stats, starts, ends, bias = ctx.saved_tensors
     bias_grad = ctx.needs_input_grad[5]  # a learned table; a constant one (fixed ALiBi slopes) skips the sum
-    # a half type goes as it is (the kernel takes its products, or widens q, k, v and dout once each); the
-    # gradients come back in q's dtype
+    # a half type goes as it is (the kernel takes its products, or widens a tile at a time); the gradients come
+    # back in q's dtype
     dq, dk, dv, dbias = torch.ops.attnkit.band_backward(dout, q, k, v, out, stats, starts, ends, bias, ctx.scale,
                                                          ctx.softcap, torch.are_deterministic_algorithms_enabled(),
                                                          bias_grad)

@@ -144,6 +144,29 @@ GRAD_CASES = ["window", "causal, GQA, Lq < Lk", "documents", "global tokens (wid
 @pytest.mark.parametrize("deterministic", [False, True], ids=["dQ under locks", "dQ by query blocks"])
 @pytest.mark.parametrize("case", GRAD_CASES)
 @pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_a_half_backward_without_its_products_is_the_float32_kernels_on_the_same_values(dtype, case, deterministic):
+    """Without its products a half type's backward reads its inputs as they are stored, a tile at a time, and
+    widens them in the kernel (no float32 copy of a whole tensor): every pass the case takes gives what the
+    float32 kernel gives on the same values widened first, rounded once. Rows as projections lay them out."""
+    shape, kw = CASES[case]
+    b, h, _, lq, lk = shape
+    q, k, v = _inputs(shape, dtype, seed=7, strided=True)
+    plan = attnkit.mask_plan(kw.get("mask_mod"), q_len=lq, kv_len=lk, batch=b, heads=h,
+                             is_causal=kw.get("is_causal", False), window=kw.get("window"))
+    args = (plan.starts, plan.ends, torch.zeros(0, 0), 48 ** -0.5, 0.0)
+    out, stats = torch.ops.attnkit.band_forward(q, k, v, *args)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(dtype)
+    with half_products(dtype, False):
+        got = torch.ops.attnkit.band_backward(dout, q, k, v, out, stats, *args, deterministic, False)
+    want = torch.ops.attnkit.band_backward(*(t.float() for t in (dout, q, k, v, out)), stats, *args, deterministic,
+                                           False)
+    for name, a, c in zip("qkv", got[:3], want[:3], strict=True):
+        assert a.dtype == dtype and torch.equal(a, c.to(dtype)), name
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["dQ under locks", "dQ by query blocks"])
+@pytest.mark.parametrize("case", GRAD_CASES)
+@pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_half_gradients_with_half_products_err_no_more_than_sdpas_half_backward(dtype, case, deterministic):
     """The backward's products take operands of the inputs' half type (P and dS rounded, as FlashAttention does):
     each gradient's error against the float64 formula on the same values is within twice SDPA's own backward's
