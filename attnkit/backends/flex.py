@@ -185,7 +185,8 @@ def attention_with_lse(req: Call, *, block_size: int | None = None) -> tuple[Ten
 
     Raises:
         CompileFailed: compiled Flex cannot serve this family of calls (its compile failed or its first
-            output disagreed with the formula; said on stderr, and remembered).
+            output disagreed with the formula; remembered, so the next call of the family raises at once; the
+            caller says it and serves the call another way).
     """
     if req.query.dim() != 4:
         raise ValueError(f"attention_with_lse needs 4-D inputs [B, H, L, E], got query shape {tuple(req.query.shape)}")
