@@ -494,7 +494,7 @@ class _Family:
             out = fn(*ins.args)
         except Exception as e:  # noqa: BLE001 - whatever stops the compile, the next backend serves the call
             raise self._failure(ins, e) from e
-        wrong = _disagreement(req, ins, out[0] if ins.lse else out)
+        wrong = _disagreement(req, ins, *(out if ins.lse else (out,)))
         if wrong is not None:
             raise self._failure(ins, ValueError(f"the compiled kernel disagrees with the formula: {wrong}"))
         self.fn = fn
@@ -515,8 +515,9 @@ CHECK_PAIRS = 16
 
 
 @torch.no_grad()
-def _disagreement(req: Call, ins: _Inputs, out: Tensor) -> str | None:
-    """Where the first output of a family (``[B, H, Lq, Ev]``) differs from the formula on
+def _disagreement(req: Call, ins: _Inputs, out: Tensor, lse: Tensor | None = None) -> str | None:
+    """Where the first output of a family (``[B, H, Lq, Ev]``; and each row's log-sum-exp where the family
+    returns it) differs from the formula on
     three rows (first, middle, last) of :data:`CHECK_PAIRS` (batch element, head) pairs, in words; None
     where it agrees.
 
@@ -547,11 +548,15 @@ def _disagreement(req: Call, ins: _Inputs, out: Tensor) -> str | None:
     want = torch.einsum("nk,nke->ne", p, v[bi, kv_heads])
     got = out.detach().float()[bi, hi, qi]
     tol = 1e-4 if ins.args[0].dtype == torch.float32 else 3e-2
-    bad = (got.isnan() != want.isnan()) | ((got - want).abs() > tol * (1 + want.abs())).nan_to_num(False)
+    if lse is not None:  # each row's log-sum-exp as a last column: -inf for a dead row on both sides
+        got = torch.cat([got, lse.detach().float()[bi, hi, qi, None]], -1)
+        want = torch.cat([want, torch.logsumexp(s, -1, keepdim=True)], -1)
+    bad = (got.isnan() != want.isnan()) | ((got - want).abs() > tol * (1 + want.abs()))  # (-inf - -inf: NaN, fine)
     if not bool(bad.any()):
         return None
     at = int(bad.any(-1).nonzero()[0])
-    return (f"batch {int(bi[at])}, head {int(hi[at])}, query {int(qi[at])}: largest difference "
+    what = "the log-sum-exp" if lse is not None and not bool(bad[at, :-1].any()) else "largest difference"
+    return (f"batch {int(bi[at])}, head {int(hi[at])}, query {int(qi[at])}: {what} "
             f"{float((got[at] - want[at]).abs().nan_to_num(math.inf).max()):.3g}")
 
 

@@ -360,6 +360,24 @@ def test_attention_with_lse_gives_each_row_its_log_sum_exp_and_both_gradients(st
         close(a, b, torch.float32)
 
 
+def test_a_family_whose_log_sum_exp_disagrees_with_the_formula_is_not_used(stand_in_compiler):
+    def compiler(lse):
+        def kernel(*args):
+            out, l = flex._flex_call(lse)(*args)
+            return out, l + 1e-2  # the output right, its log-sum-exp off
+        return kernel
+
+    import torch.nn.attention.flex_attention as fa
+
+    stand_in_compiler.compiler = compiler
+    q, k, v = qkv(lq=13, lk=13)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fa, "_validate_device", lambda *args: None)
+        with pytest.raises(flex.CompileFailed, match="the compiled kernel disagrees with the formula: batch 0, head 0, "
+                                                     "query 0: the log-sum-exp 0.01"):
+            flex.attention_with_lse(validate_call(q, k, v, is_causal=True), block_size=BLOCK)
+
+
 def oracle_grid(*sizes):
     return [torch.arange(n).view([-1 if d == i else 1 for d in range(4)]) for i, n in enumerate(sizes)]
 
