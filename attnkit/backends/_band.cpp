@@ -275,7 +275,8 @@ const T* row_ptr(const Tensor& t, Index b, Index h, Index i) {
 // (rounded to nearest). Half types are computed in float: the forward converts each block's queries as
 // it reads them and each output row as it writes it (each once), and the keys and values once per call
 // before it starts (a block reads its keys again for every block of rows that sees them: converting them
-// there would convert each key as many times; without bf16 products a float copy is the fastest read).
+// there would convert each key as many times; without bf16 products a float copy is the fastest read),
+// unless few blocks read each key (few_reads: a decode step), where a chunk is widened as it is read.
 template <typename T, typename S>
 inline void load_row(const S* from, T* to, Index n) {
   if constexpr (std::is_same_v<S, T>) {
@@ -732,7 +733,7 @@ std::vector<std::array<Index, 3>> wide_row_groups(const Rows& R, Index B, Index 
 // in float32), and the weights p are rounded to the half type for p v, as FlashAttention does on a GPU; the
 // softmax, its running maximum and sum and the accumulator stay float32. No float copy of k and v is made,
 // and a CPU with products of that type runs both products at their speed.
-template <typename T, typename Store = T, typename KV = T>
+template <typename T, typename Store = T, typename KV = T, typename KS = KV>
 void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& stats, const Rows& R,
                   const Tensor& bias, T scale, T cap, Index q_rows, Index kv_chunk) {
   constexpr bool halves = !std::is_same_v<KV, T>;  // half products
@@ -800,7 +801,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     std::fill(w.bad.begin(), w.bad.begin() + g, false);
     w.block_bad = false;
     bool first = true;
-    key_chunks<T>(R, R.set(b, h), g, row, q_rows, kv_chunk, k, v, bias, b, h, h / G, w.keys,
+    key_chunks<T, KV, KS>(R, R.set(b, h), g, row, q_rows, kv_chunk, k, v, bias, b, h, h / G, w.keys,
                   [&](const KV* kp, Index ldk, const KV* vp, Index ldv, Index kc, const auto& visible,
                       const auto& bias_of) {
       product<T, KV>(false, true, g, kc, d.E, T(1), qp, lda, kp, ldk, T(0), s, kc);
@@ -1415,6 +1416,15 @@ void check_blas() {
   TORCH_CHECK(has_blas(), "band kernel: this torch does not export the BLAS functions (sgemm_/dgemm_) it calls");
 }
 
+// Whether a half forward without its products reads its keys and values a chunk at a time, widening each as
+// it is read, rather than widening them once (to_float) first: where each key is read at most twice (a query
+// head per key head, at most two blocks of query rows: a decode step, a short chunk of prefill). There the
+// copy, a fresh tensor of every key and value, costs more than the attention; where blocks of rows read
+// each key again and again, a float copy is the faster read (see load_row).
+bool few_reads(const Tensor& q, const Tensor& k, Index q_rows) {
+  return (q.size(1) / std::max<Index>(k.size(1), 1)) * ((q.size(2) + q_rows - 1) / q_rows) <= 2;
+}
+
 std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
                                  const Tensor& ends, const Tensor& bias, double scale, double softcap, Index q_rows,
                                  Index kv_chunk) {
@@ -1435,13 +1445,19 @@ std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor&
   check_blas_rows(v, "v");
   check_blas();
   const Rows R(starts, ends, q.size(0), q.size(1));
-  if (is_half(q)) {  // keys and values in float once (see load_row); queries and outputs a row at a time
+  if (is_half(q)) {  // keys and values in float once or a chunk at a time (few_reads); queries and outputs a row at a time
     if (with_half_products(q) && q.scalar_type() == at::kBFloat16) {
       forward_impl<float, c10::BFloat16, c10::BFloat16>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
                                                         static_cast<float>(softcap), q_rows, kv_chunk);
     } else if (with_half_products(q)) {
       forward_impl<float, c10::Half, c10::Half>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
                                                 static_cast<float>(softcap), q_rows, kv_chunk);
+    } else if (few_reads(q, k, q_rows) && q.scalar_type() == at::kBFloat16) {
+      forward_impl<float, c10::BFloat16, float, c10::BFloat16>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
+                                                               static_cast<float>(softcap), q_rows, kv_chunk);
+    } else if (few_reads(q, k, q_rows)) {
+      forward_impl<float, c10::Half, float, c10::Half>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
+                                                       static_cast<float>(softcap), q_rows, kv_chunk);
     } else if (q.scalar_type() == at::kBFloat16) {
       forward_impl<float, c10::BFloat16>(q, to_float<c10::BFloat16>(k), to_float<c10::BFloat16>(v), out, stats, R,
                                          bias, static_cast<float>(scale), static_cast<float>(softcap), q_rows,

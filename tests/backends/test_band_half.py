@@ -57,6 +57,21 @@ def _inputs(shape, dtype, seed=0, strided=False):
     return tuple(torch.randn(b, n, length, 48, generator=g).to(dtype) for n, length in ((h, lq), (hkv, lk), (hkv, lk)))
 
 
+@pytest.mark.parametrize("lq, heads", [(1, 2), (64, 2), (128, 2), (1, 4), (130, 2)],
+                         ids=["decode", "one block", "two blocks", "decode, GQA", "three blocks"])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_a_short_half_query_reads_keys_a_chunk_at_a_time_with_the_same_result(dtype, lq, heads):
+    """Where few blocks of rows read each key (a decode step, a short chunk), the forward widens keys and
+    values a chunk at a time as it reads them, not as a whole copy first; the result is the same either way:
+    the float32 kernel's on the same values, rounded once."""
+    q, k, v = _inputs((1, heads, 2, lq, 300), dtype, seed=3, strided=True)
+    kw = {"is_causal": True} if lq > 1 else {"window": (100, 0)}
+    with torch.no_grad(), half_products(dtype, False):
+        got = attnkit.attention(q, k, v, backend="band", **kw)
+        want = attnkit.attention(q.float(), k.float(), v.float(), backend="band", **kw).to(dtype)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", HALF, ids=str)
