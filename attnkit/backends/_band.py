@@ -383,7 +383,8 @@ def _rows(x: Tensor) -> Tensor:
 # argument, what came and what was expected (the checks are in ``_band.cpp``, O(1) but for one
 # pass over the intervals):
 # - band_forward: q float32, float64, bfloat16 or float16, 4-D; k, v 4-D in its dtype (half types are computed in
-#   float32: queries and outputs converted a row at a time, keys and values once per call); k's batch and head size
+#   float32: queries and outputs converted a row at a time, keys and values once per call, or a chunk at a
+#   time where few blocks of rows read each key); k's batch and head size
 #   q's, v's batch, heads and length k's, q's heads a multiple of k's; every tensor dense and on the CPU; lengths and
 #   head sizes below 2^31; starts and ends contiguous int64 ``[P, Lq, K]`` of one shape, P 1, B or B*H, K >= 1, each
 #   ``0 <= start <= end <= Lk``; bias 2-D in the compute dtype, ``[0, 0]`` or contiguous ``[1 or H, Lq + Lk - 1]``;
