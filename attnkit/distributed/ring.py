@@ -128,13 +128,13 @@ class _Ring:
             if q_pos.numel() == 0 or kv_pos.numel() == 0:
                 self._plans[src] = _SKIP
                 return _SKIP
-            whole = self.predicate or _every_key
+            whole = self.predicate
 
             def block(b, h, q_idx, kv_idx):  # row i, column j: global query q_pos[i], key kv_pos[j]
                 return whole(b, h, q_pos[q_idx], kv_pos[kv_idx])
 
-            plan = mask_plan(block, q_len=q_pos.numel(), kv_len=kv_pos.numel(), batch=self.batch, heads=self.heads,
-                             device=q_pos.device)
+            plan = mask_plan(None if whole is None else block, q_len=q_pos.numel(), kv_len=kv_pos.numel(),
+                             batch=self.batch, heads=self.heads, device=q_pos.device)
             empty = plan.starts is not None and not bool((plan.starts < plan.ends).any())
             self._plans[src] = _SKIP if empty else plan
         return self._plans[src]
@@ -176,10 +176,6 @@ class _Ring:
                 allowed = self.allowed(self.q_pos[rows], kv_pos[cols])
                 if allowed is not _SKIP:
                     yield rows, cols, allowed
-
-
-def _every_key(b, h, q_idx, kv_idx) -> Tensor:
-    return kv_idx >= 0
 
 
 def _runs(pos: Tensor) -> list[tuple[slice, int]]:
@@ -259,6 +255,8 @@ class _RingAttention(torch.autograd.Function):
         hkv, dv = k.shape[1], v.shape[-1]
         cd = ring.compute_dtype
         qc, dout = q.to(cd), grad_out.to(cd).contiguous()
+        # each row's dout . out (FlashAttention's D), once for every block of the tiles and Flex (the kernel its own)
+        delta = (dout * out).sum(-1) if ring.rows is None else None
         dq = torch.zeros_like(qc)
         dtable = None if table is None else table.new_zeros(table.shape, dtype=cd)  # this rank's rows' share
         kv = torch.cat([k, v], -1).contiguous()
@@ -272,7 +270,7 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = kv[..., :d].to(cd), kv[..., d:].to(cd)
             local = None  # this rank's share of the block's gradients (B, Hkv, Lk, D + Dv)
             for rows, cols, dq_t, dk_t, dv_t, diagonals, db in _block_backward(ring, src, qc, kb, vb, dout, out,
-                                                                               lse, table):
+                                                                               lse, delta, table):
                 dq[..., rows, :] += dq_t
                 if db is not None:
                     dtable[:, diagonals] += db
@@ -328,12 +326,13 @@ def _block_forward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, table
 
 
 def _block_backward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor,
-                    table: Tensor | None):
+                    delta: Tensor | None, table: Tensor | None):
     """``(query rows, block columns, dq, dk, dv, diagonals, dbias)`` of each piece of block ``src`` with work
-    in it, given the merged ``out`` and ``lse`` of every block; dk, dv summed over the query heads of a
-    group; dbias (None without a bias) for the columns ``diagonals`` of the table."""
+    in it, given the merged ``out`` and ``lse`` of every block and each row's ``delta = dout . out`` (None on
+    the kernel's path); dk, dv summed over the query heads of a group; dbias (None without a bias) for the
+    columns ``diagonals`` of the table."""
     if ring.flex:
-        got = _flex_block_backward(ring, src, q, k, v, dout, out, lse, table)
+        got = _flex_block_backward(ring, src, q, k, v, dout, lse, delta, table)
         if got is _SKIP:
             return
         if got is not None:
@@ -349,11 +348,10 @@ def _block_backward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, dout
         return
     hkv = k.shape[1]
     qg, kg, vg = _grouped(q, hkv), k.unsqueeze(2), v.unsqueeze(2)
-    dg, lg = _grouped(dout, hkv), lse.unflatten(1, (hkv, -1))
-    delta = (dout * out).sum(-1).unflatten(1, (hkv, -1))
+    dg, lg, dl = _grouped(dout, hkv), lse.unflatten(1, (hkv, -1)), delta.unflatten(1, (hkv, -1))
     for rows, cols, allowed in ring.tiles(src):
         dq_t, dk_t, dv_t, _ = tile_backward(qg[..., rows, :], kg[..., cols, :], vg[..., cols, :], dg[..., rows, :],
-                                            lg[..., rows], delta[..., rows], scale=ring.scale, allowed=allowed)
+                                            lg[..., rows], dl[..., rows], scale=ring.scale, allowed=allowed)
         yield rows, cols, dq_t.flatten(1, 2), dk_t.sum(2), dv_t.sum(2), None, None
 
 
@@ -379,11 +377,11 @@ def _flex_block(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, table: T
         return None
 
 
-def _flex_block_backward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor,
-                         lse: Tensor, table: Tensor | None):
-    """``(dq, dk, dv, dtable)`` of block ``src`` through Flex's own backward, given the merged ``out`` and
-    ``lse``; dtable None without a table. Flex's backward takes its block's own statistics, so the block is
-    computed again under autograd and its share of the merge is differentiated:
+def _flex_block_backward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor,
+                         delta: Tensor, table: Tensor | None):
+    """``(dq, dk, dv, dtable)`` of block ``src`` through Flex's own backward, given the merged ``lse`` and
+    ``delta = dout . out``; dtable None without a table. Flex's backward takes its block's own statistics, so
+    the block is computed again under autograd and its share of the merge is differentiated:
     ``out = sum_b w_b o_b`` with ``w_b = exp(lse_b - lse)``, whence ``dL/do_b = w_b dout`` and
     ``dL/dlse_b = w_b (dout . o_b - dout . out)``."""
     with torch.enable_grad():
@@ -394,7 +392,6 @@ def _flex_block_backward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor,
             return got
         o, l = got
         w = torch.where(torch.isneginf(l), 0.0, torch.exp(l - lse))  # a block with nothing for the row: no share
-        delta = (dout * out).sum(-1)
         grad_o = (w.unsqueeze(-1) * dout).to(o.dtype)
         grad_l = (w * ((dout * o.detach()).sum(-1) - delta)).to(l.dtype)
         wrt = ins + ([tg] if tg is not None else [])
