@@ -236,10 +236,12 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < ring.world:
                 nxt = kv.new_empty(bsz, hkv, ring.kv_sizes[ring.source(step + 1)], d + dv)
                 pending = _exchange(ring, kv, nxt, _KV_TAG)
-            kb, vb = kv[..., :d].to(cd), kv[..., d:].to(cd)
-            for rows, _, o, l in _block_forward(ring, src, qc, kb, vb, table):
-                out[..., rows, :], lse[..., rows] = merge_partials(out[..., rows, :], lse[..., rows], o, l)
-            _wait(pending)
+            try:
+                kb, vb = kv[..., :d].to(cd), kv[..., d:].to(cd)
+                for rows, _, o, l in _block_forward(ring, src, qc, kb, vb, table):
+                    out[..., rows, :], lse[..., rows] = merge_partials(out[..., rows, :], lse[..., rows], o, l)
+            finally:  # a block that raises (on every rank alike) leaves no exchange in flight: the group stays usable
+                _wait(pending)
             if nxt is not None:
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse, table)
@@ -269,15 +271,20 @@ class _RingAttention(torch.autograd.Function):
                 kv_works = _exchange(ring, kv, nxt, _KV_TAG)
             kb, vb = kv[..., :d].to(cd), kv[..., d:].to(cd)
             local = None  # this rank's share of the block's gradients (B, Hkv, Lk, D + Dv)
-            for rows, cols, dq_t, dk_t, dv_t, diagonals, db in _block_backward(ring, src, qc, kb, vb, dout, out,
-                                                                               lse, delta, table):
-                dq[..., rows, :] += dq_t
-                if db is not None:
-                    dtable[:, diagonals] += db
-                if local is None:
-                    local = kv.new_zeros(kv.shape, dtype=cd)
-                local[..., cols, :d] += dk_t
-                local[..., cols, d:] += dv_t
+            try:
+                for rows, cols, dq_t, dk_t, dv_t, diagonals, db in _block_backward(ring, src, qc, kb, vb, dout, out,
+                                                                                   lse, delta, table):
+                    dq[..., rows, :] += dq_t
+                    if db is not None:
+                        dtable[:, diagonals] += db
+                    if local is None:
+                        local = kv.new_zeros(kv.shape, dtype=cd)
+                    local[..., cols, :d] += dk_t
+                    local[..., cols, d:] += dv_t
+            except BaseException:  # as in the forward: nothing left in flight
+                _wait(acc_works)
+                _wait(kv_works)
+                raise
             # The accumulator for this block was sent by the previous rank one step ago; it
             # travelled while we computed.
             _wait(acc_works)

@@ -395,7 +395,7 @@ def _flex_path(rank, world):
     flex_module._compile = _eager_flex
     flex_module._families.clear()
     flex_module._failed.clear()
-    masking = [{"is_causal": True}, {"window": (3, 1)}, {"lengths": [9, 0]}, {"mod": "documents"},
+    masking = [{}, {"is_causal": True}, {"window": (3, 1)}, {"lengths": [9, 0]}, {"mod": "documents"},
                {"mod": "user", "is_causal": True}, {"mod": "heads", "window": (4, 4)}]
     shapes = (("zigzag", {"lq": 13, "lk": 13}), ("contiguous", {"lq": 5, "lk": 12}))  # Lq < Lk: bottom-right
     cases = [_case(shapes[i % 2][0], dtype=torch.float32, **m, **shapes[i % 2][1]) for i, m in enumerate(masking)]
