@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .._io import atomic_write
+
 
 def progress(suite: str) -> Callable[[str], None]:
     """``say(step)`` prints ``attnkit bench SUITE: step (N s)`` on stderr: a suite runs for minutes."""
@@ -95,9 +97,11 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
 
 
 def write_report(out_dir: Path, suite: str, title: str, body: str, command: str) -> str:
-    """Write ``out_dir/<suite>.md`` with a header naming the machine and the command; return it."""
+    """Write ``out_dir/<suite>.md`` with a header naming the machine and the command (whole or not at all,
+    never through a link: :func:`attnkit._io.atomic_write`); return it."""
     text = (f"# {title}\n\nMeasured on {machine_line()}, {time.strftime('%Y-%m-%d')}.\n"
             f"Command: `{command}`\n\n{body}\n")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{suite}.md").write_text(text)
+    data = text.encode()
+    atomic_write(out_dir / f"{suite}.md", lambda f: f.write(data))
     return text

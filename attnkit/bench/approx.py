@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .._io import atomic_write
 from ._util import markdown_table, progress, write_report
 
 _SUBJECTS = ["the old man", "a young woman", "my neighbour", "the committee", "our teacher", "a small dog",
@@ -261,7 +262,7 @@ def _plot(times, peaks, path: Path) -> Path:
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=80))
     plt.close(fig)
     return path
 

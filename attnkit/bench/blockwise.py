@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import masks, scores
+from .._io import atomic_write
 from ..backends import _band
 from ..functional import attention
 from ..maskplan import mask_plan
@@ -336,7 +337,7 @@ def _plot(points: list[dict], path: Path) -> str:
     ax.set_title(f"fwd+bwd, causal + ALiBi score_mod, H={H}, D={D}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_write(path, lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
     return f"![peak RSS against n]({path.name})"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from .command import UserError
+from .command import UserError, prepare_out
 
 
 def add_parser(sub) -> None:
@@ -28,6 +28,7 @@ def run(args) -> int:
         if e.name == f"attnkit.bench.{args.suite}":
             raise UserError(f"benchmark suite {args.suite!r} is not available in this version") from None
         raise
+    prepare_out(args.out)  # before minutes of measuring: a folder of someone else's, or unwritable, fails here
     print(mod.run(args.quick, args.out))
     print(f"table written to {args.out / (args.suite + '.md')}")
     return 0

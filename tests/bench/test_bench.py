@@ -112,3 +112,30 @@ def test_the_dtypes_suites_rows_time_attnkit_and_sdpa_in_every_dtype(backward):
         assert backend == ("band" if _band.available() else backend) and ours > 0
         assert theirs == "-" or ratio == pytest.approx(theirs / ours)
     assert rows[0][-1] == 1 and all(r[-1] == pytest.approx(r[4] / rows[0][4]) for r in rows)
+
+
+def test_a_bench_out_folder_others_may_write_into_is_refused_before_measuring(tmp_path, capsys):
+    """`--out` is checked as every command's is, before minutes of measuring: a folder others may write into
+    could have its table replaced, or a link planted under its name."""
+    import os
+
+    from attnkit.cli import main
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    assert main(["bench", "gpu", "--out", str(shared)]) != 0
+    err = capsys.readouterr().err
+    assert "--out" in err and "may write into" in err and len(err.strip().splitlines()) == 1, err
+    assert list(shared.iterdir()) == []
+
+
+def test_a_table_replaces_a_link_planted_under_its_name(tmp_path):
+    from attnkit.bench._util import write_report
+
+    target = tmp_path / "target.md"
+    target.write_text("someone else's")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "core.md").symlink_to(target)
+    text = write_report(tmp_path / "out", "core", "title", "body", "attnkit bench core")
+    assert (tmp_path / "out" / "core.md").read_text() == text and target.read_text() == "someone else's"
