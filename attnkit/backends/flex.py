@@ -25,16 +25,23 @@ out as zeros. On the CPU a head dim below :data:`CPU_MIN_HEAD_DIM` gets zero col
 ``k`` (no score changes): at small head dims PyTorch 2.13's CPU Flex reads keys past the end of
 ``k``.
 
-Compiling: one ``torch.compile(flex_attention, dynamic=False, fullgraph=True)`` per family (device,
-dtype, shapes, whether a gradient is needed, block size, the mask function's and the score mod's
-code and plain values, the shapes of the tensors they capture), each on a code object of its own
-(TorchDynamo keeps compiled graphs, and counts recompiles against its limit, per code object). The
-first call of a family compiles, which is said on stderr; threads making that call together wait
-for one compile. Its output is then checked on a few rows against the formula (``_disagreement``:
-compiled Flex is code generated anew for each family, and some of it is wrong). A family that fails
-to compile or to match is remembered: the failing call is served by the ``fallback`` backend (said
-on stderr), and from then on ``not_supported_reasons`` gives the reason, so
-``attnkit.which_backend`` lists it.
+Compiling: one ``torch.compile(flex_attention, fullgraph=True)`` per family (device, dtype, batch,
+heads and head dims, whether a gradient is needed, block size, the mask function's and the score
+mod's code and plain values, the rank, dtype and device of the tensors they capture), each on a code
+object of its own (TorchDynamo keeps compiled graphs, and counts recompiles against its limit, per
+code object). On CUDA (:data:`DYNAMIC_DEVICES`) the lengths are not part of a family: its first call
+compiles a kernel for its sizes, and the first call with other sizes one that takes them as
+variables (TorchDynamo's automatic dynamic shapes), which then serves every length. So a decode
+loop, whose key length grows by one every step, compiles twice, not once per step, and prompts of
+every length a few times more (TorchDynamo always compiles a size of 1 in: a decode step's one
+query, a mask of one block); the lengths the mods need reach them as tensors for that reason. A
+family whose compile for variable lengths fails, or disagrees with the formula, goes to one family
+per length, as every family does on the CPU. Each compile is said on stderr; threads making a
+family's first call together wait for one compile. Every call that compiled is then checked on a few
+rows against the formula (``_disagreement``: compiled Flex is code generated anew, and some of it is
+wrong). A family that fails to compile or to match is remembered: the failing call is served by the
+``fallback`` backend (said on stderr), and from then on ``not_supported_reasons`` gives the reason,
+so ``attnkit.which_backend`` lists it.
 
 Dtypes: float32, bfloat16 and float16. On CPU (PyTorch 2.13) Flex computes forward only (no
 backward: a call that needs a gradient is refused) and half types are computed in float32 and
@@ -77,6 +84,11 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEVICES = ("cpu", "cuda")
 #: Most intervals per row the mask function looks up (one comparison pair each, unrolled).
 LOOKUP_INTERVALS = 4
+#: Devices whose families take every length (see the module docstring, on compiling). On the CPU each length
+#: is a family of its own: PyTorch 2.13's CPU Flex, compiled with variable lengths, can emit C++ that does not
+#: compile (``'cur_kvSplitSize1' was not declared``, with a document mask once both lengths vary), and the
+#: CPU's automatic order never picks flex.
+DYNAMIC_DEVICES = ("cuda",)
 #: Most compiled families kept (the oldest is dropped, and compiled again if it comes back).
 MAX_FAMILIES = 64
 #: Keys evaluated at once when a plan has no intervals and its kinds are found from its cells.
@@ -224,14 +236,22 @@ def _work_out(req: Call, block: int, lse: bool = False) -> _Inputs:
     mask_fn, mask_key, mask_what, block_mask = _mask_and_blocks(req, block)
     score_fn, score_key = None, None
     if req.score_mod is not None:
-        score_fn = _score_function(_unwrapped(req.score_mod), req.q_len, req.kv_len)
+        score_fn = _score_function(_unwrapped(req.score_mod), *_last_indices(req))
         score_key = _mod_key(req.score_mod)
     gqa = req.heads != req.kv_heads
-    family = (dev.type, dev.index, dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), req.scale, gqa,
-              grad, torch.is_inference_mode_enabled(), block, mask_key, score_key, lse)
+    family = (dev.type, dev.index, dtype, *(_but_length(t) for t in (q, k, v)), req.scale, gqa,
+              grad, torch.is_inference_mode_enabled(), block, mask_key, score_key, lse, None)
+    if dev.type not in DYNAMIC_DEVICES or family in _static_only:  # one family per length instead
+        family = (*family[:-1], (req.q_len, req.kv_len))
     score_what = "no score_mod" if req.score_mod is None else masks.mod_name("score_mod", _unwrapped(req.score_mod))
     what = f"{dtype} {what_qk}, {mask_what}, {score_what}"
     return _Inputs((q, k, v, score_fn, block_mask, req.scale, gqa), family, what, lse)
+
+
+def _but_length(t: Tensor) -> tuple:
+    """A ``[B, H, L, E]`` tensor's shape as a family knows it: the length is not part of it (see the module
+    docstring, on compiling)."""
+    return (*t.shape[:-2], t.shape[-1])
 
 
 def _unwrapped(mod):
@@ -242,19 +262,28 @@ def _unwrapped(mod):
 
 def _mod_key(mod) -> tuple:
     """What a compiled kernel of ``mod`` depends on: its code (or type), the plain values it reaches and
-    the shape, dtype, device and ``requires_grad`` of each tensor it captures (not their values)."""
+    the rank, dtype, device and ``requires_grad`` of each tensor it captures (not their values, nor their
+    sizes, which may follow the length: a kernel recompiled for new sizes has them as variables)."""
     mod = _unwrapped(mod)
     tensors, values = closures.captured_state(mod)
     code = getattr(mod, "__code__", None) or type(mod)
     return (code, tuple((type(x), x) for x in values),
-            tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors))
+            tuple((t.dim(), t.dtype, t.device, t.requires_grad) for t in tensors))
 
 
-def _score_function(mod, q_len: int, kv_len: int):
+def _last_indices(req: Call) -> tuple[Tensor, Tensor]:
+    """``Lq - 1`` and ``Lk - 1`` as 0-d tensors on the call's device: a mod reads them as captured tensors, so a
+    kernel compiled for one length serves the next (a Python int would be compiled in as a constant)."""
+    dev = req.query.device
+    return (torch.tensor(req.q_len - 1, dtype=torch.int32, device=dev),
+            torch.tensor(req.kv_len - 1, dtype=torch.int32, device=dev))
+
+
+def _score_function(mod, q_last: Tensor, kv_last: Tensor):
     def score(s, b, h, q_idx, kv_idx):
         # Flex pads the last blocks and may call the mod there: indices kept in range so that a mod that
         # indexes a table with them reads its own entries (the padded cells are masked out)
-        out = scores.apply(mod, s, b, h, q_idx.clamp(max=q_len - 1), kv_idx.clamp(max=kv_len - 1))
+        out = scores.apply(mod, s, b, h, torch.minimum(q_idx, q_last), torch.minimum(kv_idx, kv_last))
         # Flex's softmax would drop a NaN score; +inf at an allowed cell makes its row NaN, as the NaN
         # rule says, and at a masked cell it is selected out like anything else there.
         return torch.where(torch.isnan(out), math.inf, out)
@@ -262,11 +291,11 @@ def _score_function(mod, q_len: int, kv_len: int):
     return score
 
 
-def _in_range_mask(fn, q_len: int, kv_len: int):
+def _in_range_mask(fn, q_last: Tensor, kv_last: Tensor):
     """``fn`` called with indices in range (see ``_score_function``), keys past ``Lk`` masked."""
 
     def allowed(b, h, q_idx, kv_idx):
-        return fn(b, h, q_idx.clamp(max=q_len - 1), kv_idx.clamp(max=kv_len - 1)) & (kv_idx < kv_len)
+        return fn(b, h, torch.minimum(q_idx, q_last), torch.minimum(kv_idx, kv_last)) & (kv_idx <= kv_last)
 
     return allowed
 
@@ -367,7 +396,7 @@ def _mask_and_blocks(req: Call, block: int):
     if kept is not None and key in kept:
         return kept[key]
     mask_fn, mask_key, mask_what = _mask_function(req)
-    made = (mask_fn, mask_key, mask_what, _block_mask(req, block, _in_range_mask(mask_fn, req.q_len, req.kv_len)))
+    made = (mask_fn, mask_key, mask_what, _block_mask(req, block, _in_range_mask(mask_fn, *_last_indices(req))))
     if plan is not None:
         if kept is None:  # (two threads may both make one: either is right, one is kept)
             kept = {}
@@ -446,6 +475,9 @@ class CompileFailed(RuntimeError):
 
 #: family -> why it could not compile (read without the lock: one dict store per failure)
 _failed: dict[tuple, str] = {}
+#: families of every length whose compile for variable lengths failed, or disagreed with the formula: their
+#: calls go to one family per length instead (as the CPU's do), each compiled and checked on its own
+_static_only: set[tuple] = set()
 _families: OrderedDict[tuple, _Family] = OrderedDict()
 _lock = threading.Lock()
 
@@ -475,18 +507,28 @@ class _Family:
                 if self.fn is None:
                     return self._first(ins, req)
             fn = self.fn
+        graphs, start = _graphs(), time.perf_counter()
         try:
-            return fn(*ins.args)
+            out = fn(*ins.args)
         except torch._dynamo.exc.TorchDynamoException as e:  # a recompile TorchDynamo made on its own failed
-            raise self._failure(ins, e) from e
+            raise self._failure(ins, e, recompile=True) from e
+        if _graphs() != graphs:  # TorchDynamo compiled again (new sizes, most likely), and new code is checked
+            wrong = _disagreement(req, ins, *(out if ins.lse else (out,)))  # (another thread's compile: checked
+            if wrong is not None:  # needlessly, at no harm)
+                raise self._failure(ins, ValueError(f"the recompiled kernel disagrees with the formula: {wrong}"),
+                                    recompile=True)
+            print(f"attnkit: compiled flex_attention again for {ins.what}, in {time.perf_counter() - start:.0f} s "
+                  "(new sizes: the kernel now takes them as variables)", file=sys.stderr, flush=True)
+        return out
 
     def _first(self, ins: _Inputs, req: Call):
         if ins.family in _failed:
             raise CompileFailed(_failed[ins.family])
-        print(f"attnkit: compiling PyTorch's flex_attention for {ins.what} (once per shape, dtype and mod)",
-              file=sys.stderr, flush=True)
+        how = ("once per dtype, mod and head shape, and again the first time the lengths change"
+               if ins.family[-1] is None else "once per shape, dtype and mod")
+        print(f"attnkit: compiling PyTorch's flex_attention for {ins.what} ({how})", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        fn = _compile(ins.lse)
+        fn = _compile(ins.lse, dynamic=ins.family[-1] is None)
         try:
             out = fn(*ins.args)
         except Exception as e:  # noqa: BLE001 - whatever stops the compile, the next backend serves the call
@@ -499,9 +541,15 @@ class _Family:
         return out
 
     @staticmethod
-    def _failure(ins: _Inputs, e: Exception) -> CompileFailed:
+    def _failure(ins: _Inputs, e: Exception, recompile: bool = False) -> CompileFailed:
+        """The exception for the call; remembered for the family. A family of every length whose recompile (for
+        variable lengths) failed goes to one family per length (``_static_only``): its first kernel, for its
+        first sizes, was sound, so the kernels for fixed lengths are tried, each checked, before giving up."""
         first = (str(e).strip().splitlines() or [""])[0]
         reason = f"{type(e).__name__}: {first}"[:300]
+        if recompile and ins.family[-1] is None:
+            _static_only.add(ins.family)
+            return CompileFailed(f"{reason}; from now on, one kernel per length")
         _failed[ins.family] = reason
         return CompileFailed(reason)
 
@@ -571,12 +619,18 @@ def _allowed_rows(req: Call, bi, hi, qi, b, h, i, kv) -> Tensor | None:
     return torch.broadcast_to(pred(b, h, i, kv), (1, 1, len(bi), kv.shape[-1])).reshape(len(bi), -1)
 
 
-def _compile(lse: bool = False):
+def _compile(lse: bool = False, dynamic: bool = False):
     """``torch.compile(flex_attention)`` on a code object of its own (see the module docstring); ``lse``: it
-    returns ``(out, log-sum-exp)``."""
+    returns ``(out, log-sum-exp)``; ``dynamic``: sizes that change between calls become variables
+    (TorchDynamo's automatic dynamic shapes), else every size is compiled in."""
     run = _flex_call(lse)
     run.__code__ = run.__code__.replace()
-    return torch.compile(run, dynamic=False, fullgraph=True)
+    return torch.compile(run, dynamic=None if dynamic else False, fullgraph=True)
+
+
+def _graphs() -> int:
+    """How many graphs TorchDynamo has compiled in this process so far (its own count)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _flex_call(lse: bool = False):

@@ -249,17 +249,18 @@ def stand_in_compiler(monkeypatch):
     it made are forgotten after."""
     stand_in = types.SimpleNamespace(made=[], compiler=None)
 
-    def compile_(lse=False):
+    def compile_(lse=False, dynamic=False):
         stand_in.made.append(1)
         return stand_in.compiler(lse) if lse else stand_in.compiler()
 
     monkeypatch.setattr(flex, "_compile", compile_)
-    before_families, before_failed = set(flex._families), set(flex._failed)
+    before_families, before_failed, before_static = set(flex._families), set(flex._failed), set(flex._static_only)
     yield stand_in
     for key in set(flex._families) - before_families:
         flex._families.pop(key, None)
     for key in set(flex._failed) - before_failed:
         flex._failed.pop(key, None)
+    flex._static_only.intersection_update(before_static)
 
 
 def test_threads_making_a_family_first_call_together_wait_for_one_compile(stand_in_compiler, capfd):
@@ -376,6 +377,78 @@ def test_a_family_whose_log_sum_exp_disagrees_with_the_formula_is_not_used(stand
         with pytest.raises(flex.CompileFailed, match="the compiled kernel disagrees with the formula: batch 0, head 0, "
                                                      "query 0: the log-sum-exp 0.01"):
             flex.attention_with_lse(validate_call(q, k, v, is_causal=True), block_size=BLOCK)
+
+
+def _recompiling(wrong: bool):
+    """A stand-in compiler whose kernel (Flex uncompiled) serves its first sizes and, at the next, "compiles
+    again" (TorchDynamo's graph count moves) and then raises, or (``wrong``) forgets the mask."""
+    from torch._dynamo.utils import counters
+
+    def compiler():
+        first = []
+        flex_eager = flex._flex_call()
+
+        def kernel(q, k, v, score_mod, block_mask, *rest):
+            first.append(first[0] if first else k.shape[2])
+            if k.shape[2] != first[0]:
+                counters["stats"]["unique_graphs"] += 1
+                if not wrong:
+                    raise torch._dynamo.exc.TorchDynamoException("a recompile for variable lengths failed")
+                block_mask = None
+            return flex_eager(q, k, v, score_mod, block_mask, *rest)
+        return kernel
+
+    return compiler
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["recompile fails", "recompile disagrees"])
+def test_a_family_of_every_length_whose_recompile_fails_goes_to_one_family_per_length(
+        stand_in_compiler, monkeypatch, capfd, wrong):
+    """On CUDA a family takes every length; where TorchDynamo's recompile for new lengths fails, or what it
+    compiled disagrees with the formula (checked after every call that compiled), that call is served by the
+    fallback and the family's calls go to one kernel per length from then on, each compiled and checked."""
+    monkeypatch.setattr(flex, "DYNAMIC_DEVICES", ("cpu",))
+    stand_in_compiler.compiler = _recompiling(wrong)
+    first = qkv(lq=14, lk=14)
+    close(forward(SMALL, *first, window=(3, 0)), expected(*first, window=(3, 0)), torch.float32)
+    with torch.no_grad():
+        family = flex._inputs(validate_call(*first, window=(3, 0)), BLOCK).family
+    assert family[-1] is None  # no lengths: this family serves every length
+    decode = qkv(lq=1, lk=15, seed=1)
+    close(forward(SMALL, *decode, window=(3, 0), falls_back=True), expected(*decode, window=(3, 0)), torch.float32)
+    err = capfd.readouterr().err
+    cause = ("ValueError: the recompiled kernel disagrees with the formula" if wrong
+             else "TorchDynamoException: a recompile for variable lengths failed")
+    assert f"compiled flex_attention cannot serve this call ({cause}" in err
+    assert "; from now on, one kernel per length); the reference backend serves it" in err
+    assert family in flex._static_only and family not in flex._failed
+    close(forward(SMALL, *decode, window=(3, 0)), expected(*decode, window=(3, 0)), torch.float32)  # compiled anew
+    with torch.no_grad():
+        assert flex._inputs(validate_call(*decode, window=(3, 0)), BLOCK).family[-1] == (1, 15)
+    assert len(stand_in_compiler.made) == 2
+    assert "once per shape, dtype and mod" in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_on_cuda_a_decode_loop_compiles_flex_twice_not_once_per_step(monkeypatch, capfd):
+    """What CUDA does (:data:`flex.DYNAMIC_DEVICES`), run on the CPU with PyTorch's compile: a prefill, then
+    decode steps whose key length grows. The kernel is compiled for the prefill's sizes and once more for the
+    first step (the key length then a variable, the one query compiled in); no later step compiles. Every
+    output against the oracle, the score mod's clamped indices included."""
+    monkeypatch.setattr(flex, "DYNAMIC_DEVICES", ("cpu",))
+    alibi = scores.alibi(scores.alibi_slopes(H))
+    kw = {"window": (20, 0), "score_mod": alibi}
+    for lq, lk in ((40, 40), (1, 41), (1, 42), (1, 77), (1, 127)):  # (one key block of 128 throughout)
+        q, k, v = qkv(b=1, lq=lq, lk=lk, seed=lk)
+        with torch.no_grad():
+            out = flex.FlexBackend()(validate_call(q, k, v, **kw))[0]
+        allowed = oracle.allowed_grid(1, H, lq, lk, window=(20, 0))
+        close(out, oracle.attention(q, k, v, allowed=allowed, score_mod=alibi)[0], torch.float32)
+    err = capfd.readouterr().err
+    assert err.count("attnkit: compiling PyTorch's flex_attention for torch.float32 q (1, 4, 40, 16)") == 1, err
+    assert "again the first time the lengths change" in err
+    assert err.count("attnkit: compiled flex_attention again for torch.float32 q (1, 4, 1, 16), k (1, 4, 41, 16)") == 1
+    assert err.count("compiled flex_attention again") == 1 and "cannot serve" not in err, err
 
 
 def oracle_grid(*sizes):

@@ -334,7 +334,7 @@ def test_ring_score_biases_and_soft_caps_2_ranks():
 # --------------------------------------------------------------------------------------------
 
 
-def _eager_flex(lse=False):
+def _eager_flex(lse=False, dynamic=False):
     """Flex uncompiled in place of the compiled one: PyTorch refuses a CPU backward only at
     flex_attention's door (``_validate_device``), and its eager maths has one."""
     import torch.nn.attention.flex_attention as fa
@@ -368,7 +368,7 @@ def _flex_path(rank, world):
 
     # a family compiled Flex cannot serve (a stand-in compile that fails): the tiles path serves its blocks, said
     # once; with a score_mod, which the tiles do not apply, the call raises naming the cause
-    def no_compiler(lse=False):
+    def no_compiler(lse=False, dynamic=False):
         def kernel(*args):
             raise RuntimeError("no C++ compiler found")
         return kernel
