@@ -10,7 +10,9 @@ cap, as Gemma 2 has) and each length, in bfloat16, forward and forward+backward,
 * SDPA's flash kernel, for causal; SDPA with the dense bool mask, for the masks without a score mod;
 * the time to work the mask out: ``attnkit.mask_plan`` and the ``BlockMask`` made from it, against
   ``create_block_mask``, compiled and warm;
-* the first call of attnkit and of Flex, which compiles;
+* the first call of attnkit and of Flex at each length: both compile for the first sizes of a case and
+  once more, with the lengths as variables, at the next (as attnkit's flex backend does on CUDA, and
+  ``torch.compile``'s default), and no more after that;
 * the largest difference between the two sides' forward outputs, which compute the same attention.
 
 Models: a Llama-style and a Mistral-style model from transformers (random weights from a seeded
@@ -18,7 +20,7 @@ config, bfloat16, without the language-model head), one prefill without gradient
 ``attn_implementation`` "attnkit", "sdpa" and "flex_attention", with each one's largest difference from
 "sdpa" in the last hidden state.
 
-Every timing is the median of device-synchronised runs after a first call (which compiles). Steps run
+Every timing is the median of device-synchronised runs after a first call (which may compile). Steps run
 shortest first, the models after the kernels' first length, and the table is written again after
 every step, so a run stopped by a time limit keeps what it measured. A case that fails (out of memory,
 a compile error) gets a row saying so and the run goes on. Without a CUDA device the command stops
@@ -69,19 +71,30 @@ MODEL_HEADER = ["model", "n", "implementation", "attnkit backends", "prefill (ms
 
 
 def _compile(fn: Callable, fullgraph: bool = True) -> Callable:
-    """``torch.compile(fn)`` with static shapes, as attnkit's flex backend compiles; ``fullgraph``: no graph
-    break allowed (for Flex, which would otherwise run its uncompiled maths and build every score)."""
-    return torch.compile(fn, dynamic=False, fullgraph=fullgraph)
+    """``torch.compile(fn)`` as attnkit's flex backend compiles on CUDA: for the first sizes, then once more with
+    sizes that changed as variables (TorchDynamo's automatic dynamic shapes); ``fullgraph``: no graph break
+    allowed (for Flex, which would otherwise run its uncompiled maths and build every score)."""
+    return torch.compile(fn, dynamic=None, fullgraph=fullgraph)
 
 
 def _own(fn: Callable) -> Callable:
     """``fn`` behind a code object of its own, for :func:`_compile`: TorchDynamo keeps compiled graphs and counts
     recompiles per code object, and past its limit it runs ``flex_attention`` uncompiled, which builds every
-    score. Each case and length compiling its own keeps every one of them compiled."""
+    score. Each case compiling its own keeps every one of them compiled."""
     def run(*args, **kwargs):
         return fn(*args, **kwargs)
     run.__code__ = run.__code__.replace()
     return run
+
+
+def _flex_for(name: str, compiled: dict) -> tuple[Callable, Callable]:
+    """Case ``name``'s compiled ``create_block_mask`` and ``flex_attention``, made on first use and kept in
+    ``compiled`` for the run's other lengths (as attnkit keeps its own)."""
+    if name not in compiled:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        compiled[name] = _compile(_own(create_block_mask), fullgraph=False), _compile(_own(flex_attention))
+    return compiled[name]
 
 
 def _sync(device: torch.device) -> None:
@@ -176,15 +189,16 @@ def _dense(mask_mod, n: int, device: torch.device) -> torch.Tensor:
     return mask_mod(0, 0, i[:, None], i[None, :])
 
 
-def _kernels(n: int, rounds: int, device: torch.device, say) -> list[list]:
-    """The kernel rows at length ``n``: each case forward, then forward+backward."""
+def _kernels(n: int, rounds: int, device: torch.device, say, compiled: dict) -> list[list]:
+    """The kernel rows at length ``n``: each case forward, then forward+backward (``compiled``: see
+    :func:`_flex_for`)."""
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(B, H, n, D, device=device, dtype=DTYPE, generator=g).requires_grad_() for _ in range(3))
     rows = []
     for name, (kw, mask_mod, score_mod) in _cases(n, device).items():
         say(f"{name}, n = {n}")
         try:
-            rows += _kernel_rows(name, n, kw, mask_mod, score_mod, (q, k, v), rounds, device)
+            rows += _kernel_rows(name, n, kw, mask_mod, score_mod, (q, k, v), rounds, device, compiled)
         except Exception as e:  # out of memory or a failed compile: said in the table, the run goes on
             rows.append([name, n, "-", f"failed: {_one_line(e)}", *["-"] * (len(KERNEL_HEADER) - 4)])
             say(f"  failed: {_one_line(e)}")
@@ -194,14 +208,12 @@ def _kernels(n: int, rounds: int, device: torch.device, say) -> list[list]:
 
 
 def _kernel_rows(name: str, n: int, kw: dict, mask_mod, score_mod, qkv: tuple, rounds: int,
-                 device: torch.device) -> list[list]:
+                 device: torch.device, compiled: dict) -> list[list]:
     """One case's forward row and forward+backward row."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     q, k, v = qkv
-    make_block_mask = _compile(_own(create_block_mask), fullgraph=False)
-    flex = _compile(_own(flex_attention))
+    make_block_mask, flex = _flex_for(name, compiled)
     block_mask = make_block_mask(mask_mod, None, None, n, n, device=device)
     _, plan_s = _timed(lambda: _attnkit_block_mask(q, k, v, kw), rounds, device)
     _, cbm_s = _timed(lambda: make_block_mask(mask_mod, None, None, n, n, device=device), rounds, device)
@@ -322,10 +334,11 @@ def measure(plan: list[tuple[str, int]], rounds: int, device: torch.device, out_
     say = progress("gpu")
     kernel_rows: list[list] = []
     model_rows: list[list] = []
+    compiled: dict = {}
     text = ""
     for done, (kind, n) in enumerate(plan, 1):
         if kind == "kernels":
-            kernel_rows += _kernels(n, rounds, device, say)
+            kernel_rows += _kernels(n, rounds, device, say, compiled)
         else:
             model_rows += _models(n, min(rounds, MODEL_ROUNDS), device, say)
         text = write_report(out_dir, "gpu", "attnkit on a CUDA GPU", _body(device, kernel_rows, model_rows,
@@ -336,7 +349,9 @@ def measure(plan: list[tuple[str, int]], rounds: int, device: torch.device, out_
 def _body(device: torch.device, kernel_rows: list[list], model_rows: list[list], left: list) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} (a smoke run)"
     text = (f"{name}, B = {B}, H = {H}, head dim {D}, bfloat16. Medians of synchronised runs after a first "
-            "call, which compiles (its time is the last column). \"attnkit speed / Flex's\" is Flex's time over "
+            "call, which compiles where the sizes are new to the kernel (its time is in the first-call column; both "
+            "sides compile for a case's first sizes, then once more with the lengths as variables). "
+            "\"attnkit speed / Flex's\" is Flex's time over "
             "attnkit's (above 1: attnkit is faster); the plan columns time the mask worked out from scratch: a new "
             "attnkit.mask_plan and the flex backend's BlockMask from it, against create_block_mask.\n\n"
             + markdown_table(KERNEL_HEADER, kernel_rows))

@@ -104,7 +104,7 @@ def test_a_case_that_fails_gets_a_row_saying_so_and_the_run_goes_on(small, monke
 
     monkeypatch.setattr(gpu, "_kernel_rows", kernel_rows)
     said = []
-    rows = gpu._kernels(256, 1, torch.device("cpu"), said.append)
+    rows = gpu._kernels(256, 1, torch.device("cpu"), said.append, {})
     assert rows[0][:4] == ["causal", 256, "-", "failed: OutOfMemoryError: CUDA out of memory. Tried to allocate "
                                                 "2.00 GiB"]
     assert len(rows[0]) == len(gpu.KERNEL_HEADER)
