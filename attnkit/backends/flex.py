@@ -507,14 +507,14 @@ class _Family:
                 if self.fn is None:
                     return self._first(ins, req)
             fn = self.fn
-        graphs, start = _graphs(), time.perf_counter()
+        graphs, start = _graphs(fn), time.perf_counter()
         try:
             out = fn(*ins.args)
         except torch._dynamo.exc.TorchDynamoException as e:  # a recompile TorchDynamo made on its own failed
             raise self._failure(ins, e, recompile=True) from e
-        if _graphs() != graphs:  # TorchDynamo compiled again (new sizes, most likely), and new code is checked
-            wrong = _disagreement(req, ins, *(out if ins.lse else (out,)))  # (another thread's compile: checked
-            if wrong is not None:  # needlessly, at no harm)
+        if _graphs(fn) != graphs:  # TorchDynamo compiled again (new sizes, most likely): new code is checked
+            wrong = _disagreement(req, ins, *(out if ins.lse else (out,)))
+            if wrong is not None:
                 raise self._failure(ins, ValueError(f"the recompiled kernel disagrees with the formula: {wrong}"),
                                     recompile=True)
             print(f"attnkit: compiled flex_attention again for {ins.what}, in {time.perf_counter() - start:.0f} s "
@@ -628,8 +628,16 @@ def _compile(lse: bool = False, dynamic: bool = False):
     return torch.compile(run, dynamic=None if dynamic else False, fullgraph=True)
 
 
-def _graphs() -> int:
-    """How many graphs TorchDynamo has compiled in this process so far (its own count)."""
+def _graphs(fn) -> int:
+    """How many graphs TorchDynamo keeps for the compiled ``fn`` (its cache entries for ``fn``'s code object);
+    for anything else, how many it has compiled in this process so far, which another thread's compile moves
+    too."""
+    code = getattr(getattr(fn, "_torchdynamo_orig_callable", None), "__code__", None)
+    if code is not None:
+        try:
+            return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+        except (AttributeError, TypeError):  # (a PyTorch without it)
+            pass
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
