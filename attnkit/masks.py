@@ -642,6 +642,7 @@ class GlobalTokens(Mask):
 
     def intervals(self, batch, q_len, kv_len):
         p = positions(q_len, self.offset)
+        member, global_idx = self._member.cpu(), self.global_idx.cpu()  # (planned on the host, as every mask is)
         glob_row = self._is_global(p)
         a, b = (p - self.left).clamp_min(0).clamp_max(kv_len), (p + self.right + 1).clamp_min(0).clamp_max(kv_len)
         # The global keys as runs, made once for every row (sorted, apart): a row's window takes in the
@@ -651,11 +652,11 @@ class GlobalTokens(Mask):
         compiling = torch.compiler.is_compiling()
         run_s = run_e = torch.zeros(0, dtype=torch.long)
         if not compiling:
-            edges = torch.diff(self._member[:kv_len].long(), prepend=torch.zeros(1, dtype=torch.long),
+            edges = torch.diff(member[:kv_len].long(), prepend=torch.zeros(1, dtype=torch.long),
                                append=torch.zeros(1, dtype=torch.long))
             run_s, run_e = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
         if run_s.numel() == 0 or not bool((a < b).all()):
-            g = self.global_idx.view(1, 1, -1).expand(1, q_len, -1)
+            g = global_idx.view(1, 1, -1).expand(1, q_len, -1)
             starts = torch.cat([p - self.left, g], -1).masked_fill(glob_row, 0)
             ends = torch.cat([p + self.right + 1, g + 1], -1).masked_fill(glob_row, kv_len)
             return normalize(starts, ends, kv_len)
@@ -996,9 +997,9 @@ def _positions_tensor(name: str, idx) -> Tensor:
 
 
 def _membership(idx: Tensor) -> Tensor:
-    """Bool ``[max + 2]``: True at the positions in ``idx`` (the last entry stays False, so a clamped
-    index past the end reads False)."""
-    out = torch.zeros(int(idx.max()) + 2 if idx.numel() else 1, dtype=torch.bool)
+    """Bool ``[max + 2]`` on ``idx``'s device: True at the positions in ``idx`` (the last entry stays False, so a
+    clamped index past the end reads False)."""
+    out = torch.zeros(int(idx.max()) + 2 if idx.numel() else 1, dtype=torch.bool, device=idx.device)
     out[idx] = True
     return out
 

@@ -61,6 +61,8 @@ CASES = {
     "documents, causal": lambda dev: {"mask_mod": _documents_on(dev), "is_causal": True},
     "dense mask": lambda dev: {"mask": dense_rows().to(dev)},
     "plan": lambda dev: {"mask": attnkit.mask_plan(masks.document_mod(DOCS.to(dev)), q_len=L, batch=B, device=dev)},
+    # the global positions on the device, as a GPU user passes them (the plan is still made on the host)
+    "Longformer": lambda dev: {"mask_mod": masks.global_tokens_mod(20, torch.tensor([0, 150, 299], device=dev))},
 }
 
 
