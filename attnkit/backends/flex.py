@@ -58,6 +58,7 @@ Plain PyTorch, for a reader (what one partial block computes)::
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -274,9 +275,16 @@ def _mod_key(mod) -> tuple:
 def _last_indices(req: Call) -> tuple[Tensor, Tensor]:
     """``Lq - 1`` and ``Lk - 1`` as 0-d tensors on the call's device: a mod reads them as captured tensors, so a
     kernel compiled for one length serves the next (a Python int would be compiled in as a constant)."""
-    dev = req.query.device
-    return (torch.tensor(req.q_len - 1, dtype=torch.int32, device=dev),
-            torch.tensor(req.kv_len - 1, dtype=torch.int32, device=dev))
+    return _index_tensors(req.query.device, req.q_len - 1, req.kv_len - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _index_tensors(dev: torch.device, *values: int) -> tuple[Tensor, ...]:
+    """``values`` as 0-d int32 tensors on ``dev``, made once (never written: every layer and step of a model
+    shares them, instead of copying two numbers to the GPU at every call). Made outside inference mode, so
+    that a first call under ``torch.inference_mode`` leaves tensors a later backward may save."""
+    with torch.inference_mode(False):
+        return tuple(torch.tensor(x, dtype=torch.int32, device=dev) for x in values)
 
 
 def _score_function(mod, q_last: Tensor, kv_last: Tensor):

@@ -451,6 +451,16 @@ def test_on_cuda_a_decode_loop_compiles_flex_twice_not_once_per_step(monkeypatch
     assert err.count("compiled flex_attention again") == 1 and "cannot serve" not in err, err
 
 
+def test_the_lengths_a_mod_reads_are_made_once_and_never_as_inference_tensors():
+    """Every layer and decode step shares the 0-d tensors its mods read (no copy to the device per call); one made
+    first under inference mode would break a later backward that saves it."""
+    with torch.inference_mode():
+        q_last, kv_last = flex._last_indices(validate_call(*qkv(lq=5, lk=9)))
+    assert (int(q_last), int(kv_last)) == (4, 8) and not q_last.is_inference() and not kv_last.is_inference()
+    again = flex._last_indices(validate_call(*qkv(b=1, lq=5, lk=9)))
+    assert again[0] is q_last and again[1] is kv_last
+
+
 def oracle_grid(*sizes):
     return [torch.arange(n).view([-1 if d == i else 1 for d in range(4)]) for i, n in enumerate(sizes)]
 
