@@ -349,11 +349,11 @@ def _band(req: Call, dev: torch.device):
     hi = req.offset + (far if right is None else right)
     if req.is_causal:
         hi = min(hi, req.offset)
-    bounds = torch.tensor([lo, hi], device=dev)
+    low, high = _index_tensors(dev, lo, hi)
 
     def band(b, h, q_idx, kv_idx):
         d = kv_idx - q_idx
-        return (d >= bounds[0]) & (d <= bounds[1])
+        return (d >= low) & (d <= high)
 
     return band, ("band",), "is_causal/window"
 
