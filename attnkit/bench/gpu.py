@@ -21,10 +21,10 @@ config, bfloat16, without the language-model head), one prefill without gradient
 "sdpa" in the last hidden state.
 
 Every timing is the median of device-synchronised runs after a first call (which may compile). Steps run
-shortest first, the models after the kernels' first length, and the table is written again after
-every step, so a run stopped by a time limit keeps what it measured. A case that fails (out of memory,
-a compile error) gets a row saying so and the run goes on. Without a CUDA device the command stops
-with one line saying so.
+shortest first, at each length the models (a few compiles) before the kernels (many), and the table is
+written again after every step, so a run stopped by a time limit keeps what it measured. A case that
+fails (out of memory, a compile error) gets a row saying so and the run goes on. Without a CUDA device
+the command stops with one line saying so.
 """
 
 from __future__ import annotations
@@ -318,15 +318,12 @@ def _one_line(e: BaseException) -> str:
 
 
 def steps(quick: bool) -> list[tuple[str, int]]:
-    """The run's steps in order: each length's kernels, shortest first, and the models after the first length
-    that reaches them, so that a run stopped early has the most of every kind."""
+    """The run's steps in order, shortest first, so that a run stopped early has the most of every kind: at
+    each length the models (where they are measured: a few compiles), then the kernels (about two dozen
+    compiles at the first length: every case, both passes, on both sides)."""
     if quick:
-        return [("kernels", QUICK_SIZE), ("models", QUICK_SIZE)]
-    out = []
-    for n in SIZES:
-        out.append(("kernels", n))
-        out += [("models", m) for m in MODEL_SIZES if m <= n and ("models", m) not in out]
-    return out
+        return [("models", QUICK_SIZE), ("kernels", QUICK_SIZE)]
+    return [(kind, n) for n in SIZES for kind in ("models", "kernels") if kind == "kernels" or n in MODEL_SIZES]
 
 
 def measure(plan: list[tuple[str, int]], rounds: int, device: torch.device, out_dir: Path, command: str) -> str:

@@ -112,10 +112,10 @@ def test_a_case_that_fails_gets_a_row_saying_so_and_the_run_goes_on(small, monke
     assert said[1] == "  failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
 
 
-def test_steps_go_shortest_first_with_the_models_after_their_length():
-    assert gpu.steps(quick=True) == [("kernels", gpu.QUICK_SIZE), ("models", gpu.QUICK_SIZE)]
-    assert gpu.steps(quick=False) == [("kernels", 4096), ("models", 4096), ("kernels", 8192), ("kernels", 16384),
-                                      ("models", 16384), ("kernels", 32768)]
+def test_steps_go_shortest_first_with_the_models_before_the_kernels_of_their_length():
+    assert gpu.steps(quick=True) == [("models", gpu.QUICK_SIZE), ("kernels", gpu.QUICK_SIZE)]
+    assert gpu.steps(quick=False) == [("models", 4096), ("kernels", 4096), ("kernels", 8192), ("models", 16384),
+                                      ("kernels", 16384), ("kernels", 32768)]
 
 
 def test_a_run_stopped_early_says_what_it_did_not_measure():
