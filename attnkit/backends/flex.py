@@ -135,8 +135,6 @@ class FlexBackend:
         refusals.weights("flex"),
         refusals.dropout("flex"),
         Refusal(lambda c: c.bias is not None, "a dense bias is not served by flex (pass it as a score_mod)"),
-        Refusal(lambda c: torch.compiler.is_compiling(),
-                "flex builds its BlockMask on the host from the mask plan, which torch.compile cannot trace"),
         Refusal(lambda c: c.query.device.type not in DEVICES,
                 lambda c: f"flex runs on CPU and CUDA tensors, got {c.query.device}"),
         Refusal(lambda c: c.query.dtype not in DTYPES,
@@ -161,7 +159,7 @@ class FlexBackend:
 
     def not_supported_reasons(self, req: Call) -> list[str]:
         why = reasons(self.REFUSALS, req)
-        if why or not _failed:
+        if why or not _failed or torch.compiler.is_compiling():  # (traced: no family of attnkit's own)
             return why
         failed = _failed.get(_inputs(req, self.block_size).family)
         return [f"compiled flex_attention cannot serve this family of calls: {failed}"] if failed else []
@@ -170,6 +168,8 @@ class FlexBackend:
         why = self.not_supported_reasons(req)
         if why:  # select() asks first; this is a direct call
             raise ValueError(f"backend {self.name!r} cannot serve this call: " + "; ".join(why))
+        if torch.compiler.is_compiling():
+            return _traced(req, self.block_size), None
         ins = _inputs(req, self.block_size)
         try:
             out = _family(ins.family).run(ins, req)
@@ -179,6 +179,43 @@ class FlexBackend:
                   "serves it", file=sys.stderr, flush=True)
             return fallback(req)
         return out.reshape(*req.batch_shape, *out.shape[1:]).to(req.query.dtype), None
+
+
+def _traced(req: Call, block: int) -> Tensor:
+    """A call traced by ``torch.compile``: ``flex_attention`` in the caller's graph, compiled with it, and its
+    BlockMask from ``create_block_mask``, traced there too (the host's mask plan cannot be). No family of
+    attnkit's own and no first-call check: the caller's compile is the only one, as Flex's documentation has
+    it. The mask is ``is_causal``/``window``/``mask_mod`` and a dense ``mask`` read cell by cell; a
+    :class:`MaskPlan` gives the predicate it was made from."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    dev = req.query.device
+    dtype = compute_dtype(req.query.dtype) if dev.type == "cpu" else req.query.dtype
+    q, k, v = (t.reshape(-1, *t.shape[-3:]).to(dtype) for t in (req.query, req.key, req.value))
+    if dev.type == "cpu" and q.shape[-1] < CPU_MIN_HEAD_DIM:  # see CPU_MIN_HEAD_DIM
+        fill = (0, CPU_MIN_HEAD_DIM - q.shape[-1])
+        q, k = torch.nn.functional.pad(q, fill), torch.nn.functional.pad(k, fill)
+    lq, lk = req.q_len, req.kv_len
+    parts = [_unwrapped(m) for m in (req.structured_mask_mod(),) if m is not None]
+    if req.mask is not None:
+        parts.append(_dense(req.mask, dev)[0])
+    mask_fn = _every_key if not parts else parts[0] if len(parts) == 1 else masks.and_masks(*parts)
+
+    def allowed(b, h, q_idx, kv_idx):  # in range, as _in_range_mask (the lengths are the graph's own here)
+        return mask_fn(b, h, q_idx.clamp(max=lq - 1), kv_idx.clamp(max=lk - 1)) & (kv_idx < lk)
+
+    block_mask = create_block_mask(allowed, q.shape[0], q.shape[1], lq, lk, device=dev, BLOCK_SIZE=block)
+    score_fn = None
+    if req.score_mod is not None:
+        mod = _unwrapped(req.score_mod)
+
+        def score_fn(s, b, h, q_idx, kv_idx):  # as _score_function
+            out = scores.apply(mod, s, b, h, q_idx.clamp(max=lq - 1), kv_idx.clamp(max=lk - 1))
+            return torch.where(torch.isnan(out), math.inf, out)
+
+    out = flex_attention(q, k, v, score_mod=score_fn, block_mask=block_mask, scale=req.scale,
+                         enable_gqa=req.heads != req.kv_heads)
+    return out.reshape(*req.batch_shape, *out.shape[1:]).to(req.query.dtype)
 
 
 # --------------------------------------------------------------------------------------------
