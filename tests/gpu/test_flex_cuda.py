@@ -150,3 +150,21 @@ def test_a_decode_loop_compiles_flex_a_few_times_not_once_per_step(capfd):
     err = capfd.readouterr().err
     compiles = err.count("attnkit: compiling PyTorch's flex_attention") + err.count("compiled flex_attention again")
     assert 1 <= compiles <= 4 and "cannot serve" not in err, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_under_torch_compile_flex_serves_in_the_callers_graph_with_gradients(dtype):
+    """A window and ALiBi traced by torch.compile (fullgraph: no break) on CUDA: flex_attention in the caller's
+    graph, output against the float64 oracle and gradients against the reference backend on the CPU."""
+    slopes = torch.nn.Parameter(scores.alibi_slopes(H, device="cuda"))
+    q, k, v = qkv(dtype=dtype)
+    run = torch.compile(lambda q, k, v, s: attnkit.attention(q, k, v, window=(40, 7), score_mod=scores.alibi(s)),
+                        fullgraph=True)
+    out = run(q, k, v, slopes)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, slopes), dout)
+    q64, k64, v64, s64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v, slopes))
+    want = attnkit.attention(q64, k64, v64, window=(40, 7), score_mod=scores.alibi(s64), backend="reference")
+    close(out, want, dtype)
+    for g, w in zip(got, torch.autograd.grad(want, (q64, k64, v64, s64), dout.cpu().double()), strict=True):
+        close(g, w, dtype)
