@@ -149,7 +149,7 @@ def test_a_decode_loop_compiles_flex_a_few_times_not_once_per_step(capfd):
         close(out, oracle.attention(q64, k64, v64, score_mod=kw64["score_mod"], allowed=allowed)[0], torch.float32)
     err = capfd.readouterr().err
     compiles = err.count("attnkit: compiling PyTorch's flex_attention") + err.count("compiled flex_attention again")
-    assert 1 <= compiles <= 4 and "cannot serve" not in err, err
+    assert compiles <= 4 and "cannot serve" not in err, err  # 17 lengths
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
