@@ -18,7 +18,7 @@ import attnkit
 from attnkit import masks, scores
 from attnkit.backends import _band
 from attnkit.call import validate_call
-from tests.backends.test_fused_tiles import check_against_oracle, qkv
+from tests.backends.test_fused_tiles import check_against_oracle, oracle_grid, qkv
 from tests.support import oracle
 from tests.support.tolerances import close
 
@@ -269,11 +269,10 @@ def test_rows_the_blas_cannot_read_in_place_are_copied_first():
         close(a, b)
 
 
-def check_scored(q, k, v, params, **kw):
-    """A score_mod through the kernel: output against the oracle, gradients (params too) against the reference."""
+def check_scored(q, k, v, params, allowed, **kw):
+    """A score_mod through the kernel: output against the oracle (``allowed``: its grid for ``kw``'s mask),
+    gradients (params too) against the reference."""
     assert not BAND.not_supported_reasons(validate_call(q, k, v, **kw))  # served by the kernel
-    allowed = oracle.allowed_grid(q.shape[0], q.shape[1], q.shape[2], k.shape[2], is_causal=kw.get("is_causal", False),
-                                  window=kw.get("window"), mask_mod=kw.get("mask_mod"))
     out = BAND(validate_call(q, k, v, **kw))[0]
     close(out, oracle.attention(q, k, v, allowed=allowed, score_mod=kw["score_mod"])[0], q.dtype)
     dout = torch.randn_like(out)
@@ -291,10 +290,11 @@ def test_alibi_and_relative_position_bias_with_gradients_into_their_parameters(c
     q, k, v = qkv(2, 4, 2, 60, 70, d=16)
     slopes = torch.nn.Parameter(scores.alibi_slopes(heads).double())
     table = torch.nn.Parameter(torch.randn(heads, 2 * 6 + 1, dtype=torch.float64))
-    check_scored(q, k, v, [slopes], score_mod=scores.alibi(slopes, offset=10), **case)
-    check_scored(q, k, v, [table], score_mod=scores.relative_position_bias(table, 6, offset=10), **case)
+    allowed = oracle_grid(2, 4, 60, 70, **case)  # the three score_mods share the mask: its grid built once
+    check_scored(q, k, v, [slopes], allowed, score_mod=scores.alibi(slopes, offset=10), **case)
+    check_scored(q, k, v, [table], allowed, score_mod=scores.relative_position_bias(table, 6, offset=10), **case)
     both = scores.compose(scores.alibi(slopes), scores.relative_position_bias(table, 6))
-    check_scored(q, k, v, [slopes, table], score_mod=both, **case)
+    check_scored(q, k, v, [slopes, table], allowed, score_mod=both, **case)
 
 
 def test_score_mods_that_are_not_a_diagonal_bias_take_the_tile_plan():

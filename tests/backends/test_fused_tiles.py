@@ -29,12 +29,22 @@ def qkv(b, h, hkv, lq, lk, d=8, dtype=torch.float64, seed=0, dv=None):
     return [torch.randn(b, *s, generator=g, dtype=torch.float64).to(dtype).requires_grad_() for s in shapes]
 
 
+def oracle_grid(b, h, lq, lk, **kw):
+    """The oracle's allowed grid for these attention kwargs. A causal mask or a window alone reads
+    neither the batch element nor the head, so the oracle's cell-by-cell loop walks one ``[lq, lk]``
+    grid, expanded to ``[b, h, lq, lk]``, instead of ``b * h`` equal ones."""
+    grid_kw = {"is_causal": kw.get("is_causal", False), "window": kw.get("window"),
+               "mask_mod": kw.get("mask_mod"), "mask": kw.get("mask")}
+    if grid_kw["mask_mod"] is None and grid_kw["mask"] is None:
+        grid = oracle.allowed_grid(1, 1, lq, lk, **grid_kw)
+        return None if grid is None else grid.expand(b, h, lq, lk)
+    return oracle.allowed_grid(b, h, lq, lk, **grid_kw)
+
+
 def check_against_oracle(backend, q, k, v, allowed=None, **kw):
     """Output against the float64 oracle, gradients against the reference backend."""
     if allowed is None:
-        allowed = oracle.allowed_grid(q.shape[0], q.shape[1], q.shape[2], k.shape[2],
-                                      is_causal=kw.get("is_causal", False), window=kw.get("window"),
-                                      mask_mod=kw.get("mask_mod"), mask=kw.get("mask"))
+        allowed = oracle_grid(q.shape[0], q.shape[1], q.shape[2], k.shape[2], **kw)
     out = backend(validate_call(q, k, v, **kw))[0]
     close(out, oracle.attention(q, k, v, allowed=allowed, bias=kw.get("bias"))[0], q.dtype)
     dout = torch.randn_like(out)
