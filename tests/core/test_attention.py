@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,21 +105,50 @@ def run_backend(name, q, k, v, kw):
     return attnkit.attention(q, k, v, backend=name, **kw)
 
 
+@functools.cache
+def grid_masking(kind, shape_name):
+    """``masking`` of one (kind, shape) cell of the grid. Its draws follow ``make``'s, which draws in float64
+    whatever the dtype, so they are the same for every dtype and backend: the oracle's ``allowed`` grid
+    (walked cell by cell) is made once per cell instead of once per dtype and backend."""
+    shape = SHAPES[shape_name]
+    _, g = make(shape, torch.float64)
+    return masking(kind, shape, g)
+
+
+@functools.cache
+def grid_cell(kind, shape_name, dtype):
+    """Inputs and attention kwargs (a bias in ``dtype``) of one cell of the grid, and the oracle's ``allowed``."""
+    (q, k, v), _ = make(SHAPES[shape_name], dtype)
+    kw, allowed, _ = grid_masking(kind, shape_name)
+    kw = dict(kw)
+    if "bias" in kw:
+        kw["bias"] = kw["bias"].to(dtype)
+    return (q, k, v), kw, allowed
+
+
+def fresh_cell(kind, shape_name, dtype):
+    """``grid_cell``'s inputs and kwargs as copies: a backend that wrote into its inputs cannot reach another case."""
+    (q, k, v), kw, _ = grid_cell(kind, shape_name, dtype)
+    return [t.clone() for t in (q, k, v)], {n: x.clone() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+
+
+@functools.cache
+def oracle_result(kind, shape_name, dtype):
+    """The oracle's (output, weights) for ``grid_cell(kind, shape_name, dtype)``: the same for every backend."""
+    (q, k, v), kw, allowed = grid_cell(kind, shape_name, dtype)
+    return oracle.attention(q, k, v, allowed=allowed, bias=kw.get("bias"), score_mod=kw.get("score_mod"))
+
+
 @pytest.mark.parametrize("backend", eager_backends())
 @pytest.mark.parametrize("kind", MASKINGS)
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_float64_oracle(backend, kind, shape_name, dtype):
-    shape = SHAPES[shape_name]
-    (q, k, v), g = make(shape, dtype)
-    kw, allowed, bias = masking(kind, shape, g)
-    if "bias" in kw:
-        kw["bias"] = kw["bias"].to(dtype)
+    (q, k, v), kw = fresh_cell(kind, shape_name, dtype)
     out = run_backend(backend, q, k, v, kw)
     if out is None:
         return
-    expected, _ = oracle.attention(q, k, v, allowed=allowed, bias=None if bias is None else kw["bias"],
-                                   score_mod=kw.get("score_mod"))
+    expected, _ = oracle_result(kind, shape_name, dtype)
     assert out.dtype == dtype and out.shape == expected.shape
     assert torch.isfinite(out).all()
     close(out, expected, dtype)
@@ -126,12 +157,9 @@ def test_matches_float64_oracle(backend, kind, shape_name, dtype):
 @pytest.mark.parametrize("kind", MASKINGS)
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 def test_weights_match_oracle(kind, shape_name):
-    shape = SHAPES[shape_name]
-    (q, k, v), g = make(shape, torch.float64)
-    kw, allowed, bias = masking(kind, shape, g)
+    (q, k, v), kw = fresh_cell(kind, shape_name, torch.float64)
     out, w = attnkit.attention(q, k, v, return_weights=True, **kw)
-    expected_out, expected_w = oracle.attention(q, k, v, allowed=allowed, bias=bias,
-                                                score_mod=kw.get("score_mod"))
+    expected_out, expected_w = oracle_result(kind, shape_name, torch.float64)
     close(out, expected_out)
     close(w, expected_w)
 
@@ -143,11 +171,7 @@ def test_weights_match_oracle(kind, shape_name):
 @pytest.mark.parametrize("shape_name", ["square", "lq<lk", "gqa", "ev!=e", "odd"])
 def test_matches_torch_sdpa(kind, shape_name, dtype):
     """Parity with the real thing, F.scaled_dot_product_attention, converting only conventions."""
-    shape = SHAPES[shape_name]
-    (q, k, v), g = make(shape, dtype)
-    kw, _, _ = masking(kind, shape, g)
-    if "bias" in kw:
-        kw["bias"] = kw["bias"].to(dtype)
+    (q, k, v), kw = fresh_cell(kind, shape_name, dtype)
     ours = attnkit.attention(q, k, v, **kw)
     groups = q.shape[1] // k.shape[1]
     kx, vx = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
