@@ -92,13 +92,15 @@ def inputs(b, h, hkv, lq, lk, d, dv, bias_heads, dtype, seed):
     return q, k, v, bias
 
 
-def check(q, k, v, bias, starts, ends, scale, softcap, *, scaled=None):
-    """Output and every gradient of ``_band.run`` against the float64 formula."""
+def check(q, k, v, bias, starts, ends, scale, softcap, *, scaled=None, allowed=None):
+    """Output and every gradient of ``_band.run`` against the float64 formula (``allowed``: ``dense(starts,
+    ends, Lk)``, made here unless a caller checking several inputs on the same intervals made it once)."""
     out = _band.run(q, k, v, starts, ends, bias, scale, softcap)
     assert out.dtype == q.dtype and out.shape == (*q.shape[:-1], v.shape[-1])
     leaves = [t for t in (q, k, v, bias) if t is not None]
     wide = [t.detach().double().requires_grad_() for t in leaves]
-    allowed = dense(starts, ends, k.shape[2])
+    if allowed is None:
+        allowed = dense(starts, ends, k.shape[2])
     if starts.shape[0] == q.shape[0] * q.shape[1] > q.shape[0]:  # a set of intervals per batch element and head
         allowed = allowed.view(q.shape[0], q.shape[1], *allowed.shape[2:])
     want = formula(*wide[:3], allowed, wide[3] if bias is not None else None, scale, softcap)
@@ -192,12 +194,14 @@ def test_rows_that_see_every_key_beside_a_window(sets, softcap):
         grid[g, :], grid[:, g] = True, True
     grids = grid[None] if sets == "shared" else torch.stack([grid.roll(7 * x, 0) for x in range(b * h)])
     starts, ends = _band._intervals(grids)
+    allowed = dense(starts, ends, n)  # up to 80 intervals a row, each compared with every cell: made once
     for dtype in (torch.float64, torch.float32):
         q, k, v, bias = inputs(b, h, 2, n, n, 16, 16, h, dtype, 0)
-        check(q, k, v, bias, starts, ends, 0.25, softcap, scaled=None if dtype == torch.float64 else 2e-6)
+        check(q, k, v, bias, starts, ends, 0.25, softcap, scaled=None if dtype == torch.float64 else 2e-6,
+              allowed=allowed)
     torch.use_deterministic_algorithms(True)
     try:
-        check(*inputs(b, h, 2, n, n, 16, 16, h, torch.float64, 2), starts, ends, 0.25, softcap)
+        check(*inputs(b, h, 2, n, n, 16, 16, h, torch.float64, 2), starts, ends, 0.25, softcap, allowed=allowed)
     finally:
         torch.use_deterministic_algorithms(False)
     # the gathered groups too: bitwise repeatable, forward and backward
