@@ -197,14 +197,20 @@ def _traced(req: Call, block: int) -> Tensor:
         q, k = torch.nn.functional.pad(q, fill), torch.nn.functional.pad(k, fill)
     lq, lk = req.q_len, req.kv_len
     parts = [_unwrapped(m) for m in (req.structured_mask_mod(),) if m is not None]
+    # the BlockMask is worked out per batch element and head only where the mask may differ between them (a
+    # mask_mod may read b and h; is_causal and window do not; a dense mask where it has those dims)
+    per_b = per_h = req.mask_mod is not None
     if req.mask is not None:
-        parts.append(_dense(req.mask, dev)[0])
+        fn, (_, take), _ = _dense(req.mask, dev)
+        parts.append(fn)
+        per_b, per_h = per_b or take[0], per_h or take[1]
     mask_fn = _every_key if not parts else parts[0] if len(parts) == 1 else masks.and_masks(*parts)
 
     def allowed(b, h, q_idx, kv_idx):  # in range, as _in_range_mask (the lengths are the graph's own here)
         return mask_fn(b, h, q_idx.clamp(max=lq - 1), kv_idx.clamp(max=lk - 1)) & (kv_idx < lk)
 
-    block_mask = create_block_mask(allowed, q.shape[0], q.shape[1], lq, lk, device=dev, BLOCK_SIZE=block)
+    block_mask = create_block_mask(allowed, q.shape[0] if per_b else None, q.shape[1] if per_h else None, lq, lk,
+                                   device=dev, BLOCK_SIZE=block)
     score_fn = None
     if req.score_mod is not None:
         mod = _unwrapped(req.score_mod)

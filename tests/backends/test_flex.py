@@ -566,22 +566,22 @@ def test_the_registered_backend_serves_a_score_mod_without_a_mask_with_gqa_and_l
 @pytest.mark.slow
 def test_under_torch_compile_flex_runs_in_the_callers_graph_without_a_break():
     """Traced by torch.compile (``fullgraph=True``: no break), flex calls ``flex_attention`` in the caller's graph
-    with a BlockMask from ``create_block_mask`` traced there too: a window, a user's mask_mod with a dead row, a
-    score_mod and GQA, against the oracle; and a MaskPlan taken as an input, through the predicate it was made
-    from."""
+    with a BlockMask from ``create_block_mask`` traced there too: a window with a dense mask shared by every batch
+    element and head (one BlockMask for all of them), a score_mod and GQA; and a MaskPlan taken as an input,
+    through the predicate it was made from (per batch element, with a dead row). Both against the oracle."""
     q, k, v = qkv(hkv=2, lq=L, lk=L)
     alibi = scores.alibi(scores.alibi_slopes(H))
-    kw = {"window": (9, 2), "mask_mod": documents, "score_mod": alibi}
+    kw = {"window": (9, 2), "mask": row_band_mask()[:1], "score_mod": alibi}
     run = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, backend="flex", **kw), fullgraph=True)
     with torch.no_grad():
         out = run(q, k, v)
     close(out, expected(q, k, v, **kw), torch.float32)
-    assert torch.equal(out[1, :, 5], torch.zeros(H, E))
     plan = attnkit.mask_plan(documents, q_len=L, batch=B, window=(9, 2))  # worked out on the host, an input
     run = torch.compile(lambda q, k, v, plan: attnkit.attention(q, k, v, mask=plan, backend="flex"), fullgraph=True)
     with torch.no_grad():
         out = run(q, k, v, plan)
     close(out, expected(q, k, v, mask_mod=documents, window=(9, 2)), torch.float32)
+    assert torch.equal(out[1, :, 5], torch.zeros(H, E))
 
 
 def followed_by_nan(t: torch.Tensor) -> torch.Tensor:
