@@ -273,19 +273,29 @@ def test_half_products_are_on_where_the_cpu_has_them_unless_asked_otherwise_and_
         assert f"set_half_products({_band.dtype_name(dtype)}, False)" in _band.half_products_reason(dtype)
 
 
+@functools.cache
+def _fresh_process_says(asked: str) -> dict[torch.dtype, str]:
+    """What a fresh process prints for each half type (``half_products`` and its reason, one line per type) with
+    every half type's variable set to ``asked``. Each type reads only its own variable, so one process (an
+    import of torch and both self-checks) answers for both types."""
+    names = [_band.dtype_name(dtype) for dtype in HALF]
+    code = ("import torch; from attnkit.backends import _band; assert _band.available(), _band.unavailable_reason(); "
+            + "; ".join(f"print(_band.half_products(torch.{n}), _band.half_products_reason(torch.{n}))" for n in names))
+    env = {**os.environ, **{SWITCHES[dtype][0]: asked for dtype in HALF}, "ATTNKIT_BUILD": "0"}  # this build
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == len(HALF), done.stdout
+    return dict(zip(HALF, lines, strict=True))
+
+
 @pytest.mark.parametrize(("asked", "printed"), [("0", "False turned off by {}=0"), ("1", "True None")])
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_the_environment_turns_half_products_off_or_on_whatever_the_cpu(dtype, asked, printed):
     variable = SWITCHES[dtype][0]
     if asked == "1" and not _band._products_ok.get(dtype):
         pytest.skip(f"no {dtype} products here: {_band.half_products_reason(dtype)}")
-    code = ("import torch; from attnkit.backends import _band; assert _band.available(), _band.unavailable_reason(); "
-            f"print(_band.half_products(torch.{_band.dtype_name(dtype)}), "
-            f"_band.half_products_reason(torch.{_band.dtype_name(dtype)}))")
-    env = {**os.environ, variable: asked, "ATTNKIT_BUILD": "0"}  # the build this process made
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == printed.format(variable)
+    assert _fresh_process_says(asked)[dtype] == printed.format(variable)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *HALF], ids=str)
