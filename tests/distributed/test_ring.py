@@ -1,6 +1,7 @@
 """Ring attention on real gloo process groups (CPU, loopback) against single-process attention.
 
-Spawning a group costs seconds, so each test runs a whole grid of cases in one group; a worker
+Spawning a group costs seconds, so each test runs a whole grid of cases in one group, and tests whose
+grids can run one after another share a group (a module fixture; each test reads its part); a worker
 collects the cases that disagree and the test fails listing them. Every comparison takes this
 rank's rows of the single-process result (``attnkit.attention`` on the full sequences) and the
 rank's shard of its gradients; ``unshard`` must give back the full tensors too.
@@ -33,6 +34,7 @@ from tests.support.tolerances import close
 pytestmark = pytest.mark.distributed
 
 SPAWN_TIMEOUT = 60.0  # seconds for one group: spawn, rendezvous, every case
+SHARED_TIMEOUT = 150.0  # the 2-rank group the three comparison grids share: all three, one after another
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,11 +176,9 @@ def _check(results):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(90)
-def test_ring_matches_single_process_float64_2_ranks():
-    cases = _grid()
-    assert len(cases) == 80
-    _check(run_local(_grid_twice, 2, cases, timeout=SPAWN_TIMEOUT))
+@pytest.mark.timeout(180)  # the first of the three tests of the shared group: it waits for the group
+def test_ring_matches_single_process_float64_2_ranks(two_rank_grids):
+    _check(two_rank_grids["float64 grid"])
 
 
 def _grid_twice(rank, world, cases):
@@ -263,9 +263,9 @@ def _gradcheck_singleton(rank, world):
     return [] if ok else [f"rank {rank}: gradcheck failed on a one-rank group"]
 
 
-@pytest.mark.timeout(90)
-def test_ring_float32_bfloat16_module_and_gradcheck_2_ranks():
-    _check(run_local(_lower_precision_and_module, 2, timeout=SPAWN_TIMEOUT))
+@pytest.mark.timeout(180)
+def test_ring_float32_bfloat16_module_and_gradcheck_2_ranks(two_rank_grids):
+    _check(two_rank_grids["lower precision and module"])
 
 
 def _score_mod_cases(rank, world):
@@ -324,9 +324,27 @@ def _score_mod_cases(rank, world):
     return failures
 
 
-@pytest.mark.timeout(90)
-def test_ring_score_biases_and_soft_caps_2_ranks():
-    _check(run_local(_score_mod_cases, 2, timeout=SPAWN_TIMEOUT))
+@pytest.mark.timeout(180)
+def test_ring_score_biases_and_soft_caps_2_ranks(two_rank_grids):
+    _check(two_rank_grids["score mods"])
+
+
+def _three_grids(rank, world, cases):
+    """The three 2-rank comparisons, each part's failures by name. The float64 grid comes last: its tiles pass
+    switches the banded kernel off for the rest of the process, and the other two run on it."""
+    return {"lower precision and module": _lower_precision_and_module(rank, world),
+            "score mods": _score_mod_cases(rank, world),
+            "float64 grid": _grid_twice(rank, world, cases)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_grids():
+    """The three 2-rank comparison grids in one group (a group costs seconds to spawn; each test reads its
+    part): the float64 grid, lower precision with the module and gradcheck, and the score mods."""
+    cases = _grid()
+    assert len(cases) == 80
+    results = run_local(_three_grids, 2, cases, timeout=SHARED_TIMEOUT)
+    return {part: [per_rank[part] for per_rank in results] for part in results[0]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -556,10 +574,24 @@ def _mismatched_calls(rank, world, cases):
     return got
 
 
-@pytest.mark.timeout(60)
-def test_ranks_called_differently_all_raise_naming_the_rank_and_argument():
+def _both_mismatch_grids(rank, world, calls, unshards):
+    """ring_attention's mismatched calls, then unshard's, in one group (each grid ends checking the group is
+    still in step)."""
+    return {"ring_attention": _mismatched_calls(rank, world, calls),
+            "unshard": _mismatched_unshards(rank, world, unshards)}
+
+
+@pytest.fixture(scope="module")
+def mismatched():
+    """What each rank said to each mismatched call of both grids: one group for the two tests."""
+    results = run_local(_both_mismatch_grids, 2, _MISMATCHES, _UNSHARD_MISMATCHES, timeout=60.0)
+    return {part: [per_rank[part] for per_rank in results] for part in results[0]}
+
+
+@pytest.mark.timeout(90)  # the first of the two tests of the shared group: it waits for the group
+def test_ranks_called_differently_all_raise_naming_the_rank_and_argument(mismatched):
     """Every case on every rank, then ContextParallelAttention with rank 1's input refused by the module."""
-    results = run_local(_mismatched_calls, 2, _MISMATCHES, timeout=40.0)
+    results = mismatched["ring_attention"]
     wrong = []
     for i, (what, _, _, want) in enumerate(_MISMATCHES):
         for rank in range(2):
@@ -709,9 +741,9 @@ def _mismatched_unshards(rank, world, cases):
     return got
 
 
-@pytest.mark.timeout(60)
-def test_unshard_called_differently_raises_on_every_rank_naming_what_differs():
-    results = run_local(_mismatched_unshards, 2, _UNSHARD_MISMATCHES, timeout=40.0)
+@pytest.mark.timeout(90)
+def test_unshard_called_differently_raises_on_every_rank_naming_what_differs(mismatched):
+    results = mismatched["unshard"]
     wrong = []
     for i, (what, _, _, want) in enumerate(_UNSHARD_MISMATCHES):
         for rank in range(2):
