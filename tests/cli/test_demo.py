@@ -10,9 +10,11 @@ import re
 import numpy as np
 import pytest
 import torch
+from matplotlib.figure import Figure
 from matplotlib.image import imread
 
 from attnkit.cli import main
+from tests.support.apps_checks import _png_signature
 from tests.support.tolerances import MODEL_PARITY_FP32, close
 
 
@@ -27,6 +29,14 @@ def assert_png(path, min_side=200):
     img = imread(path)[..., :3]
     assert min(img.shape[:2]) >= min_side and path.stat().st_size > 5_000
     assert (img < 0.96).any(-1).mean() > 0.05 and img.std() > 0.08, f"{path.name} looks blank"
+
+
+@pytest.fixture
+def unrendered(monkeypatch):
+    """The demo makes its figures but does not render them (``Figure.savefig`` writes a PNG signature only), for
+    cases that check what it prints and lists: rendering the heat maps was most of each run, and the ``demo``
+    fixture's run checks the real pictures."""
+    monkeypatch.setattr(Figure, "savefig", _png_signature)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +89,7 @@ def test_demo_weights_match_huggingface(demo):
 
 
 @pytest.mark.slow
-def test_demo_other_text_and_words(tmp_path):
+def test_demo_other_text_and_words(tmp_path, unrendered):
     rc, stdout, _ = run_cli("demo", "--text", "Hello world, this is a test.", "--out", str(tmp_path / "a"))
     assert rc == 0
     assert '"bank" and "river" are not in this text' in stdout
@@ -195,7 +205,8 @@ def test_pngs_are_not_all_one_colour(demo):
     assert len(colours) > 50
 
 
-def test_demo_says_which_word_is_missing_warns_about_unknown_words_and_draws_what_it_lists(tmp_path, monkeypatch):
+def test_demo_says_which_word_is_missing_warns_about_unknown_words_and_draws_what_it_lists(tmp_path, monkeypatch,
+                                                                                           unrendered):
     import attnkit.viz
 
     drawn = []
