@@ -17,7 +17,7 @@ def allowed_grid(b: int, h: int, lq: int, lk: int, *, is_causal=False, window=No
     """Bool ``[b, h, lq, lk]`` of what may attend, or None when nothing is masked."""
     if not is_causal and window is None and mask_mod is None and mask is None:
         return None
-    out = torch.ones(b, h, lq, lk, dtype=torch.bool)
+    cells = []  # each cell's verdict in order, made into a tensor once (a tensor write per cell cost most of the time)
     off = lk - lq  # bottom-right: query i sits at position i + off
     for bi in range(b):
         for hi in range(h):
@@ -35,7 +35,8 @@ def allowed_grid(b: int, h: int, lq: int, lk: int, *, is_causal=False, window=No
                             ok = False
                     if mask_mod is not None and ok:
                         ok = bool(mask_mod(torch.tensor(bi), torch.tensor(hi), torch.tensor(i), torch.tensor(j)))
-                    out[bi, hi, i, j] = ok
+                    cells.append(ok)
+    out = torch.tensor(cells, dtype=torch.bool).view(b, h, lq, lk)
     if mask is not None:
         out = out & mask.expand(b, h, lq, lk)
     return out
