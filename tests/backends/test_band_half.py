@@ -176,7 +176,16 @@ def test_a_half_backward_without_its_products_is_the_float32_kernels_on_the_same
     want = torch.ops.attnkit.band_backward(*(t.float() for t in (dout, q, k, v, out)), stats, *args, deterministic,
                                            False)
     for name, a, c in zip("qkv", got[:3], want[:3], strict=True):
-        assert a.dtype == dtype and torch.equal(a, c.to(dtype)), name
+        assert a.dtype == dtype, name
+        if name == "q" and not deterministic and torch.get_num_threads() > 1:
+            # dQ under locks: threads add their key blocks' shares in the order they come, so two runs' float32
+            # sums (this one's, rounded once, and the float32 kernel's) may differ in their last bits: within one
+            # unit in the last place of the half type, and float32's order noise on the row's scale
+            tiny = torch.finfo(dtype).tiny
+            ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(c.abs().clamp_min(tiny))))
+            assert bool(((a.float() - c).abs() <= ulp + 1e-5 * c.abs().amax(-1, keepdim=True)).all()), name
+        else:
+            assert torch.equal(a, c.to(dtype)), name
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["dQ under locks", "dQ by query blocks"])
