@@ -568,8 +568,10 @@ class _Family:
             if wrong is not None:
                 raise self._failure(ins, ValueError(f"the recompiled kernel disagrees with the formula: {wrong}"),
                                     recompile=True)
+            why = ("new sizes: the kernel now takes them as variables" if ins.family[-1] is None
+                   else "TorchDynamo found its first kernel did not fit this call")
             print(f"attnkit: compiled flex_attention again for {ins.what}, in {time.perf_counter() - start:.0f} s "
-                  "(new sizes: the kernel now takes them as variables)", file=sys.stderr, flush=True)
+                  f"({why})", file=sys.stderr, flush=True)
         return out
 
     def _first(self, ins: _Inputs, req: Call):
