@@ -192,9 +192,7 @@ def _traced(req: Call, block: int) -> Tensor:
     dev = req.query.device
     dtype = compute_dtype(req.query.dtype) if dev.type == "cpu" else req.query.dtype
     q, k, v = (t.reshape(-1, *t.shape[-3:]).to(dtype) for t in (req.query, req.key, req.value))
-    if dev.type == "cpu" and q.shape[-1] < CPU_MIN_HEAD_DIM:  # see CPU_MIN_HEAD_DIM
-        fill = (0, CPU_MIN_HEAD_DIM - q.shape[-1])
-        q, k = torch.nn.functional.pad(q, fill), torch.nn.functional.pad(k, fill)
+    q, k = _cpu_padded(q, k)
     lq, lk = req.q_len, req.kv_len
     parts = [_unwrapped(m) for m in (req.structured_mask_mod(),) if m is not None]
     # the BlockMask is worked out per batch element and head only where the mask may differ between them (a
@@ -206,19 +204,10 @@ def _traced(req: Call, block: int) -> Tensor:
         per_b, per_h = per_b or take[0], per_h or take[1]
     mask_fn = _every_key if not parts else parts[0] if len(parts) == 1 else masks.and_masks(*parts)
 
-    def allowed(b, h, q_idx, kv_idx):  # in range, as _in_range_mask (the lengths are the graph's own here)
-        return mask_fn(b, h, q_idx.clamp(max=lq - 1), kv_idx.clamp(max=lk - 1)) & (kv_idx < lk)
-
+    allowed = _in_range_mask(mask_fn, lq - 1, lk - 1)  # (the lengths as ints: they are the graph's own here)
     block_mask = create_block_mask(allowed, q.shape[0] if per_b else None, q.shape[1] if per_h else None, lq, lk,
                                    device=dev, BLOCK_SIZE=block)
-    score_fn = None
-    if req.score_mod is not None:
-        mod = _unwrapped(req.score_mod)
-
-        def score_fn(s, b, h, q_idx, kv_idx):  # as _score_function
-            out = scores.apply(mod, s, b, h, q_idx.clamp(max=lq - 1), kv_idx.clamp(max=lk - 1))
-            return torch.where(torch.isnan(out), math.inf, out)
-
+    score_fn = None if req.score_mod is None else _score_function(_unwrapped(req.score_mod), lq - 1, lk - 1)
     out = flex_attention(q, k, v, score_mod=score_fn, block_mask=block_mask, scale=req.scale,
                          enable_gqa=req.heads != req.kv_heads)
     return out.reshape(*req.batch_shape, *out.shape[1:]).to(req.query.dtype)
@@ -273,10 +262,7 @@ def _work_out(req: Call, block: int, lse: bool = False) -> _Inputs:
     if not grad:
         q, k, v = q.detach(), k.detach(), v.detach()
     what_qk = f"q {tuple(q.shape)}, k {tuple(k.shape)}"
-    if dev.type == "cpu" and q.shape[-1] < CPU_MIN_HEAD_DIM:
-        # zero columns change no score; see CPU_MIN_HEAD_DIM for the kernel they steer around
-        fill = (0, CPU_MIN_HEAD_DIM - q.shape[-1])
-        q, k = torch.nn.functional.pad(q, fill), torch.nn.functional.pad(k, fill)
+    q, k = _cpu_padded(q, k)
     mask_fn, mask_key, mask_what, block_mask = _mask_and_blocks(req, block)
     score_fn, score_key = None, None
     if req.score_mod is not None:
@@ -290,6 +276,15 @@ def _work_out(req: Call, block: int, lse: bool = False) -> _Inputs:
     score_what = "no score_mod" if req.score_mod is None else masks.mod_name("score_mod", _unwrapped(req.score_mod))
     what = f"{dtype} {what_qk}, {mask_what}, {score_what}"
     return _Inputs((q, k, v, score_fn, block_mask, req.scale, gqa), family, what, lse)
+
+
+def _cpu_padded(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """``q`` and ``k`` with zero columns up to :data:`CPU_MIN_HEAD_DIM` on the CPU (zero columns change no
+    score; see that constant for the kernel they steer around)."""
+    if q.device.type == "cpu" and q.shape[-1] < CPU_MIN_HEAD_DIM:
+        fill = (0, CPU_MIN_HEAD_DIM - q.shape[-1])
+        q, k = torch.nn.functional.pad(q, fill), torch.nn.functional.pad(k, fill)
+    return q, k
 
 
 def _but_length(t: Tensor) -> tuple:
@@ -330,11 +325,14 @@ def _index_tensors(dev: torch.device, *values: int) -> tuple[Tensor, ...]:
         return tuple(torch.tensor(x, dtype=torch.int32, device=dev) for x in values)
 
 
-def _score_function(mod, q_last: Tensor, kv_last: Tensor):
+def _score_function(mod, q_last: Tensor | int, kv_last: Tensor | int):
+    """``mod`` as Flex's score mod; ``q_last``, ``kv_last``: ``Lq - 1`` and ``Lk - 1``, 0-d tensors
+    (:func:`_last_indices`), or ints where the lengths are the traced graph's own."""
+
     def score(s, b, h, q_idx, kv_idx):
         # Flex pads the last blocks and may call the mod there: indices kept in range so that a mod that
         # indexes a table with them reads its own entries (the padded cells are masked out)
-        out = scores.apply(mod, s, b, h, torch.minimum(q_idx, q_last), torch.minimum(kv_idx, kv_last))
+        out = scores.apply(mod, s, b, h, q_idx.clamp(max=q_last), kv_idx.clamp(max=kv_last))
         # Flex's softmax would drop a NaN score; +inf at an allowed cell makes its row NaN, as the NaN
         # rule says, and at a masked cell it is selected out like anything else there.
         return torch.where(torch.isnan(out), math.inf, out)
@@ -342,11 +340,12 @@ def _score_function(mod, q_last: Tensor, kv_last: Tensor):
     return score
 
 
-def _in_range_mask(fn, q_last: Tensor, kv_last: Tensor):
-    """``fn`` called with indices in range (see ``_score_function``), keys past ``Lk`` masked."""
+def _in_range_mask(fn, q_last: Tensor | int, kv_last: Tensor | int):
+    """``fn`` called with indices in range (see ``_score_function``, whose ``q_last`` and ``kv_last`` these
+    are), keys past ``Lk`` masked."""
 
     def allowed(b, h, q_idx, kv_idx):
-        return fn(b, h, torch.minimum(q_idx, q_last), torch.minimum(kv_idx, kv_last)) & (kv_idx <= kv_last)
+        return fn(b, h, q_idx.clamp(max=q_last), kv_idx.clamp(max=kv_last)) & (kv_idx <= kv_last)
 
     return allowed
 
