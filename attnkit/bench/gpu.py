@@ -30,7 +30,6 @@ the command stops with one line saying so.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 from .. import attention, backends, mask_plan, masks, scores, which_backend
 from ..backends import flex as flex_backend
 from ..call import validate_call
-from ._util import markdown_table, progress, write_report
+from ._util import markdown_table, median_time, progress, write_report
 
 SIZES = (4096, 8192, 16384, 32768)
 MODEL_SIZES = (4096, 16384)
@@ -104,18 +103,14 @@ def _sync(device: torch.device) -> None:
 
 def _timed(fn: Callable[[], object], rounds: int, device: torch.device) -> tuple[float, float]:
     """``(seconds of the first call, median seconds of `rounds` calls after it)``, each call synchronised."""
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
+    def synced():
         fn()
         _sync(device)
-        times.append(time.perf_counter() - start)
-    return first, statistics.median(times)
+
+    _sync(device)
+    start = time.perf_counter()
+    synced()
+    return time.perf_counter() - start, median_time(synced, repeat=rounds, warmup=0)
 
 
 def _documents(n: int, device: torch.device) -> torch.Tensor:
