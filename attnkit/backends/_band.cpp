@@ -53,7 +53,9 @@
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: gemm() swaps the operands.
 
 #include <torch/extension.h>
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -61,10 +63,14 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <type_traits>
 #include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
@@ -99,18 +105,22 @@ inline Index interleaved(Index t, Index n) { return t % 2 == 0 ? t / 2 : n - 1 -
 // for the slowest thread: twice the time with one of two cores busy). `fixed`: a contiguous share
 // per thread instead, for a result that depends on which thread did which item (the bias
 // gradient's per-thread sums, which must repeat bit for bit under deterministic algorithms).
+inline void release_products();
+
 template <typename F>
 void each_item(Index n, bool fixed, const F& body) {
   if (fixed) {
     at::parallel_for(0, n, 1, [&](Index begin, Index end) {
       Index at = begin;
       body([&](Index& it) { it = at++; return it < end; });
+      release_products();
     });
     return;
   }
   std::atomic<Index> counter{0};
   at::parallel_for(0, std::min<Index>(n, at::get_num_threads()), 1, [&](Index, Index) {
     body([&](Index& it) { it = counter.fetch_add(1, std::memory_order_relaxed); return it < n; });
+    release_products();
   });
 }
 
@@ -130,7 +140,7 @@ void gemm(bool ta, bool tb, Index m, Index n, Index k, T alpha, const T* a, Inde
 
 // Half products (see "half products" at forward_impl): whether torch exports MKL's bfloat16 and float16 products,
 // and whether the kernel uses them for inputs of that type (each set by the Python side once its self-check passed).
-bool has_bf16_gemm() { return cblas_gemm_bf16bf16f32 != nullptr; }
+bool has_mkl_bf16_gemm() { return cblas_gemm_bf16bf16f32 != nullptr; }
 bool has_f16_gemm() { return cblas_gemm_f16f16f32 != nullptr; }
 std::atomic<bool> bf16_products{false};
 std::atomic<bool> f16_products{false};
@@ -141,11 +151,221 @@ bool with_half_products(const Tensor& t) {
                          (t.scalar_type() == at::kHalf && f16_products.load(std::memory_order_relaxed)));
 }
 
-// Row-major C[m x n] (float) = alpha * op(A)[m x k] * op(B)[k x n] + beta * C, A and B of half type H (MKL's
-// product for it); ta/tb: the operand is stored transposed.
+// bfloat16 products through oneDNN's batch-reduce GEMM micro-kernel, as torch exports it for its own CPU flash
+// attention (at::native::cpublas::brgemm): C[m x n] = A[m x k] B[k x n] (or C +=), A row-major, B in the VNNI
+// layout that the CPU's bfloat16 dot-product instructions read ([k / 2][n][2]: each pair of B's rows interleaved).
+// Each product of two bfloat16 numbers is exact in float32 and the sums are float32, as with MKL's product; but
+// MKL's product did not use the bfloat16 instructions of an AMD CPU that has them (AVX512-BF16) and ran at
+// float32's speed, where this one runs them on any CPU with AVX512-BF16 or AMX (`attnkit bench dtypes` times
+// both). The operands are packed for it per product into this thread's buffers, n and k rounded up to BRGEMM_Q
+// with zeros (the rounded sizes pick the micro-kernel, which torch builds once per shape and thread: rounding
+// keeps them few). Fewer than BRGEMM_ROWS rows (a decode step) stay with MKL, where packing costs more than it saves.
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(__x86_64__)
+constexpr Index BRGEMM_Q = 16, BRGEMM_ROWS = 8;
+using BF16 = c10::BFloat16;
+
+struct BrgemmBuffers {
+  std::vector<BF16> a, b;
+  std::vector<float> c;
+  bool used = false;  // the thread set up a micro-kernel: brgemm_release() before the thread's work ends
+};
+thread_local BrgemmBuffers brgemm_buffers;
+
+inline Index round_up(Index x, Index q) { return (x + q - 1) / q * q; }
+
+inline uint32_t pair_at(const BF16* p) {  // two adjacent bfloat16 values as one 32-bit word (any alignment)
+  uint32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+#if defined(__AVX512F__)
+// 16 rows of 16 32-bit words (row r at from + r * ld bfloat16 values) written transposed: word c of row r to
+// to[c * ldo + r]. Three rounds of shuffles: 4 x 4 blocks within each 128-bit lane, then the lanes.
+inline void transpose_16x16(const BF16* from, Index ld, uint32_t* to, Index ldo) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(from + i * ld);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4 i + c], lane l: rows 4 i .. 4 i + 3 of column 4 l + c
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4 l + c: lane l of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    _mm512_storeu_si512(to + c * ldo, _mm512_shuffle_i32x4(v0, w0, 0x88));
+    _mm512_storeu_si512(to + (4 + c) * ldo, _mm512_shuffle_i32x4(v0, w0, 0xDD));
+    _mm512_storeu_si512(to + (8 + c) * ldo, _mm512_shuffle_i32x4(v1, w1, 0x88));
+    _mm512_storeu_si512(to + (12 + c) * ldo, _mm512_shuffle_i32x4(v1, w1, 0xDD));
+  }
+}
+#endif
+
+// op(B) ([k x n]; stored [n x k] when tb) into VNNI [kp / 2][np][2], zeros past k and n.
+void pack_vnni(bool tb, Index k, Index n, const BF16* b, Index ldb, Index kp, Index np, BF16* out) {
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+  const Index pairs = k / 2;
+  if (tb) {  // row j of the stored B holds column j of op(B): its pairs go down column j of the packed one,
+    // 16 rows at a time, so that each packed row is written 64 bytes at once (a row at a time, the writes land
+    // np * 4 bytes apart: with 1024 columns every one of them in the same set of the L1 cache)
+    for (Index j0 = 0; j0 < n; j0 += 16) {
+      const Index j1 = std::min<Index>(j0 + 16, n);
+      Index p2 = 0;
+#if defined(__AVX512F__)
+      if (j1 - j0 == 16) {
+        for (; p2 + 16 <= pairs; p2 += 16) transpose_16x16(b + j0 * ldb + 2 * p2, ldb, o + p2 * np + j0, np);
+      }
+#endif
+      for (; p2 < pairs; ++p2) {
+        uint32_t* dst = o + p2 * np;
+        for (Index j = j0; j < j1; ++j) dst[j] = pair_at(b + j * ldb + 2 * p2);
+      }
+      if (k % 2) {
+        for (Index j = j0; j < j1; ++j) o[pairs * np + j] = b[j * ldb + k - 1].x;
+      }
+    }
+    for (Index p2 = 0; p2 < kp / 2; ++p2) {
+      std::fill(o + p2 * np + (p2 < (k + 1) / 2 ? n : 0), o + (p2 + 1) * np, 0u);
+    }
+    return;
+  }
+  for (Index p2 = 0; p2 < kp / 2; ++p2) {  // rows 2 p2 and 2 p2 + 1 of B, interleaved
+    uint32_t* dst = o + p2 * np;
+    const Index r = 2 * p2;
+    const uint16_t* r0 = r < k ? reinterpret_cast<const uint16_t*>(b + r * ldb) : nullptr;
+    const uint16_t* r1 = r + 1 < k ? reinterpret_cast<const uint16_t*>(b + (r + 1) * ldb) : nullptr;
+    Index j = 0;
+    if (r0 != nullptr && r1 != nullptr) {
+#if defined(__AVX512F__)
+      for (; j + 16 <= n; j += 16) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + j)));
+        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + j)));
+        _mm512_storeu_si512(dst + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+#endif
+      for (; j < n; ++j) dst[j] = uint32_t(r0[j]) | (uint32_t(r1[j]) << 16);
+    } else if (r0 != nullptr) {
+      for (; j < n; ++j) dst[j] = r0[j];
+    }
+    std::fill(dst + j, dst + np, 0u);
+  }
+}
+
+// Whether brgemm computes bfloat16 products here: once, a small product with odd sizes checked exactly (torch
+// built without oneDNN's micro-kernel, or a CPU below AVX-512, raises). Then per call: oneDNN still enabled.
+bool brgemm_bf16() {
+  static const bool works = [] {
+    try {
+      constexpr Index m = 9, n = 5, k = 7, kp = 16, np = 16;
+      std::vector<BF16> a(m * kp, BF16(0.f)), b(k * n), packed(kp * np);
+      std::vector<float> c(m * np);
+      for (Index i = 0; i < m; ++i) for (Index p = 0; p < k; ++p) a[i * kp + p] = BF16(float((i + 2 * p) % 5) - 2.f);
+      for (Index p = 0; p < k; ++p) for (Index j = 0; j < n; ++j) b[p * n + j] = BF16(float((3 * p + j) % 7) - 3.f);
+      pack_vnni(false, k, n, b.data(), n, kp, np, packed.data());
+      at::native::cpublas::brgemm(m, np, kp, kp, np, np, false, a.data(), packed.data(), c.data(), true);
+      at::native::cpublas::brgemm_release(true);
+      for (Index i = 0; i < m; ++i) {
+        for (Index j = 0; j < n; ++j) {
+          float want = 0.f;
+          for (Index p = 0; p < k; ++p) want += float(a[i * kp + p]) * float(b[p * n + j]);
+          if (c[i * np + j] != want) return false;
+        }
+      }
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return works && at::globalContext().userEnabledMkldnn();
+}
+
+// Row-major C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C through brgemm (see above).
+void gemm_bf16_brgemm(bool ta, bool tb, Index m, Index n, Index k, float alpha, const BF16* a, Index lda,
+                      const BF16* b, Index ldb, float beta, float* c, Index ldc) {
+  BrgemmBuffers& w = brgemm_buffers;
+  const Index kp = round_up(std::max<Index>(k, 1), BRGEMM_Q), np = round_up(n, BRGEMM_Q);
+  const BF16* A = a;
+  Index la = lda;
+  if (ta || k != kp) {  // A row-major with zeros past k
+    w.a.resize(m * kp);
+    BF16* out = w.a.data();
+    if (ta) {  // 16 rows of the packed A at a time, each written down its columns (see pack_vnni)
+      for (Index i0 = 0; i0 < m; i0 += 16) {
+        const Index i1 = std::min<Index>(i0 + 16, m);
+        for (Index p = 0; p < k; ++p) {
+          for (Index i = i0; i < i1; ++i) out[i * kp + p] = a[p * lda + i];
+        }
+      }
+    } else {
+      for (Index i = 0; i < m; ++i) std::copy_n(a + i * lda, k, out + i * kp);
+    }
+    for (Index i = 0; i < m; ++i) std::fill(out + i * kp + k, out + (i + 1) * kp, BF16(0.f));
+    A = w.a.data();
+    la = kp;
+  }
+  w.b.resize(kp * np);
+  pack_vnni(tb, k, n, b, ldb, kp, np, w.b.data());
+  // straight into C when it is C = A B or C += A B with C's columns as many as the micro-kernel's
+  const bool direct = n == np && alpha == 1.f && (beta == 0.f || beta == 1.f);
+  float* C = c;
+  Index lc = ldc;
+  if (!direct) {
+    w.c.resize(m * np);
+    C = w.c.data();
+    lc = np;
+  }
+  w.used = true;
+  at::native::cpublas::brgemm(m, np, kp, la, np, lc, direct && beta == 1.f, A, w.b.data(), C, true);
+  if (direct) return;
+  for (Index i = 0; i < m; ++i) {  // beta 0: C is not read (it may hold anything), as in BLAS
+    float* ci = c + i * ldc;
+    const float* pi = C + i * lc;
+    if (beta == 0.f) {
+      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j];
+    } else {
+      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j] + beta * ci[j];
+    }
+  }
+}
+
+// The end of a thread's share of a call: a micro-kernel's hardware state (AMX's tile configuration) let go.
+inline void release_products() {
+  if (brgemm_buffers.used) {
+    brgemm_buffers.used = false;
+    at::native::cpublas::brgemm_release(true);
+  }
+}
+#else
+bool brgemm_bf16() { return false; }
+inline void release_products() {}
+#endif
+
+// Whether the kernel has a bfloat16 product: oneDNN's brgemm or MKL's.
+bool has_bf16_gemm() { return has_mkl_bf16_gemm() || brgemm_bf16(); }
+
+// Row-major C[m x n] (float) = alpha * op(A)[m x k] * op(B)[k x n] + beta * C, A and B of half type H (oneDNN's
+// brgemm for bfloat16 where it runs, else MKL's product for the type); ta/tb: the operand is stored transposed.
 template <typename H>
 void gemm_half(bool ta, bool tb, Index m, Index n, Index k, float alpha, const H* a, Index lda, const H* b, Index ldb,
                float beta, float* c, Index ldc) {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(__x86_64__)
+  if constexpr (std::is_same_v<H, c10::BFloat16>) {
+    if ((m >= BRGEMM_ROWS || !has_mkl_bf16_gemm()) && brgemm_bf16()) {
+      gemm_bf16_brgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      return;
+    }
+  }
+#endif
+  if constexpr (std::is_same_v<H, c10::BFloat16>) {  // oneDNN turned off (torch.backends.mkldnn) since products were
+    TORCH_CHECK(has_mkl_bf16_gemm(), "band kernel: bfloat16 products need oneDNN (torch.backends.mkldnn.enabled) "
+                "or MKL's cblas_gemm_bf16bf16f32");
+  }
   constexpr int row_major = 101, no_trans = 111, trans = 112;
   const int opa = ta ? trans : no_trans, opb = tb ? trans : no_trans, M = static_cast<int>(m), N = static_cast<int>(n),
             K = static_cast<int>(k), la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
@@ -1425,6 +1645,35 @@ bool few_reads(const Tensor& q, const Tensor& k, Index q_rows) {
   return (q.size(1) / std::max<Index>(k.size(1), 1)) * ((q.size(2) + q_rows - 1) / q_rows) <= 2;
 }
 
+// The kernel's product of a half type on its own, for tests of the packing (transposes, odd sizes, alpha, beta).
+Tensor half_product(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool tb, double alpha, double beta) {
+  for (const auto& [t, name] : {std::pair{&a, "a"}, std::pair{&b, "b"}, std::pair{&c, "c"}}) {
+    TORCH_CHECK(t->dim() == 2 && t->device().is_cpu() && t->layout() == at::kStrided, "half_product: ", name,
+                " must be a 2-D dense CPU tensor, got ", described(*t));
+    TORCH_CHECK(t->size(1) <= 1 || t->stride(1) == 1, "half_product: ", name, " must have unit stride along its rows");
+    TORCH_CHECK(t->stride(0) >= std::max<Index>(t->size(1), 1), "half_product: ", name, "'s rows must not overlap");
+  }
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && is_half(a), "half_product: a and b must both be bfloat16 or "
+              "float16, got ", dtype_name(a.scalar_type()), " and ", dtype_name(b.scalar_type()));
+  TORCH_CHECK(with_half_products(a), "half_product: ", dtype_name(a.scalar_type()), " products are off");
+  const Index m = ta ? a.size(1) : a.size(0), k = ta ? a.size(0) : a.size(1), n = tb ? b.size(0) : b.size(1);
+  TORCH_CHECK((tb ? b.size(1) : b.size(0)) == k, "half_product: op(a) is [", m, ", ", k, "] but op(b) is [",
+              tb ? b.size(1) : b.size(0), ", ", n, "]");
+  TORCH_CHECK(c.scalar_type() == at::kFloat && c.size(0) == m && c.size(1) == n, "half_product: c must be float32 [",
+              m, ", ", n, "], got ", described(c));
+  Tensor out = c.contiguous().clone();
+  const auto ld = [](const Tensor& t) { return std::max<Index>(t.stride(0), 1); };
+  if (a.scalar_type() == at::kBFloat16) {
+    gemm_half<c10::BFloat16>(ta, tb, m, n, k, float(alpha), a.data_ptr<c10::BFloat16>(), ld(a),
+                             b.data_ptr<c10::BFloat16>(), ld(b), float(beta), out.data_ptr<float>(), n);
+  } else {
+    gemm_half<c10::Half>(ta, tb, m, n, k, float(alpha), a.data_ptr<c10::Half>(), ld(a), b.data_ptr<c10::Half>(),
+                         ld(b), float(beta), out.data_ptr<float>(), n);
+  }
+  release_products();
+  return out;
+}
+
 std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& starts,
                                  const Tensor& ends, const Tensor& bias, double scale, double softcap, Index q_rows,
                                  Index kv_chunk) {
@@ -1570,13 +1819,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "five products of the backward take operands of that type, and gradients are summed in float32 and "
         "returned in q's type); kv_rows, q_chunk in [1, 2^20]");
   m.def("has_blas", &has_blas, "whether torch exposes the BLAS this module calls");
-  m.def("has_bf16_gemm", &has_bf16_gemm, "whether torch exposes MKL's bfloat16 product (cblas_gemm_bf16bf16f32)");
+  m.def("has_bf16_gemm", &has_bf16_gemm,
+        "whether the kernel has a bfloat16 product here: oneDNN's brgemm (at::native::cpublas::brgemm, where it "
+        "runs) or MKL's cblas_gemm_bf16bf16f32");
+  m.def("bf16_gemm", [] { return std::string(brgemm_bf16() ? "oneDNN brgemm" : has_mkl_bf16_gemm() ? "MKL" : ""); },
+        "which bfloat16 product a tile of 8 or more rows takes ('' for none)");
+  m.def("half_product", &half_product,
+        "half_product(a, b, c, ta, tb, alpha, beta) -> alpha * op(a) op(b) + beta * c as a new float32 tensor, "
+        "through the kernel's own product of a's type (a, b 2-D bfloat16, or float16 while its products are "
+        "on; op(x) = x.T when stored transposed; c [m, n] float32)");
   m.def("has_f16_gemm", &has_f16_gemm, "whether torch exposes MKL's float16 product (cblas_gemm_f16f16f32)");
   m.def(
       "set_bf16_products",
       [](bool on) {
-        TORCH_CHECK(!on || has_bf16_gemm(), "band kernel: bfloat16 products need MKL's cblas_gemm_bf16bf16f32, "
-                    "which this torch does not export");
+        TORCH_CHECK(!on || has_bf16_gemm(), "band kernel: bfloat16 products need oneDNN's brgemm or MKL's "
+                    "cblas_gemm_bf16bf16f32, neither of which this torch has");
         bf16_products.store(on);
       },
       "whether the forward and the backward compute bfloat16 inputs with bfloat16 products (process-wide)");

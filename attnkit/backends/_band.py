@@ -30,14 +30,16 @@ their first call together wait for that one load and all get the module (or the 
 Both operators check every argument before touching memory and name the one that does not fit
 ("What they check", above the operators below).
 
-bfloat16 and float16 inputs can go through products of their own type, where torch exports MKL's
-``cblas_gemm_bf16bf16f32`` and ``cblas_gemm_f16f16f32`` (:func:`half_products`): the kernel reads q, k and v
-(and, in the backward, the output's gradient) as they are stored, and every product of a tile (two in the
-forward, five in the backward) takes half operands into float32 sums (a product of two such numbers is
+bfloat16 and float16 inputs can go through products of their own type (:func:`half_products`): bfloat16 through
+oneDNN's batch-reduce GEMM micro-kernel as torch exports it (``at::native::cpublas::brgemm``, where it runs),
+else through MKL's ``cblas_gemm_bf16bf16f32`` and ``cblas_gemm_f16f16f32`` where torch exports them: the kernel
+reads q, k and v (and, in the backward, the output's gradient) as they are stored, and every product of a tile
+(two in the forward, five in the backward) takes half operands into float32 sums (a product of two such numbers is
 exact in float32); the softmax, the accumulator and the gradients' sums stay float32, and the weights (and
 in the backward dS) are rounded to the half type for the products that take them, as FlashAttention does
 on a GPU. That is for a CPU that multiplies the type natively (AVX512-BF16 or AMX-BF16; AVX512-FP16 or
-AMX-FP16), which runs the products at their speed; elsewhere MKL widens the operands itself and the float32
+AMX-FP16), which runs the products at their speed (MKL's bfloat16 product did not on an AMD CPU with
+AVX512-BF16; oneDNN's does); elsewhere the operands are widened inside the product and the float32
 products are faster (``attnkit bench dtypes`` times both). So each type's products are on, once their own
 self-check passes, where the CPU's flags say it has them (:mod:`attnkit._cpu`); ``ATTNKIT_BF16_PRODUCTS``
 and ``ATTNKIT_FP16_PRODUCTS`` (``1`` or ``0``, read then) turn them on or off anyway, and so does
@@ -506,14 +508,15 @@ def _use_half_products(mod, dtype: torch.dtype) -> None:
     tag, variable, native, flags = _HALF_PRODUCTS[dtype]
     name, symbol = dtype_name(dtype), f"cblas_gemm_{tag}{tag}f32"
     if not getattr(mod, f"has_{tag}_gemm")():
-        _products_reason[dtype] = f"this torch does not export MKL's {name} product ({symbol})"
+        _products_reason[dtype] = (f"this torch has no {name} product the kernel can call ("
+                                   + ("oneDNN's brgemm or " if tag == "bf16" else "") + f"MKL's {symbol})")
         return
     switch = getattr(mod, f"set_{tag}_products")
     switch(True)
     try:
         err = _half_self_check(mod, dtype)
         if err is None and _reports and not _reports_in(mod, dtype):
-            err = f"its statistics do not mark a non-finite value (0 * inf through MKL's {name} product)"
+            err = f"its statistics do not mark a non-finite value (0 * inf through the {name} product)"
     except Exception as e:
         err = f"{type(e).__name__}: {e}"
     if err is not None:

@@ -2,8 +2,9 @@
 
 The anchor is this CPU's own matmul in each dtype, measured in the same run: its bf16:float32 and
 fp16:float32 speed ratios say what half precision can gain here at all (about 1 on a CPU without
-bf16/fp16 products, 2 or more with AVX512-BF16 or AMX), and MKL's bfloat16 and float16 products (half operands,
-float32 sums: the ones the banded kernel calls with half products) against float32. Each row times the same
+bf16/fp16 products, 2 or more with AVX512-BF16 or AMX), MKL's bfloat16 and float16 products (half operands,
+float32 sums) against float32, and one tile's product as the banded kernel computes it in each type (bfloat16
+through oneDNN's brgemm where it runs, MKL's product elsewhere; packing included). Each row times the same
 masked attention in the three dtypes on one thread (CPU-time medians, every dtype in each round), forward and
 then forward and backward, for attnkit and for SDPA (a causal call uses SDPA's own causal kernel; a window or
 documents give SDPA the dense boolean mask), and gives each dtype's time over attnkit's own float32 time; where
@@ -68,6 +69,8 @@ def run(quick: bool, out_dir: Path) -> str:
         why_not = {name: _band.half_products_reason(DTYPES[name]) for name in HALF_PRODUCTS}
         for name, on in products.items():
             say(f"banded kernel, {name} products: {'on' if on else 'off'}" + ("" if on else f" ({why_not[name]})"))
+        tile = _tile_gflops(products)
+        say("a q k^T tile (64 x 1024 x 64), GFLOP/s: " + ", ".join(f"{k} {v:.1f}" for k, v in tile.items()))
         i = torch.arange(n)
         window = (i.view(-1, 1) - i.view(1, -1)).abs() <= 256
         docs = torch.arange(n) * 4 // n  # four documents of n / 4 tokens
@@ -95,12 +98,12 @@ def run(quick: bool, out_dir: Path) -> str:
             + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peak.items())
             + f" (bf16 : float32 = {peak['bfloat16'] / peak['float32']:.2f}, "
             f"fp16 : float32 = {peak['float16'] / peak['float32']:.2f}); MKL's half products (half operands, float32 "
-            "sums, what the banded kernel calls with half products): "
+            "sums; the banded kernel's where oneDNN's brgemm does not run): "
             + ", ".join(f"{name} " + (f"{g:.1f} GFLOP/s ({g / peak['float32']:.2f} of float32)" if g else
                                       "not in this torch") for name, g in mkl.items())
             + ". The banded kernel's half products: "
             + "; ".join(f"{name} " + ("on" if on else f"off ({why_not[name]})") for name, on in products.items())
-            + ".\n\n"
+            + ". " + _tile_text(tile) + "\n\n"
             f"B=1, H={heads}, D={dim}, n = {n}, forward (and forward and backward, with a fixed output gradient), "
             f"one thread; CPU-time medians of {repeat} rounds for attnkit, each running every dtype (the order "
             "reversed every other round, so that a shared machine's load hits all alike), then of SDPA's in "
@@ -222,6 +225,38 @@ def _alibi_bias(heads: int, n: int) -> torch.Tensor:
     dist = (i.view(-1, 1) - i.view(1, -1)).float()
     bias = -scores.alibi_slopes(heads).view(-1, 1, 1) * dist
     return bias.masked_fill(dist < 0, float("-inf"))
+
+
+def _tile_gflops(products: dict[str, bool]) -> dict[str, float]:
+    """GFLOP/s of one q k^T tile of the banded kernel's forward (64 query rows, 1024 keys, 64 wide): float32
+    through torch's matmul (the BLAS the kernel calls), and each half type whose products are on through the
+    kernel's own product (``half_product``: its operands packed as every tile's are, then multiplied: oneDNN's
+    brgemm for bfloat16 where it runs, else MKL's)."""
+    rows, keys, width = 64, 1024, 64
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(rows, width, generator=g), torch.randn(keys, width, generator=g)
+    c = torch.empty(rows, keys)
+    flops = 2 * rows * keys * width
+    out = {"float32": flops / median_time(lambda: torch.mm(q, k.T), repeat=21, warmup=5) / 1e9}
+    if not _band.available():
+        return out
+    mod = _band._module()
+    for name, on in products.items():
+        if on:
+            a, b = q.to(DTYPES[name]), k.to(DTYPES[name])
+            t = median_time(lambda a=a, b=b: mod.half_product(a, b, c, False, True, 1.0, 0.0), repeat=21, warmup=5)
+            out[name] = flops / t / 1e9
+    return out
+
+
+def _tile_text(tile: dict[str, float]) -> str:
+    """What :func:`_tile_gflops` measured, as a sentence for the table's preamble."""
+    base = tile["float32"]
+    halves = [f"{name} {g:.1f} GFLOP/s ({g / base:.2f} of float32)" for name, g in tile.items() if name != "float32"]
+    product = _band._module().bf16_gemm() if _band.available() else ""
+    return (f"One q k^T tile of the kernel (64 x 1024 x 64), one thread: float32 {base:.1f} GFLOP/s"
+            + (f", {', '.join(halves)} through the kernel's own product (its bfloat16 product here: {product}, "
+               "operands packed per tile)" if halves else "") + ".")
 
 
 def _mkl_half_gflops(n: int, name: str) -> float | None:

@@ -1,7 +1,7 @@
 """Half precision through the banded kernel: bfloat16 and float16 go to the kernel as they are. Without products
 of their own type they are computed in float32 (queries and outputs converted a row at a time, keys and values
 once per call), so such a forward is exactly the float32 kernel on the same values rounded once. With them
-(where torch exports MKL's) every product takes operands of that type and the weights (and the backward's dS)
+(oneDNN's brgemm for bfloat16 where it runs, else MKL's) every product takes operands of that type and the weights (and the backward's dS)
 are rounded to it for the products that take them. Either way the errors of the output and the gradients
 against the float64 oracle are no larger than SDPA's own half-precision path's on the same inputs, and
 gradients come back in the inputs' dtype."""
@@ -363,3 +363,70 @@ def test_learned_alibi_slopes_and_a_relative_table_get_their_gradients_in_their_
     for got, expected in zip(grads, wants, strict=True):
         assert got.dtype == param_dtype
         close(got, expected, torch.bfloat16)
+
+
+#: The product's operand layouts as the kernel's tiles give them: (rows m, columns n, depth k). n and k are packed
+#: rounded up to 16 with zeros and m >= 8 takes oneDNN's brgemm where it runs: odd, below and above those.
+PRODUCT_SHAPES = [(1, 5, 7), (8, 16, 16), (9, 5, 7), (64, 256, 64), (64, 64, 256), (33, 100, 63), (16, 3, 1)]
+
+
+@pytest.mark.parametrize("alpha, beta", [(1.0, 0.0), (1.0, 1.0), (0.125, 1.0), (0.3, 0.7)])
+@pytest.mark.parametrize("ta, tb", [(False, False), (False, True), (True, False), (True, True)])
+def test_the_kernels_bfloat16_product_is_exact_products_with_float32_sums_for_every_operand_layout(ta, tb, alpha,
+                                                                                                    beta):
+    """alpha * op(a) op(b) + beta * c, as every tile's product packs its operands (transposed or not, sizes that
+    are not multiples of the packing's 16, a single row), against float64 on the same bfloat16 values: within
+    float32 summation error of the terms' magnitudes (the products are exact). With beta 0, c is not read (NaN
+    there stays out), as in BLAS."""
+    mod = _band._module()
+    g = torch.Generator().manual_seed(3)
+    with half_products(torch.bfloat16, True):
+        for m, n, k in PRODUCT_SHAPES:
+            a = torch.randn(*((k, m) if ta else (m, k)), generator=g).bfloat16()
+            b = torch.randn(*((n, k) if tb else (k, n)), generator=g).bfloat16()
+            c = torch.full((m, n), float("nan")) if beta == 0 else torch.randn(m, n, generator=g)
+            got = mod.half_product(a, b, c, ta, tb, alpha, beta)
+            A, B = (a.double().T if ta else a.double()), (b.double().T if tb else b.double())
+            want = alpha * (A @ B) + (beta * c.double() if beta else 0)
+            scale = abs(alpha) * (A.abs() @ B.abs()) + abs(beta) * (c.double().abs() if beta else 0)
+            bound = 2 * (k + 2) * torch.finfo(torch.float32).eps * scale
+            assert bool(((got.double() - want).abs() <= bound).all()), (m, n, k)
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, on switching oneDNN off
+def test_the_bfloat16_product_falls_back_to_mkls_where_onednn_is_turned_off():
+    """``torch.backends.mkldnn.enabled = False`` turns oneDNN's brgemm off between calls: the product is then MKL's
+    (where torch exports it), with the same result up to float32 summation order, and the kernel says which."""
+    mod = _band._module()
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(64, 48, generator=g).bfloat16(), torch.randn(100, 48, generator=g).bfloat16()
+    c = torch.zeros(64, 100)
+    with half_products(torch.bfloat16, True):
+        first = mod.half_product(a, b, c, False, True, 1.0, 0.0)
+        with torch.backends.mkldnn.flags(enabled=False):
+            if not mod.has_bf16_gemm():
+                pytest.skip("no MKL bfloat16 product to fall back to")
+            assert mod.bf16_gemm() == "MKL"
+            second = mod.half_product(a, b, c, False, True, 1.0, 0.0)
+    want = a.double() @ b.double().T
+    bound = 2 * 50 * torch.finfo(torch.float32).eps * (a.double().abs() @ b.double().abs().T)
+    for got in (first, second):
+        assert bool(((got.double() - want).abs() <= bound).all())
+
+
+def test_the_product_checks_its_arguments_before_touching_memory():
+    mod = _band._module()
+    a, b, c = torch.zeros(8, 4, dtype=torch.bfloat16), torch.zeros(4, 6, dtype=torch.bfloat16), torch.zeros(8, 6)
+    with half_products(torch.bfloat16, True):
+        with pytest.raises(RuntimeError, match="op\\(a\\) is \\[8, 4\\] but op\\(b\\) is \\[6, 4\\]"):
+            mod.half_product(a, b, c, False, True, 1.0, 0.0)
+        with pytest.raises(RuntimeError, match="c must be float32 \\[8, 6\\]"):
+            mod.half_product(a, b, torch.zeros(6, 8), False, False, 1.0, 0.0)
+        with pytest.raises(RuntimeError, match="a and b must both be bfloat16 or float16"):
+            mod.half_product(a.float(), b, c, False, False, 1.0, 0.0)
+        with pytest.raises(RuntimeError, match="unit stride along its rows"):
+            mod.half_product(torch.zeros(4, 8, dtype=torch.bfloat16).T, b, c, False, False, 1.0, 0.0)
+        with pytest.raises(RuntimeError, match="2-D dense CPU tensor"):
+            mod.half_product(a[None], b, c, False, False, 1.0, 0.0)
+    with half_products(torch.bfloat16, False), pytest.raises(RuntimeError, match="bfloat16 products are off"):
+        mod.half_product(a, b, c, False, False, 1.0, 0.0)

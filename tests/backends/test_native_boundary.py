@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SEED, CASES = 29, 300
 TIMEOUT_S = 240  # the fuzz takes seconds; a call that hangs is a failure too
 #: What the fuzz calls; a new export or operator must be added to it (the test checks these lists).
-EXPORTS = ("backward", "bf16_products", "f16_products", "forward", "has_bf16_gemm", "has_blas", "has_f16_gemm",
-           "set_bf16_products", "set_f16_products")
+EXPORTS = ("backward", "bf16_gemm", "bf16_products", "f16_products", "forward", "half_product", "has_bf16_gemm",
+           "has_blas", "has_f16_gemm", "set_bf16_products", "set_f16_products")
 OPERATORS = ("attnkit::band_backward", "attnkit::band_forward")
 MAX_BLOCK = 2**20
 F64 = torch.float64
@@ -353,8 +353,33 @@ def _child(seed: int, cases: int, log: str) -> None:
                          ("has_f16_gemm()", mod.has_f16_gemm), ("has_f16_gemm(1)", lambda: mod.has_f16_gemm(1)),
                          ("f16_products()", mod.f16_products), ("f16_products(1)", lambda: mod.f16_products(1)),
                          ("set_f16_products()", mod.set_f16_products),
-                         ("set_f16_products('x')", lambda: mod.set_f16_products("x"))):
+                         ("set_f16_products('x')", lambda: mod.set_f16_products("x")),
+                         ("bf16_gemm()", mod.bf16_gemm), ("bf16_gemm(1)", lambda: mod.bf16_gemm(1))):
         attempt(label, thunk)
+    bf, c = torch.ones(8, 4, dtype=torch.bfloat16), torch.zeros(8, 8)
+    products = mod.bf16_products()
+    if mod.has_bf16_gemm():  # on, so that the checks of the operands are what refuses
+        mod.set_bf16_products(True)
+    for label, thunk, message in (
+            ("half_product()", mod.half_product, "TypeError: half_product(): incompatible function arguments"),
+            ("half_product: op(a) [8, 4], op(b) [8, 4]", lambda: mod.half_product(bf, bf, c, False, False, 1.0, 0.0),
+             "op(a) is [8, 4] but op(b) is [8, 4]"),
+            ("half_product: a 1-D", lambda: mod.half_product(bf[0], bf, c, False, True, 1.0, 0.0), "2-D dense CPU"),
+            ("half_product: c [4, 4]", lambda: mod.half_product(bf, bf, c[:4, :4], False, True, 1.0, 0.0),
+             "c must be float32 [8, 8]"),
+            ("half_product: a float32", lambda: mod.half_product(bf.float(), bf, c, False, True, 1.0, 0.0),
+             "must both be bfloat16 or float16"),
+            ("half_product: b's rows overlap", lambda: mod.half_product(bf, bf.as_strided((8, 4), (1, 1)), c, False,
+                                                                          True, 1.0, 0.0), "must not overlap"),
+            ("half_product: a's columns strided", lambda: mod.half_product(bf.repeat(1, 2)[:, ::2], bf, c, False, True,
+                                                                            1.0, 0.0), "must have unit stride")):
+        if not mod.has_bf16_gemm():
+            break
+        _, error = attempt(label, thunk)
+        if error is None or message not in error:
+            report["issue"].append(f"{label}: expected an error with {message!r}, got {error}")
+    if mod.has_bf16_gemm():
+        mod.set_bf16_products(products)
     if mod.has_bf16_gemm():  # what the process had (the self-check's choice) stays
         attempt("set_bf16_products(on)", lambda: mod.set_bf16_products(mod.bf16_products()))
     if mod.has_f16_gemm():

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from attnkit.bench._util import interleaved_medians, median_time, progress
 
@@ -139,3 +140,18 @@ def test_a_table_replaces_a_link_planted_under_its_name(tmp_path):
     (tmp_path / "out" / "core.md").symlink_to(target)
     text = write_report(tmp_path / "out", "core", "title", "body", "attnkit bench core")
     assert (tmp_path / "out" / "core.md").read_text() == text and target.read_text() == "someone else's"
+
+
+def test_the_dtypes_suites_tile_anchor_times_float32_and_each_half_type_whose_products_are_on():
+    """The preamble's tile anchor: float32's product and the kernel's own product of each half type that is on
+    (packing included), as GFLOP/s, and the sentence that names which bfloat16 product ran."""
+    from attnkit.backends import _band
+    from attnkit.bench import dtypes
+
+    on = _band.available() and bool(_band._products_ok.get(torch.bfloat16))
+    tile = dtypes._tile_gflops({"bfloat16": on, "float16": False})
+    assert set(tile) == ({"float32", "bfloat16"} if on else {"float32"})
+    assert all(g > 0 for g in tile.values())
+    text = dtypes._tile_text(tile)
+    assert text.startswith("One q k^T tile of the kernel (64 x 1024 x 64), one thread: float32 ")
+    assert ("its bfloat16 product here: " in text) == on
