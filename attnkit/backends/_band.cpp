@@ -341,10 +341,77 @@ inline void release_products() {
     at::native::cpublas::brgemm_release(true);
   }
 }
+bool few_reads(const Tensor& q, const Tensor& k, Index q_rows);
+template <typename T>
+const T* row_ptr(const Tensor& t, Index b, Index h, Index i);
+
+// Whether the forward packs k^T once for the call: bfloat16 products through brgemm, where many blocks of rows
+// read each key (not few_reads).
+bool packs_keys(const Tensor& q, const Tensor& k, Index q_rows) {
+  return brgemm_bf16() && q_rows >= BRGEMM_ROWS && !few_reads(q, k, q_rows);
+}
+
+// k ([B, Hkv, S, E] bfloat16) as op(B) of q k^T for every (b, hkv), in brgemm's VNNI layout: uint32
+// [B, Hkv, pairs, ld] (pairs: E rounded up to BRGEMM_Q, halved; ld: S and one more BRGEMM_Q rounded up to 256,
+// so that columns c0 .. c0 + n rounded up stay inside and the leading dimension, which picks the micro-kernel,
+// takes few values), zeros past E and S. In parallel over (b, hkv).
+Tensor pack_keys(const Tensor& k, Index& ld, Index& pairs) {
+  const Index B = k.size(0), Hkv = k.size(1), S = k.size(2), E = k.size(3), kp = round_up(E, BRGEMM_Q);
+  ld = round_up(S + BRGEMM_Q, 256);
+  pairs = kp / 2;
+  Tensor out = at::empty({B, Hkv, pairs, ld}, k.options().dtype(at::kInt));
+  uint32_t* base = reinterpret_cast<uint32_t*>(out.data_ptr());
+  at::parallel_for(0, B * Hkv, 1, [&](Index begin, Index end) {
+    for (Index x = begin; x < end; ++x) {
+      const Index b = x / Hkv, h = x % Hkv;
+      pack_vnni(true, E, S, row_ptr<BF16>(k, b, h, 0), k.stride(2), kp, ld,
+                reinterpret_cast<BF16*>(base + x * pairs * ld));
+    }
+  });
+  return out;
+}
+
+// Row-major C[m x n] = A[m x k] B[k x n] through brgemm, B already packed (VNNI, ldb 32-bit words apart, zeros
+// past k rounded up and far enough past n); A padded with zeros where k is not a multiple of BRGEMM_Q.
+void product_packed(Index m, Index n, Index k, const BF16* a, Index lda, const uint32_t* b, Index ldb, float* c,
+                    Index ldc) {
+  BrgemmBuffers& w = brgemm_buffers;
+  const Index kp = round_up(k, BRGEMM_Q), np = round_up(n, BRGEMM_Q);
+  const BF16* A = a;
+  Index la = lda;
+  if (k != kp) {
+    w.a.resize(m * kp);
+    for (Index i = 0; i < m; ++i) {
+      std::copy_n(a + i * lda, k, w.a.data() + i * kp);
+      std::fill(w.a.data() + i * kp + k, w.a.data() + (i + 1) * kp, BF16(0.f));
+    }
+    A = w.a.data();
+    la = kp;
+  }
+  float* C = c;
+  Index lc = ldc;
+  if (n != np) {
+    w.c.resize(m * np);
+    C = w.c.data();
+    lc = np;
+  }
+  w.used = true;
+  at::native::cpublas::brgemm(m, np, kp, la, ldb, lc, false, A, reinterpret_cast<const BF16*>(b), C, true);
+  if (n != np) {
+    for (Index i = 0; i < m; ++i) std::copy_n(C + i * lc, n, c + i * ldc);
+  }
+}
 #else
 bool brgemm_bf16() { return false; }
 inline void release_products() {}
-#endif
+constexpr Index BRGEMM_ROWS = 8;
+bool packs_keys(const Tensor&, const Tensor&, Index) { return false; }
+Tensor pack_keys(const Tensor&, Index&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to pack keys for"); }
+template <typename KV>
+void product_packed(Index, Index, Index, const KV*, Index, const uint32_t*, Index, float*, Index) {
+  TORCH_CHECK(false, "band kernel: no brgemm for packed keys");
+}
+#endif  // brgemm
 
 // Whether the kernel has a bfloat16 product: oneDNN's brgemm or MKL's.
 bool has_bf16_gemm() { return has_mkl_bf16_gemm() || brgemm_bf16(); }
@@ -698,9 +765,9 @@ struct KeyScratch {
 // chunk) read in place, then the shorter ones (a global token's key far from the rows' window)
 // gathered, up to `chunk` keys together, so that they take one product instead of one each (each
 // fits in a chunk: a longer one would never be taken, and the gathering would not end). For each chunk,
-// body(kp, ldk, vp, ldv, kc, visible, bias_of): its keys and values (rows ldk, ldv apart),
+// body(kp, ldk, vp, ldv, kc, visible, bias_of, c0): its keys and values (rows ldk, ldv apart),
 // visible(i, rg) row i's visible columns as ranges in rg (returns how many), bias_of(i) row i's
-// bias of head h at the chunk's columns.
+// bias of head h at the chunk's columns, c0 the chunk's first key where it is read in place (-1: gathered).
 // S: how k and v are stored (KV, or a half type that the backward without its products widens per chunk).
 template <typename T, typename KV, typename S = KV, typename RowOf, typename Body>
 void key_chunks(const Rows& R, Index p, Index g, const RowOf& row, Index gap, Index chunk, const Tensor& k,
@@ -720,7 +787,7 @@ void key_chunks(const Rows& R, Index p, Index g, const RowOf& row, Index gap, In
       body(kp, ldk, vp, ldv, kc,
            [&](Index i, std::vector<Index>& rg) { return R.ranges(p, i, c0, kc, rg); },
            // bias[h, j - i + L - 1]: a contiguous slice along the row
-           [&](Index i) { return diagonal_row<T>(bias, h, c0 - i + R.L - 1); });
+           [&](Index i) { return diagonal_row<T>(bias, h, c0 - i + R.L - 1); }, c0);
     }
   }
   for (std::size_t x0 = 0; x0 < w.lone.size();) {
@@ -735,7 +802,7 @@ void key_chunks(const Rows& R, Index p, Index g, const RowOf& row, Index gap, In
     gather_keys<KV, S>(v, b, hkv, segs, n, w.vg);
     body(static_cast<const KV*>(w.kg), k.size(3), static_cast<const KV*>(w.vg), v.size(3), kc,
          [&](Index i, std::vector<Index>& rg) { return R.ranges_in(p, i, segs, n, rg); },
-         [&](Index i) { return gathered_bias<T>(bias, h, i, R.L, segs, n, w.bg.data()); });
+         [&](Index i) { return gathered_bias<T>(bias, h, i, R.L, segs, n, w.bg.data()); }, Index(-1));
     x0 = x1;
   }
 }
@@ -965,6 +1032,18 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   const T ninf = -std::numeric_limits<T>::infinity(), nan = std::numeric_limits<T>::quiet_NaN();
   bool any_wide = false;
   const auto wide = wide_rows(R, q_rows, any_wide);
+  // bfloat16 products through brgemm where many blocks of rows read each key: k^T packed once per call
+  // (pack_vnni) instead of once for every block that reads a chunk of it.
+  Tensor packed_buf;
+  Index packed_ld = 0, packed_pairs = 0;
+  bool keys_packed = false;
+  if constexpr (halves && std::is_same_v<KV, c10::BFloat16>) {
+    keys_packed = packs_keys(q, k, q_rows);
+    if (keys_packed) packed_buf = pack_keys(k, packed_ld, packed_pairs);
+  }
+  const auto packed_keys = [&](Index b, Index hkv) {
+    return reinterpret_cast<const uint32_t*>(packed_buf.data_ptr()) + (b * d.Hkv + hkv) * packed_pairs * packed_ld;
+  };
   // A scale that is a power of two (1/8 for 64-wide heads) is taken into the queries as they are
   // copied for a block: (q * scale) k^T is then exactly (q k^T) * scale, every product and sum
   // scaled by the same power of two, and the scores need no pass of their own before the maximum.
@@ -1023,8 +1102,15 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     bool first = true;
     key_chunks<T, KV, KS>(R, R.set(b, h), g, row, q_rows, kv_chunk, k, v, bias, b, h, h / G, w.keys,
                   [&](const KV* kp, Index ldk, const KV* vp, Index ldv, Index kc, const auto& visible,
-                      const auto& bias_of) {
-      product<T, KV>(false, true, g, kc, d.E, T(1), qp, lda, kp, ldk, T(0), s, kc);
+                      const auto& bias_of, Index c0) {
+      bool done = false;
+      if constexpr (halves && std::is_same_v<KV, c10::BFloat16>) {
+        if (keys_packed && c0 >= 0 && g >= BRGEMM_ROWS) {  // columns c0.. of the keys packed once for the call
+          product_packed(g, kc, d.E, qp, lda, packed_keys(b, h / G) + c0, packed_ld, s, kc);
+          done = true;
+        }
+      }
+      if (!done) product<T, KV>(false, true, g, kc, d.E, T(1), qp, lda, kp, ldk, T(0), s, kc);
       // One row's raw scores against every key of the chunk: a key that is not finite makes its score
       // with any finite query NaN or infinite (inf * 0 is NaN), whichever rows may see it.
       w.block_bad = w.block_bad || not_finite<T>(add_up<T>(s, kc, Vec(T(0))));
@@ -1456,7 +1542,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     const Index base = (b * d.H + h) * d.L;
     key_chunks<T, KV, S>(R, R.set(b, h), g, row, kv_rows, q_chunk, k, v, bias, b, h, h / G, w.keys,
                   [&](const KV* kp, Index ldk, const KV* vp, Index ldv, Index kc, const auto& visible,
-                      const auto& bias_of) {
+                      const auto& bias_of, Index /*c0*/) {
       product<T, KV>(false, true, g, kc, d.E, T(1), qp, ldq, kp, ldk, T(0), w.p, kc);
       product<T, KV>(false, true, g, kc, d.Ev, T(1), dop, ldo, vp, ldv, T(0), w.ds, kc);
       for (Index r = 0; r < g; ++r) {
