@@ -2,9 +2,9 @@
 of their own type they are computed in float32 (queries and outputs converted a row at a time, keys and values
 once per call), so such a forward is exactly the float32 kernel on the same values rounded once. With them
 (oneDNN's brgemm for bfloat16 where it runs, else MKL's) every product takes operands of that type and the
-weights (and the backward's dS) are rounded to it for the products that take them. Either way the errors of the output and the gradients
-against the float64 oracle are no larger than SDPA's own half-precision path's on the same inputs, and
-gradients come back in the inputs' dtype."""
+weights (and the backward's dS) are rounded to it for the products that take them. Either way the errors of
+the output and the gradients against the float64 oracle are no larger than SDPA's own half-precision path's
+on the same inputs, and gradients come back in the inputs' dtype."""
 
 from __future__ import annotations
 
