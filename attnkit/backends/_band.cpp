@@ -165,11 +165,19 @@ constexpr Index BRGEMM_Q = 16, BRGEMM_ROWS = 8;
 using BF16 = c10::BFloat16;
 
 struct BrgemmBuffers {
-  std::vector<BF16> a, b;
+  std::vector<BF16> a, b, t;
   std::vector<float> c;
   bool used = false;  // the thread set up a micro-kernel: brgemm_release() before the thread's work ends
 };
 thread_local BrgemmBuffers brgemm_buffers;
+
+// v with room for n values. Never shrunk: resize() down and up again would fill the regrown part with zeros
+// on every call where products of two sizes alternate.
+template <typename X>
+X* room(std::vector<X>& v, Index n) {
+  if (static_cast<Index>(v.size()) < n) v.resize(n);
+  return v.data();
+}
 
 inline Index round_up(Index x, Index q) { return (x + q - 1) / q * q; }
 
@@ -292,36 +300,45 @@ void gemm_bf16_brgemm(bool ta, bool tb, Index m, Index n, Index k, float alpha, 
   const Index kp = round_up(std::max<Index>(k, 1), BRGEMM_Q), np = round_up(n, BRGEMM_Q);
   const BF16* A = a;
   Index la = lda;
-  if (ta || k != kp) {  // A row-major with zeros past k
-    w.a.resize(m * kp);
-    BF16* out = w.a.data();
-    if (ta) {  // 16 rows of the packed A at a time, each written down its columns (see pack_vnni)
-      for (Index i0 = 0; i0 < m; i0 += 16) {
-        const Index i1 = std::min<Index>(i0 + 16, m);
-        for (Index p = 0; p < k; ++p) {
-          for (Index i = i0; i < i1; ++i) out[i * kp + p] = a[p * lda + i];
-        }
+  if (ta) {  // A stored [k x m]: its pairs of rows interleaved (pack_vnni), then that transposed as 32-bit words
+    const Index mp = round_up(m, BRGEMM_Q), pairs = kp / 2;
+    uint32_t* t = reinterpret_cast<uint32_t*>(room(w.t, kp * mp));
+    uint32_t* out = reinterpret_cast<uint32_t*>(room(w.a, mp * kp));
+    pack_vnni(false, k, m, a, lda, kp, mp, reinterpret_cast<BF16*>(t));  // t[p2][i] = (a[2 p2][i], a[2 p2 + 1][i])
+    for (Index i0 = 0; i0 < m; i0 += 16) {  // out[i][p2] = t[p2][i]: row i of op(A), with zeros past k
+      Index p2 = 0;
+#if defined(__AVX512F__)
+      for (; p2 + 16 <= pairs; p2 += 16) {
+        transpose_16x16(reinterpret_cast<const BF16*>(t + p2 * mp + i0), 2 * mp, out + i0 * pairs + p2, pairs);
       }
-    } else {
-      for (Index i = 0; i < m; ++i) std::copy_n(a + i * lda, k, out + i * kp);
+#endif
+      for (; p2 < pairs; ++p2) {
+        for (Index i = i0; i < std::min<Index>(i0 + 16, m); ++i) out[i * pairs + p2] = t[p2 * mp + i];
+      }
     }
-    for (Index i = 0; i < m; ++i) std::fill(out + i * kp + k, out + (i + 1) * kp, BF16(0.f));
-    A = w.a.data();
+    A = reinterpret_cast<const BF16*>(out);
+    la = kp;
+  } else if (k != kp) {  // A with zeros past k
+    BF16* out = room(w.a, m * kp);
+    for (Index i = 0; i < m; ++i) {
+      std::memcpy(out + i * kp, a + i * lda, k * sizeof(BF16));
+      std::memset(out + i * kp + k, 0, (kp - k) * sizeof(BF16));  // +0.0
+    }
+    A = out;
     la = kp;
   }
-  w.b.resize(kp * np);
-  pack_vnni(tb, k, n, b, ldb, kp, np, w.b.data());
+  BF16* packed = room(w.b, kp * np);
+  pack_vnni(tb, k, n, b, ldb, kp, np, packed);
   // straight into C when it is C = A B or C += A B with C's columns as many as the micro-kernel's
   const bool direct = n == np && alpha == 1.f && (beta == 0.f || beta == 1.f);
   float* C = c;
   Index lc = ldc;
   if (!direct) {
-    w.c.resize(m * np);
-    C = w.c.data();
+    C = room(w.c, m * np);
     lc = np;
   }
   w.used = true;
-  at::native::cpublas::brgemm(m, np, kp, la, np, lc, direct && beta == 1.f, A, w.b.data(), C, true);
+  at::native::cpublas::brgemm(m, np, kp, la, np, lc, direct && beta == 1.f, A, packed, C, true);
   if (direct) return;
   for (Index i = 0; i < m; ++i) {  // beta 0: C is not read (it may hold anything), as in BLAS
     float* ci = c + i * ldc;
@@ -380,19 +397,18 @@ void product_packed(Index m, Index n, Index k, const BF16* a, Index lda, const u
   const BF16* A = a;
   Index la = lda;
   if (k != kp) {
-    w.a.resize(m * kp);
+    BF16* out = room(w.a, m * kp);
     for (Index i = 0; i < m; ++i) {
-      std::copy_n(a + i * lda, k, w.a.data() + i * kp);
-      std::fill(w.a.data() + i * kp + k, w.a.data() + (i + 1) * kp, BF16(0.f));
+      std::memcpy(out + i * kp, a + i * lda, k * sizeof(BF16));
+      std::memset(out + i * kp + k, 0, (kp - k) * sizeof(BF16));  // +0.0
     }
-    A = w.a.data();
+    A = out;
     la = kp;
   }
   float* C = c;
   Index lc = ldc;
   if (n != np) {
-    w.c.resize(m * np);
-    C = w.c.data();
+    C = room(w.c, m * np);
     lc = np;
   }
   w.used = true;
