@@ -141,6 +141,16 @@ def half_products(dtype: torch.dtype) -> bool:
     return available() and getattr(_module(), f"{tag}_products")()
 
 
+def native_bf16_products() -> bool:
+    """Whether bfloat16 calls run on the CPU's own bfloat16 products here: the CPU has them (its flags, read
+    before anything is built), and the kernel's bfloat16 products are on and go through oneDNN's brgemm (not
+    MKL's product, which did not use them on an AMD CPU that has them). There the kernel outruns SDPA's CPU
+    kernel on bfloat16 attention with no mask as well as under a causal one (``attnkit bench dtypes`` times
+    both), and :meth:`attnkit.backends.band.BandBackend.prefers` puts it first."""
+    return (_cpu.has_bf16_products() and half_products(torch.bfloat16)
+            and _module().bf16_gemm() == "oneDNN brgemm")
+
+
 def half_products_reason(dtype: torch.dtype) -> str | None:
     """Why :func:`half_products` is False for ``dtype`` (None when it is True, or before the kernel was loaded)."""
     if half_products(dtype):

@@ -39,15 +39,17 @@ class BandBackend:
     )
 
     def prefers(self, req: Call) -> bool:
-        """Whether ``"auto"`` should try this backend before SDPA: a plain causal call (no other mask, bias or
-        score_mod) with more than one query on the CPU, which the kernel serves faster than SDPA's own causal
-        kernel, forward and backward, in every dtype it takes (``attnkit bench core`` and ``attnkit bench
-        dtypes`` time both; the margin shrinks with length). One query (a decode step) stays with SDPA, which
-        needs no mask for it and is faster there. Whether the kernel can serve the call (its dtype, dropout,
-        weights, the kernel built) is :meth:`not_supported_reasons`' to say: refused, the call goes on down
-        the order."""
-        return (req.is_causal and req.q_len > 1 and req.query.is_cpu and req.mask is None and req.window is None
-                and req.mask_mod is None and req.score_mod is None and req.bias is None)
+        """Whether ``"auto"`` should try this backend before SDPA: a plain call (no mask, window, bias or
+        score_mod) with more than one query on the CPU that is causal, which the kernel serves faster than
+        SDPA's own causal kernel, forward and backward, in every dtype it takes; or bfloat16, causal or not,
+        where the kernel runs the CPU's own bfloat16 products (:func:`._band.native_bf16_products`) and SDPA's
+        CPU kernel does not (``attnkit bench core`` and ``attnkit bench dtypes`` time these; the margin shrinks
+        with length). One query (a decode step) stays with SDPA, which needs no mask for it and is faster
+        there. Whether the kernel can serve the call (its dtype, dropout, weights, the kernel built) is
+        :meth:`not_supported_reasons`' to say: refused, the call goes on down the order."""
+        plain = (req.q_len > 1 and req.query.is_cpu and req.mask is None and req.window is None
+                 and req.mask_mod is None and req.score_mod is None and req.bias is None)
+        return plain and (req.is_causal or (req.query.dtype == torch.bfloat16 and _band.native_bf16_products()))
 
     def not_supported_reasons(self, req: Call) -> list[str]:
         reasons = refusals.reasons(self.REFUSALS, req)

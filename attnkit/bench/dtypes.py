@@ -1,16 +1,16 @@
 """Half precision on the CPU: float32, bfloat16 and float16 attention, attnkit against PyTorch's SDPA.
 
-The anchor is this CPU's own matmul in each dtype, measured in the same run: its bf16:float32 and
-fp16:float32 speed ratios say what half precision can gain here at all (about 1 on a CPU without
-bf16/fp16 products, 2 or more with AVX512-BF16 or AMX), MKL's bfloat16 and float16 products (half operands,
-float32 sums) against float32, and one tile's product as the banded kernel computes it in each type (bfloat16
-through oneDNN's brgemm where it runs, MKL's product elsewhere; packing included). Each row times the same
-masked attention in the three dtypes on one thread (CPU-time medians, every dtype in each round), forward and
-then forward and backward, for attnkit and for SDPA (a causal call uses SDPA's own causal kernel; a window or
-documents give SDPA the dense boolean mask), and gives each dtype's time over attnkit's own float32 time; where
-the banded kernel serves a half type, a row times it with that type's products set the other way
-(`bfloat16, float32 products` where they are on, `bfloat16, bfloat16 products` where they are off by default
-but available; the same for float16). The CPU's flags that matter are printed first.
+The anchor is this CPU's own matmul in each dtype, measured in the same run: its bf16:float32 and fp16:float32
+speed ratios say what half precision can gain here at all (about 1 on a CPU without bf16/fp16 products, 2 or
+more with AVX512-BF16 or AMX), MKL's bfloat16 and float16 products (half operands, float32 sums) against
+float32, and one tile's product as the banded kernel computes it in each type (bfloat16 through oneDNN's brgemm
+where it runs, MKL's product elsewhere; packing included). Each row times the same masked attention in the three
+dtypes on one thread (CPU-time medians, every dtype in each round), forward and then forward and backward, for
+attnkit and for SDPA (a causal call uses SDPA's own causal kernel, a call with no mask its kernel without one; a
+window or documents give SDPA the dense boolean mask), and gives each dtype's time over attnkit's own float32
+time; where the banded kernel serves a half type, a row times it with that type's products set the other way
+(`bfloat16, float32 products` where they are on, `bfloat16, bfloat16 products` where they are off by default but
+available; the same for float16). The CPU's flags that matter are printed first.
 
 A second table times a whole model: a small Mistral-architecture ``MistralForCausalLM`` from transformers
 (random weights from a seeded config, nothing downloaded; its sliding window shorter than the sequence), in
@@ -78,6 +78,7 @@ def run(quick: bool, out_dir: Path) -> str:
         alibi = scores.alibi(scores.alibi_slopes(heads))
         cases = {"window +-256": ({"window": (256, 256)}, {"attn_mask": window}),
                  "causal": ({"is_causal": True}, {"is_causal": True}),
+                 "no mask": ({}, {}),
                  "documents (4, causal)": ({"mask_mod": masks.document_mod(docs), "is_causal": True},
                                            {"attn_mask": same_doc}),
                  "causal, ALiBi": ({"is_causal": True, "score_mod": alibi},

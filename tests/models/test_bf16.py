@@ -21,7 +21,7 @@ import copy
 import pytest
 import torch
 
-from attnkit import backends, which_backend
+from attnkit import _cpu, backends, which_backend
 from attnkit.backends import _band
 from attnkit.cache import KVCache
 from attnkit.models import GPT2, Bert, BertConfig, GPT2Config
@@ -53,6 +53,28 @@ def test_causal_bfloat16_calls_go_to_the_kernel():
     assert causal(37) == "band" and causal(1, 37) == "sdpa"
 
 
+def plain(q_len: int, kv_len: int | None = None, dtype: torch.dtype = BF16) -> str:
+    """Where ``"auto"`` sends a bfloat16 (or ``dtype``) call with no mask: ``q_len`` queries, ``kv_len`` keys."""
+    q = torch.zeros(1, 4, q_len, 8, dtype=dtype)
+    k = torch.zeros(1, 4, q_len if kv_len is None else kv_len, 8, dtype=dtype)
+    return which_backend(q, k, k)
+
+
+def test_bfloat16_calls_without_a_mask_go_to_the_kernel_where_it_runs_the_cpus_bfloat16_products():
+    """Where the kernel's bfloat16 products are the CPU's own (oneDNN's brgemm on a CPU with AVX512-BF16 or AMX),
+    plain bfloat16 calls of more than one query go to it ahead of SDPA, whose CPU kernel does not use them; with
+    the products off, or elsewhere, SDPA keeps them, and float32 calls and one query stay with SDPA everywhere."""
+    native = _band.native_bf16_products()
+    assert native == (_cpu.has_bf16_products() and _band.half_products(BF16)
+                      and _band._module().bf16_gemm() == "oneDNN brgemm")
+    assert plain(37) == ("band" if native else "sdpa")
+    assert plain(5, 37) == ("band" if native else "sdpa")
+    assert plain(1, 37) == "sdpa"
+    assert plain(37, dtype=torch.float32) == "sdpa"
+    with half_products(BF16, False):
+        assert plain(37) == "sdpa"
+
+
 def twins(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """``module`` in bfloat16, and its float64 twin with the same (bfloat16) weights."""
     low = module.eval().to(BF16)
@@ -82,9 +104,9 @@ def test_multihead_attention_in_bfloat16_matches_float64(case):
         "causal": ((x,), {"is_causal": True}, causal(37)),
         "causal GQA": ((x,), {"is_causal": True}, causal(37)),
         "window": ((x,), {"window": (5, 5)}, "band"),
-        "no mask": ((x,), {}, "sdpa"),
+        "no mask": ((x,), {}, plain(37)),
         "key padding": ((x,), {"key_mask": key_mask}, "sdpa"),
-        "cross": ((x, memory), {}, "sdpa"),
+        "cross": ((x, memory), {}, plain(37, 11)),
     }[case]
     with backends.served() as ran:
         out = low(*args, **kw)
@@ -134,7 +156,8 @@ def test_transformer_layers_in_bfloat16_match_float64(case):
     with backends.served() as ran:
         out = low(*args, **kw)
     want = {"pre-norm causal encoder layer": [causal(13)], "post-norm padded encoder layer": ["sdpa"],
-            "decoder layer": [causal(13), "sdpa"], "encoder-decoder": ["sdpa", causal(13), "sdpa"]}[case]
+            "decoder layer": [causal(13), plain(13, 11)],
+            "encoder-decoder": [plain(11), causal(13), plain(13, 11)]}[case]
     assert ran == want
     assert out.dtype == BF16
     close(out, high(*(a.double() for a in args), **kw), BF16)
@@ -151,7 +174,7 @@ def test_decoder_layer_cached_steps_in_bfloat16_equal_its_full_forward():
         steps = [low(tgt[:, :5], memory, cache=cache)] + [low(tgt[:, t:t + 1], memory, cache=cache)
                                                           for t in range(5, 13)]
     # each call: the causal self-attention over what is cached, then the cross-attention
-    assert ran == [x for t in range(5, 14) for x in (causal(5 if t == 5 else 1, t), "sdpa")]
+    assert ran == [x for t in range(5, 14) for x in (causal(5 if t == 5 else 1, t), plain(5 if t == 5 else 1, 7))]
     close(torch.cat(steps, dim=1), full, BF16)
 
 
