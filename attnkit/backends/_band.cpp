@@ -1797,10 +1797,14 @@ std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor&
   check_blas();
   const Rows R(starts, ends, q.size(0), q.size(1));
   if (is_half(q)) {  // keys and values in float once or a chunk at a time (few_reads); queries and outputs a row at a time
-    if (with_half_products(q) && q.scalar_type() == at::kBFloat16) {
+    // Fewer query rows than brgemm takes (a decode step) would send every bfloat16 tile to MKL's product, which
+    // ran slower than widening to float32 on a CPU where brgemm runs: such a call takes float32 products.
+    const bool products = with_half_products(q) && !(q.scalar_type() == at::kBFloat16 && q.size(2) < BRGEMM_ROWS &&
+                                                     brgemm_bf16());
+    if (products && q.scalar_type() == at::kBFloat16) {
       forward_impl<float, c10::BFloat16, c10::BFloat16>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
                                                         static_cast<float>(softcap), q_rows, kv_chunk);
-    } else if (with_half_products(q)) {
+    } else if (products) {
       forward_impl<float, c10::Half, c10::Half>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
                                                 static_cast<float>(softcap), q_rows, kv_chunk);
     } else if (few_reads(q, k, q_rows) && q.scalar_type() == at::kBFloat16) {

@@ -317,13 +317,15 @@ def test_the_environment_turns_half_products_off_or_on_whatever_the_cpu(dtype, a
 def test_auto_serves_plain_causal_calls_on_the_kernel(dtype):
     """The measured preference (attnkit bench core, attnkit bench dtypes): plain causal calls with more than one
     query go to the kernel ahead of SDPA in every dtype, with or without a gradient; one query (a decode step),
-    no mask, a dense mask or dropout stay with SDPA. The kernel's answer is the oracle's within the table, and a
+    a dense mask or dropout stay with SDPA, and so does no mask, but for bfloat16 where the kernel runs the CPU's
+    own bfloat16 products (_band.native_bf16_products). The kernel's answer is the oracle's within the table, and a
     NaN query poisons its own row only."""
     q, k, v = _inputs((1, 4, 2, 90, 90), dtype, seed=4)
     with torch.no_grad():
         assert attnkit.which_backend(q, k, v, is_causal=True) == "band"
         assert attnkit.which_backend(q[..., :1, :], k, v, is_causal=True) == "sdpa"
-        assert attnkit.which_backend(q, k, v) == "sdpa"
+        native = dtype == torch.bfloat16 and _band.native_bf16_products()
+        assert attnkit.which_backend(q, k, v) == ("band" if native else "sdpa")
         assert attnkit.which_backend(q, k, v, is_causal=True, mask=torch.ones(90, 90, dtype=torch.bool)) == "sdpa"
         out = attnkit.attention(q, k, v, is_causal=True)
         bad = q.clone()
@@ -430,3 +432,20 @@ def test_the_product_checks_its_arguments_before_touching_memory():
             mod.half_product(a[None], b, c, False, False, 1.0, 0.0)
     with half_products(torch.bfloat16, False), pytest.raises(RuntimeError, match="bfloat16 products are off"):
         mod.half_product(a, b, c, False, False, 1.0, 0.0)
+
+
+@pytest.mark.parametrize("lq", [1, 7])
+def test_a_bfloat16_call_of_fewer_rows_than_brgemm_takes_is_computed_with_float32_products(lq):
+    """A decode step (fewer than 8 query rows) would send every tile to MKL's bfloat16 product, slower than
+    widening to float32 where oneDNN's brgemm serves the larger calls: with the products on, such a call gives
+    exactly what it gives with them off."""
+    mod = _band._module()
+    if not (_band.half_products(torch.bfloat16) and mod.bf16_gemm() == "oneDNN brgemm"):
+        pytest.skip("bfloat16 products through oneDNN's brgemm are not on here")
+    q, k, v = _inputs((1, 4, 2, lq, 300), torch.bfloat16, seed=5)
+    starts, ends = _band._window(lq, 300, 100, 0)[2:]
+    args = (starts, ends, torch.zeros(0, 0), 48 ** -0.5, 0.0)
+    on = torch.ops.attnkit.band_forward(q, k, v, *args)
+    with half_products(torch.bfloat16, False):
+        off = torch.ops.attnkit.band_forward(q, k, v, *args)
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
