@@ -265,12 +265,15 @@ void pack_vnni(bool tb, Index k, Index n, const BF16* b, Index ldb, Index kp, In
   }
 }
 
-// Whether brgemm computes bfloat16 products here: once, a small product with odd sizes checked exactly (torch
-// built without oneDNN's micro-kernel, or a CPU below AVX-512, raises). Then per call: oneDNN still enabled.
+// Whether brgemm computes bfloat16 products here: once, a small product with odd sizes over several blocks of
+// 16 columns checked exactly (torch built without oneDNN's micro-kernel, or a CPU below AVX-512, raises). Not
+// on a CPU with AMX (could_pack): its micro-kernel reads B in a blocked layout of its own, which this packing
+// does not make, and MKL's product runs AMX there. Then per call: oneDNN still enabled.
 bool brgemm_bf16() {
   static const bool works = [] {
     try {
-      constexpr Index m = 9, n = 5, k = 7, kp = 16, np = 16;
+      if (at::native::cpublas::could_pack(at::kBFloat16)) return false;
+      constexpr Index m = 9, n = 37, k = 35, kp = 48, np = 48;
       std::vector<BF16> a(m * kp, BF16(0.f)), b(k * n), packed(kp * np);
       std::vector<float> c(m * np);
       for (Index i = 0; i < m; ++i) for (Index p = 0; p < k; ++p) a[i * kp + p] = BF16(float((i + 2 * p) % 5) - 2.f);

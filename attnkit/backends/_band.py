@@ -31,9 +31,9 @@ Both operators check every argument before touching memory and name the one that
 ("What they check", above the operators below).
 
 bfloat16 and float16 inputs can go through products of their own type (:func:`half_products`): bfloat16 through
-oneDNN's batch-reduce GEMM micro-kernel as torch exports it (``at::native::cpublas::brgemm``, where it runs),
-else through MKL's ``cblas_gemm_bf16bf16f32`` and ``cblas_gemm_f16f16f32`` where torch exports them: the kernel
-reads q, k and v (and, in the backward, the output's gradient) as they are stored, and every product of a tile
+oneDNN's batch-reduce GEMM micro-kernel as torch exports it (``at::native::cpublas::brgemm``, where it runs:
+AVX512-BF16 without AMX), else through MKL's ``cblas_gemm_bf16bf16f32`` and ``cblas_gemm_f16f16f32`` where
+torch exports them: the kernel reads q, k and v (and, in the backward, the output's gradient) as they are stored, and every product of a tile
 (two in the forward, five in the backward) takes half operands into float32 sums (a product of two such numbers is
 exact in float32); the softmax, the accumulator and the gradients' sums stay float32, and the weights (and
 in the backward dS) are rounded to the half type for the products that take them, as FlashAttention does
