@@ -32,19 +32,19 @@ Both operators check every argument before touching memory and name the one that
 
 bfloat16 and float16 inputs can go through products of their own type (:func:`half_products`): bfloat16 through
 oneDNN's batch-reduce GEMM micro-kernel as torch exports it (``at::native::cpublas::brgemm``, where it runs:
-AVX512-BF16 without AMX), else through MKL's ``cblas_gemm_bf16bf16f32`` and ``cblas_gemm_f16f16f32`` where
-torch exports them: the kernel reads q, k and v (and, in the backward, the output's gradient) as they are stored, and every product of a tile
-(two in the forward, five in the backward) takes half operands into float32 sums (a product of two such numbers is
-exact in float32); the softmax, the accumulator and the gradients' sums stay float32, and the weights (and
-in the backward dS) are rounded to the half type for the products that take them, as FlashAttention does
-on a GPU. That is for a CPU that multiplies the type natively (AVX512-BF16 or AMX-BF16; AVX512-FP16 or
-AMX-FP16), which runs the products at their speed (MKL's bfloat16 product did not on an AMD CPU with
-AVX512-BF16; oneDNN's does); elsewhere the operands are widened inside the product and the float32
-products are faster (``attnkit bench dtypes`` times both). So each type's products are on, once their own
-self-check passes, where the CPU's flags say it has them (:mod:`attnkit._cpu`); ``ATTNKIT_BF16_PRODUCTS``
-and ``ATTNKIT_FP16_PRODUCTS`` (``1`` or ``0``, read then) turn them on or off anyway, and so does
-:func:`set_half_products`. Without them a half-precision call is exactly the float32 kernel on the same
-values, rounded once.
+AVX512-BF16 without AMX), else through MKL's ``cblas_gemm_bf16bf16f32`` and ``cblas_gemm_f16f16f32`` where torch
+exports them: the kernel reads q, k and v (and, in the backward, the output's gradient) as they are stored, and
+every product of a tile (two in the forward, five in the backward) takes half operands into float32 sums (a
+product of two such numbers is exact in float32); the softmax, the accumulator and the gradients' sums stay
+float32, and the weights (and in the backward dS) are rounded to the half type for the products that take them,
+as FlashAttention does on a GPU. That is for a CPU that multiplies the type natively (AVX512-BF16 or AMX-BF16;
+AVX512-FP16 or AMX-FP16), which runs the products at their speed (MKL's bfloat16 product did not on an AMD CPU
+with AVX512-BF16; oneDNN's does); elsewhere the operands are widened inside the product and the float32 products
+are faster (``attnkit bench dtypes`` times both). So each type's products are on, once their own self-check
+passes, where the CPU's flags say it has them (:mod:`attnkit._cpu`); ``ATTNKIT_BF16_PRODUCTS`` and
+``ATTNKIT_FP16_PRODUCTS`` (``1`` or ``0``, read then) turn them on or off anyway, and so does
+:func:`set_half_products`. Without them a half-precision call is exactly the float32 kernel on the same values,
+rounded once.
 """
 
 from __future__ import annotations
