@@ -265,6 +265,16 @@ void pack_vnni(bool tb, Index k, Index n, const BF16* b, Index ldb, Index kp, In
   }
 }
 
+// m rows of k values (lda apart) into buf as rows of kp, zeros past k.
+const BF16* zero_padded(const BF16* a, Index lda, Index m, Index k, Index kp, std::vector<BF16>& buf) {
+  BF16* out = room(buf, m * kp);
+  for (Index i = 0; i < m; ++i) {
+    std::memcpy(out + i * kp, a + i * lda, k * sizeof(BF16));
+    std::memset(out + i * kp + k, 0, (kp - k) * sizeof(BF16));  // +0.0
+  }
+  return out;
+}
+
 // Whether brgemm computes bfloat16 products here: once, a small product with odd sizes over several blocks of
 // 16 columns checked exactly (torch built without oneDNN's micro-kernel, or a CPU below AVX-512, raises). Not
 // on a CPU with AMX (could_pack): its micro-kernel reads B in a blocked layout of its own, which this packing
@@ -321,13 +331,8 @@ void gemm_bf16_brgemm(bool ta, bool tb, Index m, Index n, Index k, float alpha, 
     }
     A = reinterpret_cast<const BF16*>(out);
     la = kp;
-  } else if (k != kp) {  // A with zeros past k
-    BF16* out = room(w.a, m * kp);
-    for (Index i = 0; i < m; ++i) {
-      std::memcpy(out + i * kp, a + i * lda, k * sizeof(BF16));
-      std::memset(out + i * kp + k, 0, (kp - k) * sizeof(BF16));  // +0.0
-    }
-    A = out;
+  } else if (k != kp) {
+    A = zero_padded(a, lda, m, k, kp, w.a);
     la = kp;
   }
   BF16* packed = room(w.b, kp * np);
@@ -400,12 +405,7 @@ void product_packed(Index m, Index n, Index k, const BF16* a, Index lda, const u
   const BF16* A = a;
   Index la = lda;
   if (k != kp) {
-    BF16* out = room(w.a, m * kp);
-    for (Index i = 0; i < m; ++i) {
-      std::memcpy(out + i * kp, a + i * lda, k * sizeof(BF16));
-      std::memset(out + i * kp + k, 0, (kp - k) * sizeof(BF16));  // +0.0
-    }
-    A = out;
+    A = zero_padded(a, lda, m, k, kp, w.a);
     la = kp;
   }
   float* C = c;
