@@ -366,14 +366,15 @@ inline void release_products() {
     at::native::cpublas::brgemm_release(true);
   }
 }
-bool few_reads(const Tensor& q, const Tensor& k, Index q_rows);
+struct Rows;
+bool few_reads(const Tensor& q, const Tensor& k, Index q_rows, const Rows& R);
 template <typename T>
 const T* row_ptr(const Tensor& t, Index b, Index h, Index i);
 
 // Whether the forward packs k^T once for the call: bfloat16 products through brgemm, where many blocks of rows
 // read each key (not few_reads).
-bool packs_keys(const Tensor& q, const Tensor& k, Index q_rows) {
-  return brgemm_bf16() && q_rows >= BRGEMM_ROWS && !few_reads(q, k, q_rows);
+bool packs_keys(const Tensor& q, const Tensor& k, Index q_rows, const Rows& R) {
+  return brgemm_bf16() && q_rows >= BRGEMM_ROWS && !few_reads(q, k, q_rows, R);
 }
 
 // k ([B, Hkv, S, E] bfloat16) as op(B) of q k^T for every (b, hkv), in brgemm's VNNI layout: uint32
@@ -424,7 +425,8 @@ void product_packed(Index m, Index n, Index k, const BF16* a, Index lda, const u
 bool brgemm_bf16() { return false; }
 inline void release_products() {}
 constexpr Index BRGEMM_ROWS = 8;
-bool packs_keys(const Tensor&, const Tensor&, Index) { return false; }
+struct Rows;
+bool packs_keys(const Tensor&, const Tensor&, Index, const Rows&) { return false; }
 Tensor pack_keys(const Tensor&, Index&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to pack keys for"); }
 template <typename KV>
 void product_packed(Index, Index, Index, const KV*, Index, const uint32_t*, Index, float*, Index) {
@@ -1057,7 +1059,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   Index packed_ld = 0, packed_pairs = 0;
   bool keys_packed = false;
   if constexpr (halves && std::is_same_v<KV, c10::BFloat16>) {
-    keys_packed = packs_keys(q, k, q_rows);
+    keys_packed = packs_keys(q, k, q_rows, R);
     if (keys_packed) packed_buf = pack_keys(k, packed_ld, packed_pairs);
   }
   const auto packed_keys = [&](Index b, Index hkv) {
@@ -1743,11 +1745,26 @@ void check_blas() {
 
 // Whether a half forward without its products reads its keys and values a chunk at a time, widening each as
 // it is read, rather than widening them once (to_float) first: where each key is read at most twice (a query
-// head per key head, at most two blocks of query rows: a decode step, a short chunk of prefill). There the
-// copy, a fresh tensor of every key and value, costs more than the attention; where blocks of rows read
-// each key again and again, a float copy is the faster read (see load_row).
-bool few_reads(const Tensor& q, const Tensor& k, Index q_rows) {
-  return (q.size(1) / std::max<Index>(k.size(1), 1)) * ((q.size(2) + q_rows - 1) / q_rows) <= 2;
+// head per key head, at most two blocks of query rows: a decode step, a short chunk of prefill), or where the
+// keys a block of rows sees are few beside all of them, so that widening them for every query head and block
+// (reads x (span + q_rows) keys, span the widest any row sees) costs less than widening every key once (a
+// decode step of a grouped-query model with a window over a long cache). There the copy, a fresh tensor of
+// every key and value, costs more than the attention; where blocks of rows read each key again and again, a
+// float copy is the faster read (see load_row).
+bool few_reads(const Tensor& q, const Tensor& k, Index q_rows, const Rows& R) {
+  const Index reads = (q.size(1) / std::max<Index>(k.size(1), 1)) * ((q.size(2) + q_rows - 1) / q_rows);
+  if (reads <= 2) return true;
+  const Index most = k.size(2) / reads - q_rows;  // the widest span that still reads fewer keys than a copy
+  if (most < 0) return false;
+  for (Index p = 0; p < R.Bp; ++p) {
+    for (Index i = 0; i < R.L; ++i) {
+      const Index o = R.at(p, i);
+      Index last = 0;  // the row's last interval that is not empty (they are sorted, empty ones last)
+      while (last + 1 < R.K && R.s[o + last + 1] < R.e[o + last + 1]) ++last;
+      if (R.s[o] < R.e[o] && R.e[o + last] - R.s[o] > most) return false;
+    }
+  }
+  return true;
 }
 
 // The kernel's product of a half type on its own, for tests of the packing (transposes, odd sizes, alpha, beta).
@@ -1810,10 +1827,10 @@ std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor&
     } else if (products) {
       forward_impl<float, c10::Half, c10::Half>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
                                                 static_cast<float>(softcap), q_rows, kv_chunk);
-    } else if (few_reads(q, k, q_rows) && q.scalar_type() == at::kBFloat16) {
+    } else if (few_reads(q, k, q_rows, R) && q.scalar_type() == at::kBFloat16) {
       forward_impl<float, c10::BFloat16, float, c10::BFloat16>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
                                                                static_cast<float>(softcap), q_rows, kv_chunk);
-    } else if (few_reads(q, k, q_rows)) {
+    } else if (few_reads(q, k, q_rows, R)) {
       forward_impl<float, c10::Half, float, c10::Half>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
                                                        static_cast<float>(softcap), q_rows, kv_chunk);
     } else if (q.scalar_type() == at::kBFloat16) {

@@ -57,14 +57,17 @@ def _inputs(shape, dtype, seed=0, strided=False):
     return tuple(torch.randn(b, n, length, 48, generator=g).to(dtype) for n, length in ((h, lq), (hkv, lk), (hkv, lk)))
 
 
-@pytest.mark.parametrize("lq, heads", [(1, 2), (64, 2), (128, 2), (1, 4), (130, 2)],
-                         ids=["decode", "one block", "two blocks", "decode, GQA", "three blocks"])
+@pytest.mark.parametrize("lq, heads, lk", [(1, 2, 300), (64, 2, 300), (128, 2, 300), (1, 4, 300), (130, 2, 300),
+                                           (1, 8, 2000)],
+                         ids=["decode", "one block", "two blocks", "decode, GQA", "three blocks",
+                              "decode, 4 heads per key head, a window over a long cache"])
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_a_short_half_query_reads_keys_a_chunk_at_a_time_with_the_same_result(dtype, lq, heads):
-    """Where few blocks of rows read each key (a decode step, a short chunk), the forward widens keys and
-    values a chunk at a time as it reads them, not as a whole copy first; the result is the same either way:
-    the float32 kernel's on the same values, rounded once."""
-    q, k, v = _inputs((1, heads, 2, lq, 300), dtype, seed=3, strided=True)
+def test_a_short_half_query_reads_keys_a_chunk_at_a_time_with_the_same_result(dtype, lq, heads, lk):
+    """Where few blocks of rows read each key (a decode step, a short chunk), or the keys they read are few
+    beside the cache (a window over a long one, even with several query heads per key head), the forward
+    widens keys and values a chunk at a time as it reads them, not as a whole copy first; the result is the
+    same either way: the float32 kernel's on the same values, rounded once."""
+    q, k, v = _inputs((1, heads, 2, lq, lk), dtype, seed=3, strided=True)
     kw = {"is_causal": True} if lq > 1 else {"window": (100, 0)}
     with torch.no_grad(), half_products(dtype, False):
         got = attnkit.attention(q, k, v, backend="band", **kw)
