@@ -452,3 +452,32 @@ def test_a_bfloat16_call_of_fewer_rows_than_brgemm_takes_is_computed_with_float3
     with half_products(torch.bfloat16, False):
         off = torch.ops.attnkit.band_forward(q, k, v, *args)
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+
+
+def test_bfloat16_products_from_several_python_threads_at_once_give_each_threads_own_answer():
+    """The products' packing buffers are per thread and torch builds brgemm's micro-kernels per thread: four
+    Python threads running bfloat16 forwards and backwards of different shapes at once (each shape a micro-kernel
+    of its own) get exactly what each call gives alone, forward and gradients (under deterministic algorithms,
+    whose dQ pass repeats bit for bit)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shapes = [(1, 4, 2, 70, 70), (2, 2, 2, 96, 130), (1, 4, 4, 150, 150), (1, 2, 1, 33, 90)]
+
+    def run(shape):
+        q, k, v = (t.requires_grad_() for t in _inputs(shape, torch.bfloat16, seed=shape[3]))
+        out = attnkit.attention(q, k, v, backend="band", window=(20, 5))
+        out.backward(torch.ones_like(out))
+        return out.detach(), q.grad, k.grad, v.grad
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # dQ from its own pass: repeatable at any thread count
+    try:
+        with half_products(torch.bfloat16, True):
+            alone = [run(s) for s in shapes]
+            with ThreadPoolExecutor(4) as pool:
+                together = list(pool.map(run, shapes * 3))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for i, got in enumerate(together):
+        want = alone[i % len(shapes)]
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), shapes[i % len(shapes)]
