@@ -156,10 +156,12 @@ bool with_half_products(const Tensor& t) {
 // layout that the CPU's bfloat16 dot-product instructions read ([k / 2][n][2]: each pair of B's rows interleaved).
 // Each product of two bfloat16 numbers is exact in float32 and the sums are float32, as with MKL's product; but
 // MKL's product did not use the bfloat16 instructions of an AMD CPU that has them (AVX512-BF16) and ran at
-// float32's speed, where this one runs them on any CPU with AVX512-BF16 or AMX (`attnkit bench dtypes` times
-// both). The operands are packed for it per product into this thread's buffers, n and k rounded up to BRGEMM_Q
-// with zeros (the rounded sizes pick the micro-kernel, which torch builds once per shape and thread: rounding
-// keeps them few). Fewer than BRGEMM_ROWS rows (a decode step) stay with MKL, where packing costs more than it saves.
+// float32's speed, where this one runs them on a CPU with AVX512-BF16 (`attnkit bench dtypes` times both; CPUs
+// with AMX keep MKL's: see brgemm_bf16). The operands are packed for it per product into this thread's buffers,
+// n and k rounded up to BRGEMM_Q with zeros (the rounded sizes pick the micro-kernel, which torch builds once per
+// shape and thread: rounding keeps them few). Fewer than BRGEMM_ROWS rows stay with MKL: packing all of B for a
+// row or two costs about as much as their product (a decode step's forward takes float32 products instead: see
+// band_forward).
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(__x86_64__)
 constexpr Index BRGEMM_Q = 16, BRGEMM_ROWS = 8;
 using BF16 = c10::BFloat16;
@@ -1784,6 +1786,8 @@ Tensor half_product(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, 
   TORCH_CHECK(c.scalar_type() == at::kFloat && c.size(0) == m && c.size(1) == n, "half_product: c must be float32 [",
               m, ", ", n, "], got ", described(c));
   Tensor out = c.contiguous().clone();
+  if (m == 0 || n == 0) return out;
+  if (k == 0) return beta == 0.0 ? out.zero_() : out.mul_(beta);  // an empty sum; beta 0: C is not read
   const auto ld = [](const Tensor& t) { return std::max<Index>(t.stride(0), 1); };
   if (a.scalar_type() == at::kBFloat16) {
     gemm_half<c10::BFloat16>(ta, tb, m, n, k, float(alpha), a.data_ptr<c10::BFloat16>(), ld(a),

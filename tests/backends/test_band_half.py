@@ -372,7 +372,8 @@ def test_learned_alibi_slopes_and_a_relative_table_get_their_gradients_in_their_
 
 #: The product's operand layouts as the kernel's tiles give them: (rows m, columns n, depth k). n and k are packed
 #: rounded up to 16 with zeros and m >= 8 takes oneDNN's brgemm where it runs: odd, below and above those.
-PRODUCT_SHAPES = [(1, 5, 7), (8, 16, 16), (9, 5, 7), (64, 256, 64), (64, 64, 256), (33, 100, 63), (16, 3, 1)]
+PRODUCT_SHAPES = [(1, 5, 7), (8, 16, 16), (9, 5, 7), (64, 256, 64), (64, 64, 256), (33, 100, 63), (16, 3, 1),
+                  (0, 5, 7), (9, 0, 7), (9, 5, 0)]
 
 
 @pytest.mark.parametrize("alpha, beta", [(1.0, 0.0), (1.0, 1.0), (0.125, 1.0), (0.3, 0.7)])
