@@ -141,6 +141,7 @@ def half_products(dtype: torch.dtype) -> bool:
     return available() and getattr(_module(), f"{tag}_products")()
 
 
+@assume_constant_result  # asked once while tracing, not traced (it reads the CPU's flags and may build the kernel)
 def native_bf16_products() -> bool:
     """Whether bfloat16 calls run on the CPU's own bfloat16 products here: the CPU has them (its flags, read
     before anything is built), and the kernel's bfloat16 products are on and go through oneDNN's brgemm (not

@@ -275,3 +275,18 @@ def test_a_dispatch_mode_sees_the_banded_operator_even_without_gradients():
             got = attnkit.attention(q, q, q, window=(4, 4))
     assert any("band_forward" in op for op in seen.ops), seen.ops[:20]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["no mask", "causal"])
+def test_a_plain_bfloat16_call_traces_without_a_graph_break_wherever_auto_sends_it(causal):
+    """Whether auto sends a plain bfloat16 call to the banded kernel depends on the CPU's flags and the kernel's
+    products (_band.native_bf16_products), which are asked once while tracing, not traced: one graph, no
+    break, and the compiled answer is the eager one (the same kernel; within the bfloat16 row should the
+    compiler choose another route to SDPA's)."""
+    q, k, v = (t.detach().to(torch.bfloat16) for t in _inputs(dtype=torch.float32))
+    fn = lambda q, k, v: attnkit.attention(q, k, v, is_causal=causal)  # noqa: E731
+    explained = torch._dynamo.explain(fn)(q, k, v)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+    torch._dynamo.reset()
+    close(torch.compile(fn, fullgraph=True)(q, k, v), fn(q, k, v), torch.bfloat16)
