@@ -61,7 +61,7 @@ def plain(q_len: int, kv_len: int | None = None, dtype: torch.dtype = BF16) -> s
 
 
 def test_bfloat16_calls_without_a_mask_go_to_the_kernel_where_it_runs_the_cpus_bfloat16_products():
-    """Where the kernel's bfloat16 products are the CPU's own (oneDNN's brgemm on a CPU with AVX512-BF16 or AMX),
+    """Where the kernel's bfloat16 products are the CPU's own (oneDNN's brgemm on a CPU with AVX512-BF16, no AMX),
     plain bfloat16 calls of more than one query go to it ahead of SDPA, whose CPU kernel does not use them; with
     the products off, or elsewhere, SDPA keeps them, and float32 calls and one query stay with SDPA everywhere."""
     native = _band.native_bf16_products()
