@@ -308,6 +308,30 @@ bool brgemm_bf16() {
   return works && at::globalContext().userEnabledMkldnn();
 }
 
+// Row-major C[m x n] = alpha * A[m x kp] * B + beta * C through brgemm: A's rows la apart, B packed (VNNI, ldb
+// 32-bit words apart, zeros past kp and with room for n rounded up to BRGEMM_Q). Straight into C when it is
+// C = A B or C += A B with as many columns as the micro-kernel's, else through this thread's buffer.
+void brgemm_into(Index m, Index n, Index kp, const BF16* A, Index la, const BF16* B, Index ldb, float alpha,
+                 float beta, float* c, Index ldc) {
+  BrgemmBuffers& w = brgemm_buffers;
+  const Index np = round_up(n, BRGEMM_Q);
+  const bool direct = n == np && alpha == 1.f && (beta == 0.f || beta == 1.f);
+  float* C = direct ? c : room(w.c, m * np);
+  const Index lc = direct ? ldc : np;
+  w.used = true;
+  at::native::cpublas::brgemm(m, np, kp, la, ldb, lc, direct && beta == 1.f, A, B, C, true);
+  if (direct) return;
+  for (Index i = 0; i < m; ++i) {  // beta 0: C is not read (it may hold anything), as in BLAS
+    float* ci = c + i * ldc;
+    const float* pi = C + i * lc;
+    if (beta == 0.f) {
+      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j];
+    } else {
+      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j] + beta * ci[j];
+    }
+  }
+}
+
 // Row-major C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C through brgemm (see above).
 void gemm_bf16_brgemm(bool ta, bool tb, Index m, Index n, Index k, float alpha, const BF16* a, Index lda,
                       const BF16* b, Index ldb, float beta, float* c, Index ldc) {
@@ -339,26 +363,7 @@ void gemm_bf16_brgemm(bool ta, bool tb, Index m, Index n, Index k, float alpha, 
   }
   BF16* packed = room(w.b, kp * np);
   pack_vnni(tb, k, n, b, ldb, kp, np, packed);
-  // straight into C when it is C = A B or C += A B with C's columns as many as the micro-kernel's
-  const bool direct = n == np && alpha == 1.f && (beta == 0.f || beta == 1.f);
-  float* C = c;
-  Index lc = ldc;
-  if (!direct) {
-    C = room(w.c, m * np);
-    lc = np;
-  }
-  w.used = true;
-  at::native::cpublas::brgemm(m, np, kp, la, np, lc, direct && beta == 1.f, A, packed, C, true);
-  if (direct) return;
-  for (Index i = 0; i < m; ++i) {  // beta 0: C is not read (it may hold anything), as in BLAS
-    float* ci = c + i * ldc;
-    const float* pi = C + i * lc;
-    if (beta == 0.f) {
-      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j];
-    } else {
-      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j] + beta * ci[j];
-    }
-  }
+  brgemm_into(m, n, kp, A, la, packed, np, alpha, beta, c, ldc);
 }
 
 // The end of a thread's share of a call: a micro-kernel's hardware state (AMX's tile configuration) let go.
@@ -403,25 +408,9 @@ Tensor pack_keys(const Tensor& k, Index& ld, Index& pairs) {
 // past k rounded up and far enough past n); A padded with zeros where k is not a multiple of BRGEMM_Q.
 void product_packed(Index m, Index n, Index k, const BF16* a, Index lda, const uint32_t* b, Index ldb, float* c,
                     Index ldc) {
-  BrgemmBuffers& w = brgemm_buffers;
-  const Index kp = round_up(k, BRGEMM_Q), np = round_up(n, BRGEMM_Q);
-  const BF16* A = a;
-  Index la = lda;
-  if (k != kp) {
-    A = zero_padded(a, lda, m, k, kp, w.a);
-    la = kp;
-  }
-  float* C = c;
-  Index lc = ldc;
-  if (n != np) {
-    C = room(w.c, m * np);
-    lc = np;
-  }
-  w.used = true;
-  at::native::cpublas::brgemm(m, np, kp, la, ldb, lc, false, A, reinterpret_cast<const BF16*>(b), C, true);
-  if (n != np) {
-    for (Index i = 0; i < m; ++i) std::copy_n(C + i * lc, n, c + i * ldc);
-  }
+  const Index kp = round_up(k, BRGEMM_Q);
+  const BF16* A = k == kp ? a : zero_padded(a, lda, m, k, kp, brgemm_buffers.a);
+  brgemm_into(m, n, kp, A, k == kp ? lda : kp, reinterpret_cast<const BF16*>(b), ldb, 1.f, 0.f, c, ldc);
 }
 #else
 bool brgemm_bf16() { return false; }
@@ -1825,16 +1814,17 @@ std::vector<Tensor> band_forward(const Tensor& q, const Tensor& k, const Tensor&
     // ran slower than widening to float32 on a CPU where brgemm runs: such a call takes float32 products.
     const bool products = with_half_products(q) && !(q.scalar_type() == at::kBFloat16 && q.size(2) < BRGEMM_ROWS &&
                                                      brgemm_bf16());
+    const bool few = !products && few_reads(q, k, q_rows, R);  // once: it may look at every row's intervals
     if (products && q.scalar_type() == at::kBFloat16) {
       forward_impl<float, c10::BFloat16, c10::BFloat16>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
                                                         static_cast<float>(softcap), q_rows, kv_chunk);
     } else if (products) {
       forward_impl<float, c10::Half, c10::Half>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
                                                 static_cast<float>(softcap), q_rows, kv_chunk);
-    } else if (few_reads(q, k, q_rows, R) && q.scalar_type() == at::kBFloat16) {
+    } else if (few && q.scalar_type() == at::kBFloat16) {
       forward_impl<float, c10::BFloat16, float, c10::BFloat16>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
                                                                static_cast<float>(softcap), q_rows, kv_chunk);
-    } else if (few_reads(q, k, q_rows, R)) {
+    } else if (few) {
       forward_impl<float, c10::Half, float, c10::Half>(q, k, v, out, stats, R, bias, static_cast<float>(scale),
                                                        static_cast<float>(softcap), q_rows, kv_chunk);
     } else if (q.scalar_type() == at::kBFloat16) {
