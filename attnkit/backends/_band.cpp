@@ -332,14 +332,12 @@ void brgemm_into(Index m, Index n, Index kp, const BF16* A, Index la, const BF16
   }
 }
 
-// Row-major C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C through brgemm (see above).
-void gemm_bf16_brgemm(bool ta, bool tb, Index m, Index n, Index k, float alpha, const BF16* a, Index lda,
-                      const BF16* b, Index ldb, float beta, float* c, Index ldc) {
+// op(A)[m x k] as brgemm reads it: row-major, k rounded up to kp with zeros, rows *la apart. A itself where it
+// is so already; else this thread's buffer (ta: A stored [k x m], its pairs of rows interleaved (pack_vnni),
+// then that transposed as 32-bit words).
+const BF16* brgemm_a(bool ta, Index m, Index k, Index kp, const BF16* a, Index lda, Index* la) {
   BrgemmBuffers& w = brgemm_buffers;
-  const Index kp = round_up(std::max<Index>(k, 1), BRGEMM_Q), np = round_up(n, BRGEMM_Q);
-  const BF16* A = a;
-  Index la = lda;
-  if (ta) {  // A stored [k x m]: its pairs of rows interleaved (pack_vnni), then that transposed as 32-bit words
+  if (ta) {
     const Index mp = round_up(m, BRGEMM_Q), pairs = kp / 2;
     uint32_t* t = reinterpret_cast<uint32_t*>(room(w.t, kp * mp));
     uint32_t* out = reinterpret_cast<uint32_t*>(room(w.a, mp * kp));
@@ -355,13 +353,24 @@ void gemm_bf16_brgemm(bool ta, bool tb, Index m, Index n, Index k, float alpha, 
         for (Index i = i0; i < std::min<Index>(i0 + 16, m); ++i) out[i * pairs + p2] = t[p2 * mp + i];
       }
     }
-    A = reinterpret_cast<const BF16*>(out);
-    la = kp;
-  } else if (k != kp) {
-    A = zero_padded(a, lda, m, k, kp, w.a);
-    la = kp;
+    *la = kp;
+    return reinterpret_cast<const BF16*>(out);
   }
-  BF16* packed = room(w.b, kp * np);
+  if (k != kp) {
+    *la = kp;
+    return zero_padded(a, lda, m, k, kp, w.a);
+  }
+  *la = lda;
+  return a;
+}
+
+// Row-major C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C through brgemm (see above).
+void gemm_bf16_brgemm(bool ta, bool tb, Index m, Index n, Index k, float alpha, const BF16* a, Index lda,
+                      const BF16* b, Index ldb, float beta, float* c, Index ldc) {
+  const Index kp = round_up(std::max<Index>(k, 1), BRGEMM_Q), np = round_up(n, BRGEMM_Q);
+  Index la = 0;
+  const BF16* A = brgemm_a(ta, m, k, kp, a, lda, &la);
+  BF16* packed = room(brgemm_buffers.b, kp * np);
   pack_vnni(tb, k, n, b, ldb, kp, np, packed);
   brgemm_into(m, n, kp, A, la, packed, np, alpha, beta, c, ldc);
 }
@@ -404,13 +413,33 @@ Tensor pack_keys(const Tensor& k, Index& ld, Index& pairs) {
   return out;
 }
 
-// Row-major C[m x n] = A[m x k] B[k x n] through brgemm, B already packed (VNNI, ldb 32-bit words apart, zeros
-// past k rounded up and far enough past n); A padded with zeros where k is not a multiple of BRGEMM_Q.
-void product_packed(Index m, Index n, Index k, const BF16* a, Index lda, const uint32_t* b, Index ldb, float* c,
-                    Index ldc) {
+// Row-major C[m x n] = alpha * op(A)[m x k] B[k x n] + beta * C through brgemm, B already packed (VNNI, ldb
+// 32-bit words apart, zeros past k rounded up and far enough past n); op(A) as brgemm_a makes it.
+void product_packed(bool ta, Index m, Index n, Index k, float alpha, const BF16* a, Index lda, const uint32_t* b,
+                    Index ldb, float beta, float* c, Index ldc) {
   const Index kp = round_up(k, BRGEMM_Q);
-  const BF16* A = k == kp ? a : zero_padded(a, lda, m, k, kp, brgemm_buffers.a);
-  brgemm_into(m, n, kp, A, k == kp ? lda : kp, reinterpret_cast<const BF16*>(b), ldb, 1.f, 0.f, c, ldc);
+  Index la = 0;
+  const BF16* A = brgemm_a(ta, m, k, kp, a, lda, &la);
+  brgemm_into(m, n, kp, A, la, reinterpret_cast<const BF16*>(b), ldb, alpha, beta, c, ldc);
+}
+
+// Each (b, h)'s rows of t ([B, H, L, E] bfloat16) as op(B) of a product that sums over rows (dV += P^T dout,
+// dK += dS^T q), in brgemm's VNNI layout: uint32 [B, H, pairs, ld] (pairs: L rounded up to BRGEMM_Q, halved;
+// ld: E rounded up to BRGEMM_Q), zeros past L and E. Rows i0 .. i0 + n of (b, h), i0 even and n a multiple of
+// BRGEMM_Q, are then the operand at pair i0 / 2, with nothing past them to pad. In parallel over (b, h).
+Tensor pack_rows(const Tensor& t, Index& ld, Index& pairs) {
+  const Index B = t.size(0), H = t.size(1), L = t.size(2), E = t.size(3), lp = round_up(L, BRGEMM_Q);
+  ld = round_up(E, BRGEMM_Q);
+  pairs = lp / 2;
+  Tensor out = at::empty({B, H, pairs, ld}, t.options().dtype(at::kInt));
+  uint32_t* base = reinterpret_cast<uint32_t*>(out.data_ptr());
+  at::parallel_for(0, B * H, 1, [&](Index begin, Index end) {
+    for (Index x = begin; x < end; ++x) {
+      pack_vnni(false, L, E, row_ptr<BF16>(t, x / H, x % H, 0), t.stride(2), lp, ld,
+                reinterpret_cast<BF16*>(base + x * pairs * ld));
+    }
+  });
+  return out;
 }
 #else
 bool brgemm_bf16() { return false; }
@@ -419,9 +448,10 @@ constexpr Index BRGEMM_ROWS = 8;
 struct Rows;
 bool packs_keys(const Tensor&, const Tensor&, Index, const Rows&) { return false; }
 Tensor pack_keys(const Tensor&, Index&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to pack keys for"); }
+Tensor pack_rows(const Tensor&, Index&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to pack rows for"); }
 template <typename KV>
-void product_packed(Index, Index, Index, const KV*, Index, const uint32_t*, Index, float*, Index) {
-  TORCH_CHECK(false, "band kernel: no brgemm for packed keys");
+void product_packed(bool, Index, Index, Index, float, const KV*, Index, const uint32_t*, Index, float, float*, Index) {
+  TORCH_CHECK(false, "band kernel: no brgemm for packed operands");
 }
 #endif  // brgemm
 
@@ -526,28 +556,61 @@ inline bool not_finite(at::vec::Vectorized<T> z) {
   return !std::isfinite(at::vec::vec_reduce_all<T>([](auto a, auto b) { return a + b; }, z));
 }
 
+// The maximum of x[0:n), NaN where one is. Four running maxima side by side: with one (at::vec::reduce_all),
+// each vector waits for the maximum before it (a maximum that keeps NaN is several dependent instructions),
+// and this pass took as long as the exponentials after it. A maximum is exact in any order.
+template <typename T>
+T row_max(const T* x, Index n) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr Index V = Vec::size();
+  const Vec ninf(-std::numeric_limits<T>::infinity());
+  Vec a0 = ninf, a1 = ninf, a2 = ninf, a3 = ninf;
+  Index j = 0;
+  for (; j + 4 * V <= n; j += 4 * V) {
+    a0 = at::vec::maximum(a0, Vec::loadu(x + j));
+    a1 = at::vec::maximum(a1, Vec::loadu(x + j + V));
+    a2 = at::vec::maximum(a2, Vec::loadu(x + j + 2 * V));
+    a3 = at::vec::maximum(a3, Vec::loadu(x + j + 3 * V));
+  }
+  for (; j + V <= n; j += V) a0 = at::vec::maximum(a0, Vec::loadu(x + j));
+  if (j < n) {
+    const int w = static_cast<int>(n - j);
+    a1 = Vec::set(a1, at::vec::maximum(a1, Vec::loadu(x + j, w)), w);  // the lanes past n keep -inf
+  }
+  a0 = at::vec::maximum(at::vec::maximum(a0, a1), at::vec::maximum(a2, a3));
+  return at::vec::vec_reduce_all<T>([](Vec u, Vec v) { return at::vec::maximum(u, v); }, a0);
+}
+
 // score_row, and the maximum of the scores it leaves, in one pass over the row instead of two (the
 // same operations on the same values: the scores are those score_row stores, and a maximum is exact
 // in any order). Capped rows take the two passes.
 template <typename T>
 T score_row_max(T* s, Index n, T scale, const T* bias, T cap) {
   using Vec = at::vec::Vectorized<T>;
-  const auto larger = [](Vec x, Vec y) { return at::vec::maximum(x, y); };
+  constexpr Index V = Vec::size();
   if (cap > T(0)) {
     score_row<T>(s, n, scale, bias, cap);
-    return at::vec::reduce_all<T>(larger, s, n);
+    return row_max<T>(s, n);
   }
-  if (scale == T(1) && bias == nullptr) return at::vec::reduce_all<T>(larger, s, n);  // stored as they are
+  if (scale == T(1) && bias == nullptr) return row_max<T>(s, n);  // stored as they are
   const Vec vs(scale);
-  Vec acc(-std::numeric_limits<T>::infinity());
-  for (Index j = 0; j < n; j += Vec::size()) {
-    const int w = static_cast<int>(std::min<Index>(Vec::size(), n - j));
+  const auto scored = [&](Index j, int w) {
     const Vec x = Vec::loadu(s + j, w);
     const Vec t = bias != nullptr ? at::vec::fmadd(x, vs, Vec::loadu(bias + j, w)) : x * vs;
     t.store(s + j, w);
-    acc = w == Vec::size() ? at::vec::maximum(acc, t) : Vec::set(acc, at::vec::maximum(acc, t), w);
+    return t;
+  };
+  Vec a0(-std::numeric_limits<T>::infinity()), a1 = a0;  // two running maxima: see row_max
+  Index j = 0;
+  for (; j + 2 * V <= n; j += 2 * V) {
+    a0 = at::vec::maximum(a0, scored(j, V));
+    a1 = at::vec::maximum(a1, scored(j + V, V));
   }
-  return at::vec::vec_reduce_all<T>(larger, acc);
+  for (; j < n; j += V) {
+    const int w = static_cast<int>(std::min<Index>(V, n - j));
+    a0 = w == V ? at::vec::maximum(a0, scored(j, w)) : Vec::set(a0, at::vec::maximum(a0, scored(j, w)), w);
+  }
+  return at::vec::vec_reduce_all<T>([](Vec u, Vec v) { return at::vec::maximum(u, v); }, at::vec::maximum(a0, a1));
 }
 
 struct Shape {
@@ -623,6 +686,21 @@ inline void store_row(const T* from, S* to, Index n) {
   }
 }
 
+// Two vectors of float rounded to nearest as one vector of P, stored at to (2 Vec::size() values). For bfloat16
+// on a CPU with AVX512-BF16 (the kernel is then built with -mavx512bf16) one instruction does what
+// convert_from_float does in a dozen; it reads and writes subnormals as zero, where only weights and dS pass
+// through here (a weight below 1e-38 beside the row's largest, 1, is 0 either way to the product's sum).
+template <typename P>
+inline void round_pair(at::vec::Vectorized<float> x0, at::vec::Vectorized<float> x1, P* to) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<P, c10::BFloat16>) {
+    _mm512_storeu_si512(to, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));  // x0 in the low half
+    return;
+  }
+#endif
+  at::vec::convert_from_float<P>(x0, x1).store(to);
+}
+
 // n rows of t ([B, H, L, width], unit stride along width) from row i0 of head h of batch element b, as a
 // product of KV operands reads them: in place (stored as KV; ld their stride), or widened from their storage
 // type S into buf (n x width; ld = width). The backward of a half type without its products reads its
@@ -640,13 +718,19 @@ inline const KV* rows_as(const Tensor& t, Index b, Index h, Index i0, Index n, K
   }
 }
 
-// n values of x as a product's operand of type KV: x itself when KV is T, else rounded to nearest into buf.
+// n values of x (weights or dS) as a product's operand of type KV: x itself when KV is T, else rounded to
+// nearest into buf (round_pair).
 template <typename T, typename KV>
 inline const KV* operand(const T* x, Index n, KV* buf) {
   if constexpr (std::is_same_v<KV, T>) {
     return x;
   } else {
-    store_row<T, KV>(x, buf, n);
+    using Vec = at::vec::Vectorized<T>;
+    Index j = 0;
+    for (; j + 2 * Vec::size() <= n; j += 2 * Vec::size()) {
+      round_pair<KV>(Vec::loadu(x + j), Vec::loadu(x + j + Vec::size()), buf + j);
+    }
+    store_row<T, KV>(x + j, buf + j, n - j);
     return buf;
   }
 }
@@ -880,7 +964,7 @@ T span_softmax_row(T* s, const Index* rg, Index count, T scale, const T* bias, T
   if (cap > T(0)) bad = bad || not_finite<T>(add_up<T>(s + a, z - a, Vec(T(0))));  // see online_softmax_row
   score_row<T>(s + a, z - a, scale, bias != nullptr ? bias + a : nullptr, cap);
   for (Index c = 1; c < count; ++c) std::fill(s + rg[2 * c - 1], s + rg[2 * c], ninf);
-  const T mx = at::vec::reduce_all<T>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, s + a, z - a);
+  const T mx = row_max<T>(s + a, z - a);
   bad = bad || !std::isfinite(mx);
   const T m_new = std::isnan(mx) ? mx : std::max(m, mx);
   const T factor = m == ninf ? T(0) : std::exp(m - m_new);
@@ -898,19 +982,31 @@ T span_softmax_row(T* s, const Index* rg, Index count, T scale, const T* bias, T
 // clamps NaN to a finite value. `bad` is set when the maximum of the visible scores is not finite (a
 // NaN, +inf, or every one -inf), or, capped, when a visible raw score is not: the row's query or one
 // of its keys is not finite (see "Non-finite inputs" above).
-template <typename T>
+// With P a half type, the row's weights are also written rounded to nearest into pout[0:n) (zeros where
+// not visible) for the half product p v, in the pass that computes them: the same values that rounding
+// the float row afterwards (operand) gives, without storing it and reading it back. s then holds the
+// float weights only where that pass did not reach (a tail of a range, a row with gaps between ranges).
+template <typename T, typename P = T>
 T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const T* bias, T cap, T& m, T& l,
-                     bool& bad) {
+                     bool& bad, P* pout = nullptr) {
   using Vec = at::vec::Vectorized<T>;
+  constexpr bool rounds = !std::is_same_v<P, T>;
+  static_assert(!rounds || std::is_same_v<T, float>, "weights rounded from float");
   Index at = 0;
   for (Index c = 0; c < count; ++c) {
     // max(): intervals out of order or overlapping (the caller's error) give wrong sums, never a reversed range
     std::fill(s + at, s + std::max(at, rg[2 * c]), T(0));
+    if constexpr (rounds) std::fill(pout + at, pout + std::max(at, rg[2 * c]), P(0));
     at = std::max(at, rg[2 * c + 1]);
   }
   std::fill(s + at, s + n, T(0));
+  if constexpr (rounds) std::fill(pout + at, pout + n, P(0));
   if (count == 0) return T(1);
-  if (dense_span(rg, count)) return span_softmax_row<T>(s, rg, count, scale, bias, cap, m, l, bad);
+  if (dense_span(rg, count)) {
+    const T factor = span_softmax_row<T>(s, rg, count, scale, bias, cap, m, l, bad);
+    if constexpr (rounds) store_row<T, P>(s + rg[0], pout + rg[0], rg[2 * count - 1] - rg[0]);
+    return factor;
+  }
   T mx = -std::numeric_limits<T>::infinity();
   for (Index c = 0; c < count; ++c) {
     const Index a = rg[2 * c], e = rg[2 * c + 1];
@@ -928,6 +1024,15 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
     const Index a = rg[2 * c], e = rg[2 * c + 1];
     Vec acc(T(0));
     Index j = a;
+    if constexpr (rounds) {  // two vectors of weights, rounded as one vector of P (same sums, in the same order)
+      for (; j + 2 * Vec::size() <= e; j += 2 * Vec::size()) {
+        const Vec x0 = vexp<T>(Vec::loadu(s + j) - vm), x1 = vexp<T>(Vec::loadu(s + j + Vec::size()) - vm);
+        acc = acc + x0;
+        acc = acc + x1;
+        round_pair<P>(x0, x1, pout + j);
+      }
+    }
+    const Index rest = j;  // (rounds: from here the weights are stored as float and rounded below)
     for (; j + Vec::size() <= e; j += Vec::size()) {
       Vec x = vexp<T>(Vec::loadu(s + j) - vm);
       x.store(s + j);
@@ -938,6 +1043,7 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
       s[j] = std::exp(s[j] - m_new);
       sum += s[j];
     }
+    if constexpr (rounds) store_row<T, P>(s + rest, pout + rest, e - rest);
   }
   l = l * factor + sum;
   m = m_new;
@@ -1118,7 +1224,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       bool done = false;
       if constexpr (halves && std::is_same_v<KV, c10::BFloat16>) {
         if (keys_packed && c0 >= 0 && g >= BRGEMM_ROWS) {  // columns c0.. of the keys packed once for the call
-          product_packed(g, kc, d.E, qp, lda, packed_keys(b, h / G) + c0, packed_ld, s, kc);
+          product_packed(false, g, kc, d.E, 1.f, qp, lda, packed_keys(b, h / G) + c0, packed_ld, 0.f, s, kc);
           done = true;
         }
       }
@@ -1131,15 +1237,21 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
         const Index count = i < 0 ? 0 : visible(i, w.rg);
         const T* br = biased && i >= 0 ? bias_of(i) : nullptr;
         bool bad = w.bad[r];
-        const T factor = online_softmax_row<T>(s + r * kc, kc, w.rg.data(), count, s_eff, br, cap, m[r], l[r], bad);
+        T factor;
+        if constexpr (halves) {  // the weights rounded for p v as they are computed
+          factor = online_softmax_row<T, KV>(s + r * kc, kc, w.rg.data(), count, s_eff, br, cap, m[r], l[r], bad,
+                                             w.pb + r * kc);
+        } else {
+          factor = online_softmax_row<T>(s + r * kc, kc, w.rg.data(), count, s_eff, br, cap, m[r], l[r], bad);
+        }
         w.bad[r] = bad;
         if (!first && factor != T(1)) {
           for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
         }
       }
-      // the rows' weights side by side (kc apart), rounded to nearest for half products
-      product<T, KV>(false, false, g, d.Ev, kc, T(1), operand<T, KV>(s, g * kc, w.pb), kc, vp, ldv, first ? T(0) : T(1),
-                     acc, d.Ev);
+      // the rows' weights side by side (kc apart), rounded to nearest for half products (by online_softmax_row)
+      const KV* weights = halves ? w.pb : reinterpret_cast<const KV*>(s);
+      product<T, KV>(false, false, g, d.Ev, kc, T(1), weights, kc, vp, ldv, first ? T(0) : T(1), acc, d.Ev);
       first = false;
     });
     T* const ms = stats.data_ptr<T>() + (b * d.H + h) * d.L;  // the row maximum, then log of the row sum
@@ -1432,6 +1544,21 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   const auto seen_by = key_block_rows(R, d.S, kv_rows, wide);
   std::vector<std::mutex> locks(deterministic ? 0 : d.B * d.H * groups);
   constexpr bool widens = !std::is_same_v<KV, S>;
+  // bfloat16 products through brgemm: q and dout packed once for the call as the right operands of dK += dS^T q
+  // and dV += P^T dout, which every key block that sees a row would otherwise pack again for itself.
+  Tensor q_packed, do_packed;
+  Index q_ld = 0, do_ld = 0, row_pairs = 0;
+  if constexpr (std::is_same_v<KV, c10::BFloat16> && !widens) {
+    if (brgemm_bf16() && q_chunk >= BRGEMM_ROWS) {
+      q_packed = pack_rows(q, q_ld, row_pairs);
+      do_packed = pack_rows(dout, do_ld, row_pairs);
+    }
+  }
+  // rows i0 .. i0 + n of (b, h) in q_packed and do_packed, where they can be read there (else nullptr)
+  const auto packed_rows = [&](const Tensor& t, Index ld, Index b, Index h, Index i0, Index n) -> const uint32_t* {
+    if (!t.defined() || i0 % 2 != 0 || n % BRGEMM_Q != 0) return nullptr;
+    return reinterpret_cast<const uint32_t*>(t.data_ptr()) + ((b * d.H + h) * row_pairs + i0 / 2) * ld;
+  };
   each_item(d.B * d.Hkv * blocks, deterministic && bias_grad, [&](const auto& next) {
     Tensor p_buf, ds_buf, qg_buf, dog_buf, dqg_buf, pk_buf, dsk_buf, kb_buf, vb_buf;
     KV* const kb = scratch<KV>(kb_buf, widens ? kv_rows * d.E : 1);  // a key block widened (widens only)
@@ -1462,8 +1589,9 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
         // n rows row(0..n-1), their queries and output gradients at qp and dop (rows ldq, ldo apart),
         // against the block's keys: scores and dP, probabilities and dS, dV and dK of the block, and
         // the rows' dQ shares through add_dq(n, dS as the product's operand).
-        const auto rows_chunk = [&](Index n, const KV* qp, Index ldq, const KV* dop, Index ldo, const auto& row,
-                                    const auto& add_dq) {
+        // i0: the first of n consecutive rows (their packed operands may be read), or -1 (rows gathered).
+        const auto rows_chunk = [&](Index n, Index i0, const KV* qp, Index ldq, const KV* dop, Index ldo,
+                                    const auto& row, const auto& add_dq) {
           product<T, KV>(false, true, n, cols, d.E, T(1), qp, ldq, kp, ldk, T(0), p, cols);
           product<T, KV>(false, true, n, cols, d.Ev, T(1), dop, ldo, vp, ldv, T(0), ds, cols);
           for (Index r = 0; r < n; ++r) {
@@ -1482,9 +1610,21 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
             }
           }
           const KV* ds_op = operand<T, KV>(ds, n * cols, dsk);
-          product<T, KV>(true, false, cols, d.Ev, n, T(1), operand<T, KV>(p, n * cols, pk), cols, dop, ldo, T(1), dvp,
-                         d.Ev);
-          product<T, KV>(true, false, cols, d.E, n, scale, ds_op, cols, qp, ldq, T(1), dkp, d.E);
+          const KV* p_op = operand<T, KV>(p, n * cols, pk);
+          bool done = false;
+          if constexpr (std::is_same_v<KV, c10::BFloat16> && !widens) {
+            const uint32_t* dob = i0 < 0 ? nullptr : packed_rows(do_packed, do_ld, b, h, i0, n);
+            const uint32_t* qb = i0 < 0 ? nullptr : packed_rows(q_packed, q_ld, b, h, i0, n);
+            if (dob != nullptr && qb != nullptr) {
+              product_packed(true, cols, d.Ev, n, 1.f, p_op, cols, dob, do_ld, 1.f, dvp, d.Ev);
+              product_packed(true, cols, d.E, n, scale, ds_op, cols, qb, q_ld, 1.f, dkp, d.E);
+              done = true;
+            }
+          }
+          if (!done) {
+            product<T, KV>(true, false, cols, d.Ev, n, T(1), p_op, cols, dop, ldo, T(1), dvp, d.Ev);
+            product<T, KV>(true, false, cols, d.E, n, scale, ds_op, cols, qp, ldq, T(1), dkp, d.E);
+          }
           if (!deterministic) add_dq(n, ds_op);  // (deterministic: dQ comes from the row-owned pass below)
         };
         lone.clear();  // rows of runs shorter than LONE (a global token's row): gathered below
@@ -1498,7 +1638,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
             Index ldq = 0, ldo = 0;
             const KV* qp = rows_as<KV, S>(q, b, h, i0, n0, qg, ldq);
             const KV* dop = rows_as<KV, S>(dout, b, h, i0, n0, dog, ldo);
-            rows_chunk(n0, qp, ldq, dop, ldo, [i0](Index r) { return i0 + r; },
+            rows_chunk(n0, i0, qp, ldq, dop, ldo, [i0](Index r) { return i0 + r; },
                        [&](Index n, const KV* ds_op) {
                          const Index base = (b * d.H + h) * groups, ga = i0 / LOCK_ROWS, ge = (i0 + n - 1) / LOCK_ROWS;
                          for (Index x = ga; x <= ge; ++x) locks[base + x].lock();  // ascending: no deadlock
@@ -1515,7 +1655,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
             load_row<KV, S>(row_ptr<S>(q, b, h, rows[r]), qg + r * d.E, d.E);
             load_row<KV, S>(row_ptr<S>(dout, b, h, rows[r]), dog + r * d.Ev, d.Ev);
           }
-          rows_chunk(n, qg, d.E, dog, d.Ev, [rows](Index r) { return rows[r]; }, [&](Index n, const KV* ds_op) {
+          rows_chunk(n, -1, qg, d.E, dog, d.Ev, [rows](Index r) { return rows[r]; }, [&](Index n, const KV* ds_op) {
             product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kp, ldk, T(0), dqg, d.E);
             for (Index r = 0; r < n; ++r) {
               auto& lock = locks[(b * d.H + h) * groups + rows[r] / LOCK_ROWS];

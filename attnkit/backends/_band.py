@@ -711,6 +711,8 @@ def _target() -> tuple[str, list[str], Path]:
     """Module name, compiler flags and cache path; the name changes with source, torch and CPU."""
     cap = torch.backends.cpu.get_cpu_capability()
     cflags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(cap, [])]
+    if cap == "AVX512" and "avx512_bf16" in _cpu.flags():
+        cflags.append("-mavx512bf16")  # the weights rounded to bfloat16 by one instruction (round_pair in the source)
     key = "\n".join([SOURCE.read_text(), torch.__version__, cap, *cflags])
     name = f"attnkit_band_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     return name, cflags, _build.entry(name)
