@@ -1155,12 +1155,24 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   Tensor packed_buf;
   Index packed_ld = 0, packed_pairs = 0;
   bool keys_packed = false;
+  // The values likewise, as the right operand of p v: a chunk of keys that starts on an even key and spans a
+  // multiple of BRGEMM_Q reads them there (nothing past it to pad), any other is packed as it is read.
+  Tensor values_buf;
+  Index values_ld = 0, values_pairs = 0;
   if constexpr (halves && std::is_same_v<KV, c10::BFloat16>) {
     keys_packed = packs_keys(q, k, q_rows, R);
-    if (keys_packed) packed_buf = pack_keys(k, packed_ld, packed_pairs);
+    if (keys_packed) {
+      packed_buf = pack_keys(k, packed_ld, packed_pairs);
+      values_buf = pack_rows(v, values_ld, values_pairs);
+    }
   }
   const auto packed_keys = [&](Index b, Index hkv) {
     return reinterpret_cast<const uint32_t*>(packed_buf.data_ptr()) + (b * d.Hkv + hkv) * packed_pairs * packed_ld;
+  };
+  const auto packed_values = [&](Index b, Index hkv, Index c0, Index kc) -> const uint32_t* {
+    if (!values_buf.defined() || c0 < 0 || c0 % 2 != 0 || kc % BRGEMM_Q != 0) return nullptr;
+    return reinterpret_cast<const uint32_t*>(values_buf.data_ptr()) + ((b * d.Hkv + hkv) * values_pairs + c0 / 2) *
+                                                                           values_ld;
   };
   // A scale that is a power of two (1/8 for 64-wide heads) is taken into the queries as they are
   // copied for a block: (q * scale) k^T is then exactly (q k^T) * scale, every product and sum
@@ -1251,7 +1263,15 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       }
       // the rows' weights side by side (kc apart), rounded to nearest for half products (by online_softmax_row)
       const KV* weights = halves ? w.pb : reinterpret_cast<const KV*>(s);
-      product<T, KV>(false, false, g, d.Ev, kc, T(1), weights, kc, vp, ldv, first ? T(0) : T(1), acc, d.Ev);
+      done = false;
+      if constexpr (halves && std::is_same_v<KV, c10::BFloat16>) {
+        const uint32_t* vpk = g >= BRGEMM_ROWS ? packed_values(b, h / G, c0, kc) : nullptr;
+        if (vpk != nullptr) {
+          product_packed(false, g, d.Ev, kc, 1.f, weights, kc, vpk, values_ld, first ? 0.f : 1.f, acc, d.Ev);
+          done = true;
+        }
+      }
+      if (!done) product<T, KV>(false, false, g, d.Ev, kc, T(1), weights, kc, vp, ldv, first ? T(0) : T(1), acc, d.Ev);
       first = false;
     });
     T* const ms = stats.data_ptr<T>() + (b * d.H + h) * d.L;  // the row maximum, then log of the row sum
