@@ -151,6 +151,21 @@ bool with_half_products(const Tensor& t) {
                          (t.scalar_type() == at::kHalf && f16_products.load(std::memory_order_relaxed)));
 }
 
+// Two vectors of float rounded to nearest as one vector of P, stored at to (2 Vec::size() values). For bfloat16
+// on a CPU with AVX512-BF16 (the kernel is then built with -mavx512bf16) one instruction does what
+// convert_from_float does in a dozen; it reads and writes subnormals as zero, where only weights and dS pass
+// through here (a weight below 1e-38 beside the row's largest, 1, is 0 either way to the product's sum).
+template <typename P>
+inline void round_pair(at::vec::Vectorized<float> x0, at::vec::Vectorized<float> x1, P* to) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<P, c10::BFloat16>) {
+    _mm512_storeu_si512(to, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));  // x0 in the low half
+    return;
+  }
+#endif
+  at::vec::convert_from_float<P>(x0, x1).store(to);
+}
+
 // bfloat16 products through oneDNN's batch-reduce GEMM micro-kernel, as torch exports it for its own CPU flash
 // attention (at::native::cpublas::brgemm): C[m x n] = A[m x k] B[k x n] (or C +=), A row-major, B in the VNNI
 // layout that the CPU's bfloat16 dot-product instructions read ([k / 2][n][2]: each pair of B's rows interleaved).
@@ -332,29 +347,36 @@ void brgemm_into(Index m, Index n, Index kp, const BF16* A, Index la, const BF16
   }
 }
 
+// a ([k x m], rows lda apart) transposed into out ([mp x kp], rows kp apart; mp: m rounded up to BRGEMM_Q),
+// zeros past k: its pairs of rows interleaved (pack_vnni, into this thread's buffer), then that transposed as
+// 32-bit words.
+void transposed_into(Index m, Index k, Index kp, const BF16* a, Index lda, BF16* to) {
+  const Index mp = round_up(m, BRGEMM_Q), pairs = kp / 2;
+  uint32_t* t = reinterpret_cast<uint32_t*>(room(brgemm_buffers.t, kp * mp));
+  uint32_t* out = reinterpret_cast<uint32_t*>(to);
+  pack_vnni(false, k, m, a, lda, kp, mp, reinterpret_cast<BF16*>(t));  // t[p2][i] = (a[2 p2][i], a[2 p2 + 1][i])
+  for (Index i0 = 0; i0 < m; i0 += 16) {  // out[i][p2] = t[p2][i]: row i of op(A), with zeros past k
+    Index p2 = 0;
+#if defined(__AVX512F__)
+    for (; p2 + 16 <= pairs; p2 += 16) {
+      transpose_16x16(reinterpret_cast<const BF16*>(t + p2 * mp + i0), 2 * mp, out + i0 * pairs + p2, pairs);
+    }
+#endif
+    for (; p2 < pairs; ++p2) {
+      for (Index i = i0; i < std::min<Index>(i0 + 16, m); ++i) out[i * pairs + p2] = t[p2 * mp + i];
+    }
+  }
+}
+
 // op(A)[m x k] as brgemm reads it: row-major, k rounded up to kp with zeros, rows *la apart. A itself where it
-// is so already; else this thread's buffer (ta: A stored [k x m], its pairs of rows interleaved (pack_vnni),
-// then that transposed as 32-bit words).
+// is so already; else this thread's buffer (ta: A stored [k x m], transposed_into it).
 const BF16* brgemm_a(bool ta, Index m, Index k, Index kp, const BF16* a, Index lda, Index* la) {
   BrgemmBuffers& w = brgemm_buffers;
   if (ta) {
-    const Index mp = round_up(m, BRGEMM_Q), pairs = kp / 2;
-    uint32_t* t = reinterpret_cast<uint32_t*>(room(w.t, kp * mp));
-    uint32_t* out = reinterpret_cast<uint32_t*>(room(w.a, mp * kp));
-    pack_vnni(false, k, m, a, lda, kp, mp, reinterpret_cast<BF16*>(t));  // t[p2][i] = (a[2 p2][i], a[2 p2 + 1][i])
-    for (Index i0 = 0; i0 < m; i0 += 16) {  // out[i][p2] = t[p2][i]: row i of op(A), with zeros past k
-      Index p2 = 0;
-#if defined(__AVX512F__)
-      for (; p2 + 16 <= pairs; p2 += 16) {
-        transpose_16x16(reinterpret_cast<const BF16*>(t + p2 * mp + i0), 2 * mp, out + i0 * pairs + p2, pairs);
-      }
-#endif
-      for (; p2 < pairs; ++p2) {
-        for (Index i = i0; i < std::min<Index>(i0 + 16, m); ++i) out[i * pairs + p2] = t[p2 * mp + i];
-      }
-    }
+    BF16* out = room(w.a, round_up(m, BRGEMM_Q) * kp);
+    transposed_into(m, k, kp, a, lda, out);
     *la = kp;
-    return reinterpret_cast<const BF16*>(out);
+    return out;
   }
   if (k != kp) {
     *la = kp;
@@ -362,6 +384,38 @@ const BF16* brgemm_a(bool ta, Index m, Index k, Index kp, const BF16* a, Index l
   }
   *la = lda;
   return a;
+}
+
+// n rows of x (float, ld apart; n even) as the right operand of a product that sums over them, in brgemm's VNNI
+// layout: rows 2 r2 and 2 r2 + 1 rounded to bfloat16 (round_pair's rounding) and interleaved into
+// out[r2][cp][2], zeros past cols (cp: cols rounded up to BRGEMM_Q). The weights and dS of the backward's tile
+// so become the operand of dV^T += dout^T P and dK^T += q^T dS without a transpose.
+void pack_row_pairs(const float* x, Index ld, Index n, Index cols, Index cp, BF16* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  using Vec = at::vec::Vectorized<float>;
+  alignas(64) static constexpr uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(order);
+  alignas(64) BF16 pair[32];
+  for (Index r2 = 0; r2 < n / 2; ++r2) {
+    const float* x0 = x + 2 * r2 * ld;
+    const float* x1 = x0 + ld;
+    BF16* o = out + 2 * r2 * cp;
+    for (Index c = 0; c < cp; c += 16) {
+      const int w = static_cast<int>(std::max<Index>(0, std::min<Index>(16, cols - c)));
+      round_pair<BF16>(w > 0 ? Vec::loadu(x0 + c, w) : Vec(0.f), w > 0 ? Vec::loadu(x1 + c, w) : Vec(0.f), pair);
+      _mm512_storeu_si512(o + 2 * c, _mm512_permutexvar_epi16(idx, _mm512_load_si512(pair)));
+    }
+  }
+#else
+  for (Index r2 = 0; r2 < n / 2; ++r2) {
+    BF16* o = out + 2 * r2 * cp;
+    for (Index c = 0; c < cp; ++c) {
+      o[2 * c] = c < cols ? BF16(x[2 * r2 * ld + c]) : BF16(0.f);
+      o[2 * c + 1] = c < cols ? BF16(x[(2 * r2 + 1) * ld + c]) : BF16(0.f);
+    }
+  }
+#endif
 }
 
 // Row-major C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C through brgemm (see above).
@@ -423,10 +477,10 @@ void product_packed(bool ta, Index m, Index n, Index k, float alpha, const BF16*
   brgemm_into(m, n, kp, A, la, reinterpret_cast<const BF16*>(b), ldb, alpha, beta, c, ldc);
 }
 
-// Each (b, h)'s rows of t ([B, H, L, E] bfloat16) as op(B) of a product that sums over rows (dV += P^T dout,
-// dK += dS^T q), in brgemm's VNNI layout: uint32 [B, H, pairs, ld] (pairs: L rounded up to BRGEMM_Q, halved;
-// ld: E rounded up to BRGEMM_Q), zeros past L and E. Rows i0 .. i0 + n of (b, h), i0 even and n a multiple of
-// BRGEMM_Q, are then the operand at pair i0 / 2, with nothing past them to pad. In parallel over (b, h).
+// Each (b, h)'s rows of t ([B, H, L, E] bfloat16) as op(B) of a product that sums over rows (p v), in brgemm's
+// VNNI layout: uint32 [B, H, pairs, ld] (pairs: L rounded up to BRGEMM_Q, halved; ld: E rounded up to
+// BRGEMM_Q), zeros past L and E. Rows i0 .. i0 + n of (b, h), i0 even and n a multiple of BRGEMM_Q, are then
+// the operand at pair i0 / 2, with nothing past them to pad. In parallel over (b, h).
 Tensor pack_rows(const Tensor& t, Index& ld, Index& pairs) {
   const Index B = t.size(0), H = t.size(1), L = t.size(2), E = t.size(3), lp = round_up(L, BRGEMM_Q);
   ld = round_up(E, BRGEMM_Q);
@@ -441,6 +495,21 @@ Tensor pack_rows(const Tensor& t, Index& ld, Index& pairs) {
   });
   return out;
 }
+// Each (b, h)'s t ([B, H, L, E] bfloat16) transposed: bfloat16 [B, H, Ep, ld] (Ep: E rounded up to BRGEMM_Q;
+// ld: L rounded up to BRGEMM_Q), zeros past L and E. Columns i0 .. i0 + n of row e (i0 even, n a multiple of
+// BRGEMM_Q) are then row e of a left operand over rows i0 .. i0 + n of t. In parallel over (b, h).
+Tensor transposed_rows(const Tensor& t, Index& ld) {
+  const Index B = t.size(0), H = t.size(1), L = t.size(2), E = t.size(3), ep = round_up(E, BRGEMM_Q);
+  ld = round_up(L, BRGEMM_Q);
+  Tensor out = at::empty({B, H, ep, ld}, t.options());
+  BF16* base = out.data_ptr<BF16>();
+  at::parallel_for(0, B * H, 1, [&](Index begin, Index end) {
+    for (Index x = begin; x < end; ++x) {
+      transposed_into(E, L, ld, row_ptr<BF16>(t, x / H, x % H, 0), t.stride(2), base + x * ep * ld);
+    }
+  });
+  return out;
+}
 #else
 bool brgemm_bf16() { return false; }
 inline void release_products() {}
@@ -449,6 +518,15 @@ struct Rows;
 bool packs_keys(const Tensor&, const Tensor&, Index, const Rows&) { return false; }
 Tensor pack_keys(const Tensor&, Index&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to pack keys for"); }
 Tensor pack_rows(const Tensor&, Index&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to pack rows for"); }
+Tensor transposed_rows(const Tensor&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to transpose rows for"); }
+template <typename KV>
+void brgemm_into(Index, Index, Index, const KV*, Index, const KV*, Index, float, float, float*, Index) {
+  TORCH_CHECK(false, "band kernel: no brgemm");
+}
+template <typename KV>
+void pack_row_pairs(const float*, Index, Index, Index, Index, KV*) {
+  TORCH_CHECK(false, "band kernel: no brgemm to pack for");
+}
 template <typename KV>
 void product_packed(bool, Index, Index, Index, float, const KV*, Index, const uint32_t*, Index, float, float*, Index) {
   TORCH_CHECK(false, "band kernel: no brgemm for packed operands");
@@ -684,21 +762,6 @@ inline void store_row(const T* from, S* to, Index n) {
     }
     for (; j < n; ++j) to[j] = static_cast<S>(from[j]);
   }
-}
-
-// Two vectors of float rounded to nearest as one vector of P, stored at to (2 Vec::size() values). For bfloat16
-// on a CPU with AVX512-BF16 (the kernel is then built with -mavx512bf16) one instruction does what
-// convert_from_float does in a dozen; it reads and writes subnormals as zero, where only weights and dS pass
-// through here (a weight below 1e-38 beside the row's largest, 1, is 0 either way to the product's sum).
-template <typename P>
-inline void round_pair(at::vec::Vectorized<float> x0, at::vec::Vectorized<float> x1, P* to) {
-#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<P, c10::BFloat16>) {
-    _mm512_storeu_si512(to, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));  // x0 in the low half
-    return;
-  }
-#endif
-  at::vec::convert_from_float<P>(x0, x1).store(to);
 }
 
 // n rows of t ([B, H, L, width], unit stride along width) from row i0 of head h of batch element b, as a
@@ -1564,20 +1627,22 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   const auto seen_by = key_block_rows(R, d.S, kv_rows, wide);
   std::vector<std::mutex> locks(deterministic ? 0 : d.B * d.H * groups);
   constexpr bool widens = !std::is_same_v<KV, S>;
-  // bfloat16 products through brgemm: q and dout packed once for the call as the right operands of dK += dS^T q
-  // and dV += P^T dout, which every key block that sees a row would otherwise pack again for itself.
-  Tensor q_packed, do_packed;
-  Index q_ld = 0, do_ld = 0, row_pairs = 0;
+  // bfloat16 products through brgemm: a key block's dV and dK are summed transposed, dV^T += dout^T P and
+  // dK^T += q^T dS, into the thread's sums (added to dV and dK once the block's rows are done). Their right
+  // operands are then P and dS with pairs of rows interleaved as they are rounded (pack_row_pairs), where
+  // P^T and dS^T would be transposed for every chunk; their left ones, dout^T and q^T, are made once per call.
+  Tensor q_t, do_t;
+  Index t_ld = 0;
   if constexpr (std::is_same_v<KV, c10::BFloat16> && !widens) {
     if (brgemm_bf16() && q_chunk >= BRGEMM_ROWS) {
-      q_packed = pack_rows(q, q_ld, row_pairs);
-      do_packed = pack_rows(dout, do_ld, row_pairs);
+      q_t = transposed_rows(q, t_ld);
+      do_t = transposed_rows(dout, t_ld);
     }
   }
-  // rows i0 .. i0 + n of (b, h) in q_packed and do_packed, where they can be read there (else nullptr)
-  const auto packed_rows = [&](const Tensor& t, Index ld, Index b, Index h, Index i0, Index n) -> const uint32_t* {
-    if (!t.defined() || i0 % 2 != 0 || n % BRGEMM_Q != 0) return nullptr;
-    return reinterpret_cast<const uint32_t*>(t.data_ptr()) + ((b * d.H + h) * row_pairs + i0 / 2) * ld;
+  // rows i0 .. i0 + n of (b, h) as columns of q^T (or dout^T), where the transposed sums take them (else nullptr)
+  const auto transposed_at = [&](const Tensor& t, Index b, Index h, Index i0, Index n) -> const KV* {
+    if (!t.defined() || i0 < 0 || i0 % 2 != 0 || n % BRGEMM_Q != 0) return nullptr;
+    return static_cast<const KV*>(t.data_ptr()) + (b * d.H + h) * t.size(2) * t_ld + i0;
   };
   each_item(d.B * d.Hkv * blocks, deterministic && bias_grad, [&](const auto& next) {
     Tensor p_buf, ds_buf, qg_buf, dog_buf, dqg_buf, pk_buf, dsk_buf, kb_buf, vb_buf;
@@ -1591,14 +1656,19 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     KV* const dog = scratch<KV>(dog_buf, q_chunk * d.Ev);
     T* const dqg = scratch<T>(dqg_buf, q_chunk * d.E);
     std::vector<Index> rg(2 * R.K), wide_cols, lone;
+    // the transposed sums of a key block (dK^T and dV^T, [E x cp] and [Ev x cp]) and a chunk's P or dS packed
+    const Index cp_max = (kv_rows + 15) / 16 * 16;
+    std::vector<float> dk_t(q_t.defined() ? d.E * cp_max : 0), dv_t(q_t.defined() ? d.Ev * cp_max : 0);
+    std::vector<KV> pairs(q_t.defined() ? (q_chunk + 1) / 2 * 2 * cp_max : 0);
     for (Index it = 0; next(it);) {
       const Index blk = interleaved(it % blocks, blocks), hk = (it / blocks) % d.Hkv, b = it / (blocks * d.Hkv);
-      const Index j0 = blk * kv_rows, cols = std::min(kv_rows, d.S - j0);
+      const Index j0 = blk * kv_rows, cols = std::min(kv_rows, d.S - j0), cp = (cols + 15) / 16 * 16;
       Index ldk = 0, ldv = 0;
       const KV* kp = rows_as<KV, S>(k, b, hk, j0, cols, kb, ldk);
       const KV* vp = rows_as<KV, S>(v, b, hk, j0, cols, vb, ldv);
       T* dkp = dk.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.E;
       T* dvp = dv.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.Ev;
+      bool summed_t = false;  // the transposed sums hold this block's share
       for (Index g = 0; g < G; ++g) {
         const Index h = hk * G + g, row0 = (b * d.H + h) * d.L;
         const Index set = R.set(b, h);
@@ -1630,18 +1700,25 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
             }
           }
           const KV* ds_op = operand<T, KV>(ds, n * cols, dsk);
-          const KV* p_op = operand<T, KV>(p, n * cols, pk);
           bool done = false;
           if constexpr (std::is_same_v<KV, c10::BFloat16> && !widens) {
-            const uint32_t* dob = i0 < 0 ? nullptr : packed_rows(do_packed, do_ld, b, h, i0, n);
-            const uint32_t* qb = i0 < 0 ? nullptr : packed_rows(q_packed, q_ld, b, h, i0, n);
-            if (dob != nullptr && qb != nullptr) {
-              product_packed(true, cols, d.Ev, n, 1.f, p_op, cols, dob, do_ld, 1.f, dvp, d.Ev);
-              product_packed(true, cols, d.E, n, scale, ds_op, cols, qb, q_ld, 1.f, dkp, d.E);
+            const KV* dot = transposed_at(do_t, b, h, i0, n);
+            const KV* qt = transposed_at(q_t, b, h, i0, n);
+            if (dot != nullptr && qt != nullptr) {
+              if (!summed_t) {
+                std::fill(dk_t.begin(), dk_t.begin() + d.E * cp, 0.f);
+                std::fill(dv_t.begin(), dv_t.begin() + d.Ev * cp, 0.f);
+                summed_t = true;
+              }
+              pack_row_pairs(p, cols, n, cols, cp, pairs.data());
+              brgemm_into(d.Ev, cp, n, dot, t_ld, pairs.data(), cp, 1.f, 1.f, dv_t.data(), cp);
+              pack_row_pairs(ds, cols, n, cols, cp, pairs.data());
+              brgemm_into(d.E, cp, n, qt, t_ld, pairs.data(), cp, 1.f, 1.f, dk_t.data(), cp);
               done = true;
             }
           }
           if (!done) {
+            const KV* p_op = operand<T, KV>(p, n * cols, pk);
             product<T, KV>(true, false, cols, d.Ev, n, T(1), p_op, cols, dop, ldo, T(1), dvp, d.Ev);
             product<T, KV>(true, false, cols, d.E, n, scale, ds_op, cols, qp, ldq, T(1), dkp, d.E);
           }
@@ -1685,6 +1762,12 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
               lock.unlock();
             }
           });
+        }
+      }
+      if (summed_t) {  // the block's transposed sums into its rows of dK (scaled once) and dV
+        for (Index c = 0; c < cols; ++c) {
+          for (Index e = 0; e < d.E; ++e) dkp[c * d.E + e] += scale * dk_t[e * cp + c];
+          for (Index e = 0; e < d.Ev; ++e) dvp[c * d.Ev + e] += dv_t[e * cp + c];
         }
       }
     }

@@ -36,9 +36,10 @@ CASES = {
     "dilated (folded)": ((1, 2, 2, 160, 160), {"mask_mod": masks.dilated_window_mod(12, 4)}),
     "ALiBi": ((1, 4, 4, 100, 100), {"is_causal": True, "score_mod": scores.alibi(scores.alibi_slopes(4))}),
     "capped": ((1, 2, 2, 100, 100), {"window": (30, 30), "score_mod": scores.softcap(5.0)}),
-    # every run of rows that sees a key block starts on an even row and spans a multiple of 16 rows: the
-    # backward's bfloat16 products under brgemm read q and dout from their copies packed once for the call
-    "causal, rows in runs of 16": ((1, 2, 2, 256, 256), {"is_causal": True}),
+    # every run of rows that sees a key block starts on an even row and spans a multiple of 16 rows, and two
+    # query heads share each key head: the bfloat16 products under brgemm read their packed copies of v
+    # (forward) and of q^T and dout^T (backward, dK and dV summed transposed over both heads)
+    "causal, GQA, rows in runs of 16": ((1, 4, 2, 256, 256), {"is_causal": True}),
 }
 
 
@@ -201,7 +202,7 @@ def test_a_half_backward_without_its_products_is_the_float32_kernels_on_the_same
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["dQ under locks", "dQ by query blocks"])
-@pytest.mark.parametrize("case", [*GRAD_CASES, "causal, rows in runs of 16"])
+@pytest.mark.parametrize("case", [*GRAD_CASES, "causal, GQA, rows in runs of 16"])
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_half_gradients_with_half_products_err_no_more_than_sdpas_half_backward(dtype, case, deterministic):
     """The backward's products take operands of the inputs' half type (P and dS rounded, as FlashAttention does):
