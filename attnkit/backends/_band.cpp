@@ -496,11 +496,12 @@ Tensor pack_rows(const Tensor& t, Index& ld, Index& pairs) {
   return out;
 }
 // Each (b, h)'s t ([B, H, L, E] bfloat16) transposed: bfloat16 [B, H, Ep, ld] (Ep: E rounded up to BRGEMM_Q;
-// ld: L rounded up to BRGEMM_Q), zeros past L and E. Columns i0 .. i0 + n of row e (i0 even, n a multiple of
+// ld: L and one more BRGEMM_Q rounded up to 256, as pack_keys's: the leading dimension picks the micro-kernel,
+// which torch builds and keeps per shape and thread, so calls of many lengths share few), zeros past L and E. Columns i0 .. i0 + n of row e (i0 even, n a multiple of
 // BRGEMM_Q) are then row e of a left operand over rows i0 .. i0 + n of t. In parallel over (b, h).
 Tensor transposed_rows(const Tensor& t, Index& ld) {
   const Index B = t.size(0), H = t.size(1), L = t.size(2), E = t.size(3), ep = round_up(E, BRGEMM_Q);
-  ld = round_up(L, BRGEMM_Q);
+  ld = round_up(L + BRGEMM_Q, 256);
   Tensor out = at::empty({B, H, ep, ld}, t.options());
   BF16* base = out.data_ptr<BF16>();
   at::parallel_for(0, B * H, 1, [&](Index begin, Index end) {
