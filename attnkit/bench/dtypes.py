@@ -60,7 +60,7 @@ def run(quick: bool, out_dir: Path) -> str:
         have = [f for f in FLAGS if f in _cpu.flags()] or ["none of them (or unknown)"]
         say(f"CPU flags: {', '.join(have)}")
         size = 512 if quick else 1024
-        peak = {name: matmul_gflops(size, dtype) for name, dtype in DTYPES.items()}
+        peak = _matmul_anchor(size, rounds=5 if quick else 15)
         say("matmul GFLOP/s, one thread: " + ", ".join(f"{k} {v:.1f}" for k, v in peak.items()))
         mkl = {name: _mkl_half_gflops(size, name) for name in HALF_PRODUCTS}
         for name, gflops in mkl.items():
@@ -226,6 +226,21 @@ def _alibi_bias(heads: int, n: int) -> torch.Tensor:
     dist = (i.view(-1, 1) - i.view(1, -1)).float()
     bias = -scores.alibi_slopes(heads).view(-1, 1, 1) * dist
     return bias.masked_fill(dist < 0, float("-inf"))
+
+
+def _matmul_anchor(n: int, rounds: int) -> dict[str, float]:
+    """GFLOP/s of an ``n x n`` matmul in each of :data:`DTYPES`, one thread. float32 and bfloat16 are timed in
+    alternating rounds, so that a shared machine's drift hits both alike and their ratio (the speed-up
+    bfloat16 products offer here, against which the half-precision rows read) holds still from run to run;
+    float16 apart, as its product may take seconds where the CPU has no float16 products."""
+    fns = {}
+    for name in ("float32", "bfloat16"):
+        a, b = (torch.randn(n, n, dtype=DTYPES[name]) for _ in range(2))
+        fns[name] = lambda a=a, b=b: a @ b
+    times = interleaved_medians(fns, repeat=rounds, warmup=2, alternate=True)
+    out = {name: 2 * n**3 / t / 1e9 for name, t in times.items()}
+    out["float16"] = matmul_gflops(n, torch.float16)
+    return {name: out[name] for name in DTYPES}
 
 
 def _tile_gflops(products: dict[str, bool]) -> dict[str, float]:
