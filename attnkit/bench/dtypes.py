@@ -95,7 +95,8 @@ def run(quick: bool, out_dir: Path) -> str:
         model = _mistral_prefill(model_n, model_repeat, say)
     finally:
         torch.set_num_threads(threads)
-    body = (f"CPU flags: {', '.join(have)}. Matmul anchor, one thread, {size}^2, measured in this run: "
+    body = (f"CPU flags: {', '.join(have)}. Matmul anchor, one thread, {size}^2, measured in this run "
+            "(float32 and bfloat16 in alternating rounds): "
             + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peak.items())
             + f" (bf16 : float32 = {peak['bfloat16'] / peak['float32']:.2f}, "
             f"fp16 : float32 = {peak['float16'] / peak['float32']:.2f}); MKL's half products (half operands, float32 "
