@@ -516,7 +516,7 @@ Tensor transposed_rows(const Tensor& t, Index& ld) {
 #else
 bool brgemm_bf16() { return false; }
 inline void release_products() {}
-constexpr Index BRGEMM_ROWS = 8;
+constexpr Index BRGEMM_Q = 16, BRGEMM_ROWS = 8;  // (named by code that never runs without brgemm)
 struct Rows;
 bool packs_keys(const Tensor&, const Tensor&, Index, const Rows&) { return false; }
 Tensor pack_keys(const Tensor&, Index&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to pack keys for"); }
