@@ -13,10 +13,12 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 
 import pytest
+from torch.utils import cpp_extension
 
 from attnkit.backends import _band
 
@@ -234,3 +236,19 @@ def test_a_compiled_kernel_is_reused_from_the_cache_with_its_recorded_checksum(t
     res = _python(REPORT, cache, ATTNKIT_BUILD="0")
     assert _outcome(res)[0] == "True", res.stderr
     assert "compiling" not in res.stderr
+
+
+def test_the_source_compiles_where_torch_has_no_brgemm(tmp_path):
+    """Builds on a CPU or torch without oneDNN's brgemm micro-kernel (aarch64, an older torch) take the source's
+    other branch, which this machine never compiles: checked here with the macro that selects it undefined
+    (syntax and types only, no code made). Names that only the brgemm branch defined once broke them all."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no C++ compiler ({cxx})")
+    wrapper = tmp_path / "without_brgemm.cpp"
+    wrapper.write_text("#include <ATen/native/CPUBlas.h>\n#undef CPUBLAS_BRGEMM_BF16BF16F32\n"
+                       f'#include "{_band.SOURCE}"\n')
+    includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
+    res = subprocess.run([cxx, "-fsyntax-only", "-std=c++17", "-fopenmp", "-w", "-DTORCH_EXTENSION_NAME=probe",
+                          *includes, str(wrapper)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, "\n".join(line for line in res.stderr.splitlines() if "error" in line)
