@@ -172,8 +172,9 @@ inline void round_pair(at::vec::Vectorized<float> x0, at::vec::Vectorized<float>
 // Each product of two bfloat16 numbers is exact in float32 and the sums are float32, as with MKL's product; but
 // MKL's product did not use the bfloat16 instructions of an AMD CPU that has them (AVX512-BF16) and ran at
 // float32's speed, where this one runs them on a CPU with AVX512-BF16 (`attnkit bench dtypes` times both; CPUs
-// with AMX keep MKL's: see brgemm_bf16). The operands are packed for it per product into this thread's buffers,
-// n and k rounded up to BRGEMM_Q with zeros (the rounded sizes pick the micro-kernel, which torch builds once per
+// with AMX keep MKL's: see brgemm_bf16). The operands are packed for it per product into this thread's buffers
+// (or once per call where many blocks read them: pack_keys, pack_rows, transposed_rows), n and k rounded up to
+// BRGEMM_Q with zeros (the rounded sizes pick the micro-kernel, which torch builds once per
 // shape and thread: rounding keeps them few). Fewer than BRGEMM_ROWS rows stay with MKL: packing all of B for a
 // row or two costs about as much as their product (a decode step's forward takes float32 products instead: see
 // band_forward).
@@ -447,71 +448,67 @@ bool packs_keys(const Tensor& q, const Tensor& k, Index q_rows, const Rows& R) {
   return brgemm_bf16() && q_rows >= BRGEMM_ROWS && !few_reads(q, k, q_rows, R);
 }
 
-// k ([B, Hkv, S, E] bfloat16) as op(B) of q k^T for every (b, hkv), in brgemm's VNNI layout: uint32
-// [B, Hkv, pairs, ld] (pairs: E rounded up to BRGEMM_Q, halved; ld: S and one more BRGEMM_Q rounded up to 256,
-// so that columns c0 .. c0 + n rounded up stay inside and the leading dimension, which picks the micro-kernel,
-// takes few values), zeros past E and S. In parallel over (b, hkv).
-Tensor pack_keys(const Tensor& k, Index& ld, Index& pairs) {
-  const Index B = k.size(0), Hkv = k.size(1), S = k.size(2), E = k.size(3), kp = round_up(E, BRGEMM_Q);
-  ld = round_up(S + BRGEMM_Q, 256);
-  pairs = kp / 2;
-  Tensor out = at::empty({B, Hkv, pairs, ld}, k.options().dtype(at::kInt));
-  uint32_t* base = reinterpret_cast<uint32_t*>(out.data_ptr());
-  at::parallel_for(0, B * Hkv, 1, [&](Index begin, Index end) {
-    for (Index x = begin; x < end; ++x) {
-      const Index b = x / Hkv, h = x % Hkv;
-      pack_vnni(true, E, S, row_ptr<BF16>(k, b, h, 0), k.stride(2), kp, ld,
-                reinterpret_cast<BF16*>(base + x * pairs * ld));
-    }
+// out: t's heads ([B, H, L, E] bfloat16), each made into `size` bfloat16 values by pack(its first row, its part
+// of out), side by side in one bfloat16 tensor [B, H, size]. In parallel over (b, h).
+template <typename Pack>
+Tensor packed_per_head(const Tensor& t, Index size, const Pack& pack) {
+  const Index B = t.size(0), H = t.size(1);
+  Tensor out = at::empty({B, H, size}, t.options().dtype(at::kBFloat16));
+  BF16* base = out.data_ptr<BF16>();
+  at::parallel_for(0, B * H, 1, [&](Index begin, Index end) {
+    for (Index x = begin; x < end; ++x) pack(row_ptr<BF16>(t, x / H, x % H, 0), base + x * size);
   });
   return out;
 }
 
-// Row-major C[m x n] = alpha * op(A)[m x k] B[k x n] + beta * C through brgemm, B already packed (VNNI, ldb
-// 32-bit words apart, zeros past k rounded up and far enough past n); op(A) as brgemm_a makes it.
-void product_packed(bool ta, Index m, Index n, Index k, float alpha, const BF16* a, Index lda, const uint32_t* b,
-                    Index ldb, float beta, float* c, Index ldc) {
+// k ([B, Hkv, S, E] bfloat16) as op(B) of q k^T for every (b, hkv), in brgemm's VNNI layout, laid out as
+// uint32 [B, Hkv, pairs, ld] (pairs: E rounded up to BRGEMM_Q, halved; ld: S and one more BRGEMM_Q rounded up
+// to 256, so that columns c0 .. c0 + n rounded up stay inside and the leading dimension, which picks the
+// micro-kernel, takes few values), zeros past E and S. In parallel over (b, hkv).
+Tensor pack_keys(const Tensor& k, Index& ld, Index& pairs) {
+  const Index S = k.size(2), E = k.size(3), kp = round_up(E, BRGEMM_Q);
+  ld = round_up(S + BRGEMM_Q, 256);
+  pairs = kp / 2;
+  return packed_per_head(k, pairs * ld * 2, [&](const BF16* rows, BF16* to) {
+    pack_vnni(true, E, S, rows, k.stride(2), kp, ld, to);
+  });
+}
+
+// Row-major C[m x n] = A[m x k] B[k x n] + beta * C through brgemm, B already packed (VNNI, ldb 32-bit words
+// apart, zeros past k rounded up and far enough past n); A padded with zeros past k where brgemm_a needs it.
+void product_packed(Index m, Index n, Index k, const BF16* a, Index lda, const uint32_t* b, Index ldb, float beta,
+                    float* c, Index ldc) {
   const Index kp = round_up(k, BRGEMM_Q);
   Index la = 0;
-  const BF16* A = brgemm_a(ta, m, k, kp, a, lda, &la);
-  brgemm_into(m, n, kp, A, la, reinterpret_cast<const BF16*>(b), ldb, alpha, beta, c, ldc);
+  const BF16* A = brgemm_a(false, m, k, kp, a, lda, &la);
+  brgemm_into(m, n, kp, A, la, reinterpret_cast<const BF16*>(b), ldb, 1.f, beta, c, ldc);
 }
 
 // Each (b, h)'s rows of t ([B, H, L, E] bfloat16) as op(B) of a product that sums over rows (p v), in brgemm's
-// VNNI layout: uint32 [B, H, pairs, ld] (pairs: L rounded up to BRGEMM_Q, halved; ld: E rounded up to
+// VNNI layout, laid out as uint32 [B, H, pairs, ld] (pairs: L rounded up to BRGEMM_Q, halved; ld: E rounded up to
 // BRGEMM_Q), zeros past L and E. Rows i0 .. i0 + n of (b, h), i0 even and n a multiple of BRGEMM_Q, are then
 // the operand at pair i0 / 2, with nothing past them to pad. In parallel over (b, h).
 Tensor pack_rows(const Tensor& t, Index& ld, Index& pairs) {
-  const Index B = t.size(0), H = t.size(1), L = t.size(2), E = t.size(3), lp = round_up(L, BRGEMM_Q);
+  const Index L = t.size(2), E = t.size(3), lp = round_up(L, BRGEMM_Q);
   ld = round_up(E, BRGEMM_Q);
   pairs = lp / 2;
-  Tensor out = at::empty({B, H, pairs, ld}, t.options().dtype(at::kInt));
-  uint32_t* base = reinterpret_cast<uint32_t*>(out.data_ptr());
-  at::parallel_for(0, B * H, 1, [&](Index begin, Index end) {
-    for (Index x = begin; x < end; ++x) {
-      pack_vnni(false, L, E, row_ptr<BF16>(t, x / H, x % H, 0), t.stride(2), lp, ld,
-                reinterpret_cast<BF16*>(base + x * pairs * ld));
-    }
+  return packed_per_head(t, pairs * ld * 2, [&](const BF16* rows, BF16* to) {
+    pack_vnni(false, L, E, rows, t.stride(2), lp, ld, to);
   });
-  return out;
 }
 
-// Each (b, h)'s t ([B, H, L, E] bfloat16) transposed: bfloat16 [B, H, Ep, ld] (Ep: E rounded up to BRGEMM_Q;
-// ld: L and one more BRGEMM_Q rounded up to 256, as pack_keys's: the leading dimension picks the micro-kernel,
-// which torch builds and keeps per shape and thread, so calls of many lengths share few), zeros past L and E.
+// Each (b, h)'s t ([B, H, L, E] bfloat16) transposed, laid out as bfloat16 [B, H, Ep, ld] (Ep: E rounded up to
+// BRGEMM_Q; ld: L and one more BRGEMM_Q rounded up to 256, as pack_keys's: the leading dimension picks the
+// micro-kernel, which torch builds and keeps per shape and thread, so calls of many lengths share few), zeros
+// past L and E.
 // Columns i0 .. i0 + n of row e (i0 even, n a multiple of BRGEMM_Q) are then row e of a left operand over rows
 // i0 .. i0 + n of t. In parallel over (b, h).
 Tensor transposed_rows(const Tensor& t, Index& ld) {
-  const Index B = t.size(0), H = t.size(1), L = t.size(2), E = t.size(3), ep = round_up(E, BRGEMM_Q);
+  const Index L = t.size(2), E = t.size(3);
   ld = round_up(L + BRGEMM_Q, 256);
-  Tensor out = at::empty({B, H, ep, ld}, t.options());
-  BF16* base = out.data_ptr<BF16>();
-  at::parallel_for(0, B * H, 1, [&](Index begin, Index end) {
-    for (Index x = begin; x < end; ++x) {
-      transposed_into(E, L, ld, row_ptr<BF16>(t, x / H, x % H, 0), t.stride(2), base + x * ep * ld);
-    }
+  return packed_per_head(t, round_up(E, BRGEMM_Q) * ld, [&](const BF16* rows, BF16* to) {
+    transposed_into(E, L, ld, rows, t.stride(2), to);
   });
-  return out;
 }
 #else
 bool brgemm_bf16() { return false; }
@@ -531,7 +528,7 @@ void pack_row_pairs(const float*, Index, Index, Index, Index, KV*) {
   TORCH_CHECK(false, "band kernel: no brgemm to pack for");
 }
 template <typename KV>
-void product_packed(bool, Index, Index, Index, float, const KV*, Index, const uint32_t*, Index, float, float*, Index) {
+void product_packed(Index, Index, Index, const KV*, Index, const uint32_t*, Index, float, float*, Index) {
   TORCH_CHECK(false, "band kernel: no brgemm for packed operands");
 }
 #endif  // brgemm
@@ -1330,7 +1327,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       bool done = false;
       if constexpr (halves && std::is_same_v<KV, c10::BFloat16>) {
         if (keys_packed && c0 >= 0 && g >= BRGEMM_ROWS) {  // columns c0.. of the keys packed once for the call
-          product_packed(false, g, kc, d.E, 1.f, qp, lda, packed_keys(b, h / G) + c0, packed_ld, 0.f, s, kc);
+          product_packed(g, kc, d.E, qp, lda, packed_keys(b, h / G) + c0, packed_ld, 0.f, s, kc);
           done = true;
         }
       }
@@ -1361,7 +1358,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       if constexpr (halves && std::is_same_v<KV, c10::BFloat16>) {
         const uint32_t* vpk = g >= BRGEMM_ROWS ? packed_values(b, h / G, c0, kc) : nullptr;
         if (vpk != nullptr) {
-          product_packed(false, g, d.Ev, kc, 1.f, weights, kc, vpk, values_ld, first ? 0.f : 1.f, acc, d.Ev);
+          product_packed(g, d.Ev, kc, weights, kc, vpk, values_ld, first ? 0.f : 1.f, acc, d.Ev);
           done = true;
         }
       }
@@ -1673,7 +1670,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   // rows i0 .. i0 + n of (b, h) as columns of q^T (or dout^T), where the transposed sums take them (else nullptr)
   const auto transposed_at = [&](const Tensor& t, Index b, Index h, Index i0, Index n) -> const KV* {
     if (!t.defined() || i0 < 0 || i0 % 2 != 0 || n % BRGEMM_Q != 0) return nullptr;
-    return static_cast<const KV*>(t.data_ptr()) + (b * d.H + h) * t.size(2) * t_ld + i0;
+    return static_cast<const KV*>(t.data_ptr()) + (b * d.H + h) * t.size(2) + i0;  // (t: [B, H, Ep * t_ld])
   };
   each_item(d.B * d.Hkv * blocks, deterministic && bias_grad, [&](const auto& next) {
     Tensor p_buf, ds_buf, qg_buf, dog_buf, dqg_buf, pk_buf, dsk_buf, kb_buf, vb_buf;
