@@ -662,29 +662,65 @@ inline bool not_finite(at::vec::Vectorized<T> z) {
   return !std::isfinite(at::vec::vec_reduce_all<T>([](auto a, auto b) { return a + b; }, z));
 }
 
-// The maximum of x[0:n), NaN where one is. Four running maxima side by side: with one (at::vec::reduce_all),
-// each vector waits for the maximum before it (a maximum that keeps NaN is several dependent instructions),
-// and this pass took as long as the exponentials after it. A maximum is exact in any order.
+// A running maximum of vectors that ends NaN where any of them held a NaN. at::vec::maximum keeps a NaN in
+// every step (a maximum, a compare, a select and an or); with AVX-512, floats take the plain maximum and
+// gather the lanes that were NaN in a mask instead, two instructions a vector. `add(x, w)`: the first w lanes.
+template <typename T>
+struct RunningMax {
+  using Vec = at::vec::Vectorized<T>;
+  Vec a = Vec(-std::numeric_limits<T>::infinity());
+  void add(Vec x) { a = at::vec::maximum(a, x); }
+  void add(Vec x, int w) { a = Vec::set(a, at::vec::maximum(a, x), w); }  // the lanes past w keep theirs
+  void add(const RunningMax& o) { a = at::vec::maximum(a, o.a); }
+  T result() const { return at::vec::vec_reduce_all<T>([](Vec u, Vec v) { return at::vec::maximum(u, v); }, a); }
+};
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+struct RunningMax<float> {
+  using Vec = at::vec::Vectorized<float>;
+  __m512 a = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  void add(Vec x) {
+    a = _mm512_max_ps(a, x);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  }
+  void add(Vec x, int w) {
+    const __mmask16 lanes = static_cast<__mmask16>((1u << w) - 1);
+    a = _mm512_mask_max_ps(a, lanes, a, x);
+    nan |= _mm512_mask_cmp_ps_mask(lanes, x, x, _CMP_UNORD_Q);
+  }
+  void add(const RunningMax& o) {
+    a = _mm512_max_ps(a, o.a);
+    nan |= o.nan;
+  }
+  float result() const { return nan != 0 ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(a); }
+};
+#endif
+
+// The maximum of x[0:n), NaN where one is. Four running maxima side by side: with one, each vector waits for
+// the maximum before it, and this pass took as long as the exponentials after it. A maximum is exact in any
+// order.
 template <typename T>
 T row_max(const T* x, Index n) {
   using Vec = at::vec::Vectorized<T>;
   constexpr Index V = Vec::size();
-  const Vec ninf(-std::numeric_limits<T>::infinity());
-  Vec a0 = ninf, a1 = ninf, a2 = ninf, a3 = ninf;
+  RunningMax<T> a0, a1, a2, a3;
   Index j = 0;
   for (; j + 4 * V <= n; j += 4 * V) {
-    a0 = at::vec::maximum(a0, Vec::loadu(x + j));
-    a1 = at::vec::maximum(a1, Vec::loadu(x + j + V));
-    a2 = at::vec::maximum(a2, Vec::loadu(x + j + 2 * V));
-    a3 = at::vec::maximum(a3, Vec::loadu(x + j + 3 * V));
+    a0.add(Vec::loadu(x + j));
+    a1.add(Vec::loadu(x + j + V));
+    a2.add(Vec::loadu(x + j + 2 * V));
+    a3.add(Vec::loadu(x + j + 3 * V));
   }
-  for (; j + V <= n; j += V) a0 = at::vec::maximum(a0, Vec::loadu(x + j));
+  for (; j + V <= n; j += V) a0.add(Vec::loadu(x + j));
   if (j < n) {
     const int w = static_cast<int>(n - j);
-    a1 = Vec::set(a1, at::vec::maximum(a1, Vec::loadu(x + j, w)), w);  // the lanes past n keep -inf
+    a1.add(Vec::loadu(x + j, w), w);
   }
-  a0 = at::vec::maximum(at::vec::maximum(a0, a1), at::vec::maximum(a2, a3));
-  return at::vec::vec_reduce_all<T>([](Vec u, Vec v) { return at::vec::maximum(u, v); }, a0);
+  a0.add(a1);
+  a2.add(a3);
+  a0.add(a2);
+  return a0.result();
 }
 
 // score_row, and the maximum of the scores it leaves, in one pass over the row instead of two (the
@@ -706,17 +742,22 @@ T score_row_max(T* s, Index n, T scale, const T* bias, T cap) {
     t.store(s + j, w);
     return t;
   };
-  Vec a0(-std::numeric_limits<T>::infinity()), a1 = a0;  // two running maxima: see row_max
+  RunningMax<T> a0, a1;  // two running maxima: see row_max
   Index j = 0;
   for (; j + 2 * V <= n; j += 2 * V) {
-    a0 = at::vec::maximum(a0, scored(j, V));
-    a1 = at::vec::maximum(a1, scored(j + V, V));
+    a0.add(scored(j, V));
+    a1.add(scored(j + V, V));
   }
   for (; j < n; j += V) {
     const int w = static_cast<int>(std::min<Index>(V, n - j));
-    a0 = w == V ? at::vec::maximum(a0, scored(j, w)) : Vec::set(a0, at::vec::maximum(a0, scored(j, w)), w);
+    if (w == V) {
+      a0.add(scored(j, w));
+    } else {
+      a0.add(scored(j, w), w);
+    }
   }
-  return at::vec::vec_reduce_all<T>([](Vec u, Vec v) { return at::vec::maximum(u, v); }, at::vec::maximum(a0, a1));
+  a0.add(a1);
+  return a0.result();
 }
 
 struct Shape {
