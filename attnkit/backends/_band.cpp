@@ -780,6 +780,17 @@ const T* row_ptr(const Tensor& t, Index b, Index h, Index i) {
   return static_cast<const T*>(t.data_ptr()) + b * t.stride(0) + h * t.stride(1) + i * t.stride(2);
 }
 
+// row_ptr for many rows of one tensor: the pointer and strides read once. data_ptr() is a call into torch,
+// which took as long per output row as writing the row.
+template <typename T>
+struct RowView {
+  T* base;
+  Index sb, sh, si;
+  explicit RowView(const Tensor& t)
+      : base(static_cast<T*>(t.data_ptr())), sb(t.stride(0)), sh(t.stride(1)), si(t.stride(2)) {}
+  T* operator()(Index b, Index h, Index i) const { return base + b * sb + h * sh + i * si; }
+};
+
 // n values of storage type S read into the compute type T (S == T: a copy), or written back from it
 // (rounded to nearest). Half types are computed in float: the forward converts each block's queries as
 // it reads them and each output row as it writes it (each once), and the keys and values once per call
@@ -810,9 +821,10 @@ Tensor to_float(const Tensor& t) {
   Tensor out = at::empty(t.sizes(), t.options().dtype(at::kFloat));
   const Index H = t.size(1), L = t.size(2), width = t.size(3);
   float* dst = out.data_ptr<float>();
+  const RowView<const S> rows(t);
   at::parallel_for(0, t.size(0) * H * L, 1024, [&](Index begin, Index end) {
     for (Index r = begin; r < end; ++r) {
-      load_row<float, S>(row_ptr<S>(t, r / (H * L), (r / L) % H, r % L), dst + r * width, width);
+      load_row<float, S>(rows(r / (H * L), (r / L) % H, r % L), dst + r * width, width);
     }
   });
   return out;
@@ -844,7 +856,8 @@ inline const KV* rows_as(const Tensor& t, Index b, Index h, Index i0, Index n, K
     return row_ptr<KV>(t, b, h, i0);
   } else {
     const Index width = t.size(3);
-    for (Index r = 0; r < n; ++r) load_row<KV, S>(row_ptr<S>(t, b, h, i0 + r), buf + r * width, width);
+    const RowView<const S> rows(t);
+    for (Index r = 0; r < n; ++r) load_row<KV, S>(rows(b, h, i0 + r), buf + r * width, width);
     ld = width;
     return buf;
   }
@@ -922,9 +935,10 @@ T* bias_grad_row(Tensor& dbias, const Tensor& bias, Index h, Index c) {
 template <typename T, typename S = T>
 void gather_keys(const Tensor& t, Index b, Index h, const std::pair<Index, Index>* segs, Index n, T* out) {
   const Index width = t.size(3);
+  const RowView<const S> rows(t);
   for (Index x = 0; x < n; ++x) {
     for (Index j = segs[x].first; j < segs[x].second; ++j, out += width) {
-      load_row<T, S>(row_ptr<S>(t, b, h, j), out, width);
+      load_row<T, S>(rows(b, h, j), out, width);
     }
   }
 }
@@ -1282,6 +1296,8 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   const T ninf = -std::numeric_limits<T>::infinity(), nan = std::numeric_limits<T>::quiet_NaN();
   bool any_wide = false;
   const auto wide = wide_rows(R, q_rows, any_wide);
+  const RowView<const Store> q_rows_of(q);
+  const RowView<Store> out_rows(out);
   // bfloat16 products through brgemm where many blocks of rows read each key: k^T packed once per call
   // (pack_vnni) instead of once for every block that reads a chunk of it.
   Tensor packed_buf;
@@ -1414,7 +1430,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     for (Index r = 0; r < g; ++r) {
       const Index i = row(r);
       if (i < 0) continue;
-      Store* dst = const_cast<Store*>(row_ptr<Store>(out, b, h, i));  // out is [B, L, H, Ev] in memory
+      Store* dst = out_rows(b, h, i);  // out is [B, L, H, Ev] in memory
       T* o = converted ? w.o.data() : reinterpret_cast<T*>(dst);
       const bool bad = w.block_bad || w.bad[r];
       if (first || l[r] == T(0)) {  // nothing visible: zeros, like every other backend
@@ -1435,7 +1451,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
       const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
       const char* skip = wide[R.set(b, h)].empty() ? nullptr : wide[R.set(b, h)].data() + i0;
-      const Store* qs = row_ptr<Store>(q, b, h, i0);
+      const Store* qs = q_rows_of(b, h, i0);
       const KV* qp = reinterpret_cast<const KV*>(qs);  // read in place unless converted or prescaled
       Index lda = q.stride(2);
       if (prescale || (converted && !halves)) {
@@ -1455,7 +1471,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     for (Index it = 0; next(it);) {
       const Index b = groups[it][0] / d.H, h = groups[it][0] % d.H, g = groups[it][2];
       const Index* rows = listed[R.set(b, h)].data() + groups[it][1];
-      for (Index r = 0; r < g; ++r) take_query(row_ptr<Store>(q, b, h, rows[r]), w.qg + r * d.E, w.qrow.data());
+      for (Index r = 0; r < g; ++r) take_query(q_rows_of(b, h, rows[r]), w.qg + r * d.E, w.qrow.data());
       attend(b, h, w.qg, d.E, g, [=](Index r) { return rows[r]; }, w);
     }
   });
@@ -1525,11 +1541,12 @@ void row_dots(const Tensor& x, const Tensor& y, Tensor& delta) {
   using Vec = at::vec::Vectorized<T>;
   const Index H = x.size(1), L = x.size(2), E = x.size(3);
   T* const dl = delta.data_ptr<T>();
+  const RowView<const S> xs(x), ys(y);
   at::parallel_for(0, x.size(0) * H * L, 2048, [&](Index begin, Index end) {
     for (Index r = begin; r < end; ++r) {
       const Index b = r / (H * L), h = (r / L) % H, i = r % L;
-      const S* a = row_ptr<S>(x, b, h, i);
-      const S* c = row_ptr<S>(y, b, h, i);
+      const S* a = xs(b, h, i);
+      const S* c = ys(b, h, i);
       Vec acc(T(0));
       Index j = 0;
       if constexpr (std::is_same_v<S, T>) {
@@ -1696,6 +1713,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   const auto seen_by = key_block_rows(R, d.S, kv_rows, wide);
   std::vector<std::mutex> locks(deterministic ? 0 : d.B * d.H * groups);
   constexpr bool widens = !std::is_same_v<KV, S>;
+  const RowView<const S> q_rows_of(q), dout_rows(dout);
   // bfloat16 products through brgemm: a key block's dV and dK are summed transposed, dV^T += dout^T P and
   // dK^T += q^T dS, into the thread's sums (added to dV and dK once the block's rows are done). Their right
   // operands are then P and dS with pairs of rows interleaved as they are rounded (pack_row_pairs), where
@@ -1818,8 +1836,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
           const Index n = std::min<Index>(q_chunk, static_cast<Index>(lone.size() - x0));
           const Index* rows = lone.data() + x0;
           for (Index r = 0; r < n; ++r) {
-            load_row<KV, S>(row_ptr<S>(q, b, h, rows[r]), qg + r * d.E, d.E);
-            load_row<KV, S>(row_ptr<S>(dout, b, h, rows[r]), dog + r * d.Ev, d.Ev);
+            load_row<KV, S>(q_rows_of(b, h, rows[r]), qg + r * d.E, d.E);
+            load_row<KV, S>(dout_rows(b, h, rows[r]), dog + r * d.Ev, d.Ev);
           }
           rows_chunk(n, -1, qg, d.E, dog, d.Ev, [rows](Index r) { return rows[r]; }, [&](Index n, const KV* ds_op) {
             product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kp, ldk, T(0), dqg, d.E);
@@ -1908,8 +1926,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
       const Index b = row_groups[it][0] / d.H, h = row_groups[it][0] % d.H, g = row_groups[it][2];
       const Index* rows = listed[R.set(b, h)].data() + row_groups[it][1];
       for (Index r = 0; r < g; ++r) {
-        load_row<KV, S>(row_ptr<S>(q, b, h, rows[r]), w.qg + r * d.E, d.E);
-        load_row<KV, S>(row_ptr<S>(dout, b, h, rows[r]), w.dog + r * d.Ev, d.Ev);
+        load_row<KV, S>(q_rows_of(b, h, rows[r]), w.qg + r * d.E, d.E);
+        load_row<KV, S>(dout_rows(b, h, rows[r]), w.dog + r * d.Ev, d.Ev);
       }
       std::fill(w.dqg, w.dqg + g * d.E, T(0));
       dq_rows(b, h, w.qg, d.E, w.dog, d.Ev, g, [=](Index r) { return rows[r]; }, w.dqg, w);
