@@ -155,15 +155,22 @@ bool with_half_products(const Tensor& t) {
 // on a CPU with AVX512-BF16 (the kernel is then built with -mavx512bf16) one instruction does what
 // convert_from_float does in a dozen; it reads and writes subnormals as zero, where only weights and dS pass
 // through here (a weight below 1e-38 beside the row's largest, 1, is 0 either way to the product's sum).
+// `count`: how many of the 2 x 16 (or 2 x 8) values are written.
 template <typename P>
-inline void round_pair(at::vec::Vectorized<float> x0, at::vec::Vectorized<float> x1, P* to) {
+inline void round_pair(at::vec::Vectorized<float> x0, at::vec::Vectorized<float> x1, P* to,
+                       int count = 2 * at::vec::Vectorized<float>::size()) {
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<P, c10::BFloat16>) {
-    _mm512_storeu_si512(to, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));  // x0 in the low half
+    const __m512i r = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);  // x0 in the low half
+    if (count >= 32) {
+      _mm512_storeu_si512(to, r);
+    } else {
+      _mm512_mask_storeu_epi16(to, static_cast<__mmask32>((1u << count) - 1), r);
+    }
     return;
   }
 #endif
-  at::vec::convert_from_float<P>(x0, x1).store(to);
+  at::vec::convert_from_float<P>(x0, x1).store(to, count);
 }
 
 // bfloat16 products through oneDNN's batch-reduce GEMM micro-kernel, as torch exports it for its own CPU flash
@@ -1130,8 +1137,8 @@ T span_softmax_row(T* s, const Index* rg, Index count, T scale, const T* bias, T
 // of its keys is not finite (see "Non-finite inputs" above).
 // With P a half type, the row's weights are also written rounded to nearest into pout[0:n) (zeros where
 // not visible) for the half product p v, in the pass that computes them: the same values that rounding
-// the float row afterwards (operand) gives, without storing it and reading it back. s then holds the
-// float weights only where that pass did not reach (a tail of a range, a row with gaps between ranges).
+// the float row afterwards (operand) gives, without storing it and reading it back (a row of many ranges,
+// span_softmax_row, is computed in float and rounded after).
 template <typename T, typename P = T>
 T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const T* bias, T cap, T& m, T& l,
                      bool& bad, P* pout = nullptr) {
@@ -1178,18 +1185,30 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
         round_pair<P>(x0, x1, pout + j);
       }
     }
-    const Index rest = j;  // (rounds: from here the weights are stored as float and rounded below)
-    for (; j + Vec::size() <= e; j += Vec::size()) {
-      Vec x = vexp<T>(Vec::loadu(s + j) - vm);
-      x.store(s + j);
-      acc = acc + x;
+    if constexpr (rounds) {  // the last 1 .. 2V - 1 weights: the lanes past e zeroed after exp, and not written
+      if (j < e) {
+        const int w0 = static_cast<int>(std::min<Index>(Vec::size(), e - j));
+        const int w1 = static_cast<int>(e - j) - w0;
+        const Vec x0 = Vec::set(Vec(T(0)), vexp<T>(Vec::loadu(s + j, w0) - vm), w0);
+        const Vec x1 = w1 > 0 ? Vec::set(Vec(T(0)), vexp<T>(Vec::loadu(s + j + Vec::size(), w1) - vm), w1) : Vec(T(0));
+        acc = acc + x0;
+        acc = acc + x1;
+        round_pair<P>(x0, x1, pout + j, static_cast<int>(e - j));
+      }
+    } else {
+      for (; j + Vec::size() <= e; j += Vec::size()) {
+        Vec x = vexp<T>(Vec::loadu(s + j) - vm);
+        x.store(s + j);
+        acc = acc + x;
+      }
+      if (j < e) {  // the last 1 .. V - 1: the lanes past e zeroed after exp, and not written
+        const int w = static_cast<int>(e - j);
+        const Vec x = Vec::set(Vec(T(0)), vexp<T>(Vec::loadu(s + j, w) - vm), w);
+        x.store(s + j, w);
+        acc = acc + x;
+      }
     }
     sum += at::vec::vec_reduce_all<T>([](Vec x, Vec y) { return x + y; }, acc);
-    for (; j < e; ++j) {
-      s[j] = std::exp(s[j] - m_new);
-      sum += s[j];
-    }
-    if constexpr (rounds) store_row<T, P>(s + rest, pout + rest, e - rest);
   }
   l = l * factor + sum;
   m = m_new;
