@@ -599,8 +599,12 @@ T* scratch(Tensor& owner, Index n) {
 // 2^n by one scalef. As exp_u20: 0 below ln(FLT_MIN) (the mask also catches -inf, whose r is NaN), and a NaN
 // clamped to ln(FLT_MAX), whose exp overflows to +inf (so a NaN score's row sums to inf and its output comes
 // out NaN: see "Non-finite inputs" above). About three fifths of exp_u20's instructions.
+// bounded = false: for inputs known to be neither positive nor NaN (a score minus a maximum it is under), without
+// the clamp (a NaN would come out 0 there, not +inf).
+template <bool bounded = true>
 inline at::vec::Vectorized<float> exp_avx512(at::vec::Vectorized<float> v) {
-  const __m512 x = _mm512_min_ps(v, _mm512_set1_ps(88.72283935546875f));  // (a NaN takes the bound: min's second operand)
+  // (a NaN takes the bound: min's second operand)
+  const __m512 x = bounded ? _mm512_min_ps(v, _mm512_set1_ps(88.72283935546875f)) : __m512(v);
   const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365447505531f), _CMP_GE_OQ);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -616,11 +620,12 @@ inline at::vec::Vectorized<float> exp_avx512(at::vec::Vectorized<float> v) {
 }
 #endif
 
-template <typename T>
+// bounded = false: x known to be neither positive nor NaN (see exp_avx512).
+template <typename T, bool bounded = true>
 inline at::vec::Vectorized<T> vexp(at::vec::Vectorized<T> x) {
   if constexpr (std::is_same_v<T, float>) {
 #if defined(CPU_CAPABILITY_AVX512)
-    return exp_avx512(x);
+    return exp_avx512<bounded>(x);
 #else
     return x.exp_u20();  // what PyTorch's own flash kernel uses for float
 #endif
@@ -1146,14 +1151,20 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
   constexpr bool rounds = !std::is_same_v<P, T>;
   static_assert(!rounds || std::is_same_v<T, float>, "weights rounded from float");
   Index at = 0;
-  for (Index c = 0; c < count; ++c) {
+  for (Index c = 0; c < count; ++c) {  // zeros where not visible: in the product's operand (only pout, if rounds)
     // max(): intervals out of order or overlapping (the caller's error) give wrong sums, never a reversed range
-    std::fill(s + at, s + std::max(at, rg[2 * c]), T(0));
-    if constexpr (rounds) std::fill(pout + at, pout + std::max(at, rg[2 * c]), P(0));
+    if constexpr (rounds) {
+      std::fill(pout + at, pout + std::max(at, rg[2 * c]), P(0));
+    } else {
+      std::fill(s + at, s + std::max(at, rg[2 * c]), T(0));
+    }
     at = std::max(at, rg[2 * c + 1]);
   }
-  std::fill(s + at, s + n, T(0));
-  if constexpr (rounds) std::fill(pout + at, pout + n, P(0));
+  if constexpr (rounds) {
+    std::fill(pout + at, pout + n, P(0));
+  } else {
+    std::fill(s + at, s + n, T(0));
+  }
   if (count == 0) return T(1);
   if (dense_span(rg, count)) {
     const T factor = span_softmax_row<T>(s, rg, count, scale, bias, cap, m, l, bad);
@@ -1172,44 +1183,52 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
   const T factor = m == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m - m_new);
   const Vec vm(m_new);
   bad = bad || !std::isfinite(mx);
-  T sum = 0;
-  for (Index c = 0; c < count; ++c) {
-    const Index a = rg[2 * c], e = rg[2 * c + 1];
-    Vec acc(T(0));
-    Index j = a;
-    if constexpr (rounds) {  // two vectors of weights, rounded as one vector of P (same sums, in the same order)
-      for (; j + 2 * Vec::size() <= e; j += 2 * Vec::size()) {
-        const Vec x0 = vexp<T>(Vec::loadu(s + j) - vm), x1 = vexp<T>(Vec::loadu(s + j + Vec::size()) - vm);
-        acc = acc + x0;
-        acc = acc + x1;
-        round_pair<P>(x0, x1, pout + j);
+  // With a finite maximum every score minus m_new is finite and at most 0: the exponential needs no clamp.
+  const auto weights = [&](auto bounded_t) {
+    constexpr bool bounded = decltype(bounded_t)::value;
+    T sum = 0;
+    for (Index c = 0; c < count; ++c) {
+      const Index a = rg[2 * c], e = rg[2 * c + 1];
+      Vec acc(T(0));
+      Index j = a;
+      if constexpr (rounds) {  // two vectors of weights, rounded as one vector of P (same sums, in the same order)
+        for (; j + 2 * Vec::size() <= e; j += 2 * Vec::size()) {
+          const Vec x0 = vexp<T, bounded>(Vec::loadu(s + j) - vm);
+          const Vec x1 = vexp<T, bounded>(Vec::loadu(s + j + Vec::size()) - vm);
+          acc = acc + x0;
+          acc = acc + x1;
+          round_pair<P>(x0, x1, pout + j);
+        }
       }
+      if constexpr (rounds) {  // the last 1 .. 2V - 1 weights: the lanes past e zeroed after exp, and not written
+        if (j < e) {
+          const int w0 = static_cast<int>(std::min<Index>(Vec::size(), e - j));
+          const int w1 = static_cast<int>(e - j) - w0;
+          const Vec x0 = Vec::set(Vec(T(0)), vexp<T, bounded>(Vec::loadu(s + j, w0) - vm), w0);
+          const Vec x1 = w1 > 0 ? Vec::set(Vec(T(0)), vexp<T, bounded>(Vec::loadu(s + j + Vec::size(), w1) - vm), w1)
+                                : Vec(T(0));
+          acc = acc + x0;
+          acc = acc + x1;
+          round_pair<P>(x0, x1, pout + j, static_cast<int>(e - j));
+        }
+      } else {
+        for (; j + Vec::size() <= e; j += Vec::size()) {
+          Vec x = vexp<T, bounded>(Vec::loadu(s + j) - vm);
+          x.store(s + j);
+          acc = acc + x;
+        }
+        if (j < e) {  // the last 1 .. V - 1: the lanes past e zeroed after exp, and not written
+          const int w = static_cast<int>(e - j);
+          const Vec x = Vec::set(Vec(T(0)), vexp<T, bounded>(Vec::loadu(s + j, w) - vm), w);
+          x.store(s + j, w);
+          acc = acc + x;
+        }
+      }
+      sum += at::vec::vec_reduce_all<T>([](Vec x, Vec y) { return x + y; }, acc);
     }
-    if constexpr (rounds) {  // the last 1 .. 2V - 1 weights: the lanes past e zeroed after exp, and not written
-      if (j < e) {
-        const int w0 = static_cast<int>(std::min<Index>(Vec::size(), e - j));
-        const int w1 = static_cast<int>(e - j) - w0;
-        const Vec x0 = Vec::set(Vec(T(0)), vexp<T>(Vec::loadu(s + j, w0) - vm), w0);
-        const Vec x1 = w1 > 0 ? Vec::set(Vec(T(0)), vexp<T>(Vec::loadu(s + j + Vec::size(), w1) - vm), w1) : Vec(T(0));
-        acc = acc + x0;
-        acc = acc + x1;
-        round_pair<P>(x0, x1, pout + j, static_cast<int>(e - j));
-      }
-    } else {
-      for (; j + Vec::size() <= e; j += Vec::size()) {
-        Vec x = vexp<T>(Vec::loadu(s + j) - vm);
-        x.store(s + j);
-        acc = acc + x;
-      }
-      if (j < e) {  // the last 1 .. V - 1: the lanes past e zeroed after exp, and not written
-        const int w = static_cast<int>(e - j);
-        const Vec x = Vec::set(Vec(T(0)), vexp<T>(Vec::loadu(s + j, w) - vm), w);
-        x.store(s + j, w);
-        acc = acc + x;
-      }
-    }
-    sum += at::vec::vec_reduce_all<T>([](Vec x, Vec y) { return x + y; }, acc);
-  }
+    return sum;
+  };
+  const T sum = std::isfinite(mx) && std::isfinite(m_new) ? weights(std::false_type{}) : weights(std::true_type{});
   l = l * factor + sum;
   m = m_new;
   return factor;
