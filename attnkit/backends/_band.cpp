@@ -1571,6 +1571,26 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
   std::fill(dp + at, dp + n, T(0));
 }
 
+// x (contiguous float) times scale, rounded to nearest into a new tensor of half type `type`, in one pass.
+Tensor scaled_as(const Tensor& x, float scale, at::ScalarType type) {
+  using Vec = at::vec::Vectorized<float>;
+  Tensor out = at::empty(x.sizes(), x.options().dtype(type));
+  const float* src = x.data_ptr<float>();
+  constexpr Index chunk = 1024;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(type, "scaled_as", [&] {
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.numel(), 16 * chunk, [&](Index begin, Index end) {
+      std::array<float, chunk> buf;
+      for (Index i = begin; i < end; i += chunk) {
+        const Index n = std::min(chunk, end - i);
+        at::vec::map([=](Vec v) { return v * Vec(scale); }, buf.data(), src + i, n);
+        store_row<float, scalar_t>(buf.data(), dst + i, n);
+      }
+    });
+  });
+  return out;
+}
+
 // delta[b, h, i] = dout[b, h, i, :] . out[b, h, i, :] (FlashAttention's D), in one pass over both
 // (no [B, H, L, Ev] product in memory); rows may be strided, entries along a row contiguous. S: how dout and
 // out are stored (a half type under its products, read into T as they are summed).
@@ -1602,6 +1622,14 @@ void row_dots(const Tensor& x, const Tensor& y, Tensor& delta) {
       dl[r] = sum;
     }
   });
+}
+
+// The factor of the products that sum dQ (dS k, times scale). Under half products 1: dQ is summed unscaled and
+// scaled once as it is stored in q's type (scaled_as), since brgemm has no factor of its own and a product with
+// one goes through a pass over its result (brgemm_into).
+template <typename T, typename KV>
+constexpr T dq_scale(T scale) {
+  return std::is_same_v<KV, T> ? scale : T(1);
 }
 
 // The backward's share of the wide keys (wide_keys), left out of their key blocks: per batch
@@ -1705,7 +1733,7 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
                              dvg, d.Ev);
               product<T, KV>(true, false, cols, d.E, n, scale, ds_op, cols, qp, ldq, T(1), dkg, d.E);
               if (!deterministic) {  // (this item alone writes these heads' rows now: no lock)
-                product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kg, d.E, T(1),
+                product<T, KV>(false, false, n, d.E, cols, dq_scale<T, KV>(scale), ds_op, cols, kg, d.E, T(1),
                                dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
               }
             }
@@ -1864,8 +1892,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
                        [&](Index n, const KV* ds_op) {
                          const Index base = (b * d.H + h) * groups, ga = i0 / LOCK_ROWS, ge = (i0 + n - 1) / LOCK_ROWS;
                          for (Index x = ga; x <= ge; ++x) locks[base + x].lock();  // ascending: no deadlock
-                         product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kp, ldk, T(1),
-                                        dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
+                         product<T, KV>(false, false, n, d.E, cols, dq_scale<T, KV>(scale), ds_op, cols, kp, ldk,
+                                        T(1), dq.data_ptr<T>() + (row0 + i0) * d.E, d.E);
                          for (Index x = ga; x <= ge; ++x) locks[base + x].unlock();
                        });
           }
@@ -1878,7 +1906,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
             load_row<KV, S>(dout_rows(b, h, rows[r]), dog + r * d.Ev, d.Ev);
           }
           rows_chunk(n, -1, qg, d.E, dog, d.Ev, [rows](Index r) { return rows[r]; }, [&](Index n, const KV* ds_op) {
-            product<T, KV>(false, false, n, d.E, cols, scale, ds_op, cols, kp, ldk, T(0), dqg, d.E);
+            product<T, KV>(false, false, n, d.E, cols, dq_scale<T, KV>(scale), ds_op, cols, kp, ldk, T(0), dqg, d.E);
             for (Index r = 0; r < n; ++r) {
               auto& lock = locks[(b * d.H + h) * groups + rows[r] / LOCK_ROWS];
               T* dqr = dq.data_ptr<T>() + (row0 + rows[r]) * d.E;
@@ -1933,7 +1961,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
         probabilities<T>(w.p + r * kc, w.ds + r * kc, kc, w.rg.data(), count, scale, br, cap, m_all[at], ll_all[at],
                          dl_all[at]);
       }
-      product<T, KV>(false, false, g, d.E, kc, scale, operand<T, KV>(w.ds, g * kc, w.dsk), kc, kp, ldk, T(1), dqp,
+      product<T, KV>(false, false, g, d.E, kc, dq_scale<T, KV>(scale), operand<T, KV>(w.ds, g * kc, w.dsk), kc, kp, ldk,
+                     T(1), dqp,
                      d.E);
     });
   };
@@ -2275,7 +2304,7 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
                                            deterministic);
   }
   if (is_half(q)) {
-    dq = dq.to(q.scalar_type());
+    dq = halves ? scaled_as(dq, static_cast<float>(scale), q.scalar_type()) : dq.to(q.scalar_type());  // dq_scale
     dk = dk.to(q.scalar_type());
     dv = dv.to(q.scalar_type());
   } else {
