@@ -594,13 +594,13 @@ T* scratch(Tensor& owner, Index n) {
 
 #if defined(CPU_CAPABILITY_AVX512)
 // exp of 16 floats: x = n ln 2 + r (|r| <= ln 2 / 2, ln 2 in two parts), e^r by a degree-5 polynomial with
-// constant term 1 fitted for least maximum relative error on that interval (its maximum relative error over
-// every float is below that of the degree-6 Taylor polynomial it replaced, one multiply-add fewer), times
-// 2^n by one scalef. As exp_u20: 0 below ln(FLT_MIN) (the mask also catches -inf, whose r is NaN), and a NaN
-// clamped to ln(FLT_MAX), whose exp overflows to +inf (so a NaN score's row sums to inf and its output comes
-// out NaN: see "Non-finite inputs" above). About three fifths of exp_u20's instructions.
-// bounded = false: for inputs known to be neither positive nor NaN (a score minus a maximum it is under), without
-// the clamp (a NaN would come out 0 there, not +inf).
+// constant term 1 fitted for least maximum relative error on that interval (over every float, within the
+// error of a degree-6 Taylor polynomial, with one multiply-add fewer), times 2^n by one scalef. As exp_u20:
+// 0 below ln(FLT_MIN) (the mask also catches -inf, whose r is NaN), and a NaN clamped to ln(FLT_MAX), whose
+// exp overflows to +inf (so a NaN score's row sums to inf and its output comes out NaN: see "Non-finite
+// inputs" above). About three fifths of exp_u20's instructions.
+// bounded = false: for inputs known to be neither positive nor NaN (a score minus a maximum it is under),
+// without the clamp (a NaN would come out 0 there, not +inf).
 template <bool bounded = true>
 inline at::vec::Vectorized<float> exp_avx512(at::vec::Vectorized<float> v) {
   // (a NaN takes the bound: min's second operand)
