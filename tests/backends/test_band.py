@@ -20,7 +20,7 @@ from attnkit.backends import _band
 from attnkit.call import validate_call
 from tests.backends.test_fused_tiles import check_against_oracle, oracle_grid, qkv
 from tests.support import oracle
-from tests.support.tolerances import close
+from tests.support.tolerances import EXP_WEIGHTS_FP32, close
 
 BAND = attnkit.backends.get("band")
 REFERENCE = attnkit.backends.get("reference")
@@ -119,6 +119,27 @@ def test_a_power_of_two_scale_taken_into_the_queries_is_exact(dtype):
         got = attnkit.attention(q, k, v, scale=0.125, backend="band", **case)
         want = attnkit.attention(q, k * 0.125, v, scale=1.0, backend="band", **case)
         assert torch.equal(got, want), case
+
+
+def test_the_softmax_weights_on_exact_scores_are_float64s_exp_within_a_few_roundings():
+    """Scores exact in float32 (keys of integers, queries of sixteenths, a power-of-two scale) and the values
+    the identity, so that each output row is the row's weights: over the row's largest they are exp(s - max)
+    but for the kernel's exponential and two roundings. The rows' scales spread s - max to -80. An
+    exponential a few float32 roundings off (a polynomial of too low a degree, a wrong coefficient) fails
+    here and passes every output tolerance (atol 2e-5)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-64, 65, (1, 1, 512, 64), generator=g) / 16
+    q = q * 2.0 ** torch.randint(0, 5, (1, 1, 512, 1), generator=g)
+    k = torch.randint(-16, 17, (1, 1, 64, 64), generator=g).float()
+    s = (q.double() @ k.double().transpose(-1, -2)) / 64
+    assert torch.equal(q @ k.transpose(-1, -2) / 64, s.float())  # the premise: nothing rounded
+    out = attnkit.attention(q, k, torch.eye(64).reshape(1, 1, 64, 64), scale=1 / 64, backend="band").double()
+    x = s - s.amax(-1, keepdim=True)
+    assert x.min() < -80  # the range the exponential is asked for
+    ratio = out / out.gather(-1, s.argmax(-1, keepdim=True))
+    keep = x > -80
+    rel = ((ratio - x.exp()) / x.exp()).abs()[keep]
+    assert rel.max() <= EXP_WEIGHTS_FP32, rel.max()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
