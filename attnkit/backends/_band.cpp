@@ -1962,8 +1962,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
                          dl_all[at]);
       }
       product<T, KV>(false, false, g, d.E, kc, dq_scale<T, KV>(scale), operand<T, KV>(w.ds, g * kc, w.dsk), kc, kp, ldk,
-                     T(1), dqp,
-                     d.E);
+                     T(1), dqp, d.E);
     });
   };
   const Index q_blocks = (d.L + kv_rows - 1) / kv_rows;
