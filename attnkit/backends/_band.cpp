@@ -887,7 +887,11 @@ inline const KV* operand(const T* x, Index n, KV* buf) {
     for (; j + 2 * Vec::size() <= n; j += 2 * Vec::size()) {
       round_pair<KV>(Vec::loadu(x + j), Vec::loadu(x + j + Vec::size()), buf + j);
     }
-    store_row<T, KV>(x + j, buf + j, n - j);
+    if (j < n) {  // the last 1 .. 2V - 1, rounded the same way
+      const int w0 = static_cast<int>(std::min<Index>(Vec::size(), n - j)), w1 = static_cast<int>(n - j) - w0;
+      round_pair<KV>(Vec::loadu(x + j, w0), w1 > 0 ? Vec::loadu(x + j + Vec::size(), w1) : Vec(T(0)), buf + j,
+                     static_cast<int>(n - j));
+    }
     return buf;
   }
 }
@@ -1143,7 +1147,7 @@ T span_softmax_row(T* s, const Index* rg, Index count, T scale, const T* bias, T
 // With P a half type, the row's weights are also written rounded to nearest into pout[0:n) (zeros where
 // not visible) for the half product p v, in the pass that computes them: the same values that rounding
 // the float row afterwards (operand) gives, without storing it and reading it back (a row of many ranges,
-// span_softmax_row, is computed in float and rounded after).
+// span_softmax_row, is computed in float and rounded after by operand).
 template <typename T, typename P = T>
 T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const T* bias, T cap, T& m, T& l,
                      bool& bad, P* pout = nullptr) {
@@ -1168,7 +1172,7 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
   if (count == 0) return T(1);
   if (dense_span(rg, count)) {
     const T factor = span_softmax_row<T>(s, rg, count, scale, bias, cap, m, l, bad);
-    if constexpr (rounds) store_row<T, P>(s + rg[0], pout + rg[0], rg[2 * count - 1] - rg[0]);
+    if constexpr (rounds) operand<T, P>(s + rg[0], rg[2 * count - 1] - rg[0], pout + rg[0]);
     return factor;
   }
   T mx = -std::numeric_limits<T>::infinity();
