@@ -1856,7 +1856,6 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
               }
             }
           }
-          const KV* ds_op = operand<T, KV>(ds, n * cols, dsk);
           bool done = false;
           if constexpr (std::is_same_v<KV, c10::BFloat16> && !widens) {
             const KV* dot = transposed_at(do_t, b, h, i0, n);
@@ -1874,12 +1873,15 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
               done = true;
             }
           }
+          // dS as a row-major operand: for dK where not summed transposed, and for dQ (deterministic: dQ comes
+          // from the row-owned pass below)
+          const KV* ds_op = !done || !deterministic ? operand<T, KV>(ds, n * cols, dsk) : nullptr;
           if (!done) {
             const KV* p_op = operand<T, KV>(p, n * cols, pk);
             product<T, KV>(true, false, cols, d.Ev, n, T(1), p_op, cols, dop, ldo, T(1), dvp, d.Ev);
             product<T, KV>(true, false, cols, d.E, n, scale, ds_op, cols, qp, ldq, T(1), dkp, d.E);
           }
-          if (!deterministic) add_dq(n, ds_op);  // (deterministic: dQ comes from the row-owned pass below)
+          if (!deterministic) add_dq(n, ds_op);
         };
         lone.clear();  // rows of runs shorter than LONE (a global token's row): gathered below
         for (const auto& run : seen_by[set][blk]) {
