@@ -7,8 +7,9 @@ paths round the same way and can be compared with one tolerance table. The one e
 banded kernel's forward and backward where it uses products of the half type (bfloat16 or float16, on a
 CPU that multiplies that type natively, or asked for): every product takes operands of that type (exact
 products, float32 sums; the weights, and in the backward dS, rounded to that type for the products that
-take them), while the softmax, its statistics and every sum of the output and the gradients stay float32;
-see :mod:`attnkit.backends._band`.
+take them), while the softmax, its statistics and every sum of the output and the gradients stay float32
+(the exponential of weights rounded next a shorter one, within 3.2e-6 relative); see
+:mod:`attnkit.backends._band`.
 """
 
 from __future__ import annotations

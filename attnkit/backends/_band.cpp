@@ -601,31 +601,47 @@ T* scratch(Tensor& owner, Index n) {
 // inputs" above). About three fifths of exp_u20's instructions.
 // bounded = false: for inputs known to be neither positive nor NaN (a score minus a maximum it is under),
 // without the clamp (a NaN would come out 0 there, not +inf).
-template <bool bounded = true>
+// rounded = true: for weights that are rounded to a half type next (half products): ln 2 in one part and a
+// degree-4 polynomial fitted the same way, two multiply-adds fewer. Over every float its relative error is at
+// most 3.2e-6 (near ln(FLT_MIN), where n is largest; against 1.64e-7 for the degree-5 one), a thousand
+// times below bfloat16's rounding (2^-9) and over a hundred below float16's (2^-12), so the rounded weights
+// are the same but for a rare tie; the row sum l takes the same relative error.
+template <bool bounded = true, bool rounded = false>
 inline at::vec::Vectorized<float> exp_avx512(at::vec::Vectorized<float> v) {
   // (a NaN takes the bound: min's second operand)
   const __m512 x = bounded ? _mm512_min_ps(v, _mm512_set1_ps(88.72283935546875f)) : __m512(v);
   const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365447505531f), _CMP_GE_OQ);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // n ln2_hi exact: 9 bits times 8
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(8.290315047e-03f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.189793020e-02f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666763574e-01f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999915063e-01f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999997020e-01f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512 p;
+  if constexpr (rounded) {  // r = x - n ln2 with ln2 in one float (off by 2e-9: n times that in r)
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182464599609375f), x);
+    p = _mm512_set1_ps(4.151187465e-02f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.678757668e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.000303984e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999668002e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  } else {
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // n ln2_hi exact: 9 bits times 8
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    p = _mm512_set1_ps(8.290315047e-03f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.189793020e-02f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666763574e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999915063e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999997020e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  }
   return _mm512_maskz_scalef_ps(normal, p, n);
 }
 #endif
 
-// bounded = false: x known to be neither positive nor NaN (see exp_avx512).
-template <typename T, bool bounded = true>
+// bounded = false: x known to be neither positive nor NaN; rounded: weights rounded to a half type next (see
+// exp_avx512; only float on AVX-512 has the shorter form).
+template <typename T, bool bounded = true, bool rounded = false>
 inline at::vec::Vectorized<T> vexp(at::vec::Vectorized<T> x) {
   if constexpr (std::is_same_v<T, float>) {
 #if defined(CPU_CAPABILITY_AVX512)
-    return exp_avx512<bounded>(x);
+    return exp_avx512<bounded, rounded>(x);
 #else
     return x.exp_u20();  // what PyTorch's own flash kernel uses for float
 #endif
@@ -1145,9 +1161,9 @@ T span_softmax_row(T* s, const Index* rg, Index count, T scale, const T* bias, T
 // NaN, +inf, or every one -inf), or, capped, when a visible raw score is not: the row's query or one
 // of its keys is not finite (see "Non-finite inputs" above).
 // With P a half type, the row's weights are also written rounded to nearest into pout[0:n) (zeros where
-// not visible) for the half product p v, in the pass that computes them: the same values that rounding
-// the float row afterwards (operand) gives, without storing it and reading it back (a row of many ranges,
-// span_softmax_row, is computed in float and rounded after by operand).
+// not visible) for the half product p v, in the pass that computes them, without storing the float row and
+// reading it back (a row of many ranges, span_softmax_row, is computed in float and rounded after by operand).
+// Those weights, and so l, come from exp_avx512's shorter form (rounded), good to 3.2e-6.
 template <typename T, typename P = T>
 T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const T* bias, T cap, T& m, T& l,
                      bool& bad, P* pout = nullptr) {
@@ -1190,6 +1206,8 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
   // With a finite maximum every score minus m_new is finite and at most 0: the exponential needs no clamp.
   const auto weights = [&](auto bounded_t) {
     constexpr bool bounded = decltype(bounded_t)::value;
+    // weights rounded to P next (rounds) take exp_avx512's shorter form
+    const auto weight = [&](Vec x) { return vexp<T, bounded, rounds>(x - vm); };
     T sum = 0;
     for (Index c = 0; c < count; ++c) {
       const Index a = rg[2 * c], e = rg[2 * c + 1];
@@ -1197,8 +1215,8 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
       Index j = a;
       if constexpr (rounds) {  // two vectors of weights, rounded as one vector of P (same sums, in the same order)
         for (; j + 2 * Vec::size() <= e; j += 2 * Vec::size()) {
-          const Vec x0 = vexp<T, bounded>(Vec::loadu(s + j) - vm);
-          const Vec x1 = vexp<T, bounded>(Vec::loadu(s + j + Vec::size()) - vm);
+          const Vec x0 = weight(Vec::loadu(s + j));
+          const Vec x1 = weight(Vec::loadu(s + j + Vec::size()));
           acc = acc + x0;
           acc = acc + x1;
           round_pair<P>(x0, x1, pout + j);
@@ -1208,8 +1226,8 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
         if (j < e) {
           const int w0 = static_cast<int>(std::min<Index>(Vec::size(), e - j));
           const int w1 = static_cast<int>(e - j) - w0;
-          const Vec x0 = Vec::set(Vec(T(0)), vexp<T, bounded>(Vec::loadu(s + j, w0) - vm), w0);
-          const Vec x1 = w1 > 0 ? Vec::set(Vec(T(0)), vexp<T, bounded>(Vec::loadu(s + j + Vec::size(), w1) - vm), w1)
+          const Vec x0 = Vec::set(Vec(T(0)), weight(Vec::loadu(s + j, w0)), w0);
+          const Vec x1 = w1 > 0 ? Vec::set(Vec(T(0)), weight(Vec::loadu(s + j + Vec::size(), w1)), w1)
                                 : Vec(T(0));
           acc = acc + x0;
           acc = acc + x1;
@@ -1217,13 +1235,13 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
         }
       } else {
         for (; j + Vec::size() <= e; j += Vec::size()) {
-          Vec x = vexp<T, bounded>(Vec::loadu(s + j) - vm);
+          Vec x = weight(Vec::loadu(s + j));
           x.store(s + j);
           acc = acc + x;
         }
         if (j < e) {  // the last 1 .. V - 1: the lanes past e zeroed after exp, and not written
           const int w = static_cast<int>(e - j);
-          const Vec x = Vec::set(Vec(T(0)), vexp<T, bounded>(Vec::loadu(s + j, w) - vm), w);
+          const Vec x = Vec::set(Vec(T(0)), weight(Vec::loadu(s + j, w)), w);
           x.store(s + j, w);
           acc = acc + x;
         }
@@ -1535,8 +1553,12 @@ __attribute__((noinline)) void capped_probabilities(T* p, T* dp, Index n, T cap,
 
 // Probabilities and dS of one row of raw scores over its visible ranges, in place: p = exp((t - m)
 // - log l) with t = score_row(s), dp -> p * (dp - delta), times 1 - (t / cap)^2 (the tanh's
-// derivative) when capped; zeros elsewhere. m, ll, delta: the row's.
-template <typename T>
+// derivative) when capped; zeros elsewhere. m, ll, delta: the row's. rounded: p and dS are rounded to a half
+// type next (half products), and p takes exp_avx512's shorter form, as the forward's weights did.
+template <typename T, typename KV>
+constexpr bool half_products = !std::is_same_v<KV, T>;  // the products' operands in a half type, sums in T
+
+template <typename T, bool rounded = false>
 void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, const T* bias, T cap, T m, T ll,
                    T dl) {
   using Vec = at::vec::Vectorized<T>;
@@ -1559,7 +1581,7 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
     const auto pass = [&](auto score) {  // score(x, j, w): the score at j from what p holds there
       for (Index j = a; j < e; j += Vec::size()) {
         const int w = static_cast<int>(std::min<Index>(Vec::size(), e - j));
-        const Vec pp = vexp<T>((score(Vec::loadu(p + j, w), j, w) - mm) - l);
+        const Vec pp = vexp<T, true, rounded>((score(Vec::loadu(p + j, w), j, w) - mm) - l);
         pp.store(p + j, w);
         (pp * (Vec::loadu(dp + j, w) - dd)).store(dp + j, w);
       }
@@ -1722,8 +1744,8 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
               for (Index r = 0; r < n; ++r) {
                 const Index i = i0 + r, count = R.ranges_in(set, i, segs, n_segs, rg);
                 const T* br = biased ? gathered_bias<T>(bias, h, i, d.L, segs, n_segs, bg.data()) : nullptr;
-                probabilities<T>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap, m_all[row0 + i],
-                                 ll_all[row0 + i], dl_all[row0 + i]);
+                probabilities<T, half_products<T, KV>>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br,
+                                                       cap, m_all[row0 + i], ll_all[row0 + i], dl_all[row0 + i]);
                 if (bias_grad && count > 0) {  // each gathered key's diagonal
                   T* gbias = bias_grad_row<T>(dbias, bias, h, d.L - 1 - i);
                   const T* dsr = ds + r * cols;
@@ -1845,8 +1867,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
             const Index i = row(r);
             const Index count = R.ranges(set, i, j0, cols, rg);
             const T* br = biased ? diagonal_row<T>(bias, h, j0 - i + d.L - 1) : nullptr;
-            probabilities<T>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap, m_all[row0 + i],
-                             ll_all[row0 + i], dl_all[row0 + i]);
+            probabilities<T, half_products<T, KV>>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap,
+                                                   m_all[row0 + i], ll_all[row0 + i], dl_all[row0 + i]);
             for (const Index c : wide_cols) p[r * cols + c] = ds[r * cols + c] = T(0);
             if (bias_grad && count > 0) {  // dBias of a diagonal: the sum of dS along it (this thread's share)
               T* gb = bias_grad_row<T>(dbias, bias, h, j0 - i + d.L - 1);
@@ -1964,8 +1986,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
         const Index count = i < 0 ? 0 : visible(i, w.rg);  // (none: zeros, and the statistics are not read)
         const T* br = biased && i >= 0 ? bias_of(i) : nullptr;
         const Index at = base + std::max<Index>(i, 0);
-        probabilities<T>(w.p + r * kc, w.ds + r * kc, kc, w.rg.data(), count, scale, br, cap, m_all[at], ll_all[at],
-                         dl_all[at]);
+        probabilities<T, half_products<T, KV>>(w.p + r * kc, w.ds + r * kc, kc, w.rg.data(), count, scale, br, cap,
+                                               m_all[at], ll_all[at], dl_all[at]);
       }
       product<T, KV>(false, false, g, d.E, kc, dq_scale<T, KV>(scale), operand<T, KV>(w.ds, g * kc, w.dsk), kc, kp, ldk,
                      T(1), dqp, d.E);

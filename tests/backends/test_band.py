@@ -20,7 +20,7 @@ from attnkit.backends import _band
 from attnkit.call import validate_call
 from tests.backends.test_fused_tiles import check_against_oracle, oracle_grid, qkv
 from tests.support import oracle
-from tests.support.tolerances import EXP_WEIGHTS_FP32, close
+from tests.support.tolerances import EXP_WEIGHTS_FP32, LOG_ROW_SUM_HALF, close
 
 BAND = attnkit.backends.get("band")
 REFERENCE = attnkit.backends.get("reference")
@@ -140,6 +140,28 @@ def test_the_softmax_weights_on_exact_scores_are_float64s_exp_within_a_few_round
     keep = x > -80
     rel = ((ratio - x.exp()) / x.exp()).abs()[keep]
     assert rel.max() <= EXP_WEIGHTS_FP32, rel.max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_row_sums_are_float64s_within_the_shorter_exponentials_error(dtype):
+    """Scores exact in the half type (queries of sixteenths, keys of integers, a power-of-two scale): the
+    kernel's row maximum is float64's exactly, and the log of its row sum is float64's within the error
+    of the exponential that half products take (a shorter polynomial, its weights rounded next). One of a
+    lower degree, or a wrong coefficient, is 1e-4 off and fails here."""
+    assert _band.available()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-64, 65, (1, 1, 512, 64), generator=g) / 16 * 2.0 ** torch.randint(0, 3, (1, 1, 512, 1),
+                                                                                           generator=g)
+    k = torch.randint(-16, 17, (1, 1, 256, 64), generator=g).float()
+    v = torch.randn(1, 1, 256, 64, generator=g)
+    s = (q.double() @ k.double().transpose(-1, -2)) / 64
+    starts = torch.zeros(1, 512, 1, dtype=torch.int64)
+    _, stats = _band._run(q.to(dtype), k.to(dtype), v.to(dtype), starts, torch.full_like(starts, 256), None, 1 / 64)
+    assert torch.equal(stats[0].double(), s.amax(-1))
+    want = torch.logsumexp(s - s.amax(-1, keepdim=True), -1)
+    assert want.max() > 2  # rows of many weights, not one
+    err = (stats[1].double() - want).abs().max().item()
+    assert err <= LOG_ROW_SUM_HALF, err
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
