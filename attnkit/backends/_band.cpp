@@ -873,6 +873,23 @@ inline void store_row(const T* from, S* to, Index n) {
   }
 }
 
+// to[0:n) = from[0:n) * factor, rounded to nearest into S, in one pass.
+template <typename T, typename S>
+inline void store_scaled_row(const T* from, T factor, S* to, Index n) {
+  using VT = at::vec::Vectorized<T>;
+  const VT f(factor);
+  if constexpr (std::is_same_v<S, T>) {
+    at::vec::map([=](VT x) { return x * f; }, to, from, n);
+  } else {
+    using VS = at::vec::Vectorized<S>;
+    Index j = 0;
+    for (; j + VS::size() <= n; j += VS::size()) {
+      at::vec::convert_from_float<S>(VT::loadu(from + j) * f, VT::loadu(from + j + VT::size()) * f).store(to + j);
+    }
+    for (; j < n; ++j) to[j] = static_cast<S>(from[j] * factor);
+  }
+}
+
 // n rows of t ([B, H, L, width], unit stride along width) from row i0 of head h of batch element b, as a
 // product of KV operands reads them: in place (stored as KV; ld their stride), or widened from their storage
 // type S into buf (n x width; ld = width). The backward of a half type without its products reads its
@@ -1412,7 +1429,6 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     Tensor s_buf, acc_buf, q_buf, p_buf;
     T *s, *acc;
     KV *qg, *pb;  // queries copied for a block; the weights rounded for p v (bfloat16 products)
-    std::vector<T> o;  // an output row in the compute type, before it is stored (half types)
     std::vector<T> qrow;  // a query row in the compute type, as it is scaled (bfloat16 products)
     std::vector<T> m, l;
     std::vector<bool> bad;  // a row's scores met a non-finite value (online_softmax_row)
@@ -1422,7 +1438,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     Scratch(Index rows, Index chunk, const Shape& d, Index K)
         : s(scratch<T>(s_buf, rows * chunk)), acc(scratch<T>(acc_buf, rows * d.Ev)),
           qg(scratch<KV>(q_buf, rows * d.E)),
-          pb(scratch<KV>(p_buf, halves ? rows * chunk : 1)), o(d.Ev), qrow(halves ? d.E : 0), m(rows), l(rows),
+          pb(scratch<KV>(p_buf, halves ? rows * chunk : 1)), qrow(halves ? d.E : 0), m(rows), l(rows),
           bad(rows), rg(2 * K),
           keys(chunk, d.E, d.Ev) {}
   };
@@ -1491,16 +1507,13 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       const Index i = row(r);
       if (i < 0) continue;
       Store* dst = out_rows(b, h, i);  // out is [B, L, H, Ev] in memory
-      T* o = converted ? w.o.data() : reinterpret_cast<T*>(dst);
       const bool bad = w.block_bad || w.bad[r];
       if (first || l[r] == T(0)) {  // nothing visible: zeros, like every other backend
         std::fill(dst, dst + d.Ev, Store(0));
         ms[i] = ls[i] = bad ? nan : ninf;
         continue;
       }
-      const T inv = T(1) / l[r];
-      for (Index j = 0; j < d.Ev; ++j) o[j] = acc[r * d.Ev + j] * inv;
-      if constexpr (converted) store_row<T, Store>(o, dst, d.Ev);
+      store_scaled_row<T, Store>(acc + r * d.Ev, T(1) / l[r], dst, d.Ev);
       ms[i] = bad ? nan : m[r];
       ls[i] = bad ? nan : std::log(l[r]);
     }
