@@ -1564,13 +1564,13 @@ __attribute__((noinline)) void capped_probabilities(T* p, T* dp, Index n, T cap,
   }
 }
 
+template <typename T, typename KV>
+constexpr bool half_products = !std::is_same_v<KV, T>;  // the products' operands in a half type, sums in T
+
 // Probabilities and dS of one row of raw scores over its visible ranges, in place: p = exp((t - m)
 // - log l) with t = score_row(s), dp -> p * (dp - delta), times 1 - (t / cap)^2 (the tanh's
 // derivative) when capped; zeros elsewhere. m, ll, delta: the row's. rounded: p and dS are rounded to a half
 // type next (half products), and p takes exp_avx512's shorter form, as the forward's weights did.
-template <typename T, typename KV>
-constexpr bool half_products = !std::is_same_v<KV, T>;  // the products' operands in a half type, sums in T
-
 template <typename T, bool rounded = false>
 void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, const T* bias, T cap, T m, T ll,
                    T dl) {
