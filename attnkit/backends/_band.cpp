@@ -212,12 +212,50 @@ inline uint32_t pair_at(const BF16* p) {  // two adjacent bfloat16 values as one
   return w;
 }
 
+// A bfloat16 value (its bits) times 2^e: through float, rounded to nearest (exact unless it leaves the normal
+// range, as a product of two floats is).
+inline uint16_t times_pow2(uint16_t x, int e) {
+  return c10::BFloat16(static_cast<float>(c10::BFloat16(x, c10::BFloat16::from_bits())) * std::ldexp(1.f, e)).x;
+}
+
+inline uint32_t times_pow2(uint32_t pair, int e) {  // both halves of a pair
+  const uint16_t lo = times_pow2(static_cast<uint16_t>(pair & 0xFFFF), e);
+  const uint16_t hi = times_pow2(static_cast<uint16_t>(pair >> 16), e);
+  return uint32_t(lo) | (uint32_t(hi) << 16);
+}
+
 #if defined(__AVX512F__)
+// 32 bfloat16 values times 2^e, the same as times_pow2: where a value and its product are both normal, its
+// exponent field moved by e; zeros, infinities and NaNs as they are; the rest (subnormal, overflow) one by one.
+inline __m512i times_pow2(__m512i v, int e) {
+  const __m512i field = _mm512_and_si512(_mm512_srli_epi16(v, 7), _mm512_set1_epi16(0xFF));
+  const __m512i lo = _mm512_set1_epi16(static_cast<int16_t>(std::max(1, 1 - e)));
+  const __m512i hi = _mm512_set1_epi16(static_cast<int16_t>(std::min(254, 254 - e)));
+  const __mmask32 normal = _mm512_cmpge_epi16_mask(field, lo) & _mm512_cmple_epi16_mask(field, hi);
+  const __mmask32 kept = _mm512_testn_epi16_mask(v, _mm512_set1_epi16(0x7FFF)) |  // +-0
+                         _mm512_cmpeq_epi16_mask(field, _mm512_set1_epi16(0xFF));  // inf, NaN
+  __m512i out = _mm512_mask_add_epi16(v, normal, v, _mm512_set1_epi16(static_cast<int16_t>(e * 128)));
+  const __mmask32 rest = ~(normal | kept);
+  if (rest != 0) {
+    alignas(64) uint16_t x[32];
+    _mm512_store_si512(x, out);
+    for (int i = 0; i < 32; ++i) {
+      if ((rest >> i) & 1u) x[i] = times_pow2(x[i], e);
+    }
+    out = _mm512_load_si512(x);
+  }
+  return out;
+}
+
 // 16 rows of 16 32-bit words (row r at from + r * ld bfloat16 values) written transposed: word c of row r to
-// to[c * ldo + r]. Three rounds of shuffles: 4 x 4 blocks within each 128-bit lane, then the lanes.
-inline void transpose_16x16(const BF16* from, Index ld, uint32_t* to, Index ldo) {
+// to[c * ldo + r], each bfloat16 value times 2^e. Three rounds of shuffles: 4 x 4 blocks within each 128-bit
+// lane, then the lanes.
+inline void transpose_16x16(const BF16* from, Index ld, uint32_t* to, Index ldo, int e = 0) {
   __m512i r[16], t[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(from + i * ld);
+  if (e != 0) {
+    for (int i = 0; i < 16; ++i) r[i] = times_pow2(r[i], e);
+  }
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
@@ -240,10 +278,12 @@ inline void transpose_16x16(const BF16* from, Index ld, uint32_t* to, Index ldo)
 }
 #endif
 
-// op(B) ([k x n]; stored [n x k] when tb) into VNNI [kp / 2][np][2], zeros past k and n.
-void pack_vnni(bool tb, Index k, Index n, const BF16* b, Index ldb, Index kp, Index np, BF16* out) {
+// op(B) ([k x n]; stored [n x k] when tb) into VNNI [kp / 2][np][2], zeros past k and n. e (tb only): each
+// value times 2^e (times_pow2).
+void pack_vnni(bool tb, Index k, Index n, const BF16* b, Index ldb, Index kp, Index np, BF16* out, int e = 0) {
   uint32_t* o = reinterpret_cast<uint32_t*>(out);
   const Index pairs = k / 2;
+  TORCH_CHECK(tb || e == 0, "band kernel: pack_vnni scales only a transposed operand");
   if (tb) {  // row j of the stored B holds column j of op(B): its pairs go down column j of the packed one,
     // 16 rows at a time, so that each packed row is written 64 bytes at once (a row at a time, the writes land
     // np * 4 bytes apart: with 1024 columns every one of them in the same set of the L1 cache)
@@ -252,15 +292,19 @@ void pack_vnni(bool tb, Index k, Index n, const BF16* b, Index ldb, Index kp, In
       Index p2 = 0;
 #if defined(__AVX512F__)
       if (j1 - j0 == 16) {
-        for (; p2 + 16 <= pairs; p2 += 16) transpose_16x16(b + j0 * ldb + 2 * p2, ldb, o + p2 * np + j0, np);
+        for (; p2 + 16 <= pairs; p2 += 16) transpose_16x16(b + j0 * ldb + 2 * p2, ldb, o + p2 * np + j0, np, e);
       }
 #endif
       for (; p2 < pairs; ++p2) {
         uint32_t* dst = o + p2 * np;
-        for (Index j = j0; j < j1; ++j) dst[j] = pair_at(b + j * ldb + 2 * p2);
+        for (Index j = j0; j < j1; ++j) {
+          dst[j] = e == 0 ? pair_at(b + j * ldb + 2 * p2) : times_pow2(pair_at(b + j * ldb + 2 * p2), e);
+        }
       }
       if (k % 2) {
-        for (Index j = j0; j < j1; ++j) o[pairs * np + j] = b[j * ldb + k - 1].x;
+        for (Index j = j0; j < j1; ++j) {
+          o[pairs * np + j] = e == 0 ? b[j * ldb + k - 1].x : times_pow2(b[j * ldb + k - 1].x, e);
+        }
       }
     }
     for (Index p2 = 0; p2 < kp / 2; ++p2) {
@@ -471,13 +515,14 @@ Tensor packed_per_head(const Tensor& t, Index size, const Pack& pack) {
 // k ([B, Hkv, S, E] bfloat16) as op(B) of q k^T for every (b, hkv), in brgemm's VNNI layout, laid out as
 // uint32 [B, Hkv, pairs, ld] (pairs: E rounded up to BRGEMM_Q, halved; ld: S and one more BRGEMM_Q rounded up
 // to 256, so that columns c0 .. c0 + n rounded up stay inside and the leading dimension, which picks the
-// micro-kernel, takes few values), zeros past E and S. In parallel over (b, hkv).
-Tensor pack_keys(const Tensor& k, Index& ld, Index& pairs) {
+// micro-kernel, takes few values), zeros past E and S, each key times 2^e (a score scale that is a power of
+// two: see forward_impl). In parallel over (b, hkv).
+Tensor pack_keys(const Tensor& k, Index& ld, Index& pairs, int e) {
   const Index S = k.size(2), E = k.size(3), kp = round_up(E, BRGEMM_Q);
   ld = round_up(S + BRGEMM_Q, 256);
   pairs = kp / 2;
   return packed_per_head(k, pairs * ld * 2, [&](const BF16* rows, BF16* to) {
-    pack_vnni(true, E, S, rows, k.stride(2), kp, ld, to);
+    pack_vnni(true, E, S, rows, k.stride(2), kp, ld, to, e);
   });
 }
 
@@ -523,7 +568,7 @@ inline void release_products() {}
 constexpr Index BRGEMM_Q = 16, BRGEMM_ROWS = 8;  // (named by code that never runs without brgemm)
 struct Rows;
 bool packs_keys(const Tensor&, const Tensor&, Index, const Rows&) { return false; }
-Tensor pack_keys(const Tensor&, Index&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to pack keys for"); }
+Tensor pack_keys(const Tensor&, Index&, Index&, int) { TORCH_CHECK(false, "band kernel: no brgemm to pack keys for"); }
 Tensor pack_rows(const Tensor&, Index&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to pack rows for"); }
 Tensor transposed_rows(const Tensor&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to transpose rows for"); }
 template <typename KV>
@@ -1384,13 +1429,26 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
   // multiple of BRGEMM_Q reads them there (nothing past it to pad), any other is packed as it is read.
   Tensor values_buf;
   Index values_ld = 0, values_pairs = 0;
+  // A scale that is a power of two (1/8 for 64-wide heads) is taken into an operand of q k^T: (q * scale) k^T
+  // and q (k * scale)^T are exactly (q k^T) * scale, every product and sum scaled by the same power of two, and
+  // the scores need no pass of their own before the maximum. Into the keys as they are packed (keys_scaled),
+  // the queries then read in place; else into the queries as they are copied for a block (take_query). A
+  // product over keys that are not packed (gathered, or a group too small for brgemm) then takes the scale as
+  // its factor.
+  int exponent = 0;
+  const bool prescale = scale != T(1) && std::frexp(scale, &exponent) == T(0.5);
+  const T s_eff = prescale ? T(1) : scale;
+  bool keys_scaled = false;
   if constexpr (halves && std::is_same_v<KV, c10::BFloat16>) {
     keys_packed = packs_keys(q, k, q_rows, R);
     if (keys_packed) {
-      packed_buf = pack_keys(k, packed_ld, packed_pairs);
+      keys_scaled = prescale;
+      packed_buf = pack_keys(k, packed_ld, packed_pairs, keys_scaled ? exponent - 1 : 0);
       values_buf = pack_rows(v, values_ld, values_pairs);
     }
   }
+  const bool queries_scaled = prescale && !keys_scaled;
+  const T unpacked_factor = keys_scaled ? scale : T(1);  // of q k^T over keys not packed
   const auto packed_keys = [&](Index b, Index hkv) {
     return reinterpret_cast<const uint32_t*>(packed_buf.data_ptr()) + (b * d.Hkv + hkv) * packed_pairs * packed_ld;
   };
@@ -1399,17 +1457,11 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     return reinterpret_cast<const uint32_t*>(values_buf.data_ptr()) + ((b * d.Hkv + hkv) * values_pairs + c0 / 2) *
                                                                            values_ld;
   };
-  // A scale that is a power of two (1/8 for 64-wide heads) is taken into the queries as they are
-  // copied for a block: (q * scale) k^T is then exactly (q k^T) * scale, every product and sum
-  // scaled by the same power of two, and the scores need no pass of their own before the maximum.
-  int exponent = 0;
-  const bool prescale = scale != T(1) && std::frexp(scale, &exponent) == T(0.5);
-  const T s_eff = prescale ? T(1) : scale;
   constexpr bool converted = !std::is_same_v<Store, T>;  // half types: read and written a tile at a time
-  // A query row copied for a block (scaled: see above); tmp: a row of E in T.
+  // A query row copied for a block (scaled where queries_scaled: see above); tmp: a row of E in T.
   const auto take_query = [&](const Store* from, KV* to, T* tmp) {
     if constexpr (halves) {  // scaled by a power of two in float, exactly, and stored back in the half type
-      if (prescale) {
+      if (queries_scaled) {
         load_row<T, Store>(from, tmp, d.E);
         at::vec::map([=](Vec x) { return x * Vec(scale); }, tmp, tmp, d.E);
         store_row<T, KV>(tmp, to, d.E);
@@ -1418,8 +1470,8 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       }
     } else if constexpr (converted) {
       load_row<T, Store>(from, to, d.E);
-      if (prescale) at::vec::map([=](Vec x) { return x * Vec(scale); }, to, to, d.E);
-    } else if (prescale) {
+      if (queries_scaled) at::vec::map([=](Vec x) { return x * Vec(scale); }, to, to, d.E);
+    } else if (queries_scaled) {
       at::vec::map([=](Vec x) { return x * Vec(scale); }, to, from, d.E);
     } else {
       std::copy_n(from, d.E, to);
@@ -1464,7 +1516,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
           done = true;
         }
       }
-      if (!done) product<T, KV>(false, true, g, kc, d.E, T(1), qp, lda, kp, ldk, T(0), s, kc);
+      if (!done) product<T, KV>(false, true, g, kc, d.E, unpacked_factor, qp, lda, kp, ldk, T(0), s, kc);
       // One row's raw scores against every key of the chunk: a key that is not finite makes its score
       // with any finite query NaN or infinite (inf * 0 is NaN), whichever rows may see it.
       w.block_bad = w.block_bad || not_finite<T>(add_up<T>(s, kc, Vec(T(0))));
@@ -1525,12 +1577,21 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
       const char* skip = wide[R.set(b, h)].empty() ? nullptr : wide[R.set(b, h)].data() + i0;
       const Store* qs = q_rows_of(b, h, i0);
-      const KV* qp = reinterpret_cast<const KV*>(qs);  // read in place unless converted or prescaled
+      const KV* qp = reinterpret_cast<const KV*>(qs);  // read in place unless converted or scaled
       Index lda = q.stride(2);
-      if (prescale || (converted && !halves)) {
+      if (queries_scaled || (converted && !halves)) {
         for (Index r = 0; r < rows; ++r) take_query(qs + r * lda, w.qg + r * d.E, w.qrow.data());
         qp = w.qg;
         lda = d.E;
+      } else if (it + 1 < d.B * d.H * blocks) {
+        // Read in place by the first product: the next block's queries asked for now, so that its product does
+        // not wait for them (the blocks' order jumps: see interleaved).
+        const Index nit = it + 1, nb = nit / (blocks * d.H), nh = (nit / blocks) % d.H;
+        const Index n0 = interleaved(nit % blocks, blocks) * q_rows, n1 = std::min(n0 + q_rows, d.L);
+        for (Index i = n0; i < n1; ++i) {
+          const char* at = reinterpret_cast<const char*>(q_rows_of(nb, nh, i));
+          for (Index x = 0; x < d.E * Index(sizeof(Store)); x += 64) __builtin_prefetch(at + x, 0, 3);
+        }
       }
       attend(b, h, qp, lda, rows, [=](Index r) { return skip != nullptr && skip[r] ? Index(-1) : i0 + r; }, w);
     }

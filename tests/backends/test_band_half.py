@@ -79,6 +79,32 @@ def test_a_short_half_query_reads_keys_a_chunk_at_a_time_with_the_same_result(dt
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize(("scale", "d"), [(1 / 8, 64), (1 / 4, 16), (2.0, 64)], ids=["1/8", "1/4", "2"])
+def test_a_power_of_two_scale_taken_into_the_packed_keys_is_exact(scale, d):
+    """Under bfloat16 products, where the keys are packed once for the call, a score scale that is a power of
+    two is taken into them as they are packed (each exponent moved, exactly) and the queries are read in
+    place: the scores are then those of queries scaled beforehand with a scale of 1, so the kernel's outputs
+    and statistics are equal bit for bit. A scale taken in twice, or not at all, changes every output. Some
+    keys are zero, some subnormal, some subnormal once scaled: those go through float one by one and may
+    lose bits there (as queries scaled beforehand would), far too small to change a score here."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 512, d, generator=g).to(torch.bfloat16) for _ in range(3))
+    k[0, 0, 7] = 0
+    k[0, 0, 9, : d // 2] = 3e-39  # subnormal in bfloat16
+    k[0, 1, 11, : d // 2] = 2e-38  # subnormal once scaled by 1/8 or 1/4
+    scaled = (q.float() * scale).to(torch.bfloat16)
+    assert torch.equal(scaled.float(), q.float() * scale)  # the premise: q * scale exact in bfloat16
+    rows = torch.arange(512).reshape(1, 512, 1)
+    starts, ends = (rows - 100).clamp(min=0), (rows + 101).clamp(max=512)
+    with torch.no_grad(), half_products(torch.bfloat16, True):
+        got = _band._run(q, k, v, starts, ends, None, scale)
+        want = _band._run(scaled, k, v, starts, ends, None, 1.0)
+        halved = _band._run(q, k, v, starts, ends, None, scale / 2)[0]
+    assert not torch.isnan(got[1]).any()  # the kernel's own result, not a non-finite one's
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(got[0], halved)
+
+
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", HALF, ids=str)
