@@ -864,8 +864,8 @@ struct RowView {
   T* operator()(Index b, Index h, Index i) const { return base + b * sb + h * sh + i * si; }
 };
 
-// n values of storage type S read into the compute type T (S == T: a copy), or written back from it
-// (rounded to nearest). Half types are computed in float: the forward converts each block's queries as
+// n values of storage type S read into the compute type T (S == T: a copy); store_scaled_row writes them
+// back. Half types are computed in float: the forward converts each block's queries as
 // it reads them and each output row as it writes it (each once), and the keys and values once per call
 // before it starts (a block reads its keys again for every block of rows that sees them: converting them
 // there would convert each key as many times; without bf16 products a float copy is the fastest read),
@@ -903,22 +903,8 @@ Tensor to_float(const Tensor& t) {
   return out;
 }
 
-template <typename T, typename S>
-inline void store_row(const T* from, S* to, Index n) {
-  if constexpr (std::is_same_v<S, T>) {
-    std::copy_n(from, n, to);
-  } else {
-    using VS = at::vec::Vectorized<S>;
-    using VT = at::vec::Vectorized<T>;
-    Index j = 0;
-    for (; j + VS::size() <= n; j += VS::size()) {
-      at::vec::convert_from_float<S>(VT::loadu(from + j), VT::loadu(from + j + VT::size())).store(to + j);
-    }
-    for (; j < n; ++j) to[j] = static_cast<S>(from[j]);
-  }
-}
-
-// to[0:n) = from[0:n) * factor, rounded to nearest into S, in one pass.
+// to[0:n) = from[0:n) * factor, written back in S (rounded to nearest), in one pass: an output row divided by
+// its sum, queries or dQ times the score scale.
 template <typename T, typename S>
 inline void store_scaled_row(const T* from, T factor, S* to, Index n) {
   using VT = at::vec::Vectorized<T>;
@@ -1463,8 +1449,7 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     if constexpr (halves) {  // scaled by a power of two in float, exactly, and stored back in the half type
       if (queries_scaled) {
         load_row<T, Store>(from, tmp, d.E);
-        at::vec::map([=](Vec x) { return x * Vec(scale); }, tmp, tmp, d.E);
-        store_row<T, KV>(tmp, to, d.E);
+        store_scaled_row<T, KV>(tmp, scale, to, d.E);
       } else {
         std::copy_n(from, d.E, to);
       }
@@ -1625,9 +1610,6 @@ __attribute__((noinline)) void capped_probabilities(T* p, T* dp, Index n, T cap,
   }
 }
 
-template <typename T, typename KV>
-constexpr bool half_products = !std::is_same_v<KV, T>;  // the products' operands in a half type, sums in T
-
 // Probabilities and dS of one row of raw scores over its visible ranges, in place: p = exp((t - m)
 // - log l) with t = score_row(s), dp -> p * (dp - delta), times 1 - (t / cap)^2 (the tanh's
 // derivative) when capped; zeros elsewhere. m, ll, delta: the row's. rounded: p and dS are rounded to a half
@@ -1673,19 +1655,12 @@ void probabilities(T* p, T* dp, Index n, const Index* rg, Index count, T scale, 
 
 // x (contiguous float) times scale, rounded to nearest into a new tensor of half type `type`, in one pass.
 Tensor scaled_as(const Tensor& x, float scale, at::ScalarType type) {
-  using Vec = at::vec::Vectorized<float>;
   Tensor out = at::empty(x.sizes(), x.options().dtype(type));
   const float* src = x.data_ptr<float>();
-  constexpr Index chunk = 1024;
   AT_DISPATCH_REDUCED_FLOATING_TYPES(type, "scaled_as", [&] {
     scalar_t* dst = out.data_ptr<scalar_t>();
-    at::parallel_for(0, x.numel(), 16 * chunk, [&](Index begin, Index end) {
-      std::array<float, chunk> buf;
-      for (Index i = begin; i < end; i += chunk) {
-        const Index n = std::min(chunk, end - i);
-        at::vec::map([=](Vec v) { return v * Vec(scale); }, buf.data(), src + i, n);
-        store_row<float, scalar_t>(buf.data(), dst + i, n);
-      }
+    at::parallel_for(0, x.numel(), 16384, [&](Index begin, Index end) {
+      store_scaled_row<float, scalar_t>(src + begin, scale, dst + begin, end - begin);
     });
   });
   return out;
@@ -1818,8 +1793,8 @@ void wide_key_pass(const Tensor& dout, const Tensor& q, const Tensor& k, const T
               for (Index r = 0; r < n; ++r) {
                 const Index i = i0 + r, count = R.ranges_in(set, i, segs, n_segs, rg);
                 const T* br = biased ? gathered_bias<T>(bias, h, i, d.L, segs, n_segs, bg.data()) : nullptr;
-                probabilities<T, half_products<T, KV>>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br,
-                                                       cap, m_all[row0 + i], ll_all[row0 + i], dl_all[row0 + i]);
+                probabilities<T, rounds>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap,
+                                         m_all[row0 + i], ll_all[row0 + i], dl_all[row0 + i]);
                 if (bias_grad && count > 0) {  // each gathered key's diagonal
                   T* gbias = bias_grad_row<T>(dbias, bias, h, d.L - 1 - i);
                   const T* dsr = ds + r * cols;
@@ -1941,8 +1916,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
             const Index i = row(r);
             const Index count = R.ranges(set, i, j0, cols, rg);
             const T* br = biased ? diagonal_row<T>(bias, h, j0 - i + d.L - 1) : nullptr;
-            probabilities<T, half_products<T, KV>>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap,
-                                                   m_all[row0 + i], ll_all[row0 + i], dl_all[row0 + i]);
+            probabilities<T, rounds>(p + r * cols, ds + r * cols, cols, rg.data(), count, scale, br, cap,
+                                     m_all[row0 + i], ll_all[row0 + i], dl_all[row0 + i]);
             for (const Index c : wide_cols) p[r * cols + c] = ds[r * cols + c] = T(0);
             if (bias_grad && count > 0) {  // dBias of a diagonal: the sum of dS along it (this thread's share)
               T* gb = bias_grad_row<T>(dbias, bias, h, j0 - i + d.L - 1);
@@ -2060,8 +2035,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
         const Index count = i < 0 ? 0 : visible(i, w.rg);  // (none: zeros, and the statistics are not read)
         const T* br = biased && i >= 0 ? bias_of(i) : nullptr;
         const Index at = base + std::max<Index>(i, 0);
-        probabilities<T, half_products<T, KV>>(w.p + r * kc, w.ds + r * kc, kc, w.rg.data(), count, scale, br, cap,
-                                               m_all[at], ll_all[at], dl_all[at]);
+        probabilities<T, rounds>(w.p + r * kc, w.ds + r * kc, kc, w.rg.data(), count, scale, br, cap, m_all[at],
+                                 ll_all[at], dl_all[at]);
       }
       product<T, KV>(false, false, g, d.E, kc, dq_scale<T, KV>(scale), operand<T, KV>(w.ds, g * kc, w.dsk), kc, kp, ldk,
                      T(1), dqp, d.E);
