@@ -121,17 +121,24 @@ def test_a_power_of_two_scale_taken_into_the_queries_is_exact(dtype):
         assert torch.equal(got, want), case
 
 
+def exact_scores(keys: int, spread: int):
+    """512 queries of sixteenths, each row times 2^0 .. 2^(spread - 1), and `keys` keys of integers (64 wide,
+    exact in bfloat16 and float16 too), and their scores with a scale of 1/64 in float64: every product and
+    sum exact in float32."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-64, 65, (1, 1, 512, 64), generator=g) / 16
+    q = q * 2.0 ** torch.randint(0, spread, (1, 1, 512, 1), generator=g)
+    k = torch.randint(-16, 17, (1, 1, keys, 64), generator=g).float()
+    return q, k, (q.double() @ k.double().transpose(-1, -2)) / 64
+
+
 def test_the_softmax_weights_on_exact_scores_are_float64s_exp_within_a_few_roundings():
     """Scores exact in float32 (keys of integers, queries of sixteenths, a power-of-two scale) and the values
     the identity, so that each output row is the row's weights: over the row's largest they are exp(s - max)
     but for the kernel's exponential and two roundings. The rows' scales spread s - max to -80. An
     exponential a few float32 roundings off (a polynomial of too low a degree, a wrong coefficient) fails
     here and passes every output tolerance (atol 2e-5)."""
-    g = torch.Generator().manual_seed(0)
-    q = torch.randint(-64, 65, (1, 1, 512, 64), generator=g) / 16
-    q = q * 2.0 ** torch.randint(0, 5, (1, 1, 512, 1), generator=g)
-    k = torch.randint(-16, 17, (1, 1, 64, 64), generator=g).float()
-    s = (q.double() @ k.double().transpose(-1, -2)) / 64
+    q, k, s = exact_scores(64, spread=5)
     assert torch.equal(q @ k.transpose(-1, -2) / 64, s.float())  # the premise: nothing rounded
     out = attnkit.attention(q, k, torch.eye(64).reshape(1, 1, 64, 64), scale=1 / 64, backend="band").double()
     x = s - s.amax(-1, keepdim=True)
@@ -149,12 +156,8 @@ def test_half_row_sums_are_float64s_within_the_shorter_exponentials_error(dtype)
     of the exponential that half products take (a shorter polynomial, its weights rounded next). One of a
     lower degree, or a wrong coefficient, is 1e-4 off and fails here."""
     assert _band.available()
-    g = torch.Generator().manual_seed(0)
-    q = torch.randint(-64, 65, (1, 1, 512, 64), generator=g) / 16 * 2.0 ** torch.randint(0, 3, (1, 1, 512, 1),
-                                                                                           generator=g)
-    k = torch.randint(-16, 17, (1, 1, 256, 64), generator=g).float()
-    v = torch.randn(1, 1, 256, 64, generator=g)
-    s = (q.double() @ k.double().transpose(-1, -2)) / 64
+    q, k, s = exact_scores(256, spread=3)
+    v = torch.randn(1, 1, 256, 64, generator=torch.Generator().manual_seed(1))
     starts = torch.zeros(1, 512, 1, dtype=torch.int64)
     _, stats = _band._run(q.to(dtype), k.to(dtype), v.to(dtype), starts, torch.full_like(starts, 256), None, 1 / 64)
     assert torch.equal(stats[0].double(), s.amax(-1))
