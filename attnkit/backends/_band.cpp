@@ -1212,9 +1212,21 @@ T span_softmax_row(T* s, const Index* rg, Index count, T scale, const T* bias, T
 // not visible) for the half product p v, in the pass that computes them, without storing the float row and
 // reading it back (a row of many ranges, span_softmax_row, is computed in float and rounded after by operand).
 // Those weights, and so l, come from exp_avx512's shorter form (rounded), good to 3.2e-6.
+// Pipelined rows (rounds, one range, scores as stored): known_max is the row's maximum, found by the row before;
+// `next` asks for the next row's, found in the loop of this row's exponentials (the loads and maxima run beside
+// their multiply-adds, and bring the next row into L1), the same maximum as row_max's.
+// A row whose maximum online_softmax_row finds while it computes the weights of the row before (pipelined rows,
+// in forward_impl): its raw scores s, visible over [a, e), and their maximum (NaN where one is) once it returns.
+template <typename T>
+struct NextRow {
+  const T* s;
+  Index a, e;
+  T max = 0;
+};
+
 template <typename T, typename P = T>
 T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const T* bias, T cap, T& m, T& l,
-                     bool& bad, P* pout = nullptr) {
+                     bool& bad, P* pout = nullptr, const T* known_max = nullptr, NextRow<T>* next = nullptr) {
   using Vec = at::vec::Vectorized<T>;
   constexpr bool rounds = !std::is_same_v<P, T>;
   static_assert(!rounds || std::is_same_v<T, float>, "weights rounded from float");
@@ -1240,13 +1252,16 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
     return factor;
   }
   T mx = -std::numeric_limits<T>::infinity();
-  for (Index c = 0; c < count; ++c) {
+  for (Index c = 0; c < count && known_max == nullptr; ++c) {
     const Index a = rg[2 * c], e = rg[2 * c + 1];
     // Capping maps an infinite score to a finite one: the raw scores are seen before it.
     if (cap > T(0)) bad = bad || not_finite<T>(add_up<T>(s + a, e - a, Vec(T(0))));
     const T x = score_row_max<T>(s + a, e - a, scale, bias != nullptr ? bias + a : nullptr, cap);
     mx = std::isnan(x) || std::isnan(mx) ? std::numeric_limits<T>::quiet_NaN() : std::max(mx, x);
   }
+  if (known_max != nullptr) mx = *known_max;
+  RunningMax<T> n0, n1;  // the next row's maximum, as row_max finds it
+  Index nj = next != nullptr ? next->a : 0;
   const T m_new = std::isnan(mx) ? mx : std::max(m, mx);
   const T factor = m == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m - m_new);
   const Vec vm(m_new);
@@ -1263,6 +1278,11 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
       Index j = a;
       if constexpr (rounds) {  // two vectors of weights, rounded as one vector of P (same sums, in the same order)
         for (; j + 2 * Vec::size() <= e; j += 2 * Vec::size()) {
+          if (next != nullptr && nj + 2 * Vec::size() <= next->e) {
+            n0.add(Vec::loadu(next->s + nj));
+            n1.add(Vec::loadu(next->s + nj + Vec::size()));
+            nj += 2 * Vec::size();
+          }
           const Vec x0 = weight(Vec::loadu(s + j));
           const Vec x1 = weight(Vec::loadu(s + j + Vec::size()));
           acc = acc + x0;
@@ -1299,6 +1319,15 @@ T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const
     return sum;
   };
   const T sum = std::isfinite(mx) && std::isfinite(m_new) ? weights(std::false_type{}) : weights(std::true_type{});
+  if (next != nullptr) {  // what the loop left of the next row
+    for (; nj + Vec::size() <= next->e; nj += Vec::size()) n0.add(Vec::loadu(next->s + nj));
+    if (nj < next->e) {
+      const int w = static_cast<int>(next->e - nj);
+      n1.add(Vec::loadu(next->s + nj, w), w);
+    }
+    n0.add(n1);
+    next->max = n0.result();
+  }
   l = l * factor + sum;
   m = m_new;
   return factor;
@@ -1470,13 +1499,13 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
     std::vector<T> m, l;
     std::vector<bool> bad;  // a row's scores met a non-finite value (online_softmax_row)
     bool block_bad = false;  // a key or value of a chunk of the block is not finite
-    std::vector<Index> rg;
+    std::vector<Index> rg, rg_next;  // a row's visible ranges, the next row's
     KeyScratch<T, KV> keys;
     Scratch(Index rows, Index chunk, const Shape& d, Index K)
         : s(scratch<T>(s_buf, rows * chunk)), acc(scratch<T>(acc_buf, rows * d.Ev)),
           qg(scratch<KV>(q_buf, rows * d.E)),
           pb(scratch<KV>(p_buf, halves ? rows * chunk : 1)), qrow(halves ? d.E : 0), m(rows), l(rows),
-          bad(rows), rg(2 * K),
+          bad(rows), rg(2 * K), rg_next(2 * K),
           keys(chunk, d.E, d.Ev) {}
   };
   // Rows row(0..g-1) of (b, h), their queries at qp + r * lda (a row(r) < 0 is left out): scores in
@@ -1505,15 +1534,27 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       // One row's raw scores against every key of the chunk: a key that is not finite makes its score
       // with any finite query NaN or infinite (inf * 0 is NaN), whichever rows may see it.
       w.block_bad = w.block_bad || not_finite<T>(add_up<T>(s, kc, Vec(T(0))));
+      // Pipelined rows (half products, scores as the product leaves them): a row of one range finds the maximum
+      // of the next, if that is one range too, in its own exponentials' loop (online_softmax_row), which then
+      // skips its own pass over the scores for it. rg holds row r's ranges, rg_next row r + 1's.
+      const bool piped = halves && cap == T(0) && s_eff == T(1) && !biased;
+      const auto ranges_of = [&](Index r, std::vector<Index>& rg) { return row(r) < 0 ? 0 : visible(row(r), rg); };
+      Index count = ranges_of(0, w.rg);
+      T known = 0;
+      bool have_known = false;
       for (Index r = 0; r < g; ++r) {
         const Index i = row(r);
-        const Index count = i < 0 ? 0 : visible(i, w.rg);
+        const Index count_next = r + 1 < g ? ranges_of(r + 1, w.rg_next) : 0;
         const T* br = biased && i >= 0 ? bias_of(i) : nullptr;
         bool bad = w.bad[r];
         T factor;
         if constexpr (halves) {  // the weights rounded for p v as they are computed
+          NextRow<T> next{s + (r + 1) * kc, w.rg_next[0], w.rg_next[1]};
+          const bool pipe = piped && count == 1 && count_next == 1;
           factor = online_softmax_row<T, KV>(s + r * kc, kc, w.rg.data(), count, s_eff, br, cap, m[r], l[r], bad,
-                                             w.pb + r * kc);
+                                             w.pb + r * kc, have_known ? &known : nullptr, pipe ? &next : nullptr);
+          have_known = pipe;
+          known = next.max;
         } else {
           factor = online_softmax_row<T>(s + r * kc, kc, w.rg.data(), count, s_eff, br, cap, m[r], l[r], bad);
         }
@@ -1521,6 +1562,8 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
         if (!first && factor != T(1)) {
           for (Index j = 0; j < d.Ev; ++j) acc[r * d.Ev + j] *= factor;
         }
+        std::swap(w.rg, w.rg_next);
+        count = count_next;
       }
       // the rows' weights side by side (kc apart), rounded to nearest for half products (by online_softmax_row)
       const KV* weights = halves ? w.pb : reinterpret_cast<const KV*>(s);
@@ -2012,7 +2055,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     T *p, *ds;
     KV *dsk, *qg, *dog;
     T* dqg;
-    std::vector<Index> rg;
+    std::vector<Index> rg, rg_next;  // a row's visible ranges, the next row's
     KeyScratch<T, KV> keys;
     Scratch(Index rows, Index chunk, const Shape& d, Index K)
         : p(scratch<T>(p_buf, rows * chunk)), ds(scratch<T>(ds_buf, rows * chunk)),

@@ -105,6 +105,48 @@ def test_a_power_of_two_scale_taken_into_the_packed_keys_is_exact(scale, d):
     assert not torch.equal(got[0], halved)
 
 
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_rows_whose_maximum_the_row_before_finds_give_what_they_give_alone(dtype):
+    """Under half products, with scores as the product leaves them (no bias, no cap), a row of one range finds
+    the next row's maximum in the loop of its own exponentials, and that row skips its own pass for it. A bias
+    of zeros gives the same scores but takes every row through its own pass: outputs and statistics are equal
+    bit for bit, also beside a NaN query (its row's statistics NaN), rows of two ranges and an empty row."""
+    n = 256
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, n, 64, generator=g).to(dtype) for _ in range(3))
+    q[0, 1, 70, 5] = float("nan")
+    i = torch.arange(n)
+    starts = torch.stack([(i - 40).clamp(min=0), torch.full_like(i, n)], -1)
+    ends = torch.stack([(i + 41).clamp(max=n), torch.full_like(i, n)], -1)
+    starts[50:60], ends[50:60] = torch.tensor([0, 10]), torch.tensor([4, 101])  # two ranges
+    starts[100], ends[100] = n, n  # nothing to see
+    starts, ends = starts.reshape(1, n, 2), ends.reshape(1, n, 2)
+    with torch.no_grad(), half_products(dtype, True):
+        piped = _band._run(q, k, v, starts, ends, None, 1 / 8)
+        alone = _band._run(q, k, v, starts, ends, torch.zeros(2, 2 * n - 1), 1 / 8)
+    assert torch.isnan(piped[1][:, 0, 1, 70]).all() and not torch.isnan(piped[1][:, 0, 0]).any()
+    assert torch.equal(piped[0].nan_to_num(), alone[0].nan_to_num())
+    assert torch.equal(piped[1].nan_to_num(), alone[1].nan_to_num())
+
+@pytest.mark.parametrize("bias", [False, True], ids=["scale", "scale and bias"])
+def test_equal_huge_bfloat16_scores_under_a_scale_that_rounds_weigh_every_key_alike(bias):
+    """Every score 1.5e9 (ulps of 128) under bfloat16 products, times a scale that is not a power of two (each
+    score rounded once), with or without a bias: the weights are exp(t - m) of the stored, rounded t and of
+    their maximum, so every weight is 1 and each row is its keys' mean value. A score recomputed unrounded
+    (s * scale - m in one fused multiply-add) is a rounding off m, up to 64 here, and exp of that 0 or inf."""
+    n = 128
+    q = torch.full((1, 2, n, 64), 6144.0, dtype=torch.bfloat16)  # 6144^2 * 64 * 0.6 = 1.45e9
+    k = q.clone()
+    v = torch.randn(1, 2, n, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    rows = torch.arange(n).reshape(1, n, 1)
+    starts, ends = (rows - 40).clamp(min=0), (rows + 41).clamp(max=n)
+    table = torch.zeros(2, 2 * n - 1) if bias else None  # a bias of zeros: the biased path, the same scores
+    with torch.no_grad(), half_products(torch.bfloat16, True):
+        out, _ = _band._run(q, k, v, starts, ends, table, 0.6)
+    want = torch.stack([v[:, :, a:e].double().mean(2) for a, e in zip(starts.flatten(), ends.flatten(),
+                                                                        strict=True)], 2)
+    close(out, want.to(torch.bfloat16), torch.bfloat16)
+
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", HALF, ids=str)
