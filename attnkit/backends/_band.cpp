@@ -1202,6 +1202,15 @@ T span_softmax_row(T* s, const Index* rg, Index count, T scale, const T* bias, T
   return factor;
 }
 
+// A row whose maximum online_softmax_row finds while it computes the weights of the row before (pipelined rows,
+// in forward_impl): its raw scores s, visible over [a, e), and their maximum (NaN where one is) once it returns.
+template <typename T>
+struct NextRow {
+  const T* s;
+  Index a, e;
+  T max = 0;
+};
+
 // One row of raw scores s[0:n) whose visible columns are the `count` ranges in rg: scale (and bias)
 // them, zero the rest, and fold them into the running max m and sum l (online softmax); returns the
 // factor for the row's accumulator. A NaN score makes m (and so the row's output) NaN: exp_u20
@@ -1215,15 +1224,6 @@ T span_softmax_row(T* s, const Index* rg, Index count, T scale, const T* bias, T
 // Pipelined rows (rounds, one range, scores as stored): known_max is the row's maximum, found by the row before;
 // `next` asks for the next row's, found in the loop of this row's exponentials (the loads and maxima run beside
 // their multiply-adds, and bring the next row into L1), the same maximum as row_max's.
-// A row whose maximum online_softmax_row finds while it computes the weights of the row before (pipelined rows,
-// in forward_impl): its raw scores s, visible over [a, e), and their maximum (NaN where one is) once it returns.
-template <typename T>
-struct NextRow {
-  const T* s;
-  Index a, e;
-  T max = 0;
-};
-
 template <typename T, typename P = T>
 T online_softmax_row(T* s, Index n, const Index* rg, Index count, T scale, const T* bias, T cap, T& m, T& l,
                      bool& bad, P* pout = nullptr, const T* known_max = nullptr, NextRow<T>* next = nullptr) {
@@ -2055,7 +2055,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     T *p, *ds;
     KV *dsk, *qg, *dog;
     T* dqg;
-    std::vector<Index> rg, rg_next;  // a row's visible ranges, the next row's
+    std::vector<Index> rg;
     KeyScratch<T, KV> keys;
     Scratch(Index rows, Index chunk, const Shape& d, Index K)
         : p(scratch<T>(p_buf, rows * chunk)), ds(scratch<T>(ds_buf, rows * chunk)),

@@ -128,6 +128,7 @@ def test_rows_whose_maximum_the_row_before_finds_give_what_they_give_alone(dtype
     assert torch.equal(piped[0].nan_to_num(), alone[0].nan_to_num())
     assert torch.equal(piped[1].nan_to_num(), alone[1].nan_to_num())
 
+
 @pytest.mark.parametrize("bias", [False, True], ids=["scale", "scale and bias"])
 def test_equal_huge_bfloat16_scores_under_a_scale_that_rounds_weigh_every_key_alike(bias):
     """Every score 1.5e9 (ulps of 128) under bfloat16 products, times a scale that is not a power of two (each
@@ -146,6 +147,7 @@ def test_equal_huge_bfloat16_scores_under_a_scale_that_rounds_weigh_every_key_al
     want = torch.stack([v[:, :, a:e].double().mean(2) for a, e in zip(starts.flatten(), ends.flatten(),
                                                                         strict=True)], 2)
     close(out, want.to(torch.bfloat16), torch.bfloat16)
+
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("case", list(CASES))
