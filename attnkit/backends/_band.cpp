@@ -1484,9 +1484,9 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       }
     } else if constexpr (converted) {
       load_row<T, Store>(from, to, d.E);
-      if (queries_scaled) at::vec::map([=](Vec x) { return x * Vec(scale); }, to, to, d.E);
+      if (queries_scaled) store_scaled_row<T, T>(to, scale, to, d.E);
     } else if (queries_scaled) {
-      at::vec::map([=](Vec x) { return x * Vec(scale); }, to, from, d.E);
+      store_scaled_row<T, T>(from, scale, to, d.E);
     } else {
       std::copy_n(from, d.E, to);
     }
@@ -1598,11 +1598,15 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       ls[i] = bad ? nan : std::log(l[r]);
     }
   };
+  // Work item -> its batch element, head and first row (blocks in interleaved order within each head).
+  const auto item = [&](Index it) {
+    return std::array<Index, 3>{it / (blocks * d.H), (it / blocks) % d.H, interleaved(it % blocks, blocks) * q_rows};
+  };
   each_item(d.B * d.H * blocks, false, [&](const auto& next) {
     Scratch w(q_rows, kv_chunk, d, K);
     for (Index it = 0; next(it);) {
-      const Index blk = interleaved(it % blocks, blocks), h = (it / blocks) % d.H, b = it / (blocks * d.H);
-      const Index i0 = blk * q_rows, rows = std::min(q_rows, d.L - i0);
+      const std::array<Index, 3> at = item(it);
+      const Index b = at[0], h = at[1], i0 = at[2], rows = std::min(q_rows, d.L - i0);
       const char* skip = wide[R.set(b, h)].empty() ? nullptr : wide[R.set(b, h)].data() + i0;
       const Store* qs = q_rows_of(b, h, i0);
       const KV* qp = reinterpret_cast<const KV*>(qs);  // read in place unless converted or scaled
@@ -1614,11 +1618,10 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       } else if (it + 1 < d.B * d.H * blocks) {
         // Read in place by the first product: the next block's queries asked for now, so that its product does
         // not wait for them (the blocks' order jumps: see interleaved).
-        const Index nit = it + 1, nb = nit / (blocks * d.H), nh = (nit / blocks) % d.H;
-        const Index n0 = interleaved(nit % blocks, blocks) * q_rows, n1 = std::min(n0 + q_rows, d.L);
-        for (Index i = n0; i < n1; ++i) {
-          const char* at = reinterpret_cast<const char*>(q_rows_of(nb, nh, i));
-          for (Index x = 0; x < d.E * Index(sizeof(Store)); x += 64) __builtin_prefetch(at + x, 0, 3);
+        const std::array<Index, 3> na = item(it + 1);
+        for (Index i = na[2]; i < std::min(na[2] + q_rows, d.L); ++i) {
+          const char* row_at = reinterpret_cast<const char*>(q_rows_of(na[0], na[1], i));
+          for (Index x = 0; x < d.E * Index(sizeof(Store)); x += 64) __builtin_prefetch(row_at + x, 0, 3);
         }
       }
       attend(b, h, qp, lda, rows, [=](Index r) { return skip != nullptr && skip[r] ? Index(-1) : i0 + r; }, w);
