@@ -94,8 +94,7 @@ def test_a_power_of_two_scale_taken_into_the_packed_keys_is_exact(scale, d):
     k[0, 1, 11, : d // 2] = 2e-38  # subnormal once scaled by 1/8 or 1/4
     scaled = (q.float() * scale).to(torch.bfloat16)
     assert torch.equal(scaled.float(), q.float() * scale)  # the premise: q * scale exact in bfloat16
-    rows = torch.arange(512).reshape(1, 512, 1)
-    starts, ends = (rows - 100).clamp(min=0), (rows + 101).clamp(max=512)
+    starts, ends = _band._window(512, 512, 100, 100)[2:]
     with torch.no_grad(), half_products(torch.bfloat16, True):
         got = _band._run(q, k, v, starts, ends, None, scale)
         want = _band._run(scaled, k, v, starts, ends, None, 1.0)
@@ -115,12 +114,10 @@ def test_rows_whose_maximum_the_row_before_finds_give_what_they_give_alone(dtype
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, n, 64, generator=g).to(dtype) for _ in range(3))
     q[0, 1, 70, 5] = float("nan")
-    i = torch.arange(n)
-    starts = torch.stack([(i - 40).clamp(min=0), torch.full_like(i, n)], -1)
-    ends = torch.stack([(i + 41).clamp(max=n), torch.full_like(i, n)], -1)
-    starts[50:60], ends[50:60] = torch.tensor([0, 10]), torch.tensor([4, 101])  # two ranges
-    starts[100], ends[100] = n, n  # nothing to see
-    starts, ends = starts.reshape(1, n, 2), ends.reshape(1, n, 2)
+    none = torch.full((1, n, 1), n)  # a second, empty range per row
+    starts, ends = (torch.cat([x, none], -1) for x in _band._window(n, n, 40, 40)[2:])
+    starts[0, 50:60], ends[0, 50:60] = torch.tensor([0, 10]), torch.tensor([4, 101])  # two ranges
+    starts[0, 100], ends[0, 100] = n, n  # nothing to see
     with torch.no_grad(), half_products(dtype, True):
         piped = _band._run(q, k, v, starts, ends, None, 1 / 8)
         alone = _band._run(q, k, v, starts, ends, torch.zeros(2, 2 * n - 1), 1 / 8)
@@ -139,8 +136,7 @@ def test_equal_huge_bfloat16_scores_under_a_scale_that_rounds_weigh_every_key_al
     q = torch.full((1, 2, n, 64), 6144.0, dtype=torch.bfloat16)  # 6144^2 * 64 * 0.6 = 1.45e9
     k = q.clone()
     v = torch.randn(1, 2, n, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    rows = torch.arange(n).reshape(1, n, 1)
-    starts, ends = (rows - 40).clamp(min=0), (rows + 41).clamp(max=n)
+    starts, ends = _band._window(n, n, 40, 40)[2:]
     table = torch.zeros(2, 2 * n - 1) if bias else None  # a bias of zeros: the biased path, the same scores
     with torch.no_grad(), half_products(torch.bfloat16, True):
         out, _ = _band._run(q, k, v, starts, ends, table, 0.6)
