@@ -1,5 +1,5 @@
 """``attnkit.lab``: every experiment's verdict and key figure (quick settings, one shared run), the
-verdicts of heads, scaling, score_functions and rnn_conv held against an independent recheck
+verdicts of heads, scaling, score_functions, rnn_conv, projections and sharing held against an independent recheck
 (tests/support/lab_recheck.py, which does not import attnkit.lab: a verdict that claims more than the
 recheck finds fails here), and ``MultiHeadAttention(share_qk=True)``, which the Q = K experiment needs.
 
@@ -9,6 +9,8 @@ module fixture is built once per file; two files would each run the four experim
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -63,10 +65,24 @@ def test_without_projections_tokens_attend_to_themselves(findings):
     assert f.figures["self_weight_random_proj"] < 0.3
 
 
+def test_the_own_score_wins_with_equal_norms_and_not_in_general(findings):
+    """The claim is limited as the tutorial limits it ("at the same magnitude"): exactly true with
+    equal norms, false in general, and the counterexample is in the figures and the why."""
+    f = findings["projections"]
+    assert "equal norms" in f.claim and "with unequal norms it need not" in f.claim
+    assert "beats its score with any other word, so" not in f.claim  # the unlimited form
+    assert f.figures["own_score_max_share_equal_norms"] == 1.0
+    assert f.figures["counterexample_other_score"] > f.figures["counterexample_own_score"]
+    assert f.figures["counterexample_self_weight"] < 0.5
+    lo, hi = f.figures["minilm_norm_range"]
+    assert hi > lo  # MiniLM's embeddings are the unequal-norm case the measurement covers
+    assert "not guaranteed" in f.why and f"{f.figures['own_score_max_share_minilm']:.0%}" in f.why
+
+
 def test_shared_qk_scores_are_symmetric_and_sharing_saves_parameters(findings):
     f = findings["sharing"]
-    assert f.verdict == "supported"
     assert f.figures["asymmetry_share_qk"] < 1e-6 < f.figures["asymmetry_separate"]
+    assert f.figures["self_weight_share_qk"] > f.figures["self_weight_separate"]
     e = 64
     assert f.figures["params_separate"] - f.figures["params_share_qk"] == e * e + e
     assert f.figures["params_separate"] - f.figures["params_share_kv"] == e * e + e
@@ -168,6 +184,15 @@ def test_a_figure_without_a_label_is_shown_without_underscores(tmp_path):
     assert readability_problems(page, first_column=True) == []
 
 
+def test_the_lab_guide_names_test_files_that_exist():
+    from tests.support.markdown_blocks import ROOT
+
+    guide = (ROOT / "docs" / "guides" / "lab.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"tests/[\w/]+\.py", guide))
+    assert {"tests/lab/test_lab.py", "tests/support/lab_recheck.py"} <= named
+    assert [p for p in sorted(named) if not (ROOT / p).is_file()] == []
+
+
 def test_unknown_names_and_bad_verdicts_are_refused():
     with pytest.raises(ValueError, match="unknown experiment 'nope'"):
         check_names(["nope"])
@@ -251,11 +276,59 @@ def test_rnn_conv_counts_a_recurrent_step_as_torch_does(findings):
     assert f"{counted:.2g}" in f.why
 
 
+def test_projections_verdict_holds_against_the_recheck(findings, model):
+    """The equal-norm case in a loop over other random rows, a counterexample of its own, and MiniLM
+    on other sentences: the lab's limited claim and its figures agree with all three."""
+    f, fig = findings["projections"], findings["projections"].figures
+    assert all(recheck.own_score_wins(recheck.equal_norm_rows())) and fig["own_score_max_share_equal_norms"] == 1.0
+    own, other, weight = recheck.unequal_norm_counterexample()
+    assert other > own and weight < 0.5  # so "beats any other word" needs the equal norms the claim now names
+    mine = recheck.minilm_self_attention(model)
+    assert abs(mine["self_weight"] - fig["self_weight_minilm_no_proj"]) < 0.15
+    assert mine["own_score_wins"] == pytest.approx(fig["own_score_max_share_minilm"], abs=0.1)
+    if mine["self_weight"] <= 0.5 or fig["own_score_max_share_equal_norms"] < 1.0:
+        assert f.verdict != "supported", f.why
+
+
+def test_sharing_verdict_claims_no_part_the_recheck_does_not_find(findings):
+    """Every part of sharing's claim is measured, and the verdict is "supported" only if the
+    recheck, reading the lab's per-seed accuracies with its own rule, finds each part holds."""
+    f, fig = findings["sharing"], findings["sharing"].figures
+    asym, diag = recheck.shared_qk_scores()
+    assert asym < 1e-12 and diag < 1e-12 and fig["asymmetry_share_qk"] < 1e-6
+    runs = [k[len("heldout_accuracy_"):] for k in fig if k.startswith("heldout_accuracy_")]
+    key = {r: r.rsplit("_", 1)[0] + " " + r.rsplit("_", 1)[1] for r in runs}
+    heldout = {key[r]: fig[f"heldout_accuracy_{r}"] for r in runs}
+    train = {key[r]: fig[f"train_accuracy_{r}"] for r in runs}
+    status = recheck.sharing_claim_status(heldout, train)
+    assert "untested" not in status.values(), status  # several seeds, two training-set sizes
+    assert {k: v == "holds" for k, v in status.items()} == \
+        {k: fig["claim_parts"][k] == "holds" for k in ("kv_little_cost", "qk_generalises_poorly")}
+    if "fails" in status.values():
+        assert f.verdict != "supported", f.why
+    assert "generalises poorly" in f.claim and "little cost" in f.claim
+    assert all(f"{min(v):.2f}-{max(v):.2f}" in f.why for k, v in heldout.items() if k.endswith(" 256"))
+
+
 def test_the_recheck_itself_can_tell_claims_apart():
     assert recheck.accuracy_claim_status({"dot": 1.0, "multiplicative": 1.0, "additive": 0.995}) == "untested"
     assert recheck.accuracy_claim_status({"dot": 0.7, "multiplicative": 0.9, "additive": 0.95}) == "fails"
     assert recheck.accuracy_claim_status({"dot": 0.93, "multiplicative": 0.9, "additive": 0.95}) == "holds"
     assert recheck.rnn_flops(3, 8) == 4 * 3 * 8 * 8
+    sep, qk, kv = [0.95, 0.97], [0.80, 0.85], [0.96, 0.95]
+    status = recheck.sharing_claim_status(
+        {"separate 64": [0.6, 0.6], "share_qk 64": [0.5, 0.5], "separate 256": sep, "share_qk 256": qk,
+         "share_kv 256": kv},
+        {"separate 64": [1.0, 1.0], "share_qk 64": [1.0, 1.0], "separate 256": [1.0, 1.0], "share_qk 256": [1.0, 1.0],
+         "share_kv 256": [1.0, 1.0]})
+    assert status == {"kv_little_cost": "holds", "qk_generalises_poorly": "holds"}
+    status = recheck.sharing_claim_status({"separate 256": sep, "share_qk 256": qk, "share_kv 256": [0.7, 0.8]},
+                                          {"separate 256": [1.0, 1.0], "share_qk 256": [1.0, 1.0],
+                                           "share_kv 256": [1.0, 1.0]})
+    assert status == {"kv_little_cost": "fails", "qk_generalises_poorly": "untested"}
+    assert recheck.sharing_claim_status({"separate 256": [0.9], "share_kv 256": [0.9], "share_qk 256": [0.8]},
+                                        {"separate 256": [1.0], "share_kv 256": [1.0], "share_qk 256": [1.0]}) == \
+        {"kv_little_cost": "untested", "qk_generalises_poorly": "untested"}
 
 
 # ------------------------------------------------------------------ MultiHeadAttention(share_qk=True)

@@ -1,4 +1,4 @@
-"""An independent recheck of four ``attnkit lab`` experiments, from first principles with torch.
+"""An independent recheck of six ``attnkit lab`` experiments, from first principles with torch.
 
 Nothing here imports :mod:`attnkit.lab`: each function recomputes a key figure its own way (other
 sentences, other random draws, torch's own FLOP counter, autograd's own Jacobians), so that
@@ -134,3 +134,83 @@ def accuracy_claim_status(accuracies: dict[str, float], ceiling: float = 0.99, m
     if min(accuracies.values()) >= ceiling:
         return "untested"
     return "holds" if accuracies["dot"] >= max(accuracies.values()) - margin else "fails"
+
+
+def own_score_wins(x: torch.Tensor) -> list[bool]:
+    """For the rows of ``x [L, E]``, one by one in a loop: whether the row's dot product with itself
+    is strictly larger than with every other row (no projections: q = k = x)."""
+    wins = []
+    for i in range(x.shape[0]):
+        own = float(x[i] @ x[i])
+        wins.append(all(own > float(x[i] @ x[j]) for j in range(x.shape[0]) if j != i))
+    return wins
+
+
+def equal_norm_rows(n: int = 24, d: int = 32, seed: int = 4321) -> torch.Tensor:
+    """``n`` random directions in ``d`` dimensions, each scaled to norm 3 (float64)."""
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return 3 * x / x.norm(dim=-1, keepdim=True)
+
+
+def unequal_norm_counterexample(d: int = 8, seed: int = 4321) -> tuple[float, float, float]:
+    """A random word and the same word 1.5 times longer: ``(own score, score with the longer one,
+    weight on itself under softmax(x x^T / sqrt(d)))`` for the first."""
+    x = torch.randn(d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    pair = torch.stack([x, 1.5 * x])
+    scores = pair @ pair.T
+    return float(scores[0, 0]), float(scores[0, 1]), float(torch.softmax(scores[0] / math.sqrt(d), -1)[0])
+
+
+def minilm_self_attention(model, texts: list[str] = SENTENCES) -> dict[str, float]:
+    """On MiniLM's input embeddings of ``texts`` (not the lab's sentences), with q = k = v = x and
+    no projections: the mean weight of each real token on itself under ``softmax(x x^T / sqrt(E))``
+    over the real tokens, and the share of real tokens whose own score beats every other one."""
+    enc = model.tokenizer(texts)
+    lengths = enc["attention_mask"].sum(-1)
+    with torch.no_grad():
+        emb = model(enc["input_ids"], enc["attention_mask"], output_hidden_states=True).hidden_states[0].double()
+    self_weights, wins = [], []
+    for b in range(emb.shape[0]):
+        x = emb[b, : int(lengths[b])]
+        self_weights += torch.softmax(x @ x.T / math.sqrt(x.shape[-1]), -1).diagonal().tolist()
+        wins += own_score_wins(x)
+    return {"self_weight": sum(self_weights) / len(self_weights), "own_score_wins": sum(wins) / len(wins)}
+
+
+def shared_qk_scores(n: int = 10, d: int = 16, seed: int = 4321) -> tuple[float, float]:
+    """With one matrix ``W`` for queries and keys, ``S = (x W)(x W)^T``: ``(max |S - S^T|, max
+    |diag S - |x W|^2|)``; both 0 up to rounding (float64)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    w = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    s = (x @ w) @ (x @ w).T
+    return float((s - s.T).abs().max()), float((s.diagonal() - (x @ w).pow(2).sum(-1)).abs().max())
+
+
+def sharing_claim_status(heldout: dict[str, list[float]], train: dict[str, list[float]],
+                         little: float = 0.05) -> dict[str, str]:
+    """What per-seed accuracies say about sharing's two accuracy claims, from ``heldout`` and
+    ``train`` accuracies keyed ``"VARIANT POOL"`` (``"separate 64"``, ``"share_qk 256"``, ...).
+
+    ``kv_little_cost``: ``untested`` with fewer than two seeds; else ``holds`` when K = V's mean
+    accuracy on unseen sequences is within ``little`` of separate projections' at every pool where
+    both ran. ``qk_generalises_poorly``: ``untested`` with fewer than two seeds or one pool size; else
+    ``holds`` when at every pool Q = K's smallest gap (training minus unseen) exceeds separate's
+    largest, ``fails`` otherwise.
+    """
+    def mean(v):
+        return sum(v) / len(v)
+
+    pools = sorted({int(k.split()[1]) for k in heldout})
+    seeds = min(len(v) for v in heldout.values())
+    if seeds < 2:
+        return {"kv_little_cost": "untested", "qk_generalises_poorly": "untested"}
+    kv_pools = [p for p in pools if f"share_kv {p}" in heldout]
+    kv = all(mean(heldout[f"share_kv {p}"]) >= mean(heldout[f"separate {p}"]) - little for p in kv_pools)
+
+    def gaps(key):
+        return [t - h for t, h in zip(train[key], heldout[key], strict=True)]
+
+    qk = all(min(gaps(f"share_qk {p}")) > max(gaps(f"separate {p}")) for p in pools)
+    return {"kv_little_cost": ("holds" if kv else "fails") if kv_pools else "untested",
+            "qk_generalises_poorly": "untested" if len(pools) < 2 else ("holds" if qk else "fails")}
