@@ -20,6 +20,7 @@ import torch
 
 import attnkit
 from attnkit import viz
+from attnkit.modules import TransformerEncoderLayer
 
 torch.manual_seed(0)
 torch.set_printoptions(precision=3, sci_mode=False)
@@ -166,6 +167,7 @@ print("weights equal ours:", torch.allclose(ak_weights[0], weights),
       f"(max abs difference {float((ak_weights[0] - weights).abs().max()):.1e})")
 print("output equal ours: ", torch.allclose(ak_out[0], out),
       f"(max abs difference {float((ak_out[0] - out).abs().max()):.1e})")
+assert torch.allclose(ak_weights[0], weights) and torch.allclose(ak_out[0], out)
 
 # %% [markdown]
 # ## The same numbers from `torch.nn.MultiheadAttention`
@@ -187,6 +189,7 @@ print("weights equal ours:", torch.allclose(pt_weights[0], weights),
       f"(max abs difference {float((pt_weights[0] - weights).abs().max()):.1e})")
 print("output equal ours: ", torch.allclose(pt_out[0], out),
       f"(max abs difference {float((pt_out[0] - out).abs().max()):.1e})")
+assert torch.allclose(pt_weights[0], weights) and torch.allclose(pt_out[0], out)  # the text below says so
 
 # %% [markdown]
 # The three agree up to float32 rounding: attention is nothing more than these four lines.
@@ -207,8 +210,82 @@ print(causal)
 print("causal weights:")
 print(by_hand_causal)
 print("attnkit with is_causal=True agrees:", torch.allclose(ak_causal[0], by_hand_causal))
+assert torch.allclose(ak_causal[0], by_hand_causal) and torch.equal(by_hand_causal[~causal], torch.zeros(6))
+assert torch.allclose(by_hand_causal.sum(-1), torch.ones(n))  # each row still sums to 1
 
 causal_map = viz.heatmap(by_hand_causal, tokens, mask=causal, title="causal attention weights")
+
+# %% [markdown]
+# ## The whole call in one picture, and the block around it
+#
+# A model does all of the above for a batch of sequences and several heads at once, and then mixes
+# the heads' outputs with one more learned matrix, the output projection `W_o`. The picture follows
+# one call of `attnkit.MultiHeadAttention` (2 sequences of 5 tokens, width 12, 3 heads of 4, a
+# causal mask), and every shape in it is read off that call's own tensors: `B` sequences, `H`
+# heads, `L` tokens, `D` numbers per head, `E = H × D` per token. The code checks first that the
+# steps, done one by one, give the module's own output.
+
+# %%
+B, L, E, H = 2, 5, 12, 3
+block_mha = attnkit.MultiHeadAttention(E, H).eval()
+x = torch.randn(B, L, E)
+mask = attnkit.masks.causal(L)
+q, k, v = block_mha.project_qkv(x, x, x)                     # (B, L, E) -> three (B, H, L, D)
+raw = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])       # (B, H, L, L)
+hidden = raw.masked_fill(~mask, float("-inf"))               # (B, H, L, L)
+heads, w = attnkit.attention(q, k, v, mask=mask, return_weights=True)  # (B, H, L, D), (B, H, L, L)
+side_by_side = heads.transpose(1, 2).reshape(B, L, E)        # (B, L, H * D)
+projected = block_mha.out_proj(side_by_side)                 # (B, L, E)
+assert torch.allclose(w, torch.softmax(hidden, dim=-1), atol=1e-6)
+assert torch.allclose(projected, block_mha(x, mask=mask), atol=1e-6)
+
+
+def shape(t, names):
+    return f"[{names}] = [{', '.join(map(str, t.shape))}]"
+
+
+call_figure = viz.flow_diagram({
+    "x": (f"X\n{shape(x, 'B, L, E')}", (1, 0)),
+    "q": (f"Q = X W_q\n{shape(q, 'B, H, L, D')}", (0, 1)),
+    "k": (f"K = X W_k\n{shape(k, 'B, H, L, D')}", (1, 1)),
+    "v": (f"V = X W_v\n{shape(v, 'B, H, L, D')}", (2, 1)),
+    "s": (f"scores Q Kᵀ / √D\n{shape(raw, 'B, H, L, L')}", (0.5, 2)),
+    "m": (f"mask: -inf where False\n{shape(hidden, 'B, H, L, L')}", (0.5, 3)),
+    "w": (f"softmax, row by row\n{shape(w, 'B, H, L, L')}", (0.5, 4)),
+    "h": (f"weighted sum, weights @ V\n{shape(heads, 'B, H, L, D')}", (1.5, 5)),
+    "c": (f"heads side by side\n{shape(side_by_side, 'B, L, H·D')}", (1.5, 6)),
+    "o": (f"output projection, · W_o\n{shape(projected, 'B, L, E')}", (1.5, 7)),
+}, [("x", "q"), ("x", "k"), ("x", "v"), ("q", "s"), ("k", "s"), ("s", "m"), ("m", "w"), ("w", "h"),
+    ("v", "h"), ("h", "c"), ("c", "o")], title="One call of MultiHeadAttention, with its shapes")
+
+# %% [markdown]
+# A Transformer layer wraps that call: the attention's output is added to its input (a *residual*
+# connection) and normalised, then a feed-forward network of two linear layers does the same. The
+# shapes below are recorded, with forward hooks, from a call of attnkit's `TransformerEncoderLayer`
+# in its default arrangement (normalisation after each sum, as in the original Transformer).
+
+# %%
+layer = TransformerEncoderLayer(E, H, ffn_dim=4 * E).eval()
+seen = {}
+parts = {"attention": layer.self_attn, "norm1": layer.norm1, "linear1": layer.ff.linear1,
+         "linear2": layer.ff.linear2, "norm2": layer.norm2}
+hooks = [m.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out))
+         for name, m in parts.items()]
+with torch.no_grad():
+    y = layer(x)
+for hook in hooks:
+    hook.remove()
+assert torch.equal(seen["norm2"], y)  # the last box is the layer's output
+
+block_figure = viz.flow_diagram({
+    "x": (f"X\n{shape(x, 'B, L, E')}", (0, 0)),
+    "a": (f"multi-head self-attention\n(the call above)\n{shape(seen['attention'], 'B, L, E')}", (0, 1), "op"),
+    "n1": (f"X + attention, LayerNorm\n{shape(seen['norm1'], 'B, L, E')}", (0, 2), "op"),
+    "f1": (f"linear, ReLU\n{shape(seen['linear1'], 'B, L, 4E')}", (0, 3), "op"),
+    "f2": (f"linear\n{shape(seen['linear2'], 'B, L, E')}", (0, 4), "op"),
+    "n2": (f"sum, LayerNorm\n{shape(seen['norm2'], 'B, L, E')}", (0, 5), "op"),
+}, [("x", "a"), ("a", "n1"), ("x", "n1", "residual"), ("n1", "f1"), ("f1", "f2"), ("f2", "n2"),
+    ("n1", "n2", "residual")], title="One TransformerEncoderLayer, with its shapes")
 
 # %% [markdown]
 # Where next: [masks](../guides/masks.md) for every way to say who may attend to whom,
