@@ -278,6 +278,11 @@ for ax in (left, middle):
     ax.set_yticks([])
 plt.show()
 
+# What the closing lines below state, checked: exactly no weight on blank patches, padding, the future.
+assert float(cross[:, ~mask[0]].abs().sum()) == 0.0
+assert float(pooled[~real].abs().sum()) == 0.0
+assert float(weights[~causal].abs().sum()) == 0.0
+
 # %% [markdown]
 # Untrained, the class token's weights are almost flat over the patches. A convolution knows from its
 # shape that neighbouring pixels belong together; self-attention has no such notion and must learn it
@@ -291,8 +296,9 @@ plt.show()
 # - One operation, five questions: characters asking which source words they come from, words asking
 #   which patches hold their digit, one query asking which words decide the verdict, positions asking
 #   which earlier items tell the session's theme, patches and a class token asking each other.
-# - The mask is part of the question: padding, blank patches and the future get no weight at all,
-#   before and after training (the prints above show 0 on every masked key).
+# - The mask is part of the question: blank patches, padding and the future get no weight at all in
+#   the maps above (exactly 0 on every masked key). A mask does not depend on the weights, so training
+#   cannot move weight onto what it hides.
 # - The tiny translation run shows how far an alignment forms in 150 steps; the four untrained maps
 #   show only the shape of each attention. What each one learns to attend to is measured by the
 #   full runs: `attnkit train translate`, `caption`, `classify`, `recommend`, `vit`.

@@ -305,6 +305,13 @@ for (layer, head), value in zip(torch.cartesian_prod(torch.arange(n_layers), tor
             color="white" if value > float(effect.max()) / 2 else "black")
 fig.colorbar(im, ax=ax, label="1 - cosine to the full model")
 
+# What the text below states, checked on these numbers.
+assert float(effect.max()) < float(between.min()) / 2  # any one head: far less than two sentences apart
+assert all(float(effect[layer].max()) < whole_layer[layer] for layer in range(n_layers))
+assert int(per_layer.argmax()) == n_layers - 1  # the last layer's heads matter most
+crisp_ranks = [int((effect > effect[layer, head]).sum()) + 1 for layer, head in (best_prev, best_next)]
+assert min(crisp_ranks) > 5, crisp_ranks  # the crisp heads are not among the five that matter most
+
 # %% [markdown]
 # Three things to read from these numbers. First, removing any single head moves the embedding far
 # less than the distance between two different sentences, and less than removing all the heads of

@@ -133,7 +133,11 @@ def measure(fn):
             "NaNs": int(out.isnan().sum())}
 
 
+measured = {}  # every row shown, by name: the summary at the end is checked against them
+
+
 def show(rows):
+    measured.update(rows)
     print(f"{'':<34} {'weight on padding':>17} {'leak':>8} {'min row sum':>12} {'NaNs':>5}")
     for name, r in rows.items():
         print(f"{name:<34} {r['weight on padding']:>17.3f} {r['leak']:>8.3f} {r['min row sum']:>12.3f} {r['NaNs']:>5}")
@@ -391,6 +395,22 @@ print("masks.padding already has the key axis: shape", tuple(keep.shape), "= [ba
 query_axis = viz.head_grid(torch.stack([on_the_query_axis(q, k, v)[1][1, 0].nan_to_num(), fixed(q, k, v)[1][1, 0]]),
                            tokens[1], labels=["as written: query axis\n(NaN drawn as 0)", "fix: key axis"],
                            ncols=2, title="Sentence 2: the padding mask on the wrong axis and the right one")
+
+# What the summary below states, checked on the numbers above.
+for name, r in measured.items():
+    if name.startswith("fix"):  # every fix: no weight on padding, no leak, rows summing to 1, no NaN
+        assert r["weight on padding"] == 0 and r["leak"] < 1e-5 and abs(r["min row sum"] - 1) < 1e-5 and not r["NaNs"]
+for name in ("as written: scores + mask01", "as written: scores * mask01", "as written: mask[:, None, :, None]"):
+    assert measured[name]["weight on padding"] > 0.05 and measured[name]["leak"] > 0.05, name  # padding gets through
+assert measured["as written: softmax(s) * keep"]["min row sum"] < 0.99 and bool((shrink < 1).all())
+assert random_mask[future].float().mean() > 0.5  # most future pairs stay visible
+nan_rows = [int(two_layers(attend)[2][1, 0].isnan().any(-1).sum()) for attend in (
+    lambda q, k, v: plain(q, k, v, left_causal),
+    lambda q, k, v: attnkit.attention(q, k, v, mask=left_causal, return_weights=True))]
+assert nan_rows == [L, 0]  # NaN in one row spreads to every row of the next layer; attnkit gives none
+for name, m in candidates.items():  # each wrong causal mask lets the future in or hides a token from itself
+    wrong = bool(m[future_L].any()) or bool((~m[~future_L]).any())
+    assert wrong != ("right" in name), name
 
 # %% [markdown]
 # ## Summary

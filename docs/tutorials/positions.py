@@ -165,6 +165,21 @@ for h in range(4):
     near = float(weights[h, -3:].sum())
     print(f"head {h}: weight on the 3 nearest keys {near:.2f}")
 
+# What the text above and the lines below state, checked.
+near = weights[:, -3:].sum(-1)
+assert near[int(alibi.slopes.argmax())] > 0.5 and abs(float(near[int(alibi.slopes.argmin())]) - 3 / 12) < 0.01
+assert gap < 1e-5 and gap_rope > 0.1  # equivariant without positions; RoPE sees order
+sines = positional.sinusoidal_table(64, 32)
+assert all(math.isclose(float(sines[p, 2 * i]), math.sin(p / 10000 ** (2 * i / 32)), abs_tol=1e-6)
+           and math.isclose(float(sines[p, 2 * i + 1]), math.cos(p / 10000 ** (2 * i / 32)), abs_tol=1e-6)
+           for p in range(64) for i in range(16))  # every position: sine in even dimensions, cosine in odd
+for k in (1, 4, 16):  # the table's dot products depend on the offset alone
+    dots = (table[:-k] * table[k:]).sum(-1)
+    assert float(dots.max() - dots.min()) < 1e-3
+assert torch.equal(bias[:, 1:, 1:], bias[:, :-1, :-1])  # ALiBi: the same along every diagonal, m - n alone
+rope_scores = [float((rope(q1, start=m + shift) * rope(k1, start=shift)).sum()) for m in (2, 5) for shift in (0, 40)]
+assert math.isclose(*rope_scores[:2], abs_tol=1e-4) and math.isclose(*rope_scores[2:], abs_tol=1e-4)
+
 # %% [markdown]
 # ## What to take away
 #

@@ -384,6 +384,14 @@ print(f"4. reversal accuracy, unit-variance start: {accuracy['unit-variance', 's
       f"{accuracy['unit-variance', 'unscaled']:.2f} unscaled; Xavier start: {accuracy['Xavier', 'scaled']:.2f} "
       f"scaled, {accuracy['Xavier', 'unscaled']:.2f} unscaled (depends on the start)")
 
+# The words in brackets above are verdicts; they must follow from the numbers.
+assert var_raw[i_last] > 0.8 * last and 0.8 < var_scaled[i_last] < 1.2
+assert stats["unscaled"][i_last]["saturated"] > stats["scaled"][i_last]["saturated"]
+falling = jac["unscaled"][jac["unscaled"].index(max(jac["unscaled"])):]
+assert all(a > b for a, b in zip(falling, falling[1:], strict=False))  # it collapses: falls with every d_k ...
+assert jac["unscaled"][i_last] < 0.25 * jac["scaled"][i_last] and max(jac["scaled"]) < 1.1 * min(jac["scaled"])
+assert larger_q and grads["unscaled"][i_last]["dq"] > 0.1 * grads["scaled"][i_last]["dq"]  # it does not vanish
+
 # %% [markdown]
 # Where next: [Attention by hand](attention_by_hand.md) computes the scaled scores step by step on
 # four tokens; the [glossary](glossary.md) has these terms (scaling factor, softmax, vanishing

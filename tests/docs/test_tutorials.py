@@ -13,6 +13,7 @@ plain script (``python docs/tutorials/NAME.py``), for a developer who runs only 
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -57,6 +58,16 @@ def test_tutorial_has_a_title_prose_and_code_cells_that_compile(script):
         if cell.kind == "code":
             compile(cell.source, f"{script.name} (cell {number})", "exec")
     compile(text, script.name, "exec")
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
+def test_the_last_code_cell_asserts_what_the_closing_text_states(script):
+    """A tutorial's closing text states what its run found. The last code cell checks those figures
+    with ``assert``, so the page cannot state a finding its run did not give: the docs build runs
+    the asserts, and a cell that raises fails the build."""
+    code = [c for c in tutorials.parse(script.read_text(encoding="utf-8")) if c.kind == "code"]
+    asserts = [n for n in ast.walk(ast.parse(code[-1].source)) if isinstance(n, ast.Assert)]
+    assert asserts, f"{script.name}: the last code cell asserts nothing"
 
 
 @pytest.mark.skipif(not RUN_TUTORIALS, reason="the docs build (mkdocs build --strict, in .ci/run) executes "
