@@ -76,6 +76,7 @@ def test_the_own_score_wins_with_equal_norms_and_not_in_general(findings):
     assert f.figures["counterexample_self_weight"] < 0.5
     lo, hi = f.figures["minilm_norm_range"]
     assert hi > lo  # MiniLM's embeddings are the unequal-norm case the measurement covers
+    assert f.figures["own_score_max_share_minilm"] == 1.0  # docs/guides/lab.md: "still is for every word measured"
     assert "not guaranteed" in f.why and f"{f.figures['own_score_max_share_minilm']:.0%}" in f.why
 
 
