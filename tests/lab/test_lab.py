@@ -194,6 +194,15 @@ def test_the_lab_guide_names_test_files_that_exist():
     assert [p for p in sorted(named) if not (ROOT / p).is_file()] == []
 
 
+def test_the_lab_guide_gives_the_quick_verdicts_of_projections_and_sharing(findings):
+    from tests.support.markdown_blocks import ROOT
+
+    guide = (ROOT / "docs" / "guides" / "lab.md").read_text(encoding="utf-8")
+    for name in ("projections", "sharing"):
+        row = next(line for line in guide.splitlines() if line.startswith(f"| `{name}` |"))
+        assert row.split(" | ")[2] == findings[name].verdict, name
+
+
 def test_unknown_names_and_bad_verdicts_are_refused():
     with pytest.raises(ValueError, match="unknown experiment 'nope'"):
         check_names(["nope"])
