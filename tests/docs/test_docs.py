@@ -52,6 +52,17 @@ def test_python_block_runs_as_written(where, code, tmp_path):
     run_python(code, where, tmp_path)
 
 
+def test_the_masks_guide_checks_the_articles_three_tips():
+    """-1e9, cudnn.benchmark and del attn: each named in the tips section and checked by its block."""
+    text = (DOCS / "guides" / "masks.md").read_text(encoding="utf-8")
+    section = text[text.index("## Three tips from tutorials, checked"):text.index("## What is refused")]
+    blocks = [code for _, code, skip in fenced(section, "python") if not skip]
+    assert len(blocks) == 1
+    for tip in ("-1e9", "cudnn.benchmark", "del attn"):
+        assert tip in section.split("```python")[0] and tip in blocks[0], tip
+    assert blocks[0].count("assert") >= 8
+
+
 @pytest.mark.parametrize("where, code", [(w, c) for w, c, _ in _blocks("bash")],
                          ids=[w for w, _, _ in _blocks("bash")])
 def test_bash_block_parses(where, code):

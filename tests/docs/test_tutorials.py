@@ -70,6 +70,16 @@ def test_the_last_code_cell_asserts_what_the_closing_text_states(script):
     assert asserts, f"{script.name}: the last code cell asserts nothing"
 
 
+def test_the_first_tutorial_draws_one_attention_call_and_one_transformer_layer():
+    """The first tutorial of the nav holds the two data-flow diagrams, drawn by code from a real call."""
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    first = re.search(r"^\s+- [^:]+: tutorials/(\w+)\.md$", nav, re.M).group(1)
+    assert first == "attention_by_hand"
+    text = (tutorials.SOURCES / f"{first}.py").read_text(encoding="utf-8")
+    assert text.count("viz.flow_diagram(") == 2
+    assert "register_forward_hook" in text and "project_qkv(x, x, x)" in text  # shapes from real calls
+
+
 @pytest.mark.skipif(not RUN_TUTORIALS, reason="the docs build (mkdocs build --strict, in .ci/run) executes "
                                               "the tutorials; ATTNKIT_RUN_TUTORIALS=1 runs them here too")
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
