@@ -57,7 +57,11 @@ class ReferenceBackend:
             allowed = ~torch.isneginf(s) if allowed is None else allowed & ~torch.isneginf(s)
         weights = masked_softmax(s, allowed)
         if req.score_mod is not None:
-            weights = weights.masked_fill(~allowed, 0.0)
+            # A +inf the mod makes gives its cell NaN (inf / inf) and the row's other cells 0 (x / inf): the row is
+            # poisoned (attnkit.nonfinite), so every allowed cell of a row holding a NaN is NaN, and the gradient
+            # reaches every key the row allows, as in the tile and band kernels.
+            poisoned = weights.isnan().any(-1, keepdim=True) & allowed
+            weights = weights.masked_fill(poisoned, float("nan")).masked_fill(~allowed, 0.0)
         p = F.dropout(weights, req.dropout_p) if req.dropout_p > 0 else weights
         out = torch.matmul(p, v)  # [..., H, Lq, Ev]
         # A row with no visible key has all-zero weights and gives 0, even against a NaN value (0 * NaN);

@@ -1,7 +1,10 @@
 """The NaN/inf rule (:mod:`attnkit.nonfinite`) on every backend: a grid of poisons x masks x dtypes.
 
+The grid: every registered CPU backend but ``flex`` (whose compiles would cost minutes here; its own
+NaN cases are in ``tests/backends/test_flex.py``) x two shapes x the mask kinds (none, causal, window,
+padding, documents, a dense mask with a fully masked row) x float32, float64, bfloat16 and float16.
 Each case poisons one input at one place (a query row; a key or value row; a bias cell; a
-score_mod's diagonal), at a place some rows allow and others do not, and checks, forward and
+score_mod's diagonal made NaN or +inf), at a place some rows allow and others do not, and checks, forward and
 backward, against what the rule says, worked out here from the allowed grid of the independent
 oracle (:func:`tests.support.oracle.allowed_grid`):
 
@@ -28,6 +31,7 @@ BACKENDS = ["auto", "reference", "sdpa", "band", "fused_tiles", "tiles"]
 QUERY_DOCS = torch.tensor([0] * 4 + [1] * 6 + [2] * 2)  # queries 10, 11: a document with no keys
 KEY_DOCS = torch.tensor([0] * 4 + [1] * 8)
 #: (query heads, key/value heads, Lq, Lk): plain, and grouped-query heads with Lq < Lk (bottom-right).
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SHAPES = {"square": (2, 2, 12, 12), "gqa, Lq < Lk": (2, 1, 7, 12)}
 
 
@@ -78,6 +82,8 @@ def _poison_table(lq, lk):
         "bias -inf row, q NaN there": ("q", (0, 0, 6, 0), NAN),
         "score_mod NaN, 2 keys after": ("table", (0, d(2)), NAN),
         "score_mod NaN, 1 key before": ("table", (1, d(-1)), NAN),
+        "score_mod +inf, 1 key after": ("table", (0, d(1)), INF),
+        "score_mod +inf, on the diagonal and 1 key before": ("table", [(1, d(0)), (1, d(-1))], INF),
     }
 
 
@@ -108,11 +114,11 @@ def _expected(allowed, t, where, index, kw, lq, lk, hkv):
     elif where == "bias":
         bad_cell[index] = True
     else:  # the score_mod's table: column lk + d, a key d positions after the query's position
-        dist = index[1] - lk
-        for i in range(lq):
-            j = i + (lk - lq) + dist
-            if 0 <= j < lk:
-                bad_cell[0, index[0], i, j] = True
+        for head, column in index if isinstance(index, list) else [index]:
+            for i in range(lq):
+                j = i + (lk - lq) + column - lk
+                if 0 <= j < lk:
+                    bad_cell[0, head, i, j] = True
     poisoned = live & (allowed & bad_cell).any(-1) if where != "q" else live & bad_cell.any(-1)
     seen = (allowed & poisoned[..., None]).any(-2)  # [1, H, Lk]
     keys = torch.stack([seen[:, [i for i in range(h) if i * hkv // h == j]].any(1) for j in range(hkv)], 1)
@@ -160,7 +166,7 @@ def _check(name, got, want, nan_rows):
     return bad
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -168,7 +174,7 @@ def test_poison_reaches_exactly_the_rows_that_see_it(backend, shape, mask, dtype
     _grid(backend, shape, mask, dtype, grad=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("backend", ["auto", "band"])
@@ -188,7 +194,8 @@ def _grid(backend, shape, mask, dtype, grad):
         with_mod = where == "table"
         bias_grad = backend not in ("tiles", "fused_tiles")
         t = _inputs(h, hkv, lq, lk, dtype, with_bias, bias_grad)
-        if any(i >= n for i, n in zip(index, t[where].shape, strict=False)):
+        at = index if isinstance(index, list) else [index]
+        if any(i >= n for one in at for i, n in zip(one, t[where].shape, strict=False)):
             continue
         call_kw = kw
         if backend == "sdpa" and mask in ("window", "padding mod", "documents"):  # SDPA takes a dense mask
@@ -199,7 +206,8 @@ def _grid(backend, shape, mask, dtype, grad):
         clean = {n: (x.clone().requires_grad_(n != "table" and (n != "bias" or bias_grad)) if x is not None else None)
                  for n, x in t.items()}
         dirty = {n: (x.clone() if x is not None else None) for n, x in t.items()}
-        dirty[where][index] = value
+        for one in at:
+            dirty[where][one] = value
         for n in ("q", "k", "v", "bias"):
             if dirty[n] is not None:
                 dirty[n].requires_grad_(n != "bias" or bias_grad)
@@ -240,6 +248,26 @@ def test_a_learned_score_mod_table_gets_a_nan_gradient_once_a_row_is_poisoned(ba
     q[0, 0, 6, 1], table.data[0, 9] = 0.0, 0.0  # clean: a finite gradient
     out = attnkit.attention(q, k, v, is_causal=True, score_mod=mod, backend=backend)
     assert torch.isfinite(torch.autograd.grad(out, table, torch.ones_like(out))[0]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", ["reference", "tiles", "band"])
+@pytest.mark.parametrize(("diagonals", "poisoned"), [([2, 3], [0, 1]), ([3], [0])],
+                         ids=["two +inf in a row", "+inf beside visible keys"])
+def test_a_score_mod_infinity_poisons_its_whole_row_forward_and_backward(backend, diagonals, poisoned, dtype):
+    """A score_mod returning +inf at an allowed cell: its row is NaN, and so are ``dq`` there and ``dk``, ``dv``
+    at every key the row allows (the reference backend once gave the row's weights as ``[0, NaN, 0, ...]``,
+    leaving ``dv`` finite at the other keys)."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 1, 4, 8, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    table = torch.zeros(1, 9, dtype=dtype)
+    table[0, [4 + d for d in diagonals]] = INF  # key i + d of query i: rows 0 and 1 only
+    out = attnkit.attention(q, k, v, score_mod=scores.relative_position_bias(table, 4), backend=backend)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    clean = [i for i in range(4) if i not in poisoned]
+    assert out[0, 0, poisoned].isnan().all() and torch.isfinite(out[0, 0, clean]).all()
+    assert dq[0, 0, poisoned].isnan().all() and torch.isfinite(dq[0, 0, clean]).all()
+    assert dk.isnan().all() and dv.isnan().all()  # row 0 allows every key
 
 
 def test_compiled_code_runs_the_backend_without_the_check():
