@@ -33,6 +33,8 @@ class BandBackend:
         refusals.weights("band"),
         refusals.dropout("band"),
         Refusal(lambda c: c.bias is not None, "a dense bias is not a bias per head and diagonal (use score_mod)"),
+        Refusal(lambda c: c.query.shape[-1] == 0,
+                "head size 0 (every score is 0, each row the mean of its values): the kernel needs q and k columns"),
         Refusal(lambda c: c.query.device.type != "cpu" or compute_dtype(c.query.dtype) not in _band.DTYPES,
                 lambda c: f"the banded kernel runs on CPU tensors of a float type, got {c.query.dtype} on "
                           f"{c.query.device}"),

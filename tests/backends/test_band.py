@@ -363,3 +363,24 @@ def test_gradcheck_with_a_learned_table():
         return BAND(validate_call(a, b, c, is_causal=True, score_mod=scores.relative_position_bias(t, 2)))[0]
 
     assert torch.autograd.gradcheck(fn, (q, k, v, table))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kw", [{"is_causal": True}, {"window": (2, 1)}], ids=["causal", "window"])
+def test_head_size_zero_gives_each_row_the_mean_of_the_values_it_sees(kw, dtype):
+    """With ``q``, ``k`` of head size 0 every score is 0: each row is the mean of the values it may attend, and
+    ``dv`` is each key's share of the rows that see it (the kernel once returned zeros, and ``auto`` chose it)."""
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.empty(2, 3, 7, 0, dtype=dtype), torch.empty(2, 3, 7, 0, dtype=dtype)
+    v = torch.randn(2, 3, 7, 5, generator=g, dtype=torch.float64)
+    allowed = oracle.allowed_grid(2, 3, 7, 7, **kw)
+    want, weights = oracle.attention(q, k, v, allowed=allowed, scale=1.0)
+    dout = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    dv_want = weights.transpose(-2, -1) @ dout
+    v = v.to(dtype).requires_grad_()
+    out = attnkit.attention(q, k, v, **kw)
+    (dv,) = torch.autograd.grad(out, v, dout.to(dtype))
+    close(out, want, dtype)
+    close(dv, dv_want, dtype)
+    assert BAND.not_supported_reasons(validate_call(q, k, v, **kw)) == [
+        "head size 0 (every score is 0, each row the mean of its values): the kernel needs q and k columns"]
