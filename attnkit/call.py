@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -24,6 +25,40 @@ from .maskplan import MaskPlan, for_call
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 Window = tuple[int | None, int | None]
+
+P = TypeVar("P")
+
+
+class Derived:
+    """What is worked out about one :class:`Call` and kept for it: plans, each under its own type.
+
+    A backend keeps its plan for a call as an instance of a class of its own (``kind``), made once by
+    :meth:`plan`; a key beyond the type tells apart plans of one kind made with other settings (a block
+    size). It belongs to that call alone: :class:`Call` never copies it (see :attr:`Call.derived`).
+    Not a ``functools.cached_property`` on the call: its lock (Python 3.11) is a context manager
+    torch.compile cannot trace.
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, object] = {}
+
+    def plan(self, kind: type[P], make: Callable[..., P | None], *args, key: tuple = ()) -> P | None:
+        """The call's plan of type ``kind`` (and ``key``): ``make(*args)`` on first use, kept after.
+
+        ``make`` may return None (no plan of that kind for this call: no mask, say); that is kept too."""
+        at = (kind, *key)
+        if at not in self._plans:
+            made = make(*args)
+            if made is not None and not isinstance(made, kind):
+                raise TypeError(f"a {kind.__name__} plan was made as a {type(made).__name__}")
+            self._plans[at] = made
+        return self._plans[at]
+
+
+def _nothing_worked_out() -> Derived:
+    # A function for the field's default_factory: TorchDynamo (torch 2.13) cannot trace a class given there.
+    return Derived()
+
 
 @dataclass(frozen=True)
 class Call:
@@ -41,9 +76,11 @@ class Call:
     scale: float
     dropout_p: float
     return_weights: bool
-    #: What backends work out about this call once and reuse (a backend's plan from asking whether
-    #: it can serve the call to serving it); not part of the call's identity.
-    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    #: What is worked out about this call once and reused (its mask plan; a backend's plan, from asking whether
+    #: it can serve the call to serving it): not an argument, not part of the call's identity, and never
+    #: copied: a call made from this one with ``dataclasses.replace`` (the NaN rule's sanitized call) starts
+    #: with none, since a plan may hold this call's tensors.
+    derived: Derived = field(init=False, default_factory=_nothing_worked_out, compare=False, repr=False)
 
     @property
     def heads(self) -> int:
@@ -77,12 +114,10 @@ class Call:
     @property
     def mask_plan(self) -> MaskPlan | None:
         """The :class:`attnkit.MaskPlan` of ``is_causal``/``window``/``mask_mod`` and a dense 4-D ``mask``
-        (None when none is set), worked out on first use and kept in :attr:`memo` (see
+        (None when none is set), worked out on first use and kept in :attr:`derived` (see
         :func:`attnkit.maskplan.for_call`). Not a ``functools.cached_property``: its lock (Python
         3.11) is a context manager torch.compile cannot trace."""
-        if "mask_plan" not in self.memo:
-            self.memo["mask_plan"] = for_call(self)
-        return self.memo["mask_plan"]
+        return self.derived.plan(MaskPlan, for_call, self)
 
     def structured_mask_mod(self) -> _masks.MaskMod | None:
         """``is_causal``, ``window`` and ``mask_mod`` as one predicate (``None`` if none is set)."""

@@ -14,6 +14,7 @@ SDPA for plain causal calls (:meth:`BandBackend.prefers`).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -57,7 +58,7 @@ class BandBackend:
         reasons = refusals.reasons(self.REFUSALS, req)
         if reasons:
             return reasons
-        why = _kernel_inputs(req)[1]
+        why = _kernel_inputs(req).why
         if why is None and not _band.available():
             why = f"the banded kernel is not available ({_band.unavailable_reason()})"
         return [why] if why is not None else []
@@ -77,7 +78,7 @@ class BandBackend:
         key blocks whole, keys the forward never read among them) and whose score_mod table, if any, holds
         no -inf under uncapped scores, on a kernel whose statistics report a non-finite input
         (:func:`._band.reports_nonfinite`)."""
-        inputs = _kernel_inputs(req)[0]
+        inputs = _kernel_inputs(req).inputs
         if torch.is_grad_enabled() and (any(t.requires_grad for t in (req.query, req.key, req.value)) or (
                 inputs.bias is not None and inputs.bias.requires_grad)):
             return False
@@ -99,7 +100,7 @@ class BandBackend:
         reasons = self.not_supported_reasons(req)
         if reasons:  # select() asks first; this is a direct call
             raise ValueError("backend 'band' cannot serve this call: " + "; ".join(reasons))
-        return _kernel_inputs(req)[0]
+        return _kernel_inputs(req).inputs
 
 
 def _bad_table(inputs: _band.BandInputs) -> Tensor:
@@ -131,14 +132,19 @@ def _per_head(t: Tensor, req: Call) -> Tensor:
     return t.view(-1, req.heads if per_head else 1, *t.shape[1:])
 
 
-def _kernel_inputs(req: Call) -> tuple[_band.BandInputs | None, str | None]:
+class _Plan(NamedTuple):
+    """The band kernel's plan for one call: its inputs, or None and why not."""
+
+    inputs: _band.BandInputs | None
+    why: str | None
+
+
+def _kernel_inputs(req: Call) -> _Plan:
     """The kernel's inputs for ``req``, or None and why not (worked out once per call)."""
-    if "band" not in req.memo:
-        req.memo["band"] = _work_out(req)
-    return req.memo["band"]
+    return req.derived.plan(_Plan, _work_out, req)
 
 
-def _work_out(req: Call) -> tuple[_band.BandInputs | None, str | None]:
+def _work_out(req: Call) -> _Plan:
     bias, cap = None, 0.0
     if req.score_mod is not None:
         # In the scores' compute dtype (the attnkit.scores dtype rule), so float32 tables add up in float64 for
@@ -147,13 +153,13 @@ def _work_out(req: Call) -> tuple[_band.BandInputs | None, str | None]:
                                     q_len=req.q_len, kv_len=req.kv_len, dtype=compute_dtype(req.query.dtype),
                                     device=req.query.device)
         if terms is None:
-            return None, scores.NOT_KERNEL_TERMS
+            return _Plan(None, scores.NOT_KERNEL_TERMS)
         bias, cap = terms
     plan = req.mask_plan
     if plan is None and req.mask is not None:
-        return None, "a dense mask has an interval form only with 4-D inputs [B, H, L, E]"
+        return _Plan(None, "a dense mask has an interval form only with 4-D inputs [B, H, L, E]")
     if plan is None:  # no mask: every row sees every key
-        return _band.BandInputs(*row_bounds(req.q_len, req.kv_len), bias, cap), None
+        return _Plan(_band.BandInputs(*row_bounds(req.q_len, req.kv_len), bias, cap), None)
     if plan.starts is None:
-        return None, "the mask has no interval form (a row has too many runs of keys)"
-    return _band.BandInputs(plan.starts, plan.ends, bias, cap), None
+        return _Plan(None, "the mask has no interval form (a row has too many runs of keys)")
+    return _Plan(_band.BandInputs(plan.starts, plan.ends, bias, cap), None)

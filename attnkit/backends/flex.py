@@ -247,10 +247,7 @@ class _Inputs:
 
 
 def _inputs(req: Call, block: int, lse: bool = False) -> _Inputs:
-    key = ("flex", block, lse)
-    if key not in req.memo:
-        req.memo[key] = _work_out(req, block, lse)
-    return req.memo[key]
+    return req.derived.plan(_Inputs, _work_out, req, block, lse, key=(block, lse))
 
 
 def _work_out(req: Call, block: int, lse: bool = False) -> _Inputs:

@@ -329,6 +329,34 @@ def test_a_family_whose_first_output_disagrees_with_the_formula_is_not_used(stan
         SMALL(validate_call(q, k, v, is_causal=True))  # a direct call says why, as a forced backend does
 
 
+def test_a_sanitized_call_runs_on_its_own_inputs_not_on_those_worked_out_for_the_call_it_copies(stand_in_compiler):
+    """Once a family has failed, flex works out its inputs (q, k and v detached) when asked whether it can serve.
+    The NaN rule's sanitized copy of a call must not read those back: the copy once shared the original's
+    derived state, and every row of the head came out NaN where only the rows that see the NaN may."""
+    def compiler():
+        if not stand_in_compiler.made[1:]:
+            def kernel(*args):
+                raise RuntimeError("a family that fails")
+        else:
+            def kernel(q, k, v, score_mod, block_mask, scale, enable_gqa):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return kernel
+
+    stand_in_compiler.compiler = compiler
+    forward(SMALL, *qkv(lq=13, lk=13), is_causal=True, falls_back=True)  # a family fails: flex._failed is not empty
+    q, k, v = qkv(lq=40, lk=40)
+    v[0, 0, 30] = float("nan")  # under causal, rows 30.. of batch 0 head 0 see it
+    with torch.no_grad():
+        out = attnkit.attention(q, k, v, is_causal=True, backend="flex")
+    assert len(stand_in_compiler.made) == 2  # flex served it
+    assert bool(out[0, 0, 30:].isnan().all()) and not bool(out[0, 0, :30].isnan().any())
+    clean = v.clone()
+    clean[0, 0, 30] = 0.0
+    want = expected(q, k, clean, is_causal=True)
+    close(out[0, 0, :30], want[0, 0, :30], torch.float32)
+    close(out[1], want[1], torch.float32)
+
+
 def test_attention_with_lse_gives_each_row_its_log_sum_exp_and_both_gradients(stand_in_compiler):
     """What ring attention merges its blocks with: the output and each row's log-sum-exp (-inf and zeros for a
     row that sees nothing), differentiable in both (CUDA's compiled Flex; here Flex's own eager maths, which
