@@ -90,9 +90,11 @@ class KVCache(nn.Module):
     """Preallocated keys ``[B, Hkv, max_len, D]`` and values ``[B, Hkv, max_len, Dv]``.
 
     Pass one per self-attention layer to ``MultiHeadAttention(..., cache=)``: the module projects
-    the new tokens, applies any rotary transform at absolute positions ``seq_len ...``, writes
-    them here and attends over the whole buffers, the unwritten tail masked out by
-    :func:`visible` (causal masks align bottom-right to the written length).
+    the new tokens, applies any rotary transform at absolute positions ``seq_len ...``, checks the
+    whole call, writes them here and attends over what is written (causal masks align bottom-right to
+    the written length). Eagerly that is the written part of the buffers, a view, with no mask for the
+    unwritten tail; under ``torch.compile`` it is the whole buffers (fixed shapes), the tail masked out
+    by :func:`visible`.
 
     :attr:`finite` (a 0-d bool buffer) says whether everything written since the last :meth:`reset` is finite.
 
@@ -227,6 +229,26 @@ class KVCache(nn.Module):
             ValueError: shapes that do not match the cache, or more tokens than ``max_len`` holds.
             TypeError: a dtype other than the cache's.
         """
+        self.check_update(k, v)
+        n = k.shape[2]
+        if torch.compiler.is_compiling():
+            # The length stays a tensor; a write past the end fails in index_copy_'s bounds check.
+            self._len = None
+        else:
+            self._len = self.seq_len + n
+        where = self.cache_pos + torch.arange(n, device=self.cache_pos.device)  # (L,) positions to write
+        self._recheck()
+        self.finite.logical_and_(nonfinite.finite(k) & nonfinite.finite(v))
+        self.k.index_copy_(2, where, k)
+        self.v.index_copy_(2, where, v)
+        self._vouch()
+        self.cache_pos.add_(n)
+        return Cached(self.k, self.v, self.cache_pos.clone(), self._len)
+
+    def check_update(self, k: Tensor, v: Tensor) -> None:
+        """Raise what :meth:`update` would raise for ``k`` and ``v``, writing nothing (a caller that must refuse
+        a step whole checks it first). Under ``torch.compile`` the room left is not checked (see :meth:`update`).
+        """
         for name, t, d, buf in (("k", k, self.head_dim, self.k), ("v", v, self.v_head_dim, self.v)):
             if not isinstance(t, Tensor) or t.dim() != 4 or t.shape[0] != self.batch_size or \
                     t.shape[1] != self.num_kv_heads or t.shape[3] != d:
@@ -238,24 +260,9 @@ class KVCache(nn.Module):
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"k and v must hold the same number of new tokens, got k {tuple(k.shape)}, "
                              f"v {tuple(v.shape)}")
-        n = k.shape[2]
-        if torch.compiler.is_compiling():
-            # The length stays a tensor; a write past the end fails in index_copy_'s bounds check.
-            self._len = None
-        else:
-            pos = self.seq_len
-            if pos + n > self.max_len:
-                raise ValueError(f"KVCache overflow: {pos} cached + {n} new tokens > max_len {self.max_len}; "
-                                 "allocate a longer cache or call reset()")
-            self._len = pos + n
-        where = self.cache_pos + torch.arange(n, device=self.cache_pos.device)  # (L,) positions to write
-        self._recheck()
-        self.finite.logical_and_(nonfinite.finite(k) & nonfinite.finite(v))
-        self.k.index_copy_(2, where, k)
-        self.v.index_copy_(2, where, v)
-        self._vouch()
-        self.cache_pos.add_(n)
-        return Cached(self.k, self.v, self.cache_pos.clone(), self._len)
+        if not torch.compiler.is_compiling() and self.seq_len + k.shape[2] > self.max_len:
+            raise ValueError(f"KVCache overflow: {self.seq_len} cached + {k.shape[2]} new tokens > max_len "
+                             f"{self.max_len}; allocate a longer cache or call reset()")
 
     def _vouch(self) -> None:
         """Tell attention's finiteness check what :attr:`finite` says of the buffers as they are now

@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from . import backends, nonfinite
-from .call import validate_call
+from .backends import Backend
+from .call import Call, validate_call
 
 
 def attention(
@@ -68,15 +69,27 @@ def attention(
         s = q @ k.transpose(-2, -1) * scale + bias
         out = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
     """
-    req = validate_call(query, key, value, mask=mask, bias=bias, is_causal=is_causal, window=window,
-                        mask_mod=mask_mod, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
-                        return_weights=return_weights)
-    chosen = backends.select(req, backend)
-    backends.registry.note_served(chosen)
-    out, weights = nonfinite.call(chosen, req)
+    req, chosen = checked(query, key, value, mask=mask, bias=bias, is_causal=is_causal, window=window,
+                          mask_mod=mask_mod, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
+                          return_weights=return_weights, backend=backend)
+    out, weights = run(req, chosen)
     return (out, weights) if return_weights else out
 
 
 def which_backend(query: Tensor, key: Tensor, value: Tensor, *, backend: str = "auto", **kwargs) -> str:
     """The name of the backend ``attention`` would run for these arguments (nothing is computed)."""
-    return backends.select(validate_call(query, key, value, **kwargs), backend).name
+    return checked(query, key, value, backend=backend, **kwargs)[1].name
+
+
+def checked(query: Tensor, key: Tensor, value: Tensor, *, backend: str = "auto", **kwargs) -> tuple[Call, Backend]:
+    """:func:`attention`'s first half: its arguments validated and its backend chosen, nothing computed. Every
+    error of a call is raised here, so a caller that changes state for a call (a KV cache's write) runs this
+    first, then the change, then :func:`run`."""
+    req = validate_call(query, key, value, **kwargs)
+    return req, backends.select(req, backend)
+
+
+def run(req: Call, chosen: Backend) -> tuple[Tensor, Tensor | None]:
+    """:func:`attention`'s second half: ``chosen`` serves ``req`` under the NaN rule (:mod:`attnkit.nonfinite`)."""
+    backends.registry.note_served(chosen)
+    return nonfinite.call(chosen, req)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,7 +11,7 @@ from torch import Tensor, nn
 
 from .._text import describe
 from ..call import is_plan
-from ..functional import attention
+from ..functional import checked, run
 from ..masks import check_window
 from ..scores import compose
 
@@ -278,45 +279,55 @@ class MultiHeadAttention(nn.Module):
         if self.rotary is not None:
             q = self.rotary(q, kv_len - q.shape[-2])  # bottom-right: query i at Lk - Lq + i
             k = self.rotary(k, start)
-        on_buffers = False
-        if cache is not None:
+        approx_refused = {"mask_plan": mask if is_plan(mask) else None, "bias": bias, "window": window,
+                          "mask_mod": mask_mod, "score_mod": score_mod, "position_bias": self.position_bias,
+                          "need_weights": need_weights or None}
+        new_kv, on_buffers = None, False
+        if cache is not None and torch.compiler.is_compiling():
             cached = cache.update(k, v)
             on_buffers = cached.seq_len is None  # a compiled step: the length is a tensor
-            if on_buffers:
-                k, v = cached.k, cached.v  # (B, Hkv, max_len, D): the whole buffers, fixed shapes
-            else:
-                # The written keys only: a view (nothing copied) that the cache's finiteness flag covers, and
-                # no mask to build or read for the unwritten tail; causal and window align bottom-right as
-                # without a cache.
-                k, v = cached.k[:, :, :kv_len], cached.v[:, :, :kv_len]
+            k, v = cached.k, cached.v  # (B, Hkv, max_len, D): the whole buffers, fixed shapes
+        elif cache is not None:
+            # Nothing is written before the whole call is checked (below): a refused call leaves the cache as it
+            # was. Attended: the written keys only, a view of the buffers (nothing copied) that the write fills
+            # in place and that the cache's finiteness flag covers, with no mask to build or read for the
+            # unwritten tail; causal and window align bottom-right as without a cache.
+            cache.check_update(k, v)
+            new_kv = k, v
+            k, v = cache.k[:, :, :kv_len], cache.v[:, :, :kv_len]
         if self.approx is not None:
-            plan = mask if is_plan(mask) else None
-            return self._approx_forward(q, k, v, None if plan is not None else mask, is_causal, mask_plan=plan,
-                                        bias=bias, window=window, mask_mod=mask_mod,
-                                        score_mod=score_mod, position_bias=self.position_bias,
-                                        need_weights=need_weights or None)
+            self._check_approx(**approx_refused)
+            if new_kv is not None:
+                cache.update(*new_kv)
+            return self._approx_forward(q, k, v, None if is_plan(mask) else mask, is_causal)
         if on_buffers:
             mask, bias, mask_mod = _on_buffers(cached, q.shape[-2], mask, bias, mask_mod, is_causal, window)
             is_causal, window = False, None  # now in mask and mask_mod, aligned to the written length
         if self.position_bias is not None:
             pos_mod = self.position_bias.score_mod(q, k, offset=kv_len - q.shape[-2])
             score_mod = pos_mod if score_mod is None else compose(pos_mod, score_mod)
+        req, chosen = checked(q, k, v, mask=mask, bias=bias, is_causal=is_causal, window=window,
+                              mask_mod=mask_mod, score_mod=score_mod, scale=self.scale,
+                              dropout_p=self.dropout if self.training else 0.0,
+                              return_weights=need_weights, backend=self.backend if backend is None else backend)
+        if new_kv is not None:
+            cache.update(*new_kv)
+            # The call's keys now hold the new tokens: what was worked out about it before (a backend may keep
+            # converted copies of its tensors) is dropped by making the call anew, which copies none of it.
+            req = dataclasses.replace(req)
         for sink in self.score_inputs_sinks:
             sink(q, k)
-        res = attention(q, k, v, mask=mask, bias=bias, is_causal=is_causal, window=window,
-                        mask_mod=mask_mod, score_mod=score_mod, scale=self.scale,
-                        dropout_p=self.dropout if self.training else 0.0,
-                        return_weights=need_weights, backend=self.backend if backend is None else backend)
-        out, weights = res if need_weights else (res, None)
+        out, weights = run(req, chosen)
         out = self.out_proj(merge_heads(out))  # (B, Lq, embed_dim)
         return (out, weights) if need_weights else out
 
-    def _approx_forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
-                        **refused) -> Tensor:
+    def _check_approx(self, **refused) -> None:
         given = sorted(name for name, val in refused.items() if val is not None)
         if given:
             raise ValueError(f"kind {self.approx.kind!r} takes mask, key_mask and is_causal; got {given} "
                              "(exact attention, kind=None, takes them)")
+
+    def _approx_forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
         out = self.approx(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale)
         return self.out_proj(merge_heads(out))  # (B, Lq, embed_dim)
 

@@ -172,7 +172,7 @@ def test_an_eager_cached_step_attends_over_the_written_keys_only():
     cache = KVCache(1, 10, 2, 4, dtype=torch.float64)
     mha(x[:, :3], cache=cache, is_causal=True)
     seen = []
-    real = attention_module.attention
+    real = attention_module.checked
 
     def spy(q, k, v, **kw):
         seen.append((k, v, kw))
@@ -181,7 +181,7 @@ def test_an_eager_cached_step_attends_over_the_written_keys_only():
     keep = torch.ones(1, 1, 1, 10, dtype=torch.bool)
     keep[..., 1] = False
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attention_module, "attention", spy)
+        mp.setattr(attention_module, "checked", spy)
         out = mha(x[:, 3:], cache=cache, is_causal=True, mask=keep)
     (k, v, kw), = seen
     assert k.shape[-2] == v.shape[-2] == 4 and k.data_ptr() == cache.k.data_ptr()
@@ -191,6 +191,36 @@ def test_an_eager_cached_step_attends_over_the_written_keys_only():
     with pytest.raises(ValueError, match=r"mask must cover the 5 cached keys .* got shape \(1, 1, 1, 7\)"):
         mha(x[:, :1], cache=cache, mask=torch.ones(1, 1, 1, 7, dtype=torch.bool))
     assert cache.seq_len == 4  # the refused call wrote nothing
+
+
+#: What a cached step may get wrong: its arguments, and the error it raises.
+MISTAKES = {
+    "mask of another query length": ({"mask": torch.ones(3, 4, dtype=torch.bool)}, ValueError),
+    "float mask": ({"mask": torch.ones(1, 4, dtype=torch.float64)}, TypeError),
+    "bias of another query length": ({"bias": torch.zeros(2, 2, 3, 4, dtype=torch.float64)}, ValueError),
+    "misspelt backend": ({"backend": "bnad"}, ValueError),
+    "negative window": ({"window": (-1, 0)}, ValueError),
+    "score_mod of the wrong shape": ({"score_mod": lambda s, b, h, q, kv: s.sum()}, ValueError),
+    "a backend that cannot serve it": ({"backend": "band", "need_weights": True}, ValueError),
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_a_refused_cached_step_leaves_the_cache_as_it_was(mistake):
+    """Every check of the call runs before the new token is written: a caller that catches the error and
+    retries stores the token once, and decodes as if the mistake had never been made."""
+    torch.manual_seed(6)
+    mha = MultiHeadAttention(8, 2).double().eval()
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    cache = KVCache(1, 6, 2, 4, dtype=torch.float64)
+    mha(x[:, :3], cache=cache, is_causal=True)
+    before = (cache.k.clone(), cache.v.clone(), cache.seq_len, int(cache.cache_pos), bool(cache.finite))
+    kw, error = MISTAKES[mistake]
+    with pytest.raises(error):
+        mha(x[:, 3:], cache=cache, is_causal=True, **kw)
+    after = (cache.k, cache.v, cache.seq_len, int(cache.cache_pos), bool(cache.finite))
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1]) and after[2:] == before[2:]
+    close(mha(x[:, 3:], cache=cache, is_causal=True), mha(x, is_causal=True)[:, 3:])
 
 
 def test_cache_rejects_cross_attention_and_wrong_key_mask():
