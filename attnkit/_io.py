@@ -61,18 +61,18 @@ def own_folder(path: str | Path, what: str = "folder") -> Path:
     user ids (Windows).
 
     Args:
-        path: the folder.
+        path: the folder; its ``..`` parts are worked out first (see :func:`_without_dotdot`).
         what: how messages name it, e.g. ``"--out"``.
 
     Returns:
-        ``path`` as a :class:`~pathlib.Path`.
+        ``path`` as a :class:`~pathlib.Path`, absolute when it had ``..`` parts.
 
     Raises:
         ValueError: a dangling link, something other than a folder, or a folder (or link) owned
             by another user or writable by others; the message names it and says what it is.
         OSError: the folder cannot be created.
     """
-    path = Path(path)
+    path = _without_dotdot(Path(path))
     me = os.getuid() if hasattr(os, "getuid") else None
     try:
         link = os.lstat(path)
@@ -103,6 +103,18 @@ def own_folder(path: str | Path, what: str = "folder") -> Path:
         raise ValueError(f"{what} {path} is a folder {who} may write into (mode {stat.S_IMODE(st.st_mode):o}): "
                          f"they could replace its files or plant links in it; {way_out}")
     return path
+
+
+def _without_dotdot(path: Path) -> Path:
+    """``path`` with its ``..`` parts worked out before anything is created: as the system follows them where
+    the folders exist (after a link, to its target's parent) and by name where they do not, where the system
+    would stop (``W/new/../out`` is ``W/out``, and ``W/new`` is not made). The parts after the last ``..``
+    are kept as they are, so that a link among them is still checked, not followed."""
+    parts = path.parts
+    if ".." not in parts:
+        return path
+    last = len(parts) - 1 - parts[::-1].index("..")
+    return Path(os.path.realpath(Path(*parts[: last + 1]))).joinpath(*parts[last + 1:])
 
 
 def _user(uid: int) -> str:

@@ -98,3 +98,23 @@ def test_own_folder_names_what_is_in_the_way(tmp_path):
     f.write_text("a file")
     with pytest.raises(ValueError, match=rf"--out {f} is a file, not a folder"):
         own_folder(f, "--out")
+
+
+@pytest.mark.parametrize("missing", ["new", "new/deeper"])
+def test_an_out_path_through_a_missing_folder_and_dotdot_is_resolved_before_anything_is_created(tmp_path, capsys,
+                                                                                                 missing):
+    """``W/new/../existing`` names ``W/existing``: it is used as it is, and ``W/new`` is not created (the system
+    cannot follow ``..`` out of a folder that does not exist: once, the parents were made, then "File exists")."""
+    existing = tmp_path / "existing"
+    existing.mkdir(mode=0o755)
+    up = ".." + "/.." * missing.count("/")  # back to tmp_path
+    path = tmp_path / missing / up / "existing"
+    assert own_folder(path, "--out") == existing.resolve()
+    assert sorted(os.listdir(tmp_path)) == ["existing"]
+    assert own_folder(tmp_path / missing / up / "fresh") == (tmp_path / "fresh").resolve()  # made where it names
+    assert sorted(os.listdir(tmp_path)) == ["existing", "fresh"]
+    (tmp_path / "sub" / "target").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "sub" / "target")
+    # ".." after a link goes to its target's parent, as the system follows it
+    assert own_folder(tmp_path / "link" / ".." / "beside") == (tmp_path / "sub" / "beside").resolve()
+    assert (tmp_path / "sub" / "beside").is_dir() and not (tmp_path / "beside").exists()
