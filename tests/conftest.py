@@ -1,5 +1,8 @@
+import logging
 import os
+import warnings
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -23,3 +26,14 @@ elif os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 else:
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture
+def said(caplog):
+    """``said()``: what attnkit has said since the test began, as text: its log records (INFO and up) and its
+    warnings, one a line (attnkit prints nothing on stdout or stderr)."""
+    caplog.set_level(logging.INFO, logger="attnkit")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield lambda: "\n".join([r.getMessage() for r in caplog.records if r.name.startswith("attnkit")]
+                                + [str(w.message) for w in caught])

@@ -36,11 +36,12 @@ loop, whose key length grows by one every step, compiles twice, not once per ste
 every length a few times more (TorchDynamo always compiles a size of 1 in: a decode step's one
 query, a mask of one block); the lengths the mods need reach them as tensors for that reason. A
 family whose compile for variable lengths fails, or disagrees with the formula, goes to one family
-per length, as every family does on the CPU. Each compile is said on stderr; threads making a
+per length, as every family does on the CPU. Each compile is logged (``logging``, logger
+``attnkit.backends.flex``, level INFO: seconds a user may wonder about); threads making a
 family's first call together wait for one compile. Every call that compiled is then checked on a few
 rows against the formula (``_disagreement``: compiled Flex is code generated anew, and some of it is
 wrong). A family that fails to compile or to match is remembered: the failing call is served by the
-``fallback`` backend (said on stderr), and from then on ``not_supported_reasons`` gives the reason,
+``fallback`` backend (with a ``UserWarning`` saying why), and from then on ``not_supported_reasons`` gives the reason,
 so ``attnkit.which_backend`` lists it.
 
 Dtypes: float32, bfloat16 and float16. On CPU (PyTorch 2.13) Flex computes forward only (no
@@ -59,10 +60,11 @@ Plain PyTorch, for a reader (what one partial block computes)::
 from __future__ import annotations
 
 import functools
+import logging
 import math
-import sys
 import threading
 import time
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -105,6 +107,7 @@ _REFINE_CHUNK = 1024
 CPU_MIN_HEAD_DIM = 24
 
 _REFERENCE = ReferenceBackend()
+_log = logging.getLogger(__name__)
 _PER_ELEMENT_CODE = per_element.per_element(lambda b, h, q, kv: q).__code__
 
 
@@ -175,8 +178,8 @@ class FlexBackend:
             out = _family(ins.family).run(ins, req)
         except CompileFailed as e:
             fallback = self.fallback(req)
-            print(f"attnkit: compiled flex_attention cannot serve this call ({e}); the {fallback.name} backend "
-                  "serves it", file=sys.stderr, flush=True)
+            warnings.warn(f"attnkit: compiled flex_attention cannot serve this call ({e}); the {fallback.name} "
+                          "backend serves it", stacklevel=2)
             return fallback(req)
         return out.reshape(*req.batch_shape, *out.shape[1:]).to(req.query.dtype), None
 
@@ -566,8 +569,8 @@ class _Family:
                                     recompile=True)
             why = ("new sizes: the kernel now takes them as variables" if ins.family[-1] is None
                    else "TorchDynamo found its first kernel did not fit this call")
-            print(f"attnkit: compiled flex_attention again for {ins.what}, in {time.perf_counter() - start:.0f} s "
-                  f"({why})", file=sys.stderr, flush=True)
+            _log.info("attnkit: compiled flex_attention again for %s, in %.0f s (%s)", ins.what,
+                      time.perf_counter() - start, why)
         return out
 
     def _first(self, ins: _Inputs, req: Call):
@@ -575,7 +578,7 @@ class _Family:
             raise CompileFailed(_failed[ins.family])
         how = ("once per dtype, mod and head shape, and again the first time the lengths change"
                if ins.family[-1] is None else "once per shape, dtype and mod")
-        print(f"attnkit: compiling PyTorch's flex_attention for {ins.what} ({how})", file=sys.stderr, flush=True)
+        _log.info("attnkit: compiling PyTorch's flex_attention for %s (%s)", ins.what, how)
         start = time.perf_counter()
         fn = _compile(ins.lse, dynamic=ins.family[-1] is None)
         try:
@@ -586,7 +589,7 @@ class _Family:
         if wrong is not None:
             raise self._failure(ins, ValueError(f"the compiled kernel disagrees with the formula: {wrong}"))
         self.fn = fn
-        print(f"attnkit: compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        _log.info("attnkit: compiled in %.0f s", time.perf_counter() - start)
         return out
 
     @staticmethod

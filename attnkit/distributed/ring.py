@@ -36,7 +36,7 @@ on the order in which autograd runs other nodes.
 from __future__ import annotations
 
 import struct
-import sys
+import warnings
 import zlib
 from dataclasses import dataclass, field
 
@@ -365,7 +365,7 @@ def _block_backward(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, dout
 def _flex_block(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, table: Tensor | None):
     """``(out, lse)`` of my queries against block ``src`` through compiled FlexAttention, its BlockMask from the
     block's mask plan (:meth:`_Ring.plan`) and the score's bias and cap on global positions; _SKIP where no
-    cell is allowed; None where compiled Flex cannot serve the block (said on stderr once per reason: the
+    cell is allowed; None where compiled Flex cannot serve the block (a warning, once per reason: the
     tiles path serves it then, which applies no score_mod, so a call with one raises instead)."""
     plan = ring.plan(src)
     if plan is _SKIP:
@@ -379,8 +379,8 @@ def _flex_block(ring: _Ring, src: int, q: Tensor, k: Tensor, v: Tensor, table: T
                                "path that would serve it instead applies no score_mod") from e
         if str(e) not in _FLEX_SAID:
             _FLEX_SAID.add(str(e))
-            print(f"attnkit: compiled flex_attention cannot serve a ring_attention block ({e}); the tiles path "
-                  "serves it", file=sys.stderr, flush=True)
+            warnings.warn(f"attnkit: compiled flex_attention cannot serve a ring_attention block ({e}); the tiles "
+                          "path serves it", stacklevel=2)
         return None
 
 

@@ -239,7 +239,7 @@ def test_on_the_cpu_auto_never_picks_flex_and_on_cuda_it_comes_after_sdpa():
 
 
 # --------------------------------------------------------------------------------------------
-# Compiling: once per family, said on stderr; a failure is a refusal (a stand-in compiler)
+# Compiling: once per family, logged; a failure is a refusal and a warning (a stand-in compiler)
 # --------------------------------------------------------------------------------------------
 
 
@@ -263,7 +263,7 @@ def stand_in_compiler(monkeypatch):
     flex._static_only.intersection_update(before_static)
 
 
-def test_threads_making_a_family_first_call_together_wait_for_one_compile(stand_in_compiler, capfd):
+def test_threads_making_a_family_first_call_together_wait_for_one_compile(stand_in_compiler, said):
     def compiler():
         def kernel(q, k, v, score_mod, block_mask, scale, enable_gqa):
             time.sleep(0.2)  # the compile, as long as the other threads take to arrive
@@ -285,12 +285,12 @@ def test_threads_making_a_family_first_call_together_wait_for_one_compile(stand_
     assert len(stand_in_compiler.made) == 1 and len(outs) == 4
     for out in outs:
         close(out, expected(q, k, v, is_causal=True), torch.float32)
-    err = capfd.readouterr().err
+    err = said()
     assert err.count("attnkit: compiling PyTorch's flex_attention for torch.float32 q (2, 4, 7, 16)") == 1
     assert err.count("attnkit: compiled in") == 1
 
 
-def test_a_family_that_fails_to_compile_falls_back_and_is_then_refused_with_the_reason(stand_in_compiler, capfd):
+def test_a_family_that_fails_to_compile_falls_back_and_is_then_refused_with_the_reason(stand_in_compiler, said):
     def compiler():
         def kernel(*args):
             raise RuntimeError("no C++ compiler found\nsecond line")
@@ -301,7 +301,7 @@ def test_a_family_that_fails_to_compile_falls_back_and_is_then_refused_with_the_
     out = forward(SMALL, q, k, v, is_causal=True, falls_back=True)  # served by the fallback (the reference)
     close(out, expected(q, k, v, is_causal=True), torch.float32)
     assert "compiled flex_attention cannot serve this call (RuntimeError: no C++ compiler found); the reference " \
-        "backend serves it" in capfd.readouterr().err
+        "backend serves it" in said()
     registered = attnkit.backends.get("flex")  # its fallback: the next backend of the device's order that serves
     assert registered.fallback(validate_call(q, k, v, is_causal=True)).name == "sdpa"
     assert registered.fallback(validate_call(q, k, v, window=(2, 2), return_weights=True)).name == "reference"
@@ -312,7 +312,7 @@ def test_a_family_that_fails_to_compile_falls_back_and_is_then_refused_with_the_
     assert len(stand_in_compiler.made) == 1  # not tried again
 
 
-def test_a_family_whose_first_output_disagrees_with_the_formula_is_not_used(stand_in_compiler, capfd):
+def test_a_family_whose_first_output_disagrees_with_the_formula_is_not_used(stand_in_compiler, said):
     def compiler():
         def kernel(q, k, v, score_mod, block_mask, scale, enable_gqa):  # forgets the mask
             return F.scaled_dot_product_attention(q, k, v, scale=scale)
@@ -323,7 +323,7 @@ def test_a_family_whose_first_output_disagrees_with_the_formula_is_not_used(stan
     out = forward(SMALL, q, k, v, is_causal=True, falls_back=True)
     close(out, expected(q, k, v, is_causal=True), torch.float32)
     assert "(ValueError: the compiled kernel disagrees with the formula: batch 0, head 0, query 0: largest " \
-           "difference" in capfd.readouterr().err
+           "difference" in said()
     with torch.no_grad(), pytest.raises(ValueError, match="backend 'flex' cannot serve this call: compiled "
                                                           "flex_attention cannot serve this family of calls"):
         SMALL(validate_call(q, k, v, is_causal=True))  # a direct call says why, as a forced backend does
@@ -431,7 +431,7 @@ def _recompiling(wrong: bool):
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["recompile fails", "recompile disagrees"])
 def test_a_family_of_every_length_whose_recompile_fails_goes_to_one_family_per_length(
-        stand_in_compiler, monkeypatch, capfd, wrong):
+        stand_in_compiler, monkeypatch, said, wrong):
     """On CUDA a family takes every length; where TorchDynamo's recompile for new lengths fails, or what it
     compiled disagrees with the formula (checked after every call that compiled), that call is served by the
     fallback and the family's calls go to one kernel per length from then on, each compiled and checked."""
@@ -444,7 +444,7 @@ def test_a_family_of_every_length_whose_recompile_fails_goes_to_one_family_per_l
     assert family[-1] is None  # no lengths: this family serves every length
     decode = qkv(lq=1, lk=15, seed=1)
     close(forward(SMALL, *decode, window=(3, 0), falls_back=True), expected(*decode, window=(3, 0)), torch.float32)
-    err = capfd.readouterr().err
+    err = said()
     cause = ("ValueError: the recompiled kernel disagrees with the formula" if wrong
              else "TorchDynamoException: a recompile for variable lengths failed")
     assert f"compiled flex_attention cannot serve this call ({cause}" in err
@@ -454,11 +454,11 @@ def test_a_family_of_every_length_whose_recompile_fails_goes_to_one_family_per_l
     with torch.no_grad():
         assert flex._inputs(validate_call(*decode, window=(3, 0)), BLOCK).family[-1] == (1, 15)
     assert len(stand_in_compiler.made) == 2
-    assert "once per shape, dtype and mod" in capfd.readouterr().err
+    assert "once per shape, dtype and mod" in said()
 
 
 @pytest.mark.slow
-def test_on_cuda_a_decode_loop_compiles_flex_twice_not_once_per_step(monkeypatch, capfd):
+def test_on_cuda_a_decode_loop_compiles_flex_twice_not_once_per_step(monkeypatch, said):
     """What CUDA does (:data:`flex.DYNAMIC_DEVICES`), run on the CPU with PyTorch's compile: a prefill, then
     decode steps whose key length grows. The kernel is compiled for the prefill's sizes and once more for the
     first step (the key length then a variable, the one query compiled in); no later step compiles. Every
@@ -472,7 +472,7 @@ def test_on_cuda_a_decode_loop_compiles_flex_twice_not_once_per_step(monkeypatch
             out = flex.FlexBackend()(validate_call(q, k, v, **kw))[0]
         allowed = oracle.allowed_grid(1, H, lq, lk, window=(20, 0))
         close(out, oracle.attention(q, k, v, allowed=allowed, score_mod=alibi)[0], torch.float32)
-    err = capfd.readouterr().err
+    err = said()
     assert err.count("attnkit: compiling PyTorch's flex_attention for torch.float32 q (1, 4, 40, 16)") == 1, err
     assert "again the first time the lengths change" in err
     assert err.count("attnkit: compiled flex_attention again for torch.float32 q (1, 4, 1, 16), k (1, 4, 41, 16)") == 1
@@ -581,14 +581,14 @@ def relative(s, b, h, q_idx, kv_idx):
     return s + TABLE[h, kv_idx - q_idx + 119]
 
 
-def test_the_registered_backend_serves_a_score_mod_without_a_mask_with_gqa_and_lq_below_lk(capfd):
+def test_the_registered_backend_serves_a_score_mod_without_a_mask_with_gqa_and_lq_below_lk(said):
     """Through ``attnkit.attention`` at Flex's own block size; no mask: a BlockMask of full blocks."""
     q, k, v = qkv(b=1, h=4, hkv=2, lq=100, lk=120)
     with torch.no_grad():
         assert attnkit.which_backend(q, k, v, score_mod=relative, backend="flex") == "flex"
         out = attnkit.attention(q, k, v, score_mod=relative, scale=0.3, backend="flex")
     close(out, expected(q, k, v, score_mod=relative, scale=0.3), torch.float32)
-    assert "cannot serve" not in capfd.readouterr().err  # flex served it, no fallback
+    assert "cannot serve" not in said()  # flex served it, no fallback
 
 
 @pytest.mark.slow
@@ -621,7 +621,7 @@ def followed_by_nan(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_no_key_past_the_end_of_k_reaches_the_output(dtype, capfd):
+def test_no_key_past_the_end_of_k_reaches_the_output(dtype, said):
     """PyTorch 2.13's CPU Flex, at a head dim that is a multiple of the vector width and below 24, reads
     keys past the end of ``k`` where a block of keys ends in a multiple of the vector width short of 16
     (here the one block of 120 = 7 * 16 + 8 keys; the vector is 8 floats under AVX2), and writes their
@@ -635,6 +635,6 @@ def test_no_key_past_the_end_of_k_reaches_the_output(dtype, capfd):
     k, v = followed_by_nan(k), followed_by_nan(v)
     with torch.no_grad():
         out = attnkit.attention(q, k, v, score_mod=relative, scale=0.3, backend="flex")
-    assert "cannot serve" not in capfd.readouterr().err  # flex served it (the first call's check passed)
+    assert "cannot serve" not in said()  # flex served it (the first call's check passed)
     assert out.dtype == dtype
     close(out, expected(q, k, v, score_mod=relative, scale=0.3), dtype)

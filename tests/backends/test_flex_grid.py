@@ -37,7 +37,7 @@ def flamingo(b, h, q_idx, kv_idx):
     return (kv_idx >= interval[0]) & (kv_idx < interval[1])
 
 
-def test_a_mod_compiled_flex_miscomputes_is_caught_by_the_first_call_check_and_served_by_the_next_backend(capfd):
+def test_a_mod_compiled_flex_miscomputes_is_caught_by_the_first_call_check_and_served_by_the_next_backend(said):
     """PyTorch 2.13's compiled Flex on the CPU gets ``row = table[ids[q_idx]]; row[0]`` wrong (with its
     own ``create_block_mask`` too): the first call's check against the formula finds it."""
     q, k, v = qkv()
@@ -47,14 +47,14 @@ def test_a_mod_compiled_flex_miscomputes_is_caught_by_the_first_call_check_and_s
         lo, hi = IMAGES[IMAGE_OF[i]].tolist()
         allowed[i, lo:hi] = True
     close(out, expected(q, k, v, allowed=allowed), torch.float32)
-    err = capfd.readouterr().err
+    err = said()
     assert "compiled flex_attention cannot serve this call (ValueError: the compiled kernel disagrees" in err
     with torch.no_grad():
         req = attnkit.call.validate_call(q, k, v, mask_mod=flamingo)
         assert "the compiled kernel disagrees with the formula" in SMALL.not_supported_reasons(req)[0]
 
 
-def test_a_mod_dynamo_cannot_trace_is_served_by_the_next_backend_and_then_refused_with_the_reason(capfd):
+def test_a_mod_dynamo_cannot_trace_is_served_by_the_next_backend_and_then_refused_with_the_reason(said):
     def graph_break(b, h, q_idx, kv_idx):
         torch._dynamo.graph_break()
         return kv_idx <= q_idx
@@ -62,7 +62,7 @@ def test_a_mod_dynamo_cannot_trace_is_served_by_the_next_backend_and_then_refuse
     q, k, v = qkv(lq=33, lk=33)
     out = forward(SMALL, q, k, v, mask_mod=graph_break, falls_back=True)
     close(out, expected(q, k, v, is_causal=True), torch.float32)
-    assert "compiled flex_attention cannot serve this call (Unsupported: " in capfd.readouterr().err
+    assert "compiled flex_attention cannot serve this call (Unsupported: " in said()
     with torch.no_grad():
         req = attnkit.call.validate_call(q, k, v, mask_mod=graph_break)
         assert SMALL.not_supported_reasons(req)[0].startswith(

@@ -131,13 +131,12 @@ def test_on_cuda_auto_takes_sdpa_for_what_it_does_exactly_and_flex_for_the_rest(
     assert attnkit.which_backend(q64, k64, v64, window=(40, 0), backend="blockwise") == "tiles"
 
 
-def test_a_decode_loop_compiles_flex_a_few_times_not_once_per_step(capfd):
+def test_a_decode_loop_compiles_flex_a_few_times_not_once_per_step(said):
     """A prefill, decode steps whose key length grows, a prompt of another length and its steps, with a window
     and ALiBi (flex's work on CUDA): each output against the float64 oracle, and the kernel compiled for the first
     sizes and again when they change (lengths then variables), not once per length."""
     slopes = scores.alibi_slopes(H, device="cuda")
     kw = {"window": (64, 0), "score_mod": scores.alibi(slopes)}
-    capfd.readouterr()
     steps = [(200, 200), *((1, n) for n in range(201, 211)), (150, 150), *((1, n) for n in range(151, 156))]
     for lq, lk in steps:
         q, k, v = (t.detach() for t in qkv(b=1, lq=lq, lk=lk, seed=lk))
@@ -147,7 +146,7 @@ def test_a_decode_loop_compiles_flex_a_few_times_not_once_per_step(capfd):
         kw64 = {"window": (64, 0), "score_mod": scores.alibi(slopes.cpu().double())}
         allowed = attnkit.call.validate_call(q64, k64, v64, **kw64).dense_mask().expand(1, H, lq, lk)
         close(out, oracle.attention(q64, k64, v64, score_mod=kw64["score_mod"], allowed=allowed)[0], torch.float32)
-    err = capfd.readouterr().err
+    err = said()
     compiles = err.count("attnkit: compiling PyTorch's flex_attention") + err.count("compiled flex_attention again")
     assert compiles <= 4 and "cannot serve" not in err, err  # 17 lengths
 
