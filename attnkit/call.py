@@ -119,6 +119,22 @@ class Call:
         3.11) is a context manager torch.compile cannot trace."""
         return self.derived.plan(MaskPlan, for_call, self)
 
+    def describe(self) -> str:
+        """The call in one line, for messages: the tensors' shapes, their dtype and device, and what else is set."""
+        q, k, v = self.query, self.key, self.value
+        what = [f"query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}, {q.dtype} on {q.device}"]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            what.append("a gradient")
+        if self.mask is not None:
+            what.append(f"mask {tuple(self.mask.shape)}")
+        if self.bias is not None:
+            what.append(f"bias {tuple(self.bias.shape)} {self.bias.dtype}")
+        set_ = (("is_causal", self.is_causal), (f"window {self.window}", self.window),
+                ("a MaskPlan" if is_plan(self.mask_mod) else "mask_mod", self.mask_mod), ("score_mod", self.score_mod),
+                (f"dropout_p {self.dropout_p}", self.dropout_p), ("return_weights", self.return_weights))
+        what += [name for name, given in set_ if given]
+        return "; ".join(what)
+
     def structured_mask_mod(self) -> _masks.MaskMod | None:
         """``is_causal``, ``window`` and ``mask_mod`` as one predicate (``None`` if none is set)."""
         return _masks.combined_mask_mod(self.is_causal, self.window, self.offset, self.mask_mod)

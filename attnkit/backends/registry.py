@@ -125,7 +125,12 @@ def note_served(backend: Backend) -> None:
 
 def select(req: Call, name: str = "auto") -> Backend:
     """The backend that will serve ``req``: the named one, or the first fit in :func:`auto_order` for its
-    device (or in the named family)."""
+    device (or in the named family).
+
+    Raises:
+        ValueError: the named backend cannot serve ``req`` (its reasons), or no candidate can: then the call
+            (shapes, dtype, device, what is set) and, one a line, each candidate with its reasons.
+    """
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, got {type(name).__name__}")
     if name != "auto" and name not in FAMILIES:
@@ -144,9 +149,9 @@ def select(req: Call, name: str = "auto") -> Backend:
         if not reasons:
             return _REGISTRY[candidate]
         why[candidate] = reasons
-    detail = " | ".join(f"{n}: {'; '.join(r)}" for n, r in why.items())
     what = "no attention backend" if name == "auto" else f"no backend of the {name!r} family"
-    raise ValueError(f"{what} can serve this call ({detail})")
+    raise ValueError(f"{what} can serve this call ({req.describe()}):"
+                     + "".join(f"\n  {n}: {'; '.join(r)}" for n, r in why.items()))
 
 
 def _register_builtin() -> None:

@@ -358,8 +358,15 @@ def test_auto_selection_and_refusals():
     assert attnkit.which_backend(q, k, v, window=(1, 1), backend="blockwise") == "band"  # a family: its first fit
     assert attnkit.which_backend(q, k, v, window=(1, 1), return_weights=True) == "reference"
     assert attnkit.which_backend(q, k, v, window=(1, 1), dropout_p=0.1) == "reference"
-    with pytest.raises(ValueError, match="'blockwise' family.*band: the band backend never forms the weights"):
+    with pytest.raises(ValueError) as refused:
         attnkit.attention(q, k, v, window=(1, 1), return_weights=True, backend="blockwise")
+    # the call, then each candidate on a line of its own with its reasons
+    assert str(refused.value).splitlines() == [
+        "no backend of the 'blockwise' family can serve this call (query (1, 2, 5, 8), key (1, 2, 5, 8), "
+        "value (1, 2, 5, 8), torch.float64 on cpu; window (1, 1); return_weights):",
+        "  band: the band backend never forms the weights (use backend='reference')",
+        "  fused_tiles: the fused_tiles backend never forms the weights (use backend='reference')",
+        "  tiles: the tiles backend never forms the weights (use backend='reference')"]
     with pytest.raises(ValueError, match="backend 'fused_tiles' cannot serve this call: PyTorch's fused CPU kernel"):
         attnkit.attention(q, k, v, score_mod=scores.softcap(2.0), backend="fused_tiles")
     with pytest.raises(ValueError, match="backend 'band' cannot serve this call: the score_mod is not an additive"):
