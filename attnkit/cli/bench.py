@@ -27,7 +27,7 @@ def run(args) -> int:
     except ModuleNotFoundError as e:
         if e.name == f"attnkit.bench.{args.suite}":
             raise UserError(f"benchmark suite {args.suite!r} is not available in this version") from None
-        raise
+        raise UserError(f"benchmark suite {args.suite!r} needs {e.name}, which is not installed") from None
     prepare_out(args.out)  # before minutes of measuring: a folder of someone else's, or unwritable, fails here
     print(mod.run(args.quick, args.out))
     print(f"table written to {args.out / (args.suite + '.md')}")

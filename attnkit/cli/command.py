@@ -3,7 +3,9 @@
 two functions: ``add_parser(subparsers)`` and ``run(args) -> int``.
 
 User mistakes (bad arguments, missing files, missing optional packages) print one line on stderr
-and exit non-zero; ``--debug`` shows the traceback instead.
+and exit non-zero; ``--debug`` shows the traceback instead. A command raises :class:`UserError` for them,
+turning the ``ValueError`` of a validating function it calls into one where it calls it; any other
+exception is a bug of attnkit's and shows its traceback.
 
 Building the parser imports no torch: a mistyped argument is answered without waiting for torch to
 import (the slowest part of starting), so each command imports its heavy parts inside ``run``.
@@ -80,7 +82,25 @@ class LazyChoices:
         return iter(self._values())
 
 
+class _Commands:
+    """What each subcommand module's ``add_parser`` is given: argparse's subparsers, with the parser made for
+    each command kept by name (argparse keeps them only in private attributes)."""
+
+    def __init__(self, subparsers) -> None:
+        self._subparsers = subparsers
+        self.parsers: dict[str, argparse.ArgumentParser] = {}
+
+    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+        self.parsers[name] = self._subparsers.add_parser(name, **kwargs)
+        return self.parsers[name]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    return build_parsers()[0]
+
+
+def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``attnkit`` parser, and each command's own parser by name."""
     parser = _Parser(
         prog="attnkit",
         description="Self-attention that is correct, fast and inspectable.",
@@ -88,17 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands = _Commands(parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser))
     for name in COMMANDS:
-        importlib.import_module(f"{__package__}.{name}").add_parser(sub)
-    return parser
+        importlib.import_module(f"{__package__}.{name}").add_parser(commands)
+    return parser, commands.parsers
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser, commands = build_parsers()
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand's parser, so the hint names 'attnkit COMMAND --help'
-        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
+        commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 0
@@ -107,22 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("attnkit: interrupted", file=sys.stderr)
         return 130
-    except (UserError, ValueError, TypeError, OSError, ImportError) as e:
+    # Only what the user can fix: a UserError (raised where a command checks what it was given) or the file
+    # system's answer (a full disk, a permission). Any other error is attnkit's own and shows its traceback.
+    except (UserError, OSError) as e:
         if args.debug:
             raise
         print(f"attnkit {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
 
 
-def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
-    if command is None:
-        return parser
-    return parser._subparsers._group_actions[0].choices[command]
-
-
 def _one_line(e: BaseException) -> str:
     msg = " ".join(str(e).split()) or type(e).__name__
-    return msg if isinstance(e, UserError | ValueError | TypeError) else f"{type(e).__name__}: {msg}"
+    return msg if isinstance(e, UserError) else f"{type(e).__name__}: {msg}"
 
 
 def _version() -> str:

@@ -44,9 +44,13 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..analysis import attention_cost, compare_heads
+    from .command import UserError
 
-    cost = attention_cost(args.n, args.d, args.heads, layers=args.layers, batch=args.batch, dtype=args.dtype,
-                          backend=args.backend, causal=args.causal, bias=args.bias)
+    try:  # its ValueErrors are its checks of the sizes given
+        cost = attention_cost(args.n, args.d, args.heads, layers=args.layers, batch=args.batch, dtype=args.dtype,
+                              backend=args.backend, causal=args.causal, bias=args.bias)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     rows = cost.rows()
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -1,5 +1,5 @@
 """The command line's reference, generated: ``<!-- cli-help -->`` in a page becomes the ``--help`` of
-``attnkit`` and of each of its commands, as ``attnkit.cli.build_parser`` prints them, so the page
+``attnkit`` and of each of its commands, as ``attnkit.cli.build_parsers`` makes them, so the page
 cannot drift from the code. Importing the parser imports no torch."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ MARKER = "<!-- cli-help -->"
 
 def reference() -> str:
     """Each command's ``--help`` under its own heading."""
-    from attnkit.cli import build_parser
+    from attnkit.cli import build_parsers
 
-    parser = build_parser()
+    parser, commands = build_parsers()
     parser.prog = "attnkit"
     out = ["### `attnkit`", "", "```text", parser.format_help().rstrip(), "```", ""]
-    for name, sub in parser._subparsers._group_actions[0].choices.items():
+    for name, sub in commands.items():
         out += [f"### `attnkit {name}`", "", "```text", sub.format_help().rstrip(), "```", ""]
     return "\n".join(out)
 

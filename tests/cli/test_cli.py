@@ -8,10 +8,11 @@ import sys
 
 import pytest
 
-from attnkit.cli import COMMANDS, build_parser, main
+from attnkit.cli import COMMANDS, main
+from attnkit.cli.command import UserError, build_parsers
 from tests.support.cli_runner import run_fresh
 
-AVAILABLE = [c for c in COMMANDS if c in build_parser()._subparsers._group_actions[0].choices]
+AVAILABLE = [c for c in COMMANDS if c in build_parsers()[1]]
 
 
 def test_top_level_help_lists_every_command(capsys):
@@ -55,6 +56,19 @@ def test_console_script_has_no_traceback_for_user_mistakes():
     proc = subprocess.run([sys.executable, "-m", "attnkit", "bench", "nosuch"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_user_error_is_one_line_and_any_other_error_is_a_traceback(monkeypatch, capsys):
+    """A ValueError of attnkit's own (a bug) is not turned into a user's mistake: it shows its traceback."""
+    import attnkit.cli.complexity as complexity
+
+    monkeypatch.setattr(complexity, "run", lambda args: (_ for _ in ()).throw(UserError("--n is too big\n for this")))
+    assert main(["complexity", "--n", "8", "--d", "8"]) == 2
+    assert capsys.readouterr().err == "attnkit complexity: error: --n is too big for this\n"
+    for bug in (ValueError("a bug"), TypeError("another")):
+        monkeypatch.setattr(complexity, "run", lambda args, bug=bug: (_ for _ in ()).throw(bug))
+        with pytest.raises(type(bug), match=str(bug)):
+            main(["complexity", "--n", "8", "--d", "8"])
 
 
 def test_a_subcommand_mistake_points_to_that_subcommands_help(capsys):

@@ -66,9 +66,9 @@ def commands(text: str) -> list[str]:
 
 def check_command(cmd: str, where: str) -> None:
     """Fail unless ``attnkit CMD`` names a real command and only its real options."""
-    from attnkit.cli import build_parser
+    from attnkit.cli import build_parsers
 
-    subparsers = build_parser()._subparsers._group_actions[0].choices
+    subparsers = build_parsers()[1]
     words = shlex.split(cmd, comments=True)
     name = words[1] if len(words) > 1 else None
     assert name in subparsers, f"{where} shows {cmd!r}: no command {name!r}"
