@@ -3,10 +3,11 @@
 The table of contents:
 
 * ``attnkit.attention`` - the one entry point for the maths (``functional.py``), in front of
-  ``attnkit.backends`` (sdpa, band, fused_tiles, tiles, reference; each a kernel with a name).
+  ``attnkit.backends`` (sdpa, band, fused_tiles, tiles, reference, flex; each a kernel with a name).
 * ``attnkit.masks`` - mask predicates and builders, ``True`` = may attend.
 * ``attnkit.mask_plan`` -> ``attnkit.MaskPlan`` - a mask worked out once for every kernel (``maskplan/``).
-* ``attnkit.MultiHeadAttention`` - the module (``modules/``).
+* ``attnkit.MultiHeadAttention`` - the module (``modules/``), and ``attnkit.cache.KVCache``, the key/value
+  cache it decodes with.
 * ``attnkit.ops`` - numerical primitives (safe softmax, tile forward/backward with log-sum-exp).
 * ``positional``, ``scores``, ``models``, ``viz``, ``analysis``, ``distributed``, ``bench``.
 

@@ -982,8 +982,8 @@ BLOCKS_FROM = 1 << 15
 PASSES, ROWS_PER_BLOCK = 6, 16
 
 
-def derive(mod, batch: int, heads: int, q_len: int, kv_len: int, most: int | None = None,
-           blocks: bool | None = None, fold: int = 1) -> tuple[Tensor, Tensor]:
+def interval_tables(mod, batch: int, heads: int, q_len: int, kv_len: int, most: int | None = None,
+                    blocks: bool | None = None, fold: int = 1) -> tuple[Tensor, Tensor]:
     """Each row's runs of allowed keys, ``(starts, ends)`` ``[p, Lq, K]`` (``p`` 1 when every batch
     element has the same rows, else ``batch``; empty slots ``(Lk, Lk)``). Raises
     :class:`CannotFollow` for a predicate the pieces cannot follow, and for a row with more than
@@ -1021,7 +1021,7 @@ def _evaluate(mod, batch: int, heads: int, q_len: int, kv_len: int, most: int | 
               cuts: Tensor | None, fold: int = 1) -> tuple[tuple[Tensor, Tensor] | None, Tensor | None]:
     """One pass: the rows' runs ``[rows, K]`` and no flips, or (block mode, a choice that changed
     within a block) None and the rows where blocks must be cut. ``cuts``: where blocks begin
-    (None: each row on its own, rows ``b * Lq + i``). ``fold``: see :func:`derive`."""
+    (None: each row on its own, rows ``b * Lq + i``). ``fold``: see :func:`interval_tables`."""
     if cuts is None:
         b = torch.arange(batch).repeat_interleave(q_len)
         q = torch.arange(q_len).repeat(batch)

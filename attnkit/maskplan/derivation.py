@@ -1,6 +1,6 @@
 """The derivation order: each query row's allowed keys, worked out from a predicate itself.
 
-A user's ``mask_mod`` is not annotated by hand: :func:`derive` finds each row's runs of allowed
+A user's ``mask_mod`` is not annotated by hand: :func:`row_intervals` finds each row's runs of allowed
 keys by the first of three ways that can follow the predicate, and says which
 (:attr:`attnkit.MaskPlan.derived_by`):
 
@@ -30,8 +30,8 @@ from .rows import MAX_INTERVALS, pack
 from .stand_ins import CannotFollow, ReadsHead
 
 
-def derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
-            device) -> tuple[tuple[Tensor, Tensor] | None, str, bool]:
+def row_intervals(mod, batch: int, heads: int, q_len: int, kv_len: int,
+                  device) -> tuple[tuple[Tensor, Tensor] | None, str, bool]:
     """Each row's runs of allowed keys (None when a row has more than :data:`MAX_INTERVALS` runs),
     the way they were found (:attr:`MaskPlan.derived_by`), and whether they are per head.
 
@@ -51,7 +51,7 @@ def derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
 
 def _one_set(mod, batch: int, heads: int, q_len: int, kv_len: int, device,
              per_head: bool = False) -> tuple[tuple[Tensor, Tensor] | None, str]:
-    """:func:`derive` for rows shared by every head (raises :class:`.stand_ins.ReadsHead` when
+    """:func:`row_intervals` for rows shared by every head (raises :class:`.stand_ins.ReadsHead` when
     they are not), or ``per_head``: for the heads folded into the batch (element ``b * heads + h``)."""
     fold = heads if per_head else 1
     if per_head:
@@ -63,10 +63,11 @@ def _one_set(mod, batch: int, heads: int, q_len: int, kv_len: int, device,
         whole = mod
     if torch.device(device).type == "cpu":
         def by_ranges():
-            return pack(*ranges.derive(whole, batch, heads, q_len, kv_len), q_len, kv_len)
+            return pack(*ranges.flat_runs(whole, batch, heads, q_len, kv_len), q_len, kv_len)
 
-        for name, way in (("closed form", functools.partial(closed_form.derive, mod, batch, heads, q_len, kv_len,
-                                                            most=MAX_INTERVALS, fold=fold)),
+        closed = functools.partial(closed_form.interval_tables, mod, batch, heads, q_len, kv_len,
+                                   most=MAX_INTERVALS, fold=fold)
+        for name, way in (("closed form", closed),
                           ("ranges", by_ranges)):
             try:
                 return way(), name

@@ -20,7 +20,7 @@ from .stand_ins import ReadsHead
 
 
 def every_cell(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor] | None:
-    """:func:`.derivation.derive` by evaluating ``mod`` on every cell, in row chunks.
+    """:func:`.derivation.row_intervals` by evaluating ``mod`` on every cell, in row chunks.
 
     Dependence on ``b`` and ``h`` shows in the result's shape: a broadcasting predicate that never
     reads ``h`` returns size 1 along it. One that does is compared across heads, and raises
@@ -52,7 +52,7 @@ def every_cell(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> 
 
 
 def traced(mod, batch: int, heads: int, q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor] | None:
-    """:func:`.derivation.derive` in a graph torch.compile traces: ``mod`` on the whole grid at once, its runs
+    """:func:`.derivation.row_intervals` in a graph torch.compile traces: ``mod`` on the whole grid at once, its runs
     read by one operator whose ``K`` is known only when it runs. None (no interval form) when the
     result varies along the head axis; a result that does not vary along the rows (key padding) is
     read once and shared by every row."""

@@ -15,7 +15,7 @@ Build it with :func:`mask_plan` and pass it as ``attnkit.attention(..., mask=pla
 ``create_block_mask`` -> ``BlockMask``, for attnkit's kernels). ``is_causal`` and ``window`` are
 worked out analytically (:func:`attnkit.intervals.row_bounds`), the typed masks of
 :mod:`attnkit.masks` say their own intervals, and any other predicate is worked out from the
-predicate itself by :func:`attnkit.maskplan.derive`.
+predicate itself by :func:`attnkit.maskplan.row_intervals`.
 
 A plan's ``starts`` and ``ends`` are fixed once it is built: every backend reads them or the
 predicate they were derived from, so a plan changed in place would make backends disagree.
@@ -33,7 +33,7 @@ from torch import Tensor
 from .. import masks as _masks
 from .. import per_element
 from ..intervals import intersect_intervals, row_bounds
-from .derivation import derive
+from .derivation import row_intervals
 from .every_cell import traced
 from .rows import MAX_INTERVALS
 from .tile_kinds import tile_kinds
@@ -248,7 +248,7 @@ def build(mask_mod, q_len, kv_len, batch, heads, is_causal, window, device) -> M
         if derived is None and compiling:
             derived, derived_by = traced(mask_mod, batch, heads, q_len, kv_len, device), "every cell, traced"
         elif derived is None:
-            derived, derived_by, per_head = derive(mask_mod, batch, heads, q_len, kv_len, device)
+            derived, derived_by, per_head = row_intervals(mask_mod, batch, heads, q_len, kv_len, device)
         if derived is not None and not compiling and derived[0].shape[-1] > MAX_INTERVALS:
             derived = None
         if derived is None or not bounded:  # both in the shared form: all keys and x is x

@@ -1,6 +1,6 @@
 """A predicate's rows of allowed keys without evaluating every cell: run it on ranges of indices.
 
-The second way of :func:`attnkit.maskplan.derive` (``derived_by == "ranges"``): each query row's runs
+The second way of :func:`attnkit.maskplan.row_intervals` (``derived_by == "ranges"``): each query row's runs
 of allowed keys for a user's ``mask_mod``, without the O(Lq * Lk) of evaluating every cell, which
 costs more than the attention itself for a narrow mask. (Predicates affine in the indices are first
 worked out in closed form by :mod:`.closed_form`; this module takes what that cannot follow.) Here the predicate is
@@ -368,8 +368,8 @@ CELLS = 1 << 20
 SETTLE_FROM = 1 << 22
 
 
-def derive(mod, batch: int, heads: int, q_len: int, kv_len: int,
-           sides: tuple[int, ...] = SIDES) -> tuple[Tensor, Tensor, Tensor, int]:
+def flat_runs(mod, batch: int, heads: int, q_len: int, kv_len: int,
+              sides: tuple[int, ...] = SIDES) -> tuple[Tensor, Tensor, Tensor, int]:
     """Every row's runs of allowed keys, flat: ``(row, start, end)`` sorted by row then start,
     touching runs merged, ``row`` counting ``pi * q_len + i``; and ``p``, 1 when the mask is the
     same for every batch element, else ``batch``. Raises :class:`CannotFollow` when the predicate

@@ -101,7 +101,7 @@ def test_the_walker_sees_a_circle_through_a_deferred_import():
 
 def test_the_walker_finds_the_imports_it_should():
     edges = graph()
-    assert "attnkit.maskplan.plan" in edges["attnkit.maskplan.cache"]  # from .plan import MaskPlan
+    assert "attnkit.maskplan.plan" in edges["attnkit.maskplan.plan_cache"]  # from .plan import MaskPlan
     assert "attnkit.masks" in edges["attnkit.maskplan.plan"]  # from .. import masks as _masks
     assert "attnkit.call" in edges["attnkit.backends.band"]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 import types
 
 import pytest
@@ -38,3 +39,8 @@ def test_public_names_are_the_promised_ones_or_submodules(name):
                     and not (isinstance(value, types.ModuleType) and value.__name__ == f"{name}.{n}"))
     assert not leaked, (f"{name} has public names outside its __all__ that are not its submodules: {leaked}; "
                         "list them in __all__ or import them under a leading underscore")
+
+
+def test_the_package_docstring_names_every_registered_backend():
+    names = re.search(r"``attnkit.backends`` \(([^)]*)\)", attnkit.__doc__.replace("\n", " ")).group(1)
+    assert set(re.findall(r"\w+", names.split(";")[0])) == set(attnkit.backends.available())

@@ -1,4 +1,4 @@
-"""Unit tests here call the stand-ins' rules directly, outside :func:`attnkit.maskplan.derive`: each test runs
+"""Unit tests here call the stand-ins' rules directly, outside :func:`attnkit.maskplan.row_intervals`: each test runs
 inside a derivation of its own, as the rules do when a strategy calls them."""
 
 import pytest

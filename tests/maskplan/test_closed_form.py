@@ -21,7 +21,7 @@ FOLLOWED = {"causal", "window (and_masks)", "documents, causal", "global tokens 
 
 
 def pieces_rows(mod, batch, heads, q_len, kv_len, blocks=False):
-    return closed_form.derive(mod, batch, heads, q_len, kv_len, blocks=blocks)
+    return closed_form.interval_tables(mod, batch, heads, q_len, kv_len, blocks=blocks)
 
 
 #: Each row on its own, and rows in blocks (every choice checked at both ends of a block).
@@ -151,13 +151,13 @@ def test_a_long_window_is_derived_without_evaluating_a_cell():
 
     mod = and_masks(causal, lambda b, h, i, j: i - j <= 64)
     want = (torch.arange(n) - 64).clamp(min=0), torch.arange(n) + 1
-    got, way, _ = maskplan.derive(mod, 1, 8, n, n, torch.device("cpu"))
+    got, way, _ = maskplan.row_intervals(mod, 1, 8, n, n, torch.device("cpu"))
     assert {t for t, _ in seen} == {closed_form.Pieces} and way == "closed form"  # on pieces: no tile, no cell
     assert repr(maskplan.mask_plan(mod, q_len=n)).endswith("derived by closed form)")
     assert torch.equal(got[0].view(-1), want[0]) and torch.equal(got[1].view(-1), want[1])
     for blocks in (False, True):
         seen.clear()
-        got = closed_form.derive(mod, 1, 1, n, n, blocks=blocks)
+        got = closed_form.interval_tables(mod, 1, 1, n, n, blocks=blocks)
         assert torch.equal(got[0].view(-1), want[0]) and torch.equal(got[1].view(-1), want[1])
         if blocks:  # a pass over one block, cut where a choice changes (the window's edge at row 64, the
             # last row), and one over those few blocks: each at its two ends
@@ -239,17 +239,17 @@ def test_patterns_every_few_keys_are_followed_on_long_rows():
     }
     for name, mod in mods.items():
         seen.clear()
-        got, way, _ = maskplan.derive(mod, 1, 1, n, n, torch.device("cpu"))
+        got, way, _ = maskplan.row_intervals(mod, 1, 1, n, n, torch.device("cpu"))
         assert way == "closed form", name
         assert set(seen) == ({closed_form.Pieces} if name == "dilated" else set()), name  # no tile, no cell
         want = every_cell(mod, 1, n, n)
         assert same_rows(got, want), name
-        assert same_rows(closed_form.derive(mod, 1, 1, n, n, blocks=True), want), name
+        assert same_rows(closed_form.interval_tables(mod, 1, 1, n, n, blocks=True), want), name
     # more runs in a row than a plan keeps: refused, and the plan has no intervals
     every_other = lambda b, h, i, j: (i + j) % 2 == 0  # noqa: E731
     with pytest.raises(stand_ins.CannotFollow, match="runs in a row"):
-        closed_form.derive(every_other, 1, 1, 600, 600, most=maskplan.MAX_INTERVALS)
-    assert maskplan.derive(every_other, 1, 1, 600, 600, torch.device("cpu"))[0] is None
+        closed_form.interval_tables(every_other, 1, 1, 600, 600, most=maskplan.MAX_INTERVALS)
+    assert maskplan.row_intervals(every_other, 1, 1, 600, 600, torch.device("cpu"))[0] is None
 
 
 @MODES
@@ -293,7 +293,7 @@ def test_patterns_every_few_keys_are_worked_out_in_blocks():
         patch.setattr(closed_form, "_evaluate", counted)
         for name, (n, mod) in mods.items():
             passes.clear()
-            assert same_rows(closed_form.derive(mod, 1, 1, n, n, blocks=True), every_cell(mod, 1, n, n)), name
+            assert same_rows(closed_form.interval_tables(mod, 1, 1, n, n, blocks=True), every_cell(mod, 1, n, n)), name
             if name == "dilated":
                 assert all(passes) and len(passes) <= closed_form.PASSES, passes  # in blocks throughout
 
@@ -313,10 +313,10 @@ def test_what_pieces_cannot_follow_is_refused_and_the_plan_still_gets_every_cell
     }
     for name, (mod, way) in mods.items():
         with pytest.raises(stand_ins.CannotFollow):
-            closed_form.derive(mod, 1, 2, n, n)
+            closed_form.interval_tables(mod, 1, 2, n, n)
             pytest.fail(name)
         want = every_cell(mod, 1, n, n)
-        got, found_by, _ = maskplan.derive(mod, 1, 2, n, n, torch.device("cpu"))
+        got, found_by, _ = maskplan.row_intervals(mod, 1, 2, n, n, torch.device("cpu"))
         assert (got is None and want is None) or same_rows(got, want), name
         assert found_by == way, name
 
@@ -329,8 +329,8 @@ def test_a_refusal_the_predicate_swallows_still_counts():
             return i < 0
 
     with pytest.raises(stand_ins.CannotFollow):
-        closed_form.derive(swallows, 1, 1, 30, 30)
-    got, way, _ = maskplan.derive(swallows, 1, 1, 30, 30, torch.device("cpu"))
+        closed_form.interval_tables(swallows, 1, 1, 30, 30)
+    got, way, _ = maskplan.row_intervals(swallows, 1, 1, 30, 30, torch.device("cpu"))
     assert same_rows(got, every_cell(swallows, 1, 30, 30)) and way == "every cell"
 
 
@@ -346,10 +346,10 @@ def test_a_predicate_that_reads_the_head_is_worked_out_per_head_in_closed_form(b
             "the head as a key": lambda b, h, i, j: j == 2 * h + b}
     for name, mod in mods.items():
         with pytest.raises(stand_ins.ReadsHead):
-            closed_form.derive(mod, 2, 3, 40, 40)
+            closed_form.interval_tables(mod, 2, 3, 40, 40)
         want = every_cell(lambda b, h, i, j, mod=mod: mod(b // 3, b % 3, i, j), 6, 40, 40)
-        assert same_rows(closed_form.derive(mod, 6, 1, 40, 40, blocks=blocks, fold=3), want), name
-        got, way, per_head = maskplan.derive(mod, 2, 3, 40, 40, torch.device("cpu"))
+        assert same_rows(closed_form.interval_tables(mod, 6, 1, 40, 40, blocks=blocks, fold=3), want), name
+        got, way, per_head = maskplan.row_intervals(mod, 2, 3, 40, 40, torch.device("cpu"))
         assert way == "closed form" and per_head and got[0].shape[0] == 6, name  # element b, head h at b * 3 + h
         assert same_rows(got, want), name
 
@@ -363,11 +363,11 @@ def test_the_benchmarks_user_masks_are_all_derived_in_closed_form():
     for name, (mod, _, _) in families(n).items():
         if mod is None:
             continue
-        got, way, per_head = maskplan.derive(mod, 1, H, n, n, torch.device("cpu"))
+        got, way, per_head = maskplan.row_intervals(mod, 1, H, n, n, torch.device("cpu"))
         assert way == "closed form", name
         folded = lambda b, h, i, j, mod=mod: mod(b // H, b % H, i, j)  # noqa: E731
         want = every_cell(folded, H, n, n) if per_head else every_cell(mod, 1, n, n)
         assert same_rows(got, want), name
-        in_blocks = closed_form.derive(mod, H, 1, n, n, blocks=True, fold=H) if per_head else \
-            closed_form.derive(mod, 1, 1, n, n, blocks=True)
+        in_blocks = closed_form.interval_tables(mod, H, 1, n, n, blocks=True, fold=H) if per_head else \
+            closed_form.interval_tables(mod, 1, 1, n, n, blocks=True)
         assert same_rows(in_blocks, want), name

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import maskplan, masks
-from attnkit.maskplan import cache
+from attnkit.maskplan import plan_cache
 from attnkit.maskplan.tile_kinds import EMPTY, FULL, PARTIAL
 from tests.support import oracle
 from tests.support.tolerances import close
@@ -167,7 +167,7 @@ def test_a_plan_is_built_once_and_reused_across_calls_and_layers():
     x = torch.randn(2, 8, 8, dtype=torch.float64)
     close(mha(x, mask=p), mha(x, mask_mod=mod, backend="reference"))
     # Without a plan, attention builds one and keeps it: a second call does not derive it again.
-    cache._cache.clear()
+    plan_cache._cache.clear()
     calls.clear()
     attnkit.attention(q, k, v, mask_mod=mod)
     first = len(calls)
@@ -235,7 +235,7 @@ def test_the_plan_cache_keeps_nothing_alive():
     mod, docs_gone = make()
     q = torch.randn(1, 2, 16, 4)
     attnkit.attention(q, q, q, mask_mod=mod)
-    assert mod in cache._cache  # cached while the predicate lives
+    assert mod in plan_cache._cache  # cached while the predicate lives
     gone = weakref.ref(mod)
     del mod
     gc.collect()
@@ -253,3 +253,12 @@ def test_predicates_over_inference_tensors_work_and_are_not_cached():
         close(out, want)
         doc[5:] = 1  # in place: the next call must see it
         close(attnkit.attention(q, q, q, mask_mod=mod), attnkit.attention(q, q, q, mask_mod=mod, backend="reference"))
+
+
+def test_the_older_names_of_the_plan_cache_and_the_derivation_keep_working():
+    """``maskplan.cache`` (now ``plan_cache``: ``attnkit.cache`` is the KV cache) is the same module, so a setting
+    made through the old name holds; ``maskplan.derive`` is ``row_intervals``."""
+    import attnkit.maskplan.cache as old
+
+    assert old is plan_cache and maskplan.derive is maskplan.row_intervals
+    assert attnkit.cache.KVCache.__module__ == "attnkit.cache"

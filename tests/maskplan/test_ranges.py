@@ -114,9 +114,9 @@ def test_a_2d_tensor_too_large_for_a_range_table_is_refused(monkeypatch):
     layout = torch.rand(16, 16) < 0.5
     monkeypatch.setattr(ranges, "TABLE_ENTRIES", 100)
     with pytest.raises(stand_ins.CannotFollow):
-        ranges.derive(lambda b, h, i, j: layout[i // 4, j // 4], 1, 1, 64, 64)
+        ranges.flat_runs(lambda b, h, i, j: layout[i // 4, j // 4], 1, 1, 64, 64)
     want = every_cell(lambda b, h, i, j: layout[i // 4, j // 4], 1, 64, 64)
-    got = maskplan.derive(lambda b, h, i, j: layout[i // 4, j // 4], 1, 1, 64, 64, torch.device("cpu"))[0]
+    got = maskplan.row_intervals(lambda b, h, i, j: layout[i // 4, j // 4], 1, 1, 64, 64, torch.device("cpu"))[0]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -183,14 +183,14 @@ def test_rows_from_ranges_equal_every_cells(sides, q_len, extra, batch, a, c, se
     for name, (mod, settled) in catalogue(q_len, kv_len, batch, a, c, seed).items():
         want = every_cell(mod, batch, q_len, kv_len)
         try:
-            row, first, last, p = ranges.derive(mod, batch, 2, q_len, kv_len, sides)
+            row, first, last, p = ranges.flat_runs(mod, batch, 2, q_len, kv_len, sides)
         except stand_ins.CannotFollow:
             assert not settled, name
         else:
             assert settled, name
             got = rows.pack(row, first, last, p, q_len, kv_len)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
-        got = maskplan.derive(mod, batch, 2, q_len, kv_len, torch.device("cpu"))[0]  # the path plans take
+        got = maskplan.row_intervals(mod, batch, 2, q_len, kv_len, torch.device("cpu"))[0]  # the path plans take
         assert same_rows(got, want), name  # (the closed form shares one set of rows among equal batch elements)
 
 
@@ -206,7 +206,7 @@ def test_a_long_sequence_evaluates_only_the_cells_near_the_mask_edges():
         return i >= j
 
     mod = and_masks(causal, lambda b, h, i, j: i - j <= 64)
-    row, first, last, p = ranges.derive(mod, 1, 8, n, n)
+    row, first, last, p = ranges.flat_runs(mod, 1, 8, n, n)
     evaluated = sum(seen)  # cells the predicate was called on (ranges are not tensors)
     want = every_cell(mod, 1, n, n)
     got = rows.pack(row, first, last, p, n, n)
@@ -219,7 +219,7 @@ def test_cells_are_evaluated_a_chunk_at_a_time_with_the_same_answer(monkeypatch)
     mod = lambda b, h, i, j: (docs[i] == docs[j]) & (i >= j)  # noqa: E731
     want = every_cell(mod, 1, 300, 300)
     monkeypatch.setattr(ranges, "CELLS", 3 * 16 * 16)  # three 16-tiles per call
-    row, first, last, p = ranges.derive(mod, 1, 1, 300, 300)
+    row, first, last, p = ranges.flat_runs(mod, 1, 1, 300, 300)
     got = rows.pack(row, first, last, p, 300, 300)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -228,11 +228,11 @@ def test_ranges_give_up_where_they_settle_little_of_a_large_grid(monkeypatch):
     checkerboard = lambda b, h, i, j: (i + j) % 2 == 0  # noqa: E731 (no tile bigger than a cell is settled)
     monkeypatch.setattr(ranges, "SETTLE_FROM", 1000)
     with pytest.raises(stand_ins.CannotFollow, match="settle too little"):
-        ranges.derive(checkerboard, 1, 1, 200, 200, (20, 4))  # 100 tiles of 20, all mixed
+        ranges.flat_runs(checkerboard, 1, 1, 200, 200, (20, 4))  # 100 tiles of 20, all mixed
     want = every_cell(checkerboard, 1, 200, 200)
-    got = maskplan.derive(checkerboard, 1, 1, 200, 200, torch.device("cpu"))[0]
+    got = maskplan.row_intervals(checkerboard, 1, 1, 200, 200, torch.device("cpu"))[0]
     assert got is want is None or (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
-    row, first, last, p = ranges.derive(lambda b, h, i, j: i >= j, 1, 1, 200, 200, (20, 4))  # causal still settles
+    row, first, last, p = ranges.flat_runs(lambda b, h, i, j: i >= j, 1, 1, 200, 200, (20, 4))  # causal still settles
     assert row.numel() == 200
 
 
@@ -269,11 +269,12 @@ def test_what_ranges_cannot_follow_is_refused_and_every_cell_decides():
 
     for mod in (reads_head, branches, random_mask, swallows, reads_shape, adds_booleans):
         with pytest.raises(stand_ins.CannotFollow):
-            ranges.derive(mod, 1, 2, n, n)
+            ranges.flat_runs(mod, 1, 2, n, n)
     assert counter["calls"] >= 1  # the exception was caught inside the predicate, and still refused
     for mod in (swallows, adds_booleans):
         want = every_cell(mod, 1, n, n)
-        got = maskplan.derive(mod, 1, 2, n, n, torch.device("cpu"))[0]
+        got = maskplan.row_intervals(mod, 1, 2, n, n, torch.device("cpu"))[0]
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    got, _, per_head = maskplan.derive(reads_head, 1, 2, n, n, torch.device("cpu"))  # heads folded into the batch
+    # heads folded into the batch
+    got, _, per_head = maskplan.row_intervals(reads_head, 1, 2, n, n, torch.device("cpu"))
     assert per_head and same_rows(got, every_cell(lambda b, h, i, j: reads_head(0, b, i, j), 2, n, n))

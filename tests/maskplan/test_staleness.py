@@ -11,8 +11,8 @@ import torch
 
 import attnkit
 from attnkit import maskplan
-from attnkit.maskplan import cache
 from attnkit.maskplan import plan as plan_module
+from attnkit.maskplan import plan_cache
 from tests.support import oracle
 from tests.support.tolerances import close
 
@@ -125,11 +125,11 @@ def test_with_the_cache_off_an_edit_it_cannot_see_is_followed(monkeypatch):
         return docs[i] == docs[j]
 
     q, k, v = qkv(4)
-    monkeypatch.setattr(cache, "PLANS_PER_PREDICATE", 0)
+    monkeypatch.setattr(plan_cache, "PLANS_PER_PREDICATE", 0)
     close(attnkit.attention(q, k, v, mask_mod=mod), expect(q, k, v, mod))
     docs.data[2:] = 1
     close(attnkit.attention(q, k, v, mask_mod=mod), expect(q, k, v, mod))
-    assert mod not in cache._cache
+    assert mod not in plan_cache._cache
 
 
 class DiagonalBias(torch.nn.Module):

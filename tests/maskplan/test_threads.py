@@ -9,7 +9,7 @@ import torch
 import attnkit
 from attnkit import maskplan
 from attnkit.call import validate_call
-from attnkit.maskplan import cache
+from attnkit.maskplan import plan_cache
 from tests.support.racing import race
 
 THREADS = 4
@@ -67,7 +67,7 @@ def test_threads_building_plans_at_once_each_get_the_single_threaded_plan(monkey
     assert ways == {"closed form", "ranges", "every cell"}, ways
     requests = [validate_call(*(torch.randn(b, h, n, 4) for n in (lq, lk, lk)), mask_mod=mod)
                 for (lq, lk, b, h), mod in mods]
-    monkeypatch.setattr(cache, "PLANS_PER_PREDICATE", 1)  # evictions all the time, while others look up
+    monkeypatch.setattr(plan_cache, "PLANS_PER_PREDICATE", 1)  # evictions all the time, while others look up
     wrong: list[str] = []
 
     def body(me: int, together) -> None:
@@ -93,8 +93,8 @@ def test_threads_reusing_and_evicting_cached_plans_at_once_never_fail(monkeypatc
     lookup then a reorder without a lock raised KeyError here about once in 3,000 calls)."""
     requests = [validate_call(*(torch.randn(1, 1, n, 4) for _ in range(3)), is_causal=True) for n in (8, 9, 10)]
     want = [intervals(maskplan.for_call(req)) for req in requests]
-    monkeypatch.setattr(cache, "PLANS_PER_PREDICATE", 1)
-    cache._cache.clear()  # from here every size's plan is built and cached in turn, evicting another's
+    monkeypatch.setattr(plan_cache, "PLANS_PER_PREDICATE", 1)
+    plan_cache._cache.clear()  # from here every size's plan is built and cached in turn, evicting another's
     wrong: list[tuple[int, int]] = []
 
     def body(me: int, together) -> None:
