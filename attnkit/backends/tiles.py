@@ -92,7 +92,8 @@ _SHARED_REFUSALS = (
 
 
 class _TileKernel:
-    """What the two tile backends share: tile sizes, refusals, the call. See the module docstring.
+    """What the two tile backends share: tile sizes, refusals, the call; each makes its own plan of tiles
+    (:meth:`_plan`), which says which path the chunks take. See the module docstring.
 
     Args:
         q_tile: query rows per tile (None: the default of the path).
@@ -105,7 +106,6 @@ class _TileKernel:
     """
 
     name: str
-    fused: bool
     REFUSALS: tuple[Refusal, ...]
 
     def __init__(self, *, q_tile: int | None = None, kv_block: int | None = None, kv_chunk: int | None = None,
@@ -127,29 +127,38 @@ class _TileKernel:
         if req.score_mod is not None and torch.is_grad_enabled():
             captured = captured_tensors(req.score_mod)
             check_covered(req.score_mod, captured, compute_dtype(req.query.dtype), req.query.device)
-        st = _setup(req, self)
-        out = _TilesFn.apply(st, req.query, req.key, req.value, *captured)
+        out = _TilesFn.apply(self._plan(req), req.query, req.key, req.value, *captured)
         return out, None
+
+    def _plan(self, req: Call) -> _Setup:
+        """This kernel's plan of tiles for ``req``: each subclass makes its own."""
+        raise NotImplementedError
 
 
 class TilesBackend(_TileKernel):
     """``"tiles"``: the plain path, for any ``score_mod``: matmul, ``score_mod``, softmax, per chunk."""
 
-    name, fused = "tiles", False
+    name = "tiles"
     REFUSALS = (refusals.weights("tiles"), refusals.dropout("tiles"), *_SHARED_REFUSALS)
+
+    def _plan(self, req: Call) -> _Setup:
+        return _plain_setup(req, self)
 
 
 class FusedTilesBackend(_TileKernel):
     """``"fused_tiles"``: the same schedule, each chunk one call of PyTorch's fused CPU flash kernel
     (:mod:`._fused`); serves calls without a ``score_mod``."""
 
-    name, fused = "fused_tiles", True
+    name = "fused_tiles"
     REFUSALS = (
         refusals.weights("fused_tiles"), refusals.dropout("fused_tiles"), *_SHARED_REFUSALS,
         Refusal(lambda c: not _fused_serves(c),
                 "PyTorch's fused CPU kernel needs no score_mod, a CPU tensor of float32/float64 (or a half type), "
                 "values as wide as queries and a torch whose kernel passes its self-check"),
     )
+
+    def _plan(self, req: Call) -> _Setup:
+        return _fused_setup(req, self)
 
 
 def _fused_serves(req: Call) -> bool:
@@ -188,19 +197,41 @@ class _Setup:
         return self.plan_bwd() if self.plan_bwd is not None else self.batches
 
 
-def _setup(req: Call, cfg: _TileKernel) -> _Setup:
-    fused = cfg.fused and _fused_serves(req)
+def _plain_setup(req: Call, cfg: _TileKernel) -> _Setup:
+    """The ``"tiles"`` plan: matmul, ``score_mod`` and softmax per chunk, a batch holding ``B*H*Tq`` scores per key."""
+    st, kinds, chunk, budget = _schedule(req, cfg, Q_TILE, KV_BLOCK, KV_CHUNK, fused=False)
+    if kinds is not None:
+        st.batches = tile_schedule.plan_batches(kinds, st.kv_block, chunk, st.batch * req.heads * st.q_tile, budget)
+    return st
+
+
+def _fused_setup(req: Call, cfg: _TileKernel) -> _Setup:
+    """The ``"fused_tiles"`` plan: PyTorch's fused kernel per chunk, tiles sized for the mask's shape."""
+    win = req.window or (None, None)
+    if None not in win and sum(win) < FUSED_BAND:
+        tq, bk = FUSED_BAND_TILE
+    elif req.is_causal and win[0] is None and _structured(req):
+        tq, bk = FUSED_CAUSAL_TILE
+    else:
+        tq, bk = FUSED_TILE
+    st, kinds, chunk, budget = _schedule(req, cfg, tq, bk, FUSED_KV_CHUNK, fused=True)
+    if kinds is None:
+        return st
+    # What a batch holds per key, under the budget: no scores. The forward holds only a mask, one
+    # broadcast tile for causal/window (so few, large kernel calls) or per head; the backward also the
+    # kernel's fresh key and value gradients (B*Hkv*E), and fresh buffers are page-faulted in on every call.
+    per_head = st.batch * req.kv_heads * max(req.query.shape[-1], req.heads // req.kv_heads * st.q_tile)
+    bk = st.kv_block
+    st.batches = tile_schedule.plan_batches(kinds, bk, chunk, st.q_tile if _structured(req) else per_head, budget)
+    st.plan_bwd = lambda: tile_schedule.plan_batches(kinds, bk, chunk, per_head, budget)
+    return st
+
+
+def _schedule(req: Call, cfg: _TileKernel, tq: int, bk: int, chunk: int,
+              fused: bool) -> tuple[_Setup, Tensor | None, int, int]:
+    """What both plans share: the tile sizes (``cfg``'s, else the path's ``tq``, ``bk``, ``chunk``), the
+    :class:`_Setup`, and each (tile, block) pair's kind (None for an empty call); with the chunk and budget."""
     lq, lk = req.q_len, req.kv_len
-    tq, bk, chunk = Q_TILE, KV_BLOCK, KV_CHUNK
-    if fused:
-        win = req.window or (None, None)
-        chunk = FUSED_KV_CHUNK
-        if None not in win and sum(win) < FUSED_BAND:
-            tq, bk = FUSED_BAND_TILE
-        elif req.is_causal and win[0] is None and _structured(req):
-            tq, bk = FUSED_CAUSAL_TILE
-        else:
-            tq, bk = FUSED_TILE
     # Never wider than the sequence (rounded up to 64): padding rows would be computed too.
     tq = cfg.q_tile or min(tq, max(64, -(-lq // 64) * 64))
     bk = cfg.kv_block or min(bk, max(64, -(-lk // 64) * 64))
@@ -209,7 +240,7 @@ def _setup(req: Call, cfg: _TileKernel) -> _Setup:
     batch = math.prod(req.batch_shape)
     st = _Setup(req, batch, req.heads, req.kv_heads, tq, bk, -(-lq // tq), -(-lk // bk) * bk, fused)
     if lq == 0 or lk == 0 or batch == 0:
-        return st
+        return st, None, chunk, budget
     # The mask plan's tile kinds (from its intervals, no cell evaluated) where it has them;
     # otherwise, and for a dense mask, the predicate is evaluated on the tiles still non-empty.
     plan = req.mask_plan
@@ -226,17 +257,7 @@ def _setup(req: Call, cfg: _TileKernel) -> _Setup:
         kinds = tile_schedule.refine_kinds(
             kinds, lambda q, kv: _allowed(st, b, h, q.to(dev)[None, None], kv.to(dev)[None, None]),
             lq, tq, bk, chunk)
-    # What a batch holds per key, under the budget: on the plain path B*H*Tq scores. On the fused
-    # path no scores: the forward holds only a mask, one broadcast tile for causal/window (so few,
-    # large kernel calls) or per head; the backward also the kernel's fresh key and value
-    # gradients (B*Hkv*E), and fresh buffers are page-faulted in on every call.
-    if not fused:
-        st.batches = tile_schedule.plan_batches(kinds, bk, chunk, batch * req.heads * tq, budget)
-        return st
-    per_head = batch * req.kv_heads * max(req.query.shape[-1], req.heads // req.kv_heads * tq)
-    st.batches = tile_schedule.plan_batches(kinds, bk, chunk, tq if _structured(req) else per_head, budget)
-    st.plan_bwd = lambda: tile_schedule.plan_batches(kinds, bk, chunk, per_head, budget)
-    return st
+    return st, kinds, chunk, budget
 
 
 def _dense(t: Tensor, batch_shape: torch.Size, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:

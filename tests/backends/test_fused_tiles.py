@@ -66,12 +66,12 @@ def test_the_kernel_passes_its_self_check_and_serves_mask_only_calls():
     assert _fused.available()
     q, k, v = qkv(1, 2, 2, 9, 9)
     fused = attnkit.backends.get("fused_tiles")
-    assert tiles._setup(validate_call(q, k, v, window=(2, 2)), fused).fused
-    assert tiles._setup(validate_call(q, k, v, mask_mod=masks.causal_mod()), fused).fused
+    assert fused._plan(validate_call(q, k, v, window=(2, 2))).fused
+    assert fused._plan(validate_call(q, k, v, mask_mod=masks.causal_mod())).fused
     with_mod = validate_call(q, k, v, window=(2, 2), score_mod=scores.softcap(2.0))
     assert fused.not_supported_reasons(with_mod)  # a score_mod needs the scores
     assert attnkit.which_backend(q, k, v, window=(2, 2), score_mod=lambda s, b, h, i, j: s * 2) == "tiles"
-    assert not tiles._setup(validate_call(q, k, v, window=(2, 2)), TilesBackend()).fused
+    assert not TilesBackend()._plan(validate_call(q, k, v, window=(2, 2))).fused
     q2, k2, v2 = qkv(1, 2, 2, 9, 9, dv=5)
     assert fused.not_supported_reasons(validate_call(q2, k2, v2, window=(2, 2)))  # values narrower than queries
 
@@ -98,7 +98,7 @@ def test_default_tiles_match_the_oracle(case, heads):
     h, hkv = heads
     q, k, v = qkv(1, h, hkv, 300, 300, d=16)
     backend = attnkit.backends.get("fused_tiles")
-    st = tiles._setup(validate_call(q, k, v, **case), backend)
+    st = backend._plan(validate_call(q, k, v, **case))
     # A narrow band gets small tiles, plain causal masks one tile as long as the sequence (300 -> 320).
     want = 64 if case.get("window") == (40, 40) else 320 if case == {"is_causal": True} else 256
     assert st.fused and st.q_tile == want
@@ -120,7 +120,7 @@ def test_chunks_split_into_spans_or_not_give_the_same_answer(monkeypatch, cache)
     backend = FusedTilesBackend(q_tile=8, kv_block=4)
     q, k, v = qkv(1, 2, 2, 37, 41)
     req = validate_call(q, k, v, is_causal=True, window=(9, None))
-    st = tiles._setup(req, backend)
+    st = backend._plan(req)
     spans = [len(tiles._fused_segments(st, bt, tiles._gather(st, bt, *_operands(st, q, k, v))))
              for bt in st.batches]
     assert (max(spans) > 1) == (cache == 0)
@@ -137,7 +137,7 @@ def test_dense_bias_and_mask_go_through_the_kernel_too():
     bias = torch.randn(2, 1, 29, 23, generator=g, dtype=torch.float64)
     mask = torch.rand(29, 23, generator=g) > 0.3
     backend = FusedTilesBackend(q_tile=8, kv_block=4)
-    assert tiles._setup(validate_call(q, k, v, bias=bias, mask=mask), backend).fused
+    assert backend._plan(validate_call(q, k, v, bias=bias, mask=mask)).fused
     check_against_oracle(backend, q, k, v, bias=bias, mask=mask, window=(6, 6))
 
 
@@ -189,7 +189,7 @@ def test_square_diagonal_blocks_use_the_kernels_causal_mode(monkeypatch, lengths
     backend = FusedTilesBackend(q_tile=16, kv_block=16)
     lq, lk = lengths
     q, k, v = qkv(2, 2, 2, lq, lk)
-    st = tiles._setup(validate_call(q, k, v, is_causal=True), backend)
+    st = backend._plan(validate_call(q, k, v, is_causal=True))
     flags = [seg[4] for bt in st.batches
              for seg in tiles._fused_segments(st, bt, tiles._gather(st, bt, *_operands(st, q, k, v)))]
     assert any(flags) == (lq == lk)  # aligned only when the bottom-right diagonal starts at a block edge

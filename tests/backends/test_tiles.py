@@ -153,7 +153,7 @@ def test_fully_masked_rows_give_zeros_and_zero_grads(dtype, with_score_mod):
 
 def test_random_block_pattern_has_empty_and_full_tiles():
     q, k, v = qkv(1, 2, 2, 19, 17)
-    st = tiles._setup(validate_call(q, k, v, mask_mod=random_blocks), SMALL)
+    st = SMALL._plan(validate_call(q, k, v, mask_mod=random_blocks))
     assert sum(len(b.tiles) for b in st.batches) > 0
     kinds = attnkit.mask_plan(random_blocks, q_len=19, kv_len=17).kinds(4, 3)
     assert (kinds == tile_schedule.EMPTY).any() and (kinds == tile_schedule.FULL).any()
@@ -338,7 +338,7 @@ def test_mask_mod_is_only_evaluated_on_partial_blocks_after_planning():
     q, k, v = qkv(1, 2, 2, 16, 16)
     backend = FusedTilesBackend(q_tile=4, kv_block=4, kv_chunk=16)
     req = validate_call(q, k, v, mask_mod=mod)
-    st = tiles._setup(req, backend)
+    st = backend._plan(req)
     assert calls and all(b.partial == () for b in st.batches)  # planning evaluated, all blocks full
     calls.clear()
     close(tiles._from_tiles(tiles._forward(st, q, k, v)[0], st), run(REFERENCE, q, k, v))
