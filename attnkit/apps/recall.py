@@ -126,6 +126,28 @@ class Recurrent(nn.Module):
         return self.head(out[:, -1])
 
 
+class WindowMLP(nn.Module):
+    """The feed-forward network that came before recurrence (Bengio et al. 2003): the embeddings of the
+    last ``window`` tokens, concatenated, -> a hidden layer -> classifier. It sees nothing farther back:
+    the cue must lie in the window, so it can answer at distances up to ``window - 3``.
+
+    Not one of the app's :data:`MODELS` (the recall run trains and saves those three); ``attnkit lab
+    before_attention`` trains it beside them on the same batches.
+    """
+
+    def __init__(self, *, vocab_size: int, embed_dim: int, window: int, hidden: int, num_classes: int) -> None:
+        super().__init__()
+        self.window = window
+        self.embed = nn.Embedding(vocab_size, embed_dim)
+        self.mlp = nn.Sequential(nn.Linear(window * embed_dim, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+
+    def forward(self, seq: Tensor) -> Tensor:
+        """``seq [B, L]`` -> logits ``[B, num_classes]`` from the last ``window`` tokens (zeros before the start)."""
+        x = self.embed(seq[:, -self.window:])  # (B, min(L, window), E)
+        x = F.pad(x, (0, 0, self.window - x.shape[1], 0))  # (B, window, E): a short sequence padded on the left
+        return self.mlp(x.flatten(1))
+
+
 class Attention(nn.Module):
     """Token embeddings -> pre-norm causal self-attention layers with ALiBi -> classifier at the last position.
 
@@ -149,7 +171,8 @@ class Attention(nn.Module):
 
 
 def build_one(name: str, config: dict) -> nn.Module:
-    """Model ``name`` (one of :data:`MODELS`) with a checkpoint config's sizes."""
+    """Model ``name`` (one of :data:`MODELS`, or ``"MLP"``: :class:`WindowMLP`, which needs ``mlp_window``
+    and ``mlp_hidden``) with a checkpoint config's sizes."""
     vocab, classes = config["num_values"] + 2, config["num_values"]
     if name == "RNN":
         return Recurrent(nn.RNN, vocab_size=vocab, embed_dim=config["embed_dim"], hidden=config["rnn_hidden"],
@@ -157,10 +180,13 @@ def build_one(name: str, config: dict) -> nn.Module:
     if name == "LSTM":
         return Recurrent(nn.LSTM, vocab_size=vocab, embed_dim=config["embed_dim"], hidden=config["lstm_hidden"],
                          num_classes=classes)
+    if name == "MLP":
+        return WindowMLP(vocab_size=vocab, embed_dim=config["embed_dim"], window=config["mlp_window"],
+                         hidden=config["mlp_hidden"], num_classes=classes)
     if name == "attention":
         return Attention(vocab_size=vocab, embed_dim=config["embed_dim"], num_heads=config["attn_heads"],
                          num_layers=config["attn_layers"], ffn_dim=config["attn_ffn"], num_classes=classes)
-    raise ValueError(f"name must be one of {', '.join(MODELS)}, got {name!r}")
+    raise ValueError(f"name must be one of {', '.join(MODELS)} or MLP, got {name!r}")
 
 
 def build(config: dict) -> nn.ModuleDict:
