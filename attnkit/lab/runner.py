@@ -23,7 +23,11 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "positions": ("positions", "Without positions attention ignores order; sinusoids encode offsets linearly"),
     "output_projection": ("output_projection", "The output projection W_O is indispensable"),
     "heads": ("heads", "Heads of a trained model specialise"),
+    "heads_vs_one": ("heads_vs_one", "Many heads beat one head of the same width"),
     "init": ("init", "Zero initialisation leaves heads identical; Xavier breaks the symmetry"),
+    "conv_attention": ("conv_attention", "A convolution is a special case of self-attention"),
+    "before_attention": ("before_attention", "Before attention: window MLP, RNN (vanishing and exploding "
+                                             "gradients), LSTM"),
 }
 """Experiment name -> (its module here, the claim in one line), in the order the report shows them."""
 
