@@ -1,4 +1,5 @@
-"""What the heads of a trained model do: MiniLM's 72 heads classified by simple statistics."""
+"""What the heads of a trained model do: MiniLM's 72 heads classified by simple statistics, and held
+against hand-labelled dependency arcs (Clark et al. 2019, "What Does BERT Look At?")."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from ._common import figure, minilm, save
 from .runner import Finding
 
 CLAIM = ("The heads of a trained Transformer specialise: some look at the previous or next word, some at the "
-         "word itself, some at the sentence delimiters, some spread broadly; and the heads that link 'bank' to "
-         "'river' are not the ones that link 'bank' to 'China'.")
+         "word itself, some at the sentence delimiters, some spread broadly; some follow syntax (from a determiner "
+         "or adjective to its noun, from a subject or object to its verb) better than position alone would; and "
+         "the heads that link 'bank' to 'river' are not the ones that link 'bank' to 'China'.")
 SUBJECTS = ["the cat", "my brother", "a young doctor", "the old man", "our teacher", "the committee", "she", "they"]
 VERBS = ["saw", "visited", "painted", "forgot", "described", "walked past"]
 OBJECTS = ["the bank of the river", "a small house", "the red car", "the market in town", "the new bridge",
@@ -29,6 +31,110 @@ BANK_PAIRS = [("the bank of the river was muddy.", "the edge of the river was mu
 #: Other words in place of "bank" in the control sentences (river's, China's), one pair per control:
 #: a finding about "bank" should not hang on which control word is subtracted.
 CONTROL_WORDS = [("edge", "city"), ("side", "people"), ("mouth", "government"), ("water", "state")]
+
+
+#: The hand-labelled arcs, shipped beside this module (its header says how to read it).
+ARCS_FILE = "dependency_arcs.txt"
+RELATIONS = ("det", "amod", "nsubj", "obj")
+RELATION_WORDS = {"det": "determiner -> noun", "amod": "adjective -> noun", "nsubj": "subject -> verb",
+                  "obj": "object -> verb"}
+#: Fixed-offset baselines: "the head word is ``o`` words away" for each ``o`` here.
+OFFSETS = tuple(o for o in range(-4, 5) if o)
+
+
+def read_arcs(text: str | None = None) -> list[tuple[list[str], list[tuple[int, int, str]]]]:
+    """The sentences of :data:`ARCS_FILE` (or of ``text`` in its format) as ``(words, arcs)``, each arc
+    ``(dependent, head, relation)`` with 0-based word indices."""
+    if text is None:
+        from importlib.resources import files
+
+        text = files(__package__).joinpath(ARCS_FILE).read_text(encoding="utf-8")
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        words, arcs = [], []
+        for i, item in enumerate(line.split()):
+            word, _, label = item.partition("/")
+            words.append(word)
+            if label:
+                rel, _, head = label.partition(":")
+                if rel not in RELATIONS or not head.isdigit():
+                    raise ValueError(f"{ARCS_FILE} line {number}: {item!r} must be WORD/REL:N with REL one of "
+                                     f"{', '.join(RELATIONS)}")
+                arcs.append((i, int(head) - 1, rel))
+        if any(not 0 <= h < len(words) or h == d for d, h, _ in arcs):
+            raise ValueError(f"{ARCS_FILE} line {number}: a head index is outside the sentence or the word itself")
+        out.append((words, arcs))
+    return out
+
+
+def word_attention(model, words: list[str]) -> torch.Tensor:
+    """``[layers, heads, n, n]``: attention between the words of one sentence (Clark et al. 2019): to a word
+    split into several tokens, the sum of the weights on its tokens; from one, their mean."""
+    tok = model.tokenizer
+    pieces = [tok.convert_tokens_to_ids(tok([w]).tokens[0][1:-1]) for w in words]  # without [CLS]/[SEP]
+    cls, sep = tok.convert_tokens_to_ids(["[CLS]", "[SEP]"])
+    ids = torch.tensor([[cls, *(i for p in pieces for i in p), sep]])
+    n_tok = ids.shape[1]
+    to_word = torch.zeros(n_tok, len(words))  # (T, n): token -> its word
+    start = 1
+    for w, p in enumerate(pieces):
+        to_word[start:start + len(p), w] = 1.0
+        start += len(p)
+    from_word = (to_word / to_word.sum(0)).T  # (n, T): the mean over a word's tokens
+    with torch.no_grad():
+        attn = torch.stack(model(ids, torch.ones_like(ids), output_attentions=True).attentions)[:, 0]  # (Ly, H, T, T)
+    return from_word @ attn @ to_word
+
+
+def arc_hits(attn: torch.Tensor, arcs: list[tuple[int, int, str]]) -> dict[str, torch.Tensor]:
+    """Per relation ``[arcs, layers, heads]`` bool: whether each head's most-attended other word, from the
+    dependent, is the arc's head word."""
+    n = attn.shape[-1]
+    own = torch.eye(n, dtype=torch.bool)
+    pointed = attn.masked_fill(own, -1.0).argmax(-1)  # (Ly, H, n): each word's most-attended other word
+    return {rel: torch.stack([pointed[..., d] == h for d, h, r in arcs if r == rel])
+            if any(r == rel for *_, r in arcs) else torch.zeros(0, *pointed.shape[:2], dtype=torch.bool)
+            for rel in RELATIONS}
+
+
+def syntax_heads(model, control, sentences) -> tuple[list[dict], dict[str, object]]:
+    """Per relation: the best MiniLM head's accuracy at pointing from dependent to head word (chosen on the
+    even-numbered sentences, scored on the odd ones, and on all), against a head chosen at random (the mean
+    over heads), the best layer-0 head, the best head of ``control`` (the same architecture untrained), and
+    the nearest word to the left, to the right and the best fixed offset (chosen and scored the same way)."""
+    hits = {name: {rel: [] for rel in RELATIONS} for name in ("model", "control")}
+    offset_hits = {rel: [] for rel in RELATIONS}
+    half = {rel: [] for rel in RELATIONS}  # 0 for an arc of an even-numbered sentence, 1 for an odd one
+    for number, (words, arcs) in enumerate(sentences):
+        for name, m in (("model", model), ("control", control)):
+            for rel, h in arc_hits(word_attention(m, words), arcs).items():
+                hits[name][rel].append(h)
+        for d, h, rel in arcs:
+            offset_hits[rel].append(torch.tensor([h - d == o for o in OFFSETS]))
+            half[rel].append(number % 2)
+    rows = []
+    for rel in RELATIONS:
+        odd = torch.tensor(half[rel], dtype=torch.bool)
+        acc = torch.cat(hits["model"][rel]).float()  # (arcs, Ly, H)
+        ctl = torch.cat(hits["control"][rel]).float()
+        off = torch.stack(offset_hits[rel]).float()  # (arcs, offsets)
+
+        def held_out(x: torch.Tensor, odd: torch.Tensor = odd) -> float:  # chosen on even sentences, scored on odd
+            flat = x.flatten(1)
+            return float(flat[odd, int(flat[~odd].mean(0).argmax())].mean())
+
+        best = divmod(int(acc.mean(0).flatten().argmax()), acc.shape[-1])
+        rows.append({"relation": RELATION_WORDS[rel], "arcs": len(odd), "best_head": f"layer {best[0]} head {best[1]}",
+                     "best_head_accuracy": float(acc.mean(0).max()), "best_head_held_out": held_out(acc),
+                     "random_head": float(acc.mean()), "layer_0_held_out": held_out(acc[:, :1]),
+                     "untrained_held_out": held_out(ctl),
+                     "left_word": float(off[:, OFFSETS.index(-1)].mean()),
+                     "right_word": float(off[:, OFFSETS.index(1)].mean()),
+                     "best_offset": f"{OFFSETS[int(off.mean(0).argmax())]:+d}",
+                     "best_offset_held_out": held_out(off)})
+    return rows, {"sentences": len(sentences)}
 
 
 def sentences(count: int) -> list[str]:
@@ -147,6 +253,14 @@ def run(quick: bool, out: Path) -> Finding:
     overlap = len(links["river"]["top3"] & links["china"]["top3"])
     controls = bank_controls(model)["rows"]
     input_diff = bank_input_difference(model)
+    torch.manual_seed(0)
+    untrained = type(model)(model.config).eval()
+    untrained.tokenizer = model.tokenizer
+    syntax, _ = syntax_heads(model, untrained, read_arcs())
+    # A relation counts when its best head, chosen on half the sentences, beats on the other half every
+    # control: the best fixed offset, the best layer-0 head, the best untrained head, a head at random.
+    controls_of = ("best_offset_held_out", "layer_0_held_out", "untrained_held_out", "random_head")
+    syntactic = [r["relation"] for r in syntax if r["best_head_held_out"] > max(r[c] for c in controls_of)]
     specialised = sum(counts[k] for k in KINDS)
     positional = counts["previous"] + counts["next"] + counts["self"]
     in_layer_0 = sum(layer == 0 for row in controls for layer in row["top_layers"])
@@ -161,6 +275,8 @@ def run(quick: bool, out: Path) -> Finding:
                "distinct_river_top_heads_over_controls": distinct["river"],
                "distinct_china_top_heads_over_controls": distinct["china"],
                "bank_by_control": [{k: v for k, v in row.items() if k != "top_layers"} for row in controls],
+               "syntax_by_relation": syntax, "arc_sentences": len(read_arcs()),
+               "relations_beating_every_control": ", ".join(syntactic) or "none",
                "kinds_by_layer": {i: " ".join(r) for i, r in enumerate(kinds)}}
     fig, axes = figure(len(KINDS), width=2.3, height=2.6)
     for ax, kind in zip(axes[0], KINDS, strict=True):
@@ -174,7 +290,7 @@ def run(quick: bool, out: Path) -> Finding:
     kinds_present = all(counts[k] > 0 for k in ("previous", "next", "self"))
     bank_robust = (in_layer_0 == 0 and distinct["river"] == 1 and distinct["china"] == 1
                    and all(row["overlap"] < 3 for row in controls))
-    if positional >= 6 and kinds_present and bank_robust:
+    if positional >= 6 and kinds_present and bank_robust and syntactic:
         verdict = "supported"
     else:
         verdict = "depends" if specialised else "refuted"
@@ -189,7 +305,16 @@ def run(quick: bool, out: Path) -> Finding:
            f"({', '.join(' / '.join(w) for w in CONTROL_WORDS)}) are in layer 0, where the input vector for bank is "
            f"the same in both sentences (largest difference {input_diff:.1g}), so their difference comes from the "
            f"other words; changing the control word gives {distinct['river']} different strongest heads for river "
-           f"and {distinct['china']} for China, and river/China top-3 overlaps of {overlaps}.")
+           f"and {distinct['china']} for China, and river/China top-3 overlaps of {overlaps}. "
+           f"On {len(read_arcs())} hand-labelled sentences, the best head (chosen on half of them, scored on the "
+           "other half) points from dependent to head word for "
+           + "; ".join(f"{r['relation']} ({r['arcs']} arcs) {r['best_head_held_out']:.0%} (best fixed offset "
+                       f"{r['best_offset']} {r['best_offset_held_out']:.0%}, best layer-0 head "
+                       f"{r['layer_0_held_out']:.0%}, best untrained head {r['untrained_held_out']:.0%}, a random "
+                       f"head {r['random_head']:.0%})"
+                       for r in syntax)
+           + f", so {len(syntactic)} of the {len(syntax)} relations have a head that beats every control"
+           + (f" ({', '.join(syntactic)})." if syntactic else "."))
     kind_words = {"previous": "the previous token", "next": "the next token", "self": "the token itself",
                   "delimiter": "[CLS] or [SEP]"}
     labels = {"sentences": "Sentences",
@@ -216,5 +341,15 @@ def run(quick: bool, out: Path) -> Finding:
               "china_top_head": "Strongest head to China over the control",
               "overlap": "Top-3 heads shared, river and China",
               "overlap_from_layer_1": "Top-3 heads shared from layer 1 on",
+              "syntax_by_relation": "Dependency arcs: pointing from dependent to head word, by relation",
+              "relation": "Relation", "arcs": "Arcs", "best_head": "Best head (all sentences)",
+              "best_head_accuracy": "Its accuracy (all sentences)",
+              "best_head_held_out": "Best head, chosen on even sentences, scored on odd",
+              "random_head": "A head at random (mean over heads)", "layer_0_held_out": "Best layer-0 head (held out)",
+              "untrained_held_out": "Best untrained head (held out)", "left_word": "Nearest word to the left",
+              "right_word": "Nearest word to the right", "best_offset": "Best fixed offset",
+              "best_offset_held_out": "Best fixed offset (held out)",
+              "arc_sentences": "Hand-labelled sentences",
+              "relations_beating_every_control": "Relations whose best head beats every control (held out)",
               "kinds_by_layer": f"Kind of each head by layer (heads 0 to {len(kinds[0]) - 1}, left to right)"}
     return Finding("heads", CLAIM, figures, verdict, why, [pic], labels=labels)
