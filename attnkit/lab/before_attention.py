@@ -85,7 +85,7 @@ def run(quick: bool, out: Path) -> Finding:
              for tanh in (False, True) for std in INPUT_STDS for s in SCALES}
     factors = {k: per_step_factor(g) for k, g in grads.items()}
     far = STEPS - 1
-    rows = [{"recurrence": "tanh" if tanh else "linear", "input_std": std, "scale": s,
+    rows = [{"recurrence": "Tanh" if tanh else "Linear", "input_std": std, "scale": s,
              "grad_distance_0": float(grads[tanh, std, s][0]), f"grad_distance_{far}": float(grads[tanh, std, s][far]),
              "per_step_factor": factors[tanh, std, s]}
             for tanh in (False, True) for std in INPUT_STDS for s in SCALES]
@@ -147,7 +147,8 @@ def run(quick: bool, out: Path) -> Finding:
            f"distance {far}) at scales {figures['tanh_vanishing_scales_unit_inputs']} and exploded (above 1e3) at "
            f"{figures['tanh_exploding_scales_unit_inputs']}, since a saturated tanh shrinks the slope that the scale "
            f"grows; with small inputs it exploded at {figures['tanh_exploding_scales_small_inputs']}. On the recall "
-           f"task ({cfg['steps']} steps, one seed) the MLP over the last {cfg['mlp_window']} tokens reached at least "
+           f"task ({cfg['steps']} steps, one training run) the MLP over the last {cfg['mlp_window']} tokens reached "
+           f"at least "
            f"{mlp_in:.0%} where the cue lies in its window (distance <= {window_reach}) and at most {mlp_out:.0%} "
            f"beyond it (chance {chance:.0%}); at distance {last}: {accs}"
            + ("" if mlp_window_shown else "; the MLP did not learn the task inside its window, so its blindness "

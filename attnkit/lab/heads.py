@@ -36,8 +36,8 @@ CONTROL_WORDS = [("edge", "city"), ("side", "people"), ("mouth", "government"), 
 #: The hand-labelled arcs, shipped beside this module (its header says how to read it).
 ARCS_FILE = "dependency_arcs.txt"
 RELATIONS = ("det", "amod", "nsubj", "obj")
-RELATION_WORDS = {"det": "determiner -> noun", "amod": "adjective -> noun", "nsubj": "subject -> verb",
-                  "obj": "object -> verb"}
+RELATION_WORDS = {"det": "Determiner -> noun", "amod": "Adjective -> noun", "nsubj": "Subject -> verb",
+                  "obj": "Object -> verb"}
 #: Fixed-offset baselines: "the head word is ``o`` words away" for each ``o`` here.
 OFFSETS = tuple(o for o in range(-4, 5) if o)
 
@@ -117,9 +117,9 @@ def syntax_heads(model, control, sentences) -> tuple[list[dict], dict[str, objec
     rows = []
     for rel in RELATIONS:
         odd = torch.tensor(half[rel], dtype=torch.bool)
-        acc = torch.cat(hits["model"][rel]).float()  # (arcs, Ly, H)
-        ctl = torch.cat(hits["control"][rel]).float()
-        off = torch.stack(offset_hits[rel]).float()  # (arcs, offsets)
+        acc = torch.cat(hits["model"][rel]).double()  # (arcs, Ly, H): shares of arcs, exact in float64
+        ctl = torch.cat(hits["control"][rel]).double()
+        off = torch.stack(offset_hits[rel]).double()  # (arcs, offsets)
 
         def held_out(x: torch.Tensor, odd: torch.Tensor = odd) -> float:  # chosen on even sentences, scored on odd
             flat = x.flatten(1)
@@ -308,13 +308,13 @@ def run(quick: bool, out: Path) -> Finding:
            f"and {distinct['china']} for China, and river/China top-3 overlaps of {overlaps}. "
            f"On {len(read_arcs())} hand-labelled sentences, the best head (chosen on half of them, scored on the "
            "other half) points from dependent to head word for "
-           + "; ".join(f"{r['relation']} ({r['arcs']} arcs) {r['best_head_held_out']:.0%} (best fixed offset "
+           + "; ".join(f"{r['relation'].lower()} ({r['arcs']} arcs) {r['best_head_held_out']:.0%} (best fixed offset "
                        f"{r['best_offset']} {r['best_offset_held_out']:.0%}, best layer-0 head "
                        f"{r['layer_0_held_out']:.0%}, best untrained head {r['untrained_held_out']:.0%}, a random "
                        f"head {r['random_head']:.0%})"
                        for r in syntax)
            + f", so {len(syntactic)} of the {len(syntax)} relations have a head that beats every control"
-           + (f" ({', '.join(syntactic)})." if syntactic else "."))
+           + (f" ({', '.join(syntactic).lower()})." if syntactic else "."))
     kind_words = {"previous": "the previous token", "next": "the next token", "self": "the token itself",
                   "delimiter": "[CLS] or [SEP]"}
     labels = {"sentences": "Sentences",

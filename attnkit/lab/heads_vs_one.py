@@ -117,7 +117,7 @@ def run(quick: bool, out: Path) -> Finding:
              "task_accuracy_min": acc[h]["min"], "task_accuracy_max": acc[h]["max"],
              "lm_head_dim": lm_cfg["embed_dim"] // h, "lm_perplexity_mean": ppl[h]["mean"],
              "lm_perplexity_min": ppl[h]["min"], "lm_perplexity_max": ppl[h]["max"]} for h in HEADS]
-    # "Beats": every seed of the many-head model above (below, for perplexity) every seed of the one-head one.
+    # "Beats": every run of the many-head model above (below, for perplexity) every run of the one-head one.
     many = [h for h in HEADS if h > 1]
     task_beats = [h for h in many if acc[h]["min"] > acc[1]["max"]]
     task_loses = [h for h in many if acc[h]["max"] < acc[1]["min"]]
@@ -139,17 +139,17 @@ def run(quick: bool, out: Path) -> Finding:
                     yerr=[[stat[h]["mean"] - stat[h]["min"] for h in HEADS],
                           [stat[h]["max"] - stat[h]["mean"] for h in HEADS]], fmt="o-", capsize=3)
         ax.set(xscale="log", xticks=list(HEADS), xticklabels=list(map(str, HEADS)), xlabel="heads (same width)",
-               ylabel=name, title=f"{name} (mean, min to max over {len(seeds)} seeds)")
+               ylabel=name, title=f"{name} (mean, min to max of {len(seeds)} runs)")
     pic = save(fig, out / "lab_heads_vs_one.png")
 
     def said(beats, loses, unit):
         if beats and not loses:
-            return f"{', '.join(map(str, beats))} heads beat one on every seed ({unit})"
+            return f"{', '.join(map(str, beats))} heads beat one in every run ({unit})"
         if loses and not beats:
-            return f"{', '.join(map(str, loses))} heads did worse than one on every seed ({unit})"
+            return f"{', '.join(map(str, loses))} heads did worse than one in every run ({unit})"
         if beats:
             return f"{', '.join(map(str, beats))} heads beat one and {', '.join(map(str, loses))} did worse ({unit})"
-        return f"no number of heads beat one on every seed ({unit})"
+        return f"no number of heads beat one in every run ({unit})"
 
     task_ok = task_learned and bool(task_beats) and not task_loses
     lm_ok = bool(lm_beats) and not lm_loses
@@ -160,29 +160,31 @@ def run(quick: bool, out: Path) -> Finding:
     else:
         verdict = "depends"
     why = (f"At width {WIDTH} with the same parameters for h = 1, 2, 4, 8 "
-           f"({'checked' if same_params else 'NOT the same'}), over {len(seeds)} seeds: on the two-things task "
+           f"({'checked' if same_params else 'NOT the same'}), over {len(seeds)} training runs each (different random "
+           "initialisations): on the two-things task "
            f"(output (a - b) mod {VALUES} of the tokens marked A and B, "
            f"{task_steps} steps) mean accuracy was " + ", ".join(f"{acc[h]['mean']:.0%} for {h}" for h in HEADS)
-           + f" ({said(task_beats, task_loses, 'the lowest seed above the highest single-head seed')}"
+           + f" ({said(task_beats, task_loses, 'the lowest run above the highest one-head run')}"
            + ("" if task_learned else f"; no model learned it: the best mean is below 50%, chance {1 / VALUES:.0%}")
            + "); on the lm "
            f"corpus ({lm_cfg['steps']} steps, width {lm_cfg['embed_dim']}) mean validation perplexity per character "
            "was " + ", ".join(f"{ppl[h]['mean']:.2f} for {h}" for h in HEADS)
-           + f" ({said(lm_beats, lm_loses, 'every seed below every single-head seed')}). This is what these sizes "
+           + f" ({said(lm_beats, lm_loses, 'every run below every one-head run')}). This is what these sizes "
              "and training budgets give; a different budget can move it.")
     labels = {"by_heads": "Accuracy and perplexity by number of heads", "heads": "Heads",
               "head_dim": "Head width, two-things task", "task_accuracy_mean": "Two-things accuracy, mean",
-              "task_accuracy_min": "Two-things accuracy, lowest seed",
-              "task_accuracy_max": "Two-things accuracy, highest seed", "lm_head_dim": "Head width, lm",
+              "task_accuracy_min": "Two-things accuracy, lowest run",
+              "task_accuracy_max": "Two-things accuracy, highest run", "lm_head_dim": "Head width, lm",
               "lm_perplexity_mean": "Lm perplexity per character, mean",
-              "lm_perplexity_min": "Lm perplexity per character, lowest seed",
-              "lm_perplexity_max": "Lm perplexity per character, highest seed", "seeds": "Seeds per number of heads",
+              "lm_perplexity_min": "Lm perplexity per character, lowest run",
+              "lm_perplexity_max": "Lm perplexity per character, highest run",
+              "seeds": "Training runs per number of heads (different random initialisations)",
               "task_steps": "Training steps, two-things task", "lm_steps": "Training steps, lm",
               "same_parameters": "Same parameter count for every number of heads",
               "task_params": "Parameters, two-things model", "lm_params": "Parameters, lm model",
               "chance": "Chance accuracy, two-things task",
-              "task_heads_beating_one": "Heads beating one head on every seed, two-things task",
-              "lm_heads_beating_one": "Heads beating one head on every seed, lm",
+              "task_heads_beating_one": "Heads beating one head in every run, two-things task",
+              "lm_heads_beating_one": "Heads beating one head in every run, lm",
               "task_best_heads": "Heads with the best mean accuracy, two-things task",
               "lm_best_heads": "Heads with the best mean perplexity, lm",
               "task_learned": "Some model learned the two-things task (best mean accuracy at least 50%)"}

@@ -1,5 +1,6 @@
 """``attnkit.lab``: every experiment's verdict and key figure (quick settings, one shared run), the
-verdicts of heads, scaling, score_functions, rnn_conv, projections and sharing held against an independent recheck
+verdicts of heads, scaling, score_functions, rnn_conv, projections, sharing, conv_attention,
+before_attention and heads_vs_one held against an independent recheck
 (tests/support/lab_recheck.py, which does not import attnkit.lab: a verdict that claims more than the
 recheck finds fails here), and ``MultiHeadAttention(share_qk=True)``, which the Q = K experiment needs.
 
@@ -11,9 +12,11 @@ module fixture is built once per file; two files would each run the four experim
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attnkit.lab import EXPERIMENTS, VERDICTS, Finding, check_names, run_one, write_report
 from attnkit.modules import MultiHeadAttention
@@ -339,6 +342,136 @@ def test_the_recheck_itself_can_tell_claims_apart():
     assert recheck.sharing_claim_status({"separate 256": [0.9], "share_kv 256": [0.9], "share_qk 256": [0.8]},
                                         {"separate 256": [1.0], "share_kv 256": [1.0], "share_qk 256": [1.0]}) == \
         {"kv_little_cost": "untested", "qk_generalises_poorly": "untested"}
+
+
+def test_heads_syntax_matches_the_recheck_and_its_controls(findings, model):
+    f, fig = findings["heads"], findings["heads"].figures
+    import attnkit.lab
+
+    mine = recheck.best_head_by_relation(model, Path(attnkit.lab.__file__).parent / "dependency_arcs.txt")
+    names = {"det": "Determiner -> noun", "amod": "Adjective -> noun", "nsubj": "Subject -> verb",
+             "obj": "Object -> verb"}
+    rows = {r["relation"]: r for r in fig["syntax_by_relation"]}
+    assert set(rows) == set(names.values()) and sum(r["arcs"] for r in rows.values()) >= 200
+    for rel, name in names.items():
+        assert rows[name]["arcs"] == mine[rel]["arcs"]
+        close(_scalar(rows[name]["best_head_accuracy"]), _scalar(mine[rel]["best"]))
+        close(_scalar(rows[name]["right_word"]), _scalar(mine[rel]["right_word"]))
+    # A relation is claimed only where its held-out head beats every control.
+    claimed = fig["relations_beating_every_control"].split(", ")
+    for name, r in rows.items():
+        beats = r["best_head_held_out"] > max(r["best_offset_held_out"], r["layer_0_held_out"],
+                                               r["untrained_held_out"], r["random_head"])
+        assert (name in claimed) == beats, r
+    if fig["relations_beating_every_control"] == "none":
+        assert f.verdict != "supported"
+    assert "hand-labelled sentences" in f.why
+
+
+def test_conv_attention_equals_the_convolution_and_the_recheck_agrees(findings):
+    f, fig = findings["conv_attention"], findings["conv_attention"].figures
+    gen = torch.Generator().manual_seed(3)
+    image = torch.randn(2, 3, 6, 5, generator=gen, dtype=torch.float64)
+    for k, pad in ((3, 0), (3, 1), (5, 2)):
+        weight = torch.randn(4, 3, k, k, generator=gen, dtype=torch.float64)
+        bias = torch.randn(4, generator=gen, dtype=torch.float64)
+        close(recheck.conv_by_shifts(image, weight, bias, pad), F.conv2d(image, weight, bias, padding=pad))
+    for row in fig["exact_by_kernel"]:
+        assert row["shape_matches"]
+        close(_scalar(row["error_float64"]), _scalar(0.0))
+        assert row["error_float64"] <= row["bound_float64"] and row["error_float32"] <= row["bound_float32"]
+    errors = list(fig["error_by_alpha"].values())
+    assert errors[0] > 1 and errors[-1] <= fig["bound_by_alpha"]
+    # Positional scores alone: the same weights for every input; a content term makes them differ.
+    a, b = image[:1], image[1:]
+    assert torch.equal(recheck.positional_weights(a, 1.0), recheck.positional_weights(b, 1.0))
+    w_q, w_k = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64)
+    content = recheck.positional_weights(a, 1.0, w_q, w_k) - recheck.positional_weights(b, 1.0, w_q, w_k)
+    assert content.abs().max() > 1e-3
+    assert fig["weight_spread_positional"] == 0.0 < fig["weight_spread_content"]
+    assert f.verdict == "supported", f.why
+
+
+def test_conv_attention_arguments_are_checked():
+    from attnkit.lab.conv_attention import conv_as_attention
+
+    image, weight = torch.zeros(1, 2, 4, 4), torch.zeros(3, 2, 3, 3)
+    with pytest.raises(ValueError, match="padding must be in 0 .. 1"):
+        conv_as_attention(image, weight, padding=2)
+    with pytest.raises(ValueError, match="k must be an odd"):
+        conv_as_attention(image, torch.zeros(3, 2, 2, 2))
+    with pytest.raises(ValueError, match="weight"):
+        conv_as_attention(image, torch.zeros(3, 5, 3, 3))
+    with pytest.raises(ValueError, match="content needs alpha"):
+        conv_as_attention(image, weight, content=(torch.zeros(9, 2, 4), torch.zeros(9, 2, 4)))
+
+
+def test_before_attention_gradients_match_torch_rnn_and_matrix_powers(findings):
+    f, fig = findings["before_attention"], findings["before_attention"].figures
+    rows = {(r["recurrence"], r["input_std"], r["scale"]): r for r in fig["gradient_table"]}
+    for scale in (0.5, 0.9, 1.1, 1.5):
+        mine = recheck.linear_gradient_factor(scale)
+        close(_scalar(mine), _scalar(scale), atol=0.03 * scale, rtol=0)
+        close(_scalar(rows["Linear", 1.0, scale]["per_step_factor"]), _scalar(scale), atol=0.05 * scale, rtol=0)
+    # tanh with unit inputs, in torch's own nn.RNN: vanishing at 0.5, exploding at 4, as the lab says.
+    assert recheck.rnn_gradient_ratio(0.5) < 1e-3 and recheck.rnn_gradient_ratio(4.0) > 1e3
+    assert "0.5" in fig["tanh_vanishing_scales_unit_inputs"].split(", ")
+    assert "4" in fig["tanh_exploding_scales_unit_inputs"].split(", ")
+    assert fig["linear_factor_equals_scale"]
+    # The verdict needs the MLP to have learned inside its window (the quick run need not).
+    if fig["mlp_accuracy_inside_window"] < 0.8 or fig["mlp_accuracy_beyond_window"] >= 3 * fig["chance"]:
+        assert f.verdict != "supported", f.why
+    assert f"the last {fig['mlp_window']} tokens" in f.why
+
+
+def test_the_window_mlp_sees_nothing_before_its_window():
+    from attnkit.apps import recall
+
+    cfg = {**recall.DEFAULTS, "mlp_window": 5, "mlp_hidden": 8}
+    torch.manual_seed(0)
+    mlp = recall.build_one("MLP", cfg)
+    seq, _ = recall.batch_for(0, 0, cfg)
+    other = seq.clone()
+    other[:, :-5] = (other[:, :-5] + 1) % cfg["num_values"]
+    with torch.no_grad():
+        assert torch.equal(mlp(seq), mlp(other))
+        changed = seq.clone()
+        changed[:, -5] = (changed[:, -5] + 1) % cfg["num_values"]
+        assert not torch.equal(mlp(seq), mlp(changed))
+        assert mlp(seq[:, -3:]).shape == (len(seq), cfg["num_values"])  # shorter than the window
+    with pytest.raises(ValueError, match="or MLP"):
+        recall.build_one("GRU", cfg)
+
+
+def test_heads_vs_one_keeps_parameters_equal_and_its_verdict_follows_its_table(findings):
+    f, fig = findings["heads_vs_one"], findings["heads_vs_one"].figures
+    params = recheck.mha_params_by_heads(32)
+    assert len(set(params.values())) == 1 and fig["same_parameters"]
+    rows = {r["heads"]: r for r in fig["by_heads"]}
+    assert list(rows) == [1, 2, 4, 8]
+    beats = [h for h in (2, 4, 8) if rows[h]["task_accuracy_min"] > rows[1]["task_accuracy_max"]]
+    lm_beats = [h for h in (2, 4, 8) if rows[h]["lm_perplexity_max"] < rows[1]["lm_perplexity_min"]]
+    assert fig["task_heads_beating_one"] == (", ".join(map(str, beats)) or "none")
+    assert fig["lm_heads_beating_one"] == (", ".join(map(str, lm_beats)) or "none")
+    learned = max(r["task_accuracy_mean"] for r in rows.values()) >= 0.5
+    assert fig["task_learned"] == learned
+    if not (learned and beats and lm_beats):
+        assert f.verdict != "supported", f.why
+    for h, r in rows.items():
+        assert f"{r['task_accuracy_mean']:.0%} for {h}" in f.why and f"{r['lm_perplexity_mean']:.2f} for {h}" in f.why
+        assert r["task_accuracy_min"] <= r["task_accuracy_mean"] <= r["task_accuracy_max"]
+    assert fig["seeds"] >= 2
+
+
+def test_two_things_answers_need_both_marked_tokens():
+    from attnkit.lab.heads_vs_one import MARK_A, MARK_B, QUERY, VALUES, two_things_batch
+
+    tokens, marks, answer = two_things_batch(50, torch.Generator().manual_seed(0))
+    assert (tokens[:, -1] == QUERY).all() and ((marks == MARK_A).sum(1) == 1).all()
+    assert ((marks == MARK_B).sum(1) == 1).all()
+    a, b = tokens[marks == MARK_A], tokens[marks == MARK_B]
+    assert torch.equal(answer, (a - b) % VALUES)
+    assert not torch.equal(answer, (b - a) % VALUES)  # not symmetric: an even average of the two cannot give it
 
 
 # ------------------------------------------------------------------ MultiHeadAttention(share_qk=True)

@@ -1,4 +1,4 @@
-"""An independent recheck of six ``attnkit lab`` experiments, from first principles with torch.
+"""An independent recheck of nine ``attnkit lab`` experiments, from first principles with torch.
 
 Nothing here imports :mod:`attnkit.lab`: each function recomputes a key figure its own way (other
 sentences, other random draws, torch's own FLOP counter, autograd's own Jacobians), so that
@@ -214,3 +214,117 @@ def sharing_claim_status(heldout: dict[str, list[float]], train: dict[str, list[
     qk = all(min(gaps(f"share_qk {p}")) > max(gaps(f"separate {p}")) for p in pools)
     return {"kv_little_cost": ("holds" if kv else "fails") if kv_pools else "untested",
             "qk_generalises_poorly": "untested" if len(pools) < 2 else ("holds" if qk else "fails")}
+
+
+# ------------------------------------------------------------------ conv_attention
+
+
+def conv_by_shifts(image: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: int) -> torch.Tensor:
+    """A convolution as K*K attention heads whose weight matrices are written out as one-hot shifts (built
+    with loops over pixels, no masks, no scores): ``sum_h P_h X W_h + bias`` on the zero-padded image."""
+    b, c_in, height, width = image.shape
+    c_out, _, k, _ = weight.shape
+    r = k // 2
+    padded = torch.nn.functional.pad(image, (padding,) * 4)
+    gh, gw = padded.shape[-2:]
+    x = padded.flatten(2).transpose(1, 2)  # (B, N, C_in)
+    out = torch.zeros(b, gh * gw, c_out, dtype=image.dtype)
+    for dy in range(-r, r + 1):
+        for dx in range(-r, r + 1):
+            p = torch.zeros(gh * gw, gh * gw, dtype=image.dtype)
+            for y in range(gh):
+                for xx in range(gw):
+                    if 0 <= y + dy < gh and 0 <= xx + dx < gw:
+                        p[y * gw + xx, (y + dy) * gw + xx + dx] = 1.0
+            out = out + p @ x @ weight[:, :, dy + r, dx + r].T
+    if bias is not None:
+        out = out + bias
+    return out.transpose(1, 2).reshape(b, c_out, gh, gw)[:, :, r:gh - r, r:gw - r]
+
+
+def positional_weights(image: torch.Tensor, alpha: float, w_q: torch.Tensor | None = None,
+                       w_k: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, N, N]``: one head's softmax over ``-alpha |key - query - (1, 1)|^2`` (the offset down-right)
+    plus, if given, the content score ``(x w_q) . (x w_k) / sqrt(D)``, over the pixels of ``image``."""
+    _, _, height, width = image.shape
+    pos = torch.tensor([(y, x) for y in range(height) for x in range(width)], dtype=image.dtype)
+    delta = pos[None, :, :] - pos[:, None, :] - torch.tensor([1.0, 1.0], dtype=image.dtype)
+    scores = (-alpha * (delta ** 2).sum(-1))[None]
+    if w_q is not None:
+        x = image.flatten(2).transpose(1, 2)
+        scores = scores + (x @ w_q) @ (x @ w_k).transpose(1, 2) / math.sqrt(w_q.shape[-1])
+    return scores.softmax(-1)
+
+
+# ------------------------------------------------------------------ before_attention
+
+
+def rnn_gradient_ratio(scale: float, *, steps: int = 64, hidden: int = 64, input_std: float = 1.0,
+                       seed: int = 7) -> float:
+    """torch's own ``nn.RNN`` (tanh, recurrent weights an orthogonal matrix times ``scale``, no biases):
+    the gradient norm of a random projection of the last state with respect to the first input, over
+    that with respect to the last input."""
+    gen = torch.Generator().manual_seed(seed)
+    rnn = nn.RNN(hidden, hidden, bias=False, batch_first=True).double()
+    q, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=gen, dtype=torch.float64))
+    with torch.no_grad():
+        rnn.weight_hh_l0.copy_(scale * q)
+        rnn.weight_ih_l0.copy_(torch.randn(hidden, hidden, generator=gen, dtype=torch.float64) / math.sqrt(hidden))
+    x = (input_std * torch.randn(16, steps, hidden, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    out, _ = rnn(x)
+    u = torch.randn(16, hidden, generator=gen, dtype=torch.float64)
+    (g,) = torch.autograd.grad((u * out[:, -1]).sum(), x)
+    norms = g.norm(dim=-1).mean(0)
+    return float(norms[0] / norms[-1])
+
+
+def linear_gradient_factor(scale: float, *, steps: int = 64, hidden: int = 64, seed: int = 7) -> float:
+    """For ``h_t = W_hh h_{t-1} + W_ih x_t`` the gradient reaching ``x_{T-d}`` is ``(W_hh^d W_ih)^T u``:
+    the geometric-mean growth per step of its norm, from matrix powers (no autograd)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=gen, dtype=torch.float64))
+    w_ih = torch.randn(hidden, hidden, generator=gen, dtype=torch.float64)
+    u = torch.randn(hidden, generator=gen, dtype=torch.float64)
+    first = (w_ih.T @ u).norm()
+    last = (w_ih.T @ torch.linalg.matrix_power(scale * q, steps - 1).T @ u).norm()
+    return float((last / first) ** (1 / (steps - 1)))
+
+
+# ------------------------------------------------------------------ heads_vs_one
+
+
+def mha_params_by_heads(width: int, heads=(1, 2, 4, 8)) -> dict[int, int]:
+    """Parameters of torch's own ``nn.MultiheadAttention(width, h)`` for each ``h``."""
+    return {h: sum(p.numel() for p in nn.MultiheadAttention(width, h).parameters()) for h in heads}
+
+
+# ------------------------------------------------------------------ heads: dependency arcs
+
+
+def best_head_by_relation(model, path) -> dict[str, float]:
+    """Per relation of the arcs file at ``path`` (read here with its own parser): the best accuracy, over
+    MiniLM's heads, of "the word this word attends to most (itself left out) is its head word", and the
+    accuracy of "the head word is the next word". Every word of the file is one token (checked)."""
+    hits: dict[str, list[torch.Tensor]] = {}
+    right: dict[str, list[bool]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        items = line.split()
+        words = [item.split("/")[0] for item in items]
+        enc = model.tokenizer([" ".join(words)])
+        assert len(enc["input_ids"][0]) == len(words) + 2, words  # one token per word, [CLS] and [SEP]
+        with torch.no_grad():
+            attn = torch.stack(model(enc["input_ids"], enc["attention_mask"], output_attentions=True).attentions)
+        attn = attn[:, 0, :, 1:-1, 1:-1].clone()  # (layers, H, n, n): words only
+        n = len(words)
+        attn[..., torch.arange(n), torch.arange(n)] = -1.0
+        for i, item in enumerate(items):
+            if "/" not in item:
+                continue
+            rel, head = item.split("/")[1].split(":")
+            head = int(head) - 1
+            hits.setdefault(rel, []).append(attn[..., i, :].argmax(-1) == head)
+            right.setdefault(rel, []).append(head == i + 1)
+    return {rel: {"best": float(torch.stack(h).double().mean(0).max()),
+                  "right_word": sum(right[rel]) / len(right[rel]), "arcs": len(h)} for rel, h in hits.items()}
