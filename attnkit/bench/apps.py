@@ -76,6 +76,36 @@ def _recall(runs: list[Metrics]) -> tuple[str, bool]:
             acc["attention"] >= 0.95)
 
 
+def vit_by_share(runs: list[Metrics]) -> str:
+    """The ViT against the CNN at each share of the training images, over the ViT runs (one per seed):
+    each model's mean test accuracy with its lowest and highest run, the CNN's lead, and the trend in
+    words (:func:`attnkit.apps.vit.trend`). Empty when the runs do not report the shares."""
+    from ..apps.vit import DEFAULTS, trend
+
+    def key(model: str, share: float) -> str:
+        return f"{model}_acc" if share == 1.0 else f"{model}_acc_{share:.0%}"
+
+    shares = sorted(DEFAULTS["fractions"])
+    if not all(key(m, f) in r for r in runs for m in ("vit", "cnn") for f in shares):
+        return ""
+
+    def spread(values: list[float], fmt: str) -> str:
+        return (f"{format(mean(values), fmt)} ({format(min(values), fmt)} to {format(max(values), fmt)})"
+                if len(values) > 1 else format(values[0], fmt))
+
+    rows, leads = [], {}
+    for f in shares:
+        vit, cnn = ([r[key(m, f)] for r in runs] for m in ("vit", "cnn"))
+        leads[f] = [100 * (c - v) for c, v in zip(cnn, vit, strict=True)]
+        rows.append([f"{f:.0%}", spread(vit, ".1%"), spread(cnn, ".1%"), spread(leads[f], "+.1f")])
+    said = trend(leads)
+    return ("\n\n## ViT against a CNN by share of the training images\n\n"
+            f"Test accuracy on the same held-out digits, mean of {len(runs)} runs (seeds) with the lowest and "
+            "highest run in brackets; the CNN's lead is its accuracy minus the ViT's, in points.\n\n"
+            + markdown_table(["share of the training images", "ViT", "CNN", "CNN lead (points)"], rows)
+            + f"\n\n{said[0].upper()}{said[1:]}")
+
+
 #: task -> (the target in words, seeds to run, judge(metrics of each seed) -> (what was reached, met?)).
 TARGETS: dict[str, tuple[str, tuple[int, ...], Callable[[list[Metrics]], tuple[str, bool]]]] = {
     "vit": ("test accuracy >= 96% (mean of 3 seeds), CNN beside it", (0, 1, 2), _vit),
@@ -91,7 +121,7 @@ TARGETS: dict[str, tuple[str, tuple[int, ...], Callable[[list[Metrics]], tuple[s
 def run(quick: bool, out_dir: Path) -> str:
     """Train, judge, print and write ``out_dir/apps.md``; return the report."""
     say = progress("apps")
-    rows, notes = [], []
+    rows, notes, sections = [], [], []
     for name in TASKS:
         target, seeds, judge = TARGETS[name]
         try:
@@ -117,12 +147,15 @@ def run(quick: bool, out_dir: Path) -> str:
         if slow:
             notes.append(f"{name} took {max(secs):.0f} s, above the {SECONDS_TARGET:.0f} s target")
         rows.append([name, reached, target, verdict, " / ".join(f"{s:.0f}" for s in secs)])
+        if name == "vit":
+            sections.append(vit_by_share([r.metrics for r in results]))
     body = (markdown_table(["task", "reached", "target", "met?", "seconds per run"], rows)
             + f"\n\nEach run trains from scratch with the task's defaults on {torch.get_num_threads()} "
             f"thread(s); a target is met only if every run also took <= {SECONDS_TARGET:.0f} s. Runs on a "
             "machine shared with other work take longer; the seconds say what this run saw."
             + ("\n\nQuick mode: the tiny test sizes and one seed, so the targets are not expected to be met."
                if quick else "")
-            + "".join(f"\n- {n}" for n in notes))
+            + "".join(f"\n- {n}" for n in notes)
+            + "".join(sections))
     cmd = "attnkit bench apps" + (" --quick" if quick else "")
     return write_report(out_dir, "apps", "Applications: what each task reaches, against its target", body, cmd)

@@ -141,3 +141,46 @@ def test_the_report_shows_labels_and_tables_for_people(quick_run):
     rows = {row["Metric"]: row["Value"] for row in result.evaluation_rows()}
     assert rows["ViT test accuracy"] == result.metrics["vit_acc"]  # the key stays for code, people see the label
     assert rows["CNN test accuracy, 10% of the training images"] == result.metrics["cnn_acc_10%"]
+
+
+# ------------------------------------------------------------------ the data-size trend, measured
+
+
+@pytest.mark.parametrize("leads, words", [
+    ({1.0: [1.0, 2.0], 0.3: [4.0, 5.0], 0.1: [9.0, 6.0]}, "grows as the training data shrinks, in every run:"),
+    ({1.0: [1.0, 2.0], 0.3: [4.0, 1.0], 0.1: [9.0, 6.0]}, "grows as the training data shrinks on average, but not"),
+    ({1.0: [1.0], 0.3: [4.0], 0.1: [3.0]}, "does not grow steadily as the training data shrinks:"),
+    ({1.0: [3.0], 0.3: [2.0], 0.1: [1.0]}, "does not grow steadily as the training data shrinks:"),
+])
+def test_the_trend_says_what_the_leads_show(leads, words):
+    text = vit.trend(leads)
+    assert words in text and f"{sum(leads[0.1]) / len(leads[0.1]):+.1f} points at 10%" in text
+    with pytest.raises(ValueError, match="same number of runs"):
+        vit.trend({1.0: [1.0], 0.1: [1.0, 2.0]})
+
+
+def test_a_run_states_its_own_trend(quick_run):
+    _, result = quick_run
+    section = next(s for s in result.sections if s.title.startswith("ViT against a CNN"))
+    assert "gap grows" not in section.text
+    assert vit.trend(vit.leads(section.table)) in section.text
+
+
+def test_the_guide_states_the_trend_the_table_measured():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    table = (root / "bench/results/apps.md").read_text(encoding="utf-8")
+    section = table.split("## ViT against a CNN by share of the training images", 1)[1]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| ") and "%" in line]
+    leads = {float(r[0].strip().rstrip("%")) / 100: float(r[3].split("(")[0]) for r in rows}
+    assert sorted(leads) == [0.1, 0.3, 1.0]
+    # The table's sentence comes from vit.trend; its mean leads must agree with it.
+    grows = leads[0.1] > leads[0.3] > leads[1.0]
+    said = next(line for line in section.splitlines() if line.startswith("The CNN's lead"))
+    assert ("grows as the training data shrinks" in said) == grows
+    guide = (root / "docs/guides/applications.md").read_text(encoding="utf-8")
+    phrase = said.split(":")[0].removeprefix("The CNN's lead over the ViT ")
+    assert f"the CNN's lead over the ViT {phrase}" in " ".join(guide.split())
+    for stale in ("gap grows", "trails most when"):
+        assert stale not in guide and stale not in (root / "attnkit/apps/vit.py").read_text(encoding="utf-8")
