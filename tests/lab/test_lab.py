@@ -206,6 +206,16 @@ def test_the_lab_guide_gives_the_quick_verdicts_of_projections_and_sharing(findi
         assert row.split(" | ")[2] == findings[name].verdict, name
 
 
+def test_the_lab_guide_gives_the_quick_verdicts_of_the_newer_experiments(findings):
+    from tests.support.markdown_blocks import ROOT
+
+    guide = (ROOT / "docs" / "guides" / "lab.md").read_text(encoding="utf-8")
+    for name in ("heads", "heads_vs_one", "conv_attention", "before_attention"):
+        row = next(line for line in guide.splitlines() if line.startswith(f"| `{name}` |"))
+        assert row.split(" | ")[2] == findings[name].verdict, name
+    assert "Cordonnier" in guide and "ICLR 2020" in guide and "Clark" in guide
+
+
 def test_unknown_names_and_bad_verdicts_are_refused():
     with pytest.raises(ValueError, match="unknown experiment 'nope'"):
         check_names(["nope"])
