@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-TASKS = ("vit", "caption", "translate", "classify", "recommend", "lm", "recall")
+TASKS = ("vit", "caption", "translate", "classify", "recommend", "lm", "recall", "graph", "forecast", "tag")
 """The tasks, each a module ``attnkit.apps.<task>``, in the order ``attnkit train --help`` lists them."""
 
 
