@@ -1,9 +1,18 @@
-"""Translate English dates written in words into ISO dates with a sequence-to-sequence Transformer.
+"""Translate between two natural languages with a sequence-to-sequence Transformer: numbers written in
+French into German, or (the first task, kept beside it) English dates in words into ISO dates.
 
-The task is generated on the fly: "twenty third of november two thousand twenty six" (or
-"november twenty third two thousand twenty six") -> "2026-11-23", for every day from 1900-01-01
-to 2099-12-31. A tenth of the days are held out: the model never sees them while training, and
-the exact-match rate is measured on them. Source tokens are words, target tokens are characters.
+Two sets of pairs (:data:`PAIRS`, ``pairs=`` of :func:`run`):
+
+* ``"fr-de"`` (the default): every whole number from 1 to 9,999 as French words -> the same number
+  in German, both from num2words' grammars (:mod:`attnkit.apps._numbers`): "quatre-vingt-dix-sept"
+  -> "siebenundneunzig". The German puts units before tens and has one word where the French
+  adds several, so the alignment crosses.
+* ``"dates"``: "twenty third of november two thousand twenty six" (or "november twenty third two
+  thousand twenty six") -> "2026-11-23", for every day from 1900-01-01 to 2099-12-31.
+
+A tenth of the items are held out: the model never sees them while training, and exact match and a
+character-level score (:func:`char_similarity`) are measured on them. Source tokens are words,
+target tokens characters.
 
 Read top to bottom: data -> model (an encoder-decoder :class:`attnkit.modules.Transformer`) ->
 decoding (greedy and beam search, both with one :class:`attnkit.cache.KVCache` per decoder layer)
@@ -23,6 +32,7 @@ import datetime as dt
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +45,11 @@ from ..cache import KVCache
 from ..modules import Transformer
 from ..positional import LearnedPositionalEmbedding
 from ..viz.report import Section
-from . import _common
+from . import _common, _numbers
 from ._rnn import RNNSeq2Seq
 
 DEFAULTS = {"steps": 1000, "lr": 2e-3, "warmup": 100, "batch_size": 128, "embed_dim": 64, "num_heads": 4,
-            "encoder_layers": 2, "decoder_layers": 2, "ffn_dim": 128, "beam": 4, "test_size": 2000}
+            "encoder_layers": 2, "decoder_layers": 2, "ffn_dim": 128, "beam": 4, "test_size": 2000, "pairs": "fr-de"}
 QUICK = {"steps": 300, "batch_size": 32, "embed_dim": 32, "num_heads": 2, "encoder_layers": 1,
          "decoder_layers": 1, "ffn_dim": 64, "beam": 2, "test_size": 64}
 
@@ -106,12 +116,12 @@ def in_words(day: dt.date, style: int) -> list[str]:
     return head + _year(day.year)
 
 
-def encode_words(words: list[str]) -> list[int]:
-    return [SRC_VOCAB.index(w) for w in words]
+def encode_words(words: list[str], vocab: list[str] = SRC_VOCAB) -> list[int]:
+    return [vocab.index(w) for w in words]
 
 
-def encode_chars(text: str) -> list[int]:
-    return [TGT_VOCAB.index(c) for c in text]
+def encode_chars(text: str, vocab: list[str] = TGT_VOCAB) -> list[int]:
+    return [vocab.index(c) for c in text]
 
 
 def detokenize(ids: list[int], vocab: list[str], sep: str = "") -> str:
@@ -124,31 +134,79 @@ def detokenize(ids: list[int], vocab: list[str], sep: str = "") -> str:
     return sep.join(out)
 
 
-def decode_chars(ids: list[int]) -> str:
-    """Target ids -> the ISO date text."""
-    return detokenize(ids, TGT_VOCAB)
+def decode_chars(ids: list[int], vocab: list[str] = TGT_VOCAB) -> str:
+    """Target ids -> the text (the ISO date, with the dates' vocabulary)."""
+    return detokenize(ids, vocab)
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """One set of translation pairs: items ``0 .. count - 1``, each with a source phrase per style
+    and one target text, and the vocabularies and lengths that hold them (``PAD``, ``BOS``, ``EOS``
+    = 0, 1, 2 in both vocabularies)."""
+
+    name: str
+    description: str  # what is translated into what, for reports
+    unit: str  # what one item is, plural: "dates", "numbers"
+    src_vocab: list[str]
+    tgt_vocab: list[str]
+    src_len: int  # the longest source
+    tgt_len: int  # the longest target, <eos> included
+    count: int
+    styles: int  # source phrasings per item
+    source: Callable[[int, int], list[str]]  # (item, style) -> words
+    target: Callable[[int], str]  # item -> text
+
+    def example(self, item: int) -> list[str]:
+        """The source words the alignment picture translates: the last style of ``item``."""
+        return self.source(item, self.styles - 1)
+
+
+DATES = Pairs("dates", "Dates written in English words -> ISO 8601 (1900-2099, two word orders)", "dates",
+              SRC_VOCAB, TGT_VOCAB, SRC_LEN, TGT_LEN, (LAST_DAY - FIRST_DAY).days + 1, 2,
+              lambda d, style: in_words(FIRST_DAY + dt.timedelta(days=d), style),
+              lambda d: (FIRST_DAY + dt.timedelta(days=d)).isoformat())
+NUMBERS = Pairs("fr-de", f"Numbers written in French -> the same numbers in German (1 to {_numbers.LAST:,}, "
+                "num2words' grammars)", "numbers",
+                ["<pad>", "<bos>", "<eos>", *_numbers.FRENCH_WORDS],
+                ["<pad>", "<bos>", "<eos>", *_numbers.GERMAN_CHARS],
+                _numbers.SRC_LEN, _numbers.TGT_LEN, _numbers.LAST, 1,
+                lambda i, style: list(_numbers.pairs()[i][0]), lambda i: _numbers.pairs()[i][1])
+#: The pairs ``run(pairs=...)`` trains on, by name; the first is the default.
+PAIRS = {"fr-de": NUMBERS, "dates": DATES}
+
+
+def _pairs(name: object) -> Pairs:
+    if name not in PAIRS:
+        raise ValueError(f"pairs must be one of {', '.join(map(repr, PAIRS))}, got {name!r}")
+    return PAIRS[name]
+
+
+def split(g: torch.Generator, pairs: Pairs = DATES) -> tuple[Tensor, Tensor]:
+    """The items of ``pairs``, shuffled: 90% to train on, 10% held out."""
+    perm = torch.randperm(pairs.count, generator=g)
+    return perm[pairs.count // 10:], perm[:pairs.count // 10]
 
 
 def split_days(g: torch.Generator) -> tuple[Tensor, Tensor]:
     """Day numbers since :data:`FIRST_DAY`, shuffled: 90% to train on, 10% held out."""
-    n = (LAST_DAY - FIRST_DAY).days + 1
-    perm = torch.randperm(n, generator=g)
-    return perm[n // 10:], perm[:n // 10]
+    return split(g, DATES)
 
 
-def make_batch(days: Tensor, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
-    """``(src [B, SRC_LEN], src_key_mask [B, SRC_LEN], tgt [B, TGT_LEN])``, styles drawn from ``g``.
+def make_batch(items: Tensor, g: torch.Generator, pairs: Pairs = DATES) -> tuple[Tensor, Tensor, Tensor]:
+    """``(src [B, src_len], src_key_mask [B, src_len], tgt [B, tgt_len])`` for ``items`` of ``pairs``
+    (days, by default), styles drawn from ``g``.
 
-    ``tgt`` is the ISO date and <eos>; the decoder's input is it shifted right behind <bos>.
+    ``tgt`` is the target text and <eos>; the decoder's input is it shifted right behind <bos>.
     """
-    styles = torch.randint(0, 2, (len(days),), generator=g).tolist()
-    src = torch.full((len(days), SRC_LEN), PAD)
-    tgt = torch.empty(len(days), TGT_LEN, dtype=torch.long)
-    for i, (d, s) in enumerate(zip(days.tolist(), styles, strict=True)):
-        day = FIRST_DAY + dt.timedelta(days=d)
-        ids = encode_words(in_words(day, s))
+    styles = torch.randint(0, pairs.styles, (len(items),), generator=g).tolist()
+    src = torch.full((len(items), pairs.src_len), PAD)
+    tgt = torch.full((len(items), pairs.tgt_len), PAD)
+    for i, (d, s) in enumerate(zip(items.tolist(), styles, strict=True)):
+        ids = encode_words(pairs.source(d, s), pairs.src_vocab)
         src[i, :len(ids)] = torch.tensor(ids)
-        tgt[i] = torch.tensor(encode_chars(day.isoformat()) + [EOS])
+        out = encode_chars(pairs.target(d), pairs.tgt_vocab) + [EOS]
+        tgt[i, :len(out)] = torch.tensor(out)
     return src, src != PAD, tgt
 
 # ----------------------------------------------------------------------------------------- model
@@ -351,38 +409,52 @@ def _check_model(model: object) -> None:
         raise ValueError(f"model must be one of {', '.join(map(repr, MODELS))}, got {model!r}")
 
 
-def settings(model: str = "transformer", *, quick: bool = False, steps: int | None = None) -> dict:
+def settings(model: str = "transformer", *, quick: bool = False, steps: int | None = None,
+             pairs: str | None = None) -> dict:
     """The settings :func:`run` trains ``model`` with: ``DEFAULTS`` (with ``QUICK`` when ``quick``),
-    the RNN's sizes in place of the Transformer's for ``"rnn"``, ``steps`` if given, and ``model``.
+    the RNN's sizes in place of the Transformer's for ``"rnn"``, ``steps`` and ``pairs`` if given
+    (:data:`PAIRS`), and ``model``.
 
     Raises:
-        ValueError: ``model`` is not one of :data:`MODELS`.
+        ValueError: ``model`` is not one of :data:`MODELS`, or ``pairs`` not one of :data:`PAIRS`.
     """
     _check_model(model)
     cfg = _common.settings(DEFAULTS, QUICK, quick=quick, steps=steps)
+    if pairs is not None:
+        cfg["pairs"] = _pairs(pairs).name
     if model == "rnn":
         cfg = {k: v for k, v in cfg.items() if k not in _TRANSFORMER_ONLY} | (RNN_QUICK_SIZES if quick else RNN_SIZES)
     return {**cfg, "model": model}
 
 
+def pairs_of(config: dict) -> Pairs:
+    """The pairs ``config`` trains on (its ``pairs`` key); the dates when it has none (a checkpoint
+    written before there were two)."""
+    return _pairs(config.get("pairs", "dates"))
+
+
 def build(config: dict) -> Seq2Seq | RNNSeq2Seq:
     """The model for ``config`` (what :func:`load` rebuilds from ``config.json``); its ``model`` key
-    picks the kind (:data:`MODELS`), the Transformer when it has none."""
+    picks the kind (:data:`MODELS`), the Transformer when it has none, and its ``pairs`` key the
+    vocabularies and lengths (:func:`pairs_of`)."""
     kind = config.get("model", "transformer")
     _check_model(kind)
+    p = pairs_of(config)
     if kind == "rnn":
-        return RNNSeq2Seq(len(SRC_VOCAB), len(TGT_VOCAB), TGT_LEN, bos_id=BOS, embed_dim=config["embed_dim"],
+        return RNNSeq2Seq(len(p.src_vocab), len(p.tgt_vocab), p.tgt_len, bos_id=BOS, embed_dim=config["embed_dim"],
                           hidden_dim=config["hidden_dim"], attn_dim=config["attn_dim"])
-    return Seq2Seq(TokenEmbedding(len(SRC_VOCAB), SRC_LEN, config["embed_dim"]), len(TGT_VOCAB), TGT_LEN,
+    return Seq2Seq(TokenEmbedding(len(p.src_vocab), p.src_len, config["embed_dim"]), len(p.tgt_vocab), p.tgt_len,
                    embed_dim=config["embed_dim"], num_heads=config["num_heads"],
                    encoder_layers=config["encoder_layers"], decoder_layers=config["decoder_layers"],
                    ffn_dim=config["ffn_dim"])
 
 
 _MODEL_FIELD = _common.one_of(*MODELS, default="transformer")
+_PAIRS_FIELD = _common.one_of(*PAIRS, default="dates")
 #: What :func:`load` checks in ``config.json`` against the Transformer's weights before building.
 FIELDS = {
     "model": _MODEL_FIELD,
+    "pairs": _PAIRS_FIELD,
     "embed_dim": _common.size("src_embed.embed.weight", 1),
     "num_heads": _common.heads("embed_dim"),
     "encoder_layers": _common.layers("transformer.encoder.layers"),
@@ -392,6 +464,7 @@ FIELDS = {
 #: The same for the RNN's (``"model": "rnn"``).
 RNN_FIELDS = {
     "model": _MODEL_FIELD,
+    "pairs": _PAIRS_FIELD,
     "embed_dim": _common.size("src_embed.weight", 1),
     "hidden_dim": _common.size("decoder.weight_hh", 1),
     "attn_dim": _common.size("attention.score_vector", 0),
@@ -409,22 +482,45 @@ def load(dir: str | Path) -> Seq2Seq | RNNSeq2Seq:
     return _common.load(dir, build, fields)
 
 
-def exact_match(pred: Tensor, tgt: Tensor) -> float:
+def exact_match(pred: Tensor, tgt: Tensor, vocab: list[str] = TGT_VOCAB) -> float:
     """Fraction of rows whose decoded text equals the target's."""
-    return sum(decode_chars(p) == decode_chars(t) for p, t in zip(pred.tolist(), tgt.tolist(), strict=True)) / len(tgt)
+    return sum(decode_chars(p, vocab) == decode_chars(t, vocab)
+               for p, t in zip(pred.tolist(), tgt.tolist(), strict=True)) / len(tgt)
 
 
-def alignment_figure(model: Seq2Seq | RNNSeq2Seq, words: list[str], layer: int = 0):
-    """The attention of the greedy translation of ``words``: output characters down the side,
-    source words along the top. The Transformer's is one decoder layer's cross-attention, mean over
-    heads; the RNN's is its one additive attention (``layer`` must be 0).
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest characters inserted, deleted or replaced to turn ``a`` into ``b``."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+def char_similarity(pred: Tensor, tgt: Tensor, vocab: list[str] = TGT_VOCAB) -> float:
+    """Mean character similarity of the decoded rows to their targets: ``1 - edit distance / the
+    longer text's length`` (1: the same text; a wrong letter in a long word costs little, which
+    exact match cannot show)."""
+    total = 0.0
+    for p, t in zip(pred.tolist(), tgt.tolist(), strict=True):
+        a, b = decode_chars(p, vocab), decode_chars(t, vocab)
+        total += 1.0 - edit_distance(a, b) / max(len(a), len(b), 1)
+    return total / len(tgt)
+
+
+def alignment_figure(model: Seq2Seq | RNNSeq2Seq, words: list[str], layer: int = 0, pairs: Pairs = DATES):
+    """The attention of the greedy translation of ``words`` (a source of ``pairs``, the dates by
+    default): output characters down the side, source words along the top. The Transformer's is one
+    decoder layer's cross-attention, mean over heads; the RNN's is its one additive attention
+    (``layer`` must be 0).
 
     The first layer is the Transformer's default: there the alignment is sharpest (in the default
     model the "7" of "seventy" puts most of its weight on "seventy"); later layers mix in context
     the first already gathered."""
     from ..viz.heatmap import heatmap
 
-    src = torch.tensor([encode_words(words)])
+    src = torch.tensor([encode_words(words, pairs.src_vocab)])
     if isinstance(model, RNNSeq2Seq):
         if layer != 0:
             raise ValueError(f"layer must be 0 for the RNN (it has one attention), got {layer!r}")
@@ -436,7 +532,7 @@ def alignment_figure(model: Seq2Seq | RNNSeq2Seq, words: list[str], layer: int =
         weights, title = torch.cat(rec[layer], dim=2)[0].mean(0), f"cross-attention, decoder layer {layer + 1}"
     ids = pred[0].tolist()
     ids = ids[:ids.index(EOS) + 1] if EOS in ids else ids  # what was written, <eos> included
-    return heatmap(weights[:len(ids)], [TGT_VOCAB[i] for i in ids], words, title=title)
+    return heatmap(weights[:len(ids)], [pairs.tgt_vocab[i] for i in ids], words, title=title)
 
 
 @dataclass
@@ -448,9 +544,15 @@ class Trained:
     losses: list[float]
     step_seconds: float  # median wall clock of a step's forward, backward and update; batch making excluded
     train_seconds: float  # the whole training loop, batch making included
-    test_days: Tensor  # the held-out days (numbers since FIRST_DAY)
+    test_days: Tensor  # the held-out items (days since FIRST_DAY for the dates)
     held_out: tuple[Tensor, Tensor, Tensor]  # (src, src_key_mask, tgt) of the first test_size of them
     greedy_exact: float  # greedy exact match on held_out
+    greedy_chars: float  # greedy character similarity on held_out (char_similarity)
+
+    @property
+    def pairs(self) -> Pairs:
+        """The pairs it was trained on."""
+        return pairs_of(self.config)
 
     @property
     def num_parameters(self) -> int:
@@ -459,9 +561,10 @@ class Trained:
 
 
 def train(model: str = "transformer", *, steps: int | None = None, seed: int = 0, quick: bool = False,
-          progress: bool = True) -> Trained:
-    """Train ``model`` (one of :data:`MODELS`) on the training days; measure greedy exact match on
-    the held-out days.
+          progress: bool = True, pairs: str | None = None) -> Trained:
+    """Train ``model`` (one of :data:`MODELS`) on the training items of ``pairs`` (:data:`PAIRS`; the
+    default is ``DEFAULTS["pairs"]``); measure greedy exact match and character similarity on the
+    held-out items.
 
     For one ``seed`` both models see the same days in the same order and style (the data has its
     own generator), with the same optimiser and schedule (:func:`attnkit.apps._common.fit`), so
@@ -470,9 +573,10 @@ def train(model: str = "transformer", *, steps: int | None = None, seed: int = 0
     Raises:
         ValueError: ``model`` is not one of :data:`MODELS`.
     """
-    cfg = settings(model, quick=quick, steps=steps)
+    cfg = settings(model, quick=quick, steps=steps, pairs=pairs)
+    data = pairs_of(cfg)
     g = _common.seed_all(seed)
-    train_days, test_days = split_days(g)
+    train_days, test_days = split(g, data)
     net = build(cfg)
     # A step is the time from one batch made to the next batch asked for; the median leaves out the
     # first steps' one-time costs and the steps another process slowed down.
@@ -484,72 +588,83 @@ def train(model: str = "transformer", *, steps: int | None = None, seed: int = 0
         if step:
             step_times.append(time.perf_counter() - made)
         idx = torch.randint(0, len(train_days), (cfg["batch_size"],), generator=g)
-        batch = make_batch(train_days[idx], g)
+        batch = make_batch(train_days[idx], g, data)
         made = time.perf_counter()
         return batch
 
-    with _common.Timer() as train_time:
+    with _common.Timer() as train_time, _common.one_thread():
         losses = _common.fit(net, batch_fn, loss_fn, steps=cfg["steps"], lr=cfg["lr"],
                              desc="translate" if model == "transformer" else f"translate ({model})",
                              warmup=min(cfg["warmup"], cfg["steps"]), progress=progress)
     step_times.append(time.perf_counter() - made)
-    held_out = make_batch(test_days[:cfg["test_size"]], g)
-    accuracy = exact_match(greedy(net, held_out[0], held_out[1]), held_out[2])
+    held_out = make_batch(test_days[:cfg["test_size"]], g, data)
+    pred = greedy(net, held_out[0], held_out[1])
     return Trained(net, cfg, losses, statistics.median(step_times), train_time.seconds, test_days, held_out,
-                   accuracy)
+                   exact_match(pred, held_out[2], data.tgt_vocab), char_similarity(pred, held_out[2], data.tgt_vocab))
 
 
 def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = False, progress: bool = True,
-        model: str = "transformer") -> _common.Result:
-    """Train ``model`` (:data:`MODELS`, the Transformer unless asked) on the training days, evaluate
-    greedy decoding (and the Transformer's beam search) on the held-out days, draw the alignment,
-    save the checkpoint (its ``config.json`` names the model) and pictures into ``out``.
+        model: str = "transformer", pairs: str | None = None) -> _common.Result:
+    """Train ``model`` (:data:`MODELS`, the Transformer unless asked) on the training items of
+    ``pairs`` (:data:`PAIRS`, French -> German numbers unless asked), evaluate greedy decoding (and
+    the Transformer's beam search) on the held-out items, draw the alignment, save the checkpoint
+    (its ``config.json`` names the model and the pairs) and pictures into ``out``.
 
     Raises:
-        ValueError: ``model`` is not one of :data:`MODELS` (before anything is trained).
+        ValueError: ``model`` is not one of :data:`MODELS` or ``pairs`` not one of :data:`PAIRS`
+            (before anything is trained).
     """
     out = Path(out)
     _check_model(model)
+    if pairs is not None:
+        _pairs(pairs)
     with _common.Timer() as total:
-        trained = train(model, steps=steps, seed=seed, quick=quick, progress=progress)
+        trained = train(model, steps=steps, seed=seed, quick=quick, progress=progress, pairs=pairs)
         cfg, net, (src, skm, tgt) = trained.config, trained.model, trained.held_out
+        data = trained.pairs
         greedy_acc = trained.greedy_exact
-        decoding = [{"Decoding": "greedy", "Exact match": greedy_acc}]
+        decoding = [{"Decoding": "greedy", "Exact match": greedy_acc, "Character similarity": trained.greedy_chars}]
         if model == "transformer":
-            beam_acc = exact_match(beam_search(net, src, skm, beam=cfg["beam"]), tgt)
-            decoding.append({"Decoding": f"beam search of {cfg['beam']}", "Exact match": beam_acc})
+            beamed = beam_search(net, src, skm, beam=cfg["beam"])
+            beam_acc = exact_match(beamed, tgt, data.tgt_vocab)
+            decoding.append({"Decoding": f"beam search of {cfg['beam']}", "Exact match": beam_acc,
+                             "Character similarity": char_similarity(beamed, tgt, data.tgt_vocab)})
         _common.save(out, net, cfg)
-        example = FIRST_DAY + dt.timedelta(days=int(trained.test_days[0]))
-        png = _common.save_png(alignment_figure(net, in_words(example, 1)), out / "translate_alignment.png")
+        png = _common.save_png(alignment_figure(net, data.example(int(trained.test_days[0])), pairs=data),
+                               out / "translate_alignment.png")
     losses = trained.losses
-    metrics: dict = {"model": MODEL_NAMES[model], "parameters": trained.num_parameters, "greedy_exact": greedy_acc}
-    labels = {"model": "Model", "parameters": "Parameters",
-              "greedy_exact": "Exact match, greedy decoding (share of held-out dates)"}
+    unit = data.unit
+    metrics: dict = {"model": MODEL_NAMES[model], "pairs": data.name, "parameters": trained.num_parameters,
+                     "greedy_exact": greedy_acc, "greedy_chars": trained.greedy_chars}
+    labels = {"model": "Model", "pairs": "Pairs", "parameters": "Parameters",
+              "greedy_exact": f"Exact match, greedy decoding (share of held-out {unit})",
+              "greedy_chars": "Character similarity, greedy decoding (1 - edit distance / length, mean)"}
     if model == "transformer":
         metrics[f"beam{cfg['beam']}_exact"] = beam_acc
-        labels[f"beam{cfg['beam']}_exact"] = f"Exact match, beam search of {cfg['beam']} (share of held-out dates)"
+        labels[f"beam{cfg['beam']}_exact"] = f"Exact match, beam search of {cfg['beam']} (share of held-out {unit})"
     metrics |= {"held_out": len(tgt), "first_loss": losses[0], "final_loss": sum(losses[-20:]) / len(losses[-20:]),
                 "steps": cfg["steps"], "ms_per_step": round(trained.step_seconds * 1e3, 2),
                 "train_seconds": round(trained.train_seconds, 1)}
-    labels |= {"held_out": "Held-out dates", "first_loss": "First training loss (nats per character)",
+    labels |= {"held_out": f"Held-out {unit}", "first_loss": "First training loss (nats per character)",
                "final_loss": "Final training loss (nats per character, mean of the last 20 steps)",
                "steps": "Training steps",
                "ms_per_step": "Milliseconds per training step (median; forward, backward, update)",
                "train_seconds": "Training seconds (batch making included)"}
-    task = (f"Dates written in English words -> ISO 8601, on {len(tgt)} days held out from training "
-            "(1900-2099, two word orders)")
+    task = f"{data.description}, on {len(tgt)} {unit} held out from training"
+    short = {"fr-de": "French -> German numbers", "dates": "dates in words -> ISO"}[data.name]
+    one = unit[:-1]  # "date", "number"
     if model == "transformer":
-        title = "Translation: dates in words -> ISO"
+        title = f"Translation: {short}"
         text = (f"{task}. Greedy exact match {greedy_acc:.1%}, beam search of {cfg['beam']} {beam_acc:.1%}; both "
                 "decode through the KV cache.\n\n"
                 "The picture is the cross-attention of the first decoder layer (mean over heads) while it "
-                "writes one held-out date: each output character looks at the words it comes from.")
+                f"writes one held-out {one}: each output character looks at the words it comes from.")
     else:
-        title = "Translation with an RNN: dates in words -> ISO"
+        title = f"Translation with an RNN: {short}"
         text = (f"{task}, by the baseline attention was first built into: a bidirectional GRU encoder and a GRU "
                 "decoder that, before each character, attends over the encoder's states with Bahdanau's additive "
                 f"score v . tanh(W s + U h). Greedy exact match {greedy_acc:.1%}.\n\n"
-                "The picture is that attention while the decoder writes one held-out date: each output "
+                f"The picture is that attention while the decoder writes one held-out {one}: each output "
                 "character's weights over the source words (one attention: no layers or heads to average).")
     return _common.Result("translate", metrics, total.seconds,
                           [Section(title, text, table=decoding, images=[png])], labels)
@@ -566,10 +681,11 @@ class Comparison:
         return f"{_common.table(self.rows)}\n\n{self.verdict}"
 
 
-def compare(*, steps: int | None = None, seed: int = 0, quick: bool = False, progress: bool = True) -> Comparison:
-    """Train the Transformer and the RNN at one step budget (:func:`train`: same days, batches,
-    optimiser, schedule and seed) and set their greedy exact match on the held-out dates beside
-    their median wall-clock time per training step.
+def compare(*, steps: int | None = None, seed: int = 0, quick: bool = False, progress: bool = True,
+            pairs: str | None = None) -> Comparison:
+    """Train the Transformer and the RNN at one step budget on ``pairs`` (:func:`train`: same items,
+    batches, optimiser, schedule and seed) and set their greedy exact match and character similarity
+    on the held-out items beside their median wall-clock time per training step.
 
     The verdict names the steps, seed, held-out count, thread count and CPU. It calls the exact
     matches apart only when they differ by more than two standard errors of their difference (each
@@ -582,9 +698,11 @@ def compare(*, steps: int | None = None, seed: int = 0, quick: bool = False, pro
     Raises:
         ValueError: ``steps`` is not a positive int (:func:`attnkit.apps._common.fit`).
     """
-    runs = {m: train(m, steps=steps, seed=seed, quick=quick, progress=progress) for m in MODELS}
+    runs = {m: train(m, steps=steps, seed=seed, quick=quick, progress=progress, pairs=pairs) for m in MODELS}
+    unit = runs["rnn"].pairs.unit
     rows = [{"Model": MODEL_NAMES[m], "Parameters": t.num_parameters, "Training steps": t.config["steps"],
-             "Exact match, greedy (share of held-out dates)": t.greedy_exact,
+             f"Exact match, greedy (share of held-out {unit})": t.greedy_exact,
+             "Character similarity, greedy": t.greedy_chars,
              "Milliseconds per training step (median)": round(t.step_seconds * 1e3, 2)} for m, t in runs.items()]
     return Comparison(rows, _verdict(runs["transformer"], runs["rnn"], seed))
 
@@ -592,11 +710,11 @@ def compare(*, steps: int | None = None, seed: int = 0, quick: bool = False, pro
 def _verdict(transformer: Trained, rnn: Trained, seed: int) -> str:
     from .._cpu import name as cpu_name
 
-    n, cfg = len(transformer.held_out[2]), transformer.config
-    where = (f"{cfg['steps']:,} training steps of {cfg['batch_size']} dates, seed {seed}, {n:,} held-out dates, "
+    n, cfg, unit = len(transformer.held_out[2]), transformer.config, transformer.pairs.unit
+    where = (f"{cfg['steps']:,} training steps of {cfg['batch_size']} {unit}, seed {seed}, {n:,} held-out {unit}, "
              f"{torch.get_num_threads()} torch thread(s) on {cpu_name()}")
     a, b = transformer.greedy_exact, rnn.greedy_exact
-    # Each share's variance with one date right and one wrong added, so that 0% and 100% have one too.
+    # Each share's variance with one item right and one wrong added, so that 0% and 100% have one too.
     smoothed = [(round(x * n) + 1) / (n + 2) for x in (a, b)]
     two_se = 2 * math.sqrt(sum(p * (1 - p) for p in smoothed) / n)
     if a == b:
@@ -607,7 +725,7 @@ def _verdict(transformer: Trained, rnn: Trained, seed: int) -> str:
     else:
         ahead = "Transformer" if a > b else "RNN"
         accuracy = (f"greedy exact match {a:.1%} (Transformer) against {b:.1%} (RNN): the {ahead} wrote more of "
-                    f"the held-out dates exactly right at this budget (the gap exceeds two standard errors, "
+                    f"the held-out {unit} exactly right at this budget (the gap exceeds two standard errors, "
                     f"{two_se:.1%})")
     ms_t, ms_r = transformer.step_seconds * 1e3, rnn.step_seconds * 1e3
     timing = (f"the median training step took {ms_t:.1f} ms (Transformer) and {ms_r:.1f} ms (RNN), RNN / "

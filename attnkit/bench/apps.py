@@ -38,10 +38,43 @@ def _caption(runs: list[Metrics]) -> tuple[str, bool]:
 
 
 def _translate(runs: list[Metrics]) -> tuple[str, bool]:
-    (m,) = runs
+    m, rnn = runs  # the Transformer, then the RNN baseline (VARIANTS)
     greedy = m["greedy_exact"]
     beam = next(v for k, v in m.items() if k.startswith("beam") and k.endswith("_exact"))
-    return f"greedy {greedy:.1%}, beam {beam:.1%} (exact match)", greedy >= 0.98 and beam >= greedy
+    return (f"{m['pairs']}: Transformer greedy {greedy:.1%}, beam {beam:.1%} (exact match), character similarity "
+            f"{m['greedy_chars']:.3f}; RNN with additive attention greedy {rnn['greedy_exact']:.1%}, character "
+            f"similarity {rnn['greedy_chars']:.3f}"), greedy >= 0.98 and beam >= greedy
+
+
+def _spread(m: Metrics, key: str) -> str:
+    return f"{m[key]:.1%} ± {m[key + ' sd']:.1%}"
+
+
+def _graph(runs: list[Metrics]) -> tuple[str, bool]:
+    (m,) = runs
+    acc = {k: m[f"{k} accuracy"] for k in ("gat", "mean", "mlp")}
+    return (f"test accuracy over {m['seeds']} seeds, {m['test nodes']} test nodes: graph attention "
+            f"{_spread(m, 'gat accuracy')}, neighbour averaging {_spread(m, 'mean accuracy')}, MLP without edges "
+            f"{_spread(m, 'mlp accuracy')}; first-layer attention evenness {m['evenness']:.3f}"), (
+        acc["gat"] > acc["mlp"] and acc["mean"] > acc["mlp"])
+
+
+def _forecast(runs: list[Metrics]) -> tuple[str, bool]:
+    (m,) = runs
+    layers = sorted(int(k.rsplit(" ", 1)[1]) for k in m if k.startswith("season ratio layer "))
+    season = ", ".join(f"layer {i} {m[f'season ratio layer {i}']:.2f}x ({m[f'season band ratio layer {i}']:.2f}x "
+                       "within a month)" for i in layers)
+    return (f"MAE over 12 months ahead (ppm, mean of {m['seeds']} seeds): Transformer {m['transformer MAE']:.3f}, "
+            f"LSTM {m['lstm MAE']:.3f}, seasonal naive {m['naive MAE']:.3f}; weight at lags 12, 24, ...: {season}"), (
+        m["transformer MAE"] < m["naive MAE"])
+
+
+def _tag(runs: list[Metrics]) -> tuple[str, bool]:
+    (m,) = runs
+    acc = {k: m[f"accuracy {k}"] for k in ("Transformer tagger", "per-token majority", "majority tag")}
+    return (f"per-token accuracy on {m['test tokens']:,} held-out tokens: tagger {acc['Transformer tagger']:.1%}, "
+            f"per-token majority {acc['per-token majority']:.1%}, majority tag {acc['majority tag']:.1%}"), (
+        acc["Transformer tagger"] > acc["per-token majority"])
 
 
 def _classify(runs: list[Metrics]) -> tuple[str, bool]:
@@ -110,19 +143,28 @@ def vit_by_share(runs: list[Metrics]) -> str:
 TARGETS: dict[str, tuple[str, tuple[int, ...], Callable[[list[Metrics]], tuple[str, bool]]]] = {
     "vit": ("test accuracy >= 96% (mean of 3 seeds), CNN beside it", (0, 1, 2), _vit),
     "caption": ("exact caption >= 90%, strongest patch on the digit >= 90%", (0,), _caption),
-    "translate": ("greedy exact match >= 98%, beam no worse", (0,), _translate),
+    "translate": ("French -> German numbers: greedy exact match >= 98%, beam no worse; the RNN beside it", (0,),
+                  _translate),
     "classify": ("attention pooling beats bag of words", (0,), _classify),
     "recommend": ("hit@10 >= 2x most-popular and > transition", (0,), _recommend),
     "lm": ("validation perplexity per character below the smoothed trigram's", (0,), _lm),
     "recall": ("attention >= 95% at the farthest distance; the LSTM and RNN beside it", (0,), _recall),
+    "graph": ("both graph models above the MLP that ignores edges; attention against averaging as measured", (0,),
+              _graph),
+    "forecast": ("Transformer MAE below the seasonal naive forecast's; the LSTM beside it", (0,), _forecast),
+    "tag": ("per-token accuracy above the per-token majority's", (0,), _tag),
 }
+#: Tasks run more than once per seed, with these keyword arguments each (the judge gets the runs in
+#: this order); a task not listed runs once, with its defaults.
+VARIANTS: dict[str, tuple[dict, ...]] = {"translate": ({}, {"model": "rnn"})}
 
 
-def run(quick: bool, out_dir: Path) -> str:
-    """Train, judge, print and write ``out_dir/apps.md``; return the report."""
+def run(quick: bool, out_dir: Path, tasks: tuple[str, ...] | None = None) -> str:
+    """Train, judge, print and write ``out_dir/apps.md``; return the report. ``tasks``: only these
+    (default: every one of :data:`TASKS`)."""
     say = progress("apps")
     rows, notes, sections = [], [], []
-    for name in TASKS:
+    for name in TASKS if tasks is None else tasks:
         target, seeds, judge = TARGETS[name]
         try:
             task = importlib.import_module(f"attnkit.apps.{name}")
@@ -134,9 +176,11 @@ def run(quick: bool, out_dir: Path) -> str:
         seeds = seeds[:1] if quick else seeds
         results = []
         for seed in seeds:
-            say(f"{name}, seed {seed}")
-            results.append(task.run(out=out_dir / "apps" / name / f"seed{seed}", seed=seed, quick=quick,
-                                    progress=False))
+            for kwargs in VARIANTS.get(name, ({},)):
+                say(f"{name}, seed {seed}" + "".join(f", {k} {v}" for k, v in kwargs.items()))
+                folder = "-".join([f"seed{seed}", *map(str, kwargs.values())])
+                results.append(task.run(out=out_dir / "apps" / name / folder, seed=seed, quick=quick, progress=False,
+                                        **kwargs))
         try:
             reached, met = judge([r.metrics for r in results])
         except KeyError as e:
@@ -157,5 +201,6 @@ def run(quick: bool, out_dir: Path) -> str:
                if quick else "")
             + "".join(f"\n- {n}" for n in notes)
             + "".join(sections))
-    cmd = "attnkit bench apps" + (" --quick" if quick else "")
+    cmd = ("attnkit bench apps" + (" --quick" if quick else "") if tasks is None
+           else f"python -c 'from attnkit.bench import apps; apps.run({quick}, OUT, tasks={tuple(tasks)!r})'")
     return write_report(out_dir, "apps", "Applications: what each task reaches, against its target", body, cmd)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +19,12 @@ from tests.viz.test_report import app_report_problems
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("translate")
-    return out, tr.run(out=out, quick=True, progress=False)
+    return out, tr.run(out=out, quick=True, progress=False, pairs="dates")
 
 
 def _tiny_model(dtype=torch.float64):
     torch.manual_seed(0)
-    return tr.build({**tr.DEFAULTS, **tr.QUICK}).to(dtype).eval()
+    return tr.build({**tr.DEFAULTS, **tr.QUICK, "pairs": "dates"}).to(dtype).eval()
 
 
 def _batch(n=6, seed=0):
@@ -137,7 +138,7 @@ def test_attention_modules_are_the_librarys():
 
 def test_checkpoint_reloads_to_identical_outputs(tmp_path):
     torch.manual_seed(0)
-    cfg = {**tr.DEFAULTS, **tr.QUICK}
+    cfg = {**tr.DEFAULTS, **tr.QUICK, "pairs": "dates"}
     model = tr.build(cfg)
     src, skm, tgt = _batch()
     _common.fit(model, lambda step: (src, skm, tgt), tr.loss_fn, steps=3, lr=1e-2, desc="t", progress=False)
@@ -170,3 +171,60 @@ def test_the_report_shows_labels_for_people(quick_run):
     assert app_report_problems(result) == []
     rows = {row["Metric"]: row["Value"] for row in result.evaluation_rows()}
     assert rows["Exact match, greedy decoding (share of held-out dates)"] == result.metrics["greedy_exact"]
+
+
+def test_french_and_german_numbers_come_from_num2words_grammars():
+    from attnkit.apps import _numbers
+
+    assert _numbers.french(97) == ["quatre", "vingt", "dix", "sept"] and _numbers.german(97) == "siebenundneunzig"
+    assert _numbers.french(71) == ["soixante", "et", "onze"] and _numbers.german(71) == "einundsiebzig"
+    pairs = _numbers.pairs()
+    assert len(pairs) == _numbers.LAST and pairs[0] == (("un",), "eins")
+    # The fixed vocabularies and lengths hold every pair, and are no larger than they need to be.
+    assert {w for src, _ in pairs for w in src} == set(_numbers.FRENCH_WORDS)
+    assert {c for _, tgt in pairs for c in tgt} == set(_numbers.GERMAN_CHARS)
+    assert max(len(src) for src, _ in pairs) == _numbers.SRC_LEN
+    assert max(len(tgt) for _, tgt in pairs) + 1 == _numbers.TGT_LEN
+
+
+def test_a_numbers_batch_is_padded_and_ends_each_target_with_eos():
+    g = torch.Generator().manual_seed(0)
+    train, test = tr.split(g, tr.NUMBERS)
+    assert len(train) + len(test) == 9999 and len(set(train.tolist()) & set(test.tolist())) == 0
+    items = torch.tensor([96, 0])  # the numbers 97 and 1
+    src, skm, tgt = tr.make_batch(items, g, tr.NUMBERS)
+    assert src.shape == (2, tr.NUMBERS.src_len) and tgt.shape == (2, tr.NUMBERS.tgt_len)
+    assert [tr.NUMBERS.src_vocab[i] for i in src[0, :4]] == ["quatre", "vingt", "dix", "sept"]
+    assert skm[0].tolist() == [True] * 4 + [False] * (tr.NUMBERS.src_len - 4)
+    assert skm[1].tolist() == [True] + [False] * (tr.NUMBERS.src_len - 1)
+    assert tr.decode_chars(tgt[0].tolist(), tr.NUMBERS.tgt_vocab) == "siebenundneunzig"
+    assert tgt[1, :5].tolist() == tr.encode_chars("eins", tr.NUMBERS.tgt_vocab) + [tr.EOS]
+    assert (tgt[1, 5:] == tr.PAD).all()
+    model = tr.build({**tr.settings(quick=True), "pairs": "fr-de"})
+    assert tr.greedy(model, src, skm).shape == (2, tr.NUMBERS.tgt_len)
+
+
+def test_the_character_score_is_one_minus_edit_distance_over_length():
+    assert tr.edit_distance("siebzig", "siebzig") == 0 and tr.edit_distance("siebzig", "sibzig") == 1
+    assert tr.edit_distance("", "acht") == 4 and tr.edit_distance("kitten", "sitting") == 3
+    v = tr.NUMBERS.tgt_vocab
+
+    def ids(text):
+        return tr.encode_chars(text, v) + [tr.EOS] + [tr.PAD] * (8 - len(text))
+
+    pred, tgt = torch.tensor([ids("achtzig"), ids("acht")]), torch.tensor([ids("achtzig"), ids("achtzig")])
+    assert tr.char_similarity(pred, tgt, v) == pytest.approx((1.0 + (1 - 3 / 7)) / 2)
+    assert tr.exact_match(pred, tgt, v) == 0.5
+
+
+def test_pairs_are_checked_before_training():
+    with pytest.raises(ValueError, match="pairs must be one of 'fr-de', 'dates', got 'en-fr'"):
+        tr.run(out=Path("unused"), pairs="en-fr")
+    assert tr.settings()["pairs"] == "fr-de" and tr.pairs_of({}) is tr.DATES  # an old checkpoint: dates
+    assert train_command_pairs() == tuple(tr.PAIRS)
+
+
+def train_command_pairs():
+    from attnkit.cli import train as train_command
+
+    return train_command.PAIRS["translate"]

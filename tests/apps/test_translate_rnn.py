@@ -26,7 +26,7 @@ from tests.viz.test_report import app_report_problems
 
 def _tiny(dtype=torch.float64):
     torch.manual_seed(0)
-    return tr.build(tr.settings("rnn", quick=True)).to(dtype).eval()
+    return tr.build(tr.settings("rnn", quick=True, pairs="dates")).to(dtype).eval()
 
 
 def _batch(n=6, seed=0):
@@ -126,7 +126,7 @@ def test_greedy_is_the_argmax_of_teacher_forcing_on_its_own_output():
 
 def test_a_few_training_steps_lower_the_loss():
     torch.manual_seed(0)
-    model = tr.build(tr.settings("rnn", quick=True))
+    model = tr.build(tr.settings("rnn", quick=True, pairs="dates"))
     batch = _batch(n=16)
     losses = _common.fit(model, lambda step: batch, tr.loss_fn, steps=12, lr=1e-2, desc="t", progress=False)
     assert sum(losses[-5:]) / 5 < 0.75 * losses[0], losses
@@ -134,7 +134,7 @@ def test_a_few_training_steps_lower_the_loss():
 
 def test_checkpoint_reloads_as_the_rnn_with_identical_outputs(tmp_path):
     torch.manual_seed(0)
-    cfg = tr.settings("rnn", quick=True)
+    cfg = tr.settings("rnn", quick=True, pairs="dates")
     model = tr.build(cfg)
     src, skm, tgt = _batch()
     _common.fit(model, lambda step: (src, skm, tgt), tr.loss_fn, steps=3, lr=1e-2, desc="t", progress=False)
@@ -152,7 +152,7 @@ def test_checkpoint_reloads_as_the_rnn_with_identical_outputs(tmp_path):
     ({"model": "transformer"}, "cannot be checked: model.safetensors has no tensor 'src_embed.embed.weight'"),
 ])
 def test_a_config_that_does_not_fit_the_weights_is_refused(tmp_path, change, words):
-    cfg = tr.settings("rnn", quick=True)
+    cfg = tr.settings("rnn", quick=True, pairs="dates")
     _common.save(tmp_path, tr.build(cfg), {**cfg, **change})
     with pytest.raises(ValueError, match=words):
         tr.load(tmp_path)
@@ -212,9 +212,9 @@ def test_same_seed_same_checkpoint_for_the_rnn(tmp_path):
 
 
 def _trained(accuracy, n=400, step_seconds=0.01, steps=50):
-    return tr.Trained(model=torch.nn.Linear(1, 1), config={"steps": steps, "batch_size": 8}, losses=[],
-                      step_seconds=step_seconds, train_seconds=0.0, test_days=torch.zeros(0),
-                      held_out=(None, None, torch.zeros(n, tr.TGT_LEN)), greedy_exact=accuracy)
+    return tr.Trained(model=torch.nn.Linear(1, 1), config={"steps": steps, "batch_size": 8, "pairs": "dates"},
+                      losses=[], step_seconds=step_seconds, train_seconds=0.0, test_days=torch.zeros(0),
+                      held_out=(None, None, torch.zeros(n, tr.TGT_LEN)), greedy_exact=accuracy, greedy_chars=accuracy)
 
 
 def test_the_verdict_says_what_was_measured_and_calls_a_gap_only_beyond_two_standard_errors():
@@ -232,7 +232,7 @@ def test_the_verdict_says_what_was_measured_and_calls_a_gap_only_beyond_two_stan
 
 
 def test_compare_trains_both_at_one_budget():
-    result = tr.compare(quick=True, steps=2, progress=False)
+    result = tr.compare(quick=True, steps=2, progress=False, pairs="dates")
     assert [r["Model"] for r in result.rows] == ["Transformer", "RNN with additive attention"]
     assert all(r["Training steps"] == 2 and r["Milliseconds per training step (median)"] > 0 for r in result.rows)
     assert "2 training steps of 32 dates, seed 0, 64 held-out dates" in result.verdict

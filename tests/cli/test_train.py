@@ -77,3 +77,20 @@ def test_a_run_prints_its_table_and_writes_checkpoint_pictures_and_report(tmp_pa
     for png in pngs:
         assert base64.b64encode(png.read_bytes()).decode("ascii") in page
     assert "<td>Training steps per model</td><td class=\"num\">3</td>" in page
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "vit", "--pairs", "dates"], "--pairs dates: task 'vit' cannot train on it (it has no --pairs)"),
+    (["train", "graph", "--model", "rnn"], "--model rnn: task 'graph' cannot train it (it has no --model)"),
+])
+def test_an_option_the_task_does_not_take_is_one_line(argv, words, no_training):
+    rc, out, err = run_cli(*argv)
+    assert rc == 2 and out == "" and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_translate_takes_its_pairs_from_the_command_line(tmp_path):
+    rc, stdout, stderr = run_cli("train", "translate", "--pairs", "dates", "--quick", "--steps", "2",
+                                 "--out", str(tmp_path))
+    assert rc == 0, stderr
+    assert any(line.split()[:1] == ["Pairs"] and line.split()[-1] == "dates" for line in stdout.splitlines())
+    assert "attnkit train translate --pairs dates --quick" in (tmp_path / "report.html").read_text()
