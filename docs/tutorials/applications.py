@@ -1,7 +1,7 @@
 # %% [markdown]
-# # Five applications, and what attention attends to in each
+# # The applications, and what attention attends to in each
 #
-# The same operation, `softmax(Q Kᵀ / √d) V`, does five different jobs in the five applications of
+# The same operation, `softmax(Q Kᵀ / √d) V`, does a different job in each application of
 # `attnkit.apps`. What changes from one to the next is only the question each attention asks: *who*
 # the queries are, *what* the keys are, and which query may look at which key (the mask).
 #
@@ -12,14 +12,18 @@
 # | `classify` | one learned query | the review's words (attention pooling) | padding |
 # | `recommend` | each position of a session | the items up to it (causal self-attention) | causal, padding |
 # | `vit` | the class token and the patches | the same 17 tokens (self-attention) | none |
+# | `graph` | each member of a club | the member and its friends | the graph's edges |
+# | `forecast` | each month of a window | the months up to it (causal self-attention) | causal |
+# | `tag` | each token of Python source | every token of the window, both sides | none |
 #
-# Each application trains at full size with `attnkit train TASK` in about a minute on two CPU cores
-# (`attnkit train translate`, `caption`, `classify`, `recommend`, `vit`; the guide
+# Each application trains at full size with `attnkit train TASK` in minutes on two CPU cores
+# (`attnkit train translate`, `caption`, `classify`, `recommend`, `vit`, `graph`, `forecast`, `tag`; the guide
 # [Applications](../guides/applications.md) shows what each run draws, and
 # [the benchmark table](../benchmarks/apps.md) what each reaches). This page has seconds: it trains
-# one of them, `translate`, at a tiny size, and for the other four builds the application's own
-# model, untrained, on one real input, to show the shape of its attention: which queries, which
-# keys, what is masked. Training only moves the weights around *inside* that shape.
+# one of them, `translate` on its English dates, at a tiny size (the full run's default translates
+# numbers from French into German), and for the others builds the application's own model,
+# untrained, on one real input, to show the shape of its attention: which queries, which keys, what
+# is masked. Training only moves the weights around *inside* that shape.
 
 # %%
 import datetime as dt
@@ -32,7 +36,7 @@ import numpy as np
 import torch
 
 from attnkit import viz
-from attnkit.apps import caption, classify, recommend, translate, vit
+from attnkit.apps import caption, classify, forecast, graph, recommend, tag, translate, vit
 
 torch.manual_seed(0)
 torch.set_printoptions(precision=3, sci_mode=False)
@@ -278,11 +282,6 @@ for ax in (left, middle):
     ax.set_yticks([])
 plt.show()
 
-# What the closing lines below state, checked: exactly no weight on blank patches, padding, the future.
-assert float(cross[:, ~mask[0]].abs().sum()) == 0.0
-assert float(pooled[~real].abs().sum()) == 0.0
-assert float(weights[~causal].abs().sum()) == 0.0
-
 # %% [markdown]
 # Untrained, the class token's weights are almost flat over the patches. A convolution knows from its
 # shape that neighbouring pixels belong together; self-attention has no such notion and must learn it
@@ -291,16 +290,91 @@ assert float(weights[~causal].abs().sum()) == 0.0
 # (`attnkit.analysis.rollout`: the layers' weights multiplied through, residual included) over the
 # digit.
 #
+# ## graph: the adjacency is the mask
+#
+# On a graph, a node may attend only to its neighbours (and itself). `graph` passes the adjacency of
+# Zachary's karate club (34 members, an edge for each friendship, as networkx ships it) to
+# `attnkit.attention` as its boolean mask. With every score equal, the softmax over the mask is the
+# plain mean over a member's friends: neighbour averaging, as a graph convolution does. Graph
+# attention (GAT) only adds a score per edge, so that one friend can count more than another.
+
+# %%
+adj, sides = graph.karate()
+x = torch.eye(34)  # a member's only feature: who it is
+gat_layer = graph.GraphAttention(34, 8, 4, learn_scores=True, concat=True).eval()
+mean_layer = graph.GraphAttention(34, 8, 4, learn_scores=False, concat=True).eval()
+with torch.no_grad():
+    _, gat_w = gat_layer(x, adj)
+    _, mean_w = mean_layer(x, adj)
+print(f"weight off the edges: {float(gat_w[:, ~adj].sum()):.1f}; equal scores give 1 / degree: "
+      f"{torch.allclose(mean_w[0], adj.float() / adj.sum(-1, keepdim=True))}; evenness of the untrained GAT: "
+      f"{graph.evenness(gat_w, adj):.3f}")
+graph_figure = viz.heatmap(gat_w.mean(0), mask=adj, title="The untrained GAT layer's weights (mean over heads)")
+
+# %% [markdown]
+# Untrained, the GAT's weights are close to the plain mean (an evenness near 1). The full run trains
+# both, with 4 labelled members per side, and measures over 10 seeds whether the scores help: on this
+# graph they do not (the figures are in [the benchmark table](../benchmarks/apps.md)).
+#
+# ## forecast: each month looks back over the months before it
+#
+# `forecast` reads a window of 48 monthly CO2 values at Mauna Loa (statsmodels ships the readings)
+# and predicts the month after each position, causally: a month sees only the months before it. The
+# question the report asks of the trained model is where the last position looks, as a function of
+# the lag: the same month a year before (lag 12) is what the seasonal-naive forecast copies.
+
+# %%
+months, co2 = forecast.co2_monthly()
+scale = forecast.scale_of(co2[:-forecast.TEST_MONTHS])
+forecaster = forecast.Forecaster(context=48, embed_dim=16, num_heads=2, num_layers=1, ffn_dim=32, dropout=0.0).eval()
+lags = forecast.lag_profile(forecaster, co2[None, -48:], scale)[0]
+print(f"{len(co2)} months, {months[0]} to {months[-1]}; the untrained model's weight at lags 12, 24, 36 over the "
+      f"other lags: {forecast.season_ratio(lags):.2f} (1: no preference)")
+
+# %% [markdown]
+# Untrained, the weights know no season: the ratio is whatever the random initialisation gives. The
+# full run trains the Transformer and an LSTM of about its size,
+# forecasts 12 months from every month of a held-out tail, and reports their errors beside the
+# seasonal-naive forecast's, and how the trained attention spreads over the lags.
+#
+# ## tag: one label for every token
+#
+# `tag` gives every token of Python source a label, as a part-of-speech tagger does for words. The
+# labels are the language's own: `tokenize` says what a token is, and `ast` what role a name has.
+# Many names are read in one place, assigned in another and a parameter in a third, so the tagger
+# must look at both sides of each token: its attention has no mask.
+
+# %%
+line = "def area(w, h=1):\n    a = w * h\n    return round(a, ndigits=2)\n"
+tagged = [(text, label) for text, _, label in tag.tag_source(line) if label is not None]
+print(", ".join(f"{text}: {label}" for text, label in tagged))
+
+# What the text below and the closing lines state, checked: the same text gets three tags here, and
+# exactly no weight falls on blank patches, padding, the future or a pair of members who are not friends.
+roles = dict.fromkeys([("w", "parameter"), ("w", "variable read"), ("a", "variable assigned")])
+assert all(pair in tagged for pair in roles)
+assert float(cross[:, ~mask[0]].abs().sum()) == 0.0
+assert float(pooled[~real].abs().sum()) == 0.0
+assert float(weights[~causal].abs().sum()) == 0.0
+assert float(gat_w[:, ~adj].abs().sum()) == 0.0
+
+# %% [markdown]
+# The `w` of `w * h` is read, the `w` of `area(w, ...)` is a parameter, the `a` of `a = ...` is
+# assigned: the same text, three tags. The full run tags held-out standard-library files and sets its
+# per-token accuracy beside each token's commonest tag in training.
+#
 # ## What to take away
 #
-# - One operation, five questions: characters asking which source words they come from, words asking
+# - One operation, many questions: characters asking which source words they come from, words asking
 #   which patches hold their digit, one query asking which words decide the verdict, positions asking
-#   which earlier items tell the session's theme, patches and a class token asking each other.
-# - The mask is part of the question: blank patches, padding and the future get no weight at all in
-#   the maps above (exactly 0 on every masked key). A mask does not depend on the weights, so training
-#   cannot move weight onto what it hides.
+#   which earlier items tell the session's theme, patches and a class token asking each other, members
+#   of a club asking their friends, months asking earlier months, tokens asking their neighbours.
+# - The mask is part of the question: blank patches, padding, the future and the pairs of members who
+#   are not friends get no weight at all in the maps above (exactly 0 on every masked key). A mask does
+#   not depend on the weights, so training cannot move weight onto what it hides.
 # - The tiny translation run shows how far an alignment forms in 150 steps; the four untrained maps
 #   show only the shape of each attention. What each one learns to attend to is measured by the
-#   full runs: `attnkit train translate`, `caption`, `classify`, `recommend`, `vit`.
+#   full runs: `attnkit train translate`, `caption`, `classify`, `recommend`, `vit`, `graph`, `forecast`,
+#   `tag`.
 #
 # The [glossary](glossary.md) has these terms in Chinese and English.
