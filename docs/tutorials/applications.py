@@ -313,8 +313,8 @@ graph_figure = viz.heatmap(gat_w.mean(0), mask=adj, title="The untrained GAT lay
 
 # %% [markdown]
 # Untrained, the GAT's weights are close to the plain mean (an evenness near 1). The full run trains
-# both, with 4 labelled members per side, and measures over 10 seeds whether the scores help: on this
-# graph they do not (the figures are in [the benchmark table](../benchmarks/apps.md)).
+# both, with 4 labelled members per side, and measures over 10 seeds whether the scores help; its
+# verdict and figures are in [the benchmark table](../benchmarks/apps.md).
 #
 # ## forecast: each month looks back over the months before it
 #
