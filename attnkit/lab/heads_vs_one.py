@@ -62,6 +62,12 @@ class TwoThingsModel(nn.Module):
         h = h + self.ffn(h)
         return self.head(h[:, -1])  # (B, VALUES)
 
+    @torch.no_grad()
+    def query_weights(self, tokens: Tensor, marks: Tensor) -> Tensor:
+        """``[B, H, L]``: each head's attention weights from the query (the last position)."""
+        h = self.pos(self.tok(tokens) + self.mark(marks))
+        return self.attn(self.norm1(h), need_weights=True)[1][:, :, -1]
+
 
 def two_things(num_heads: int, seed: int, steps: int) -> dict[str, float]:
     """Train a :class:`TwoThingsModel`; its held-out accuracy and the attention layer's parameters."""
@@ -72,8 +78,11 @@ def two_things(num_heads: int, seed: int, steps: int) -> dict[str, float]:
     tokens, marks, answer = two_things_batch(2000, torch.Generator().manual_seed(10_000 + seed))
     with torch.no_grad():
         acc = float((model(tokens, marks).argmax(-1) == answer).float().mean())
+    w = model.query_weights(tokens, marks)  # (B, H, L)
+    on = {m: (w * (marks == m)[:, None]).sum(-1).mean(0) for m in (MARK_A, MARK_B)}  # (H,): mean weight per head
     return {"accuracy": acc, "attention_params": sum(p.numel() for p in model.attn.parameters()),
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in model.parameters()),
+            "weight_on_a": on[MARK_A].tolist(), "weight_on_b": on[MARK_B].tolist()}
 
 
 def language_model(num_heads: int, seed: int, cfg: dict, data: lm.Corpus) -> dict[str, float]:
@@ -127,7 +136,10 @@ def run(quick: bool, out: Path) -> Finding:
     best_lm = min(HEADS, key=lambda h: ppl[h]["mean"])
     # The task says something about heads only if some model learned it.
     task_learned = acc[best_task]["mean"] >= 0.5
-    figures = {"by_heads": rows, "seeds": len(seeds), "task_steps": task_steps, "lm_steps": lm_cfg["steps"],
+    one_head = [{"run": i + 1, "accuracy": r["accuracy"], "weight_on_a": r["weight_on_a"][0],
+                 "weight_on_b": r["weight_on_b"][0]} for i, r in enumerate(task[1])]
+    figures = {"by_heads": rows, "one_head_runs": one_head, "seeds": len(seeds), "task_steps": task_steps,
+               "lm_steps": lm_cfg["steps"],
                "same_parameters": same_params, "task_params": task[1][0]["params"],
                "lm_params": lang[1][0]["params"], "chance": 1 / VALUES,
                "task_heads_beating_one": ", ".join(map(str, task_beats)) or "none",
@@ -166,6 +178,9 @@ def run(quick: bool, out: Path) -> Finding:
            f"{task_steps} steps) mean accuracy was " + ", ".join(f"{acc[h]['mean']:.0%} for {h}" for h in HEADS)
            + f" ({said(task_beats, task_loses, 'the lowest run above the highest one-head run')}"
            + ("" if task_learned else f"; no model learned it: the best mean is below 50%, chance {1 / VALUES:.0%}")
+           + f"; one head's runs ranged from {acc[1]['min']:.0%} to {acc[1]['max']:.0%}, and from the query "
+           "they put " + ", ".join(f"{r['weight_on_a'][0]:.2f} on A and {r['weight_on_b'][0]:.2f} on B "
+                                   f"({r['accuracy']:.0%})" for r in task[1])
            + "); on the lm "
            f"corpus ({lm_cfg['steps']} steps, width {lm_cfg['embed_dim']}) mean validation perplexity per character "
            "was " + ", ".join(f"{ppl[h]['mean']:.2f} for {h}" for h in HEADS)
@@ -187,5 +202,7 @@ def run(quick: bool, out: Path) -> Finding:
               "lm_heads_beating_one": "Heads beating one head in every run, lm",
               "task_best_heads": "Heads with the best mean accuracy, two-things task",
               "lm_best_heads": "Heads with the best mean perplexity, lm",
+              "one_head_runs": "One head on the two-things task: accuracy and the query's weight on A and B, by run",
+              "run": "Run", "accuracy": "Accuracy", "weight_on_a": "Weight on A", "weight_on_b": "Weight on B",
               "task_learned": "Some model learned the two-things task (best mean accuracy at least 50%)"}
     return Finding("heads_vs_one", CLAIM, figures, verdict, why, [pic], labels=labels)
