@@ -54,6 +54,11 @@ class Derived:
             self._plans[at] = made
         return self._plans[at]
 
+    def forget_all_but(self, *kinds: type) -> None:
+        """Drop every plan but those of ``kinds``: for a call whose tensors were written in place since the plans
+        were made (a KV cache's new tokens), keeping those that hold nothing of their values (the mask plan)."""
+        self._plans = {at: plan for at, plan in self._plans.items() if at[0] in kinds}
+
 
 def _nothing_worked_out() -> Derived:
     # A function for the field's default_factory: TorchDynamo (torch 2.13) cannot trace a class given there.

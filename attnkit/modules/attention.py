@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +11,7 @@ from torch import Tensor, nn
 from .._text import describe
 from ..call import is_plan
 from ..functional import checked, run
+from ..maskplan import MaskPlan
 from ..masks import check_window
 from ..scores import compose
 
@@ -312,9 +312,9 @@ class MultiHeadAttention(nn.Module):
                               return_weights=need_weights, backend=self.backend if backend is None else backend)
         if new_kv is not None:
             cache.update(*new_kv)
-            # The call's keys now hold the new tokens: what was worked out about it before (a backend may keep
-            # converted copies of its tensors) is dropped by making the call anew, which copies none of it.
-            req = dataclasses.replace(req)
+            # The call's keys now hold the new tokens: what was worked out from their values goes (a backend may
+            # have kept converted copies), the mask plan stays.
+            req.derived.forget_all_but(MaskPlan)
         for sink in self.score_inputs_sinks:
             sink(q, k)
         out, weights = run(req, chosen)

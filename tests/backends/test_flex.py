@@ -29,6 +29,7 @@ import attnkit
 from attnkit import masks, nonfinite, scores
 from attnkit.backends import flex
 from attnkit.backends.flex import FlexBackend
+from attnkit.cache import KVCache
 from attnkit.call import validate_call
 from attnkit.maskplan.tile_kinds import EMPTY, FULL, PARTIAL
 from tests.support import oracle
@@ -355,6 +356,32 @@ def test_a_sanitized_call_runs_on_its_own_inputs_not_on_those_worked_out_for_the
     want = expected(q, k, clean, is_causal=True)
     close(out[0, 0, :30], want[0, 0, :30], torch.float32)
     close(out[1], want[1], torch.float32)
+
+
+def test_a_cached_step_reads_the_keys_it_wrote_not_copies_made_before_the_write(stand_in_compiler):
+    """A cached step is checked whole (its backend chosen) before the new token is written; flex, asked then,
+    works out its inputs (here padded copies of q and k: a head size below ``CPU_MIN_HEAD_DIM``). What it
+    worked out is dropped once the token is written, so the step attends over the token, not over the copy."""
+    def compiler():
+        if not stand_in_compiler.made[1:]:
+            def kernel(*args):
+                raise RuntimeError("a family that fails")
+        else:
+            def kernel(q, k, v, score_mod, block_mask, scale, enable_gqa):  # no mask in these calls
+                return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return kernel
+
+    stand_in_compiler.compiler = compiler
+    forward(SMALL, *qkv(lq=13, lk=13), is_causal=True, falls_back=True)  # a family fails: flex._failed is not empty
+    torch.manual_seed(7)
+    mha = attnkit.MultiHeadAttention(16, 2, backend="flex").eval()  # head size 8
+    x = torch.randn(1, 5, 16)
+    cache = KVCache(1, 8, 2, 8)
+    with torch.no_grad():
+        mha(x[:, :4], cache=cache)
+        step = mha(x[:, 4:], cache=cache)
+        full = mha(x)
+    close(step, full[:, 4:], torch.float32)
 
 
 def test_attention_with_lse_gives_each_row_its_log_sum_exp_and_both_gradients(stand_in_compiler):

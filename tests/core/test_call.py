@@ -50,3 +50,12 @@ def test_a_call_copied_with_replace_starts_with_nothing_worked_out():
 def test_a_plan_made_as_another_type_is_refused():
     with pytest.raises(TypeError, match="a _Seen plan was made as a str"):
         _call().derived.plan(_Seen, lambda: "text")
+
+
+def test_after_an_in_place_write_only_the_plans_of_the_kinds_kept_stay():
+    req = _call()
+    plan = req.mask_plan
+    req.derived.plan(_Seen, _Seen, "before the write")
+    req.derived.forget_all_but(type(plan))
+    assert req.mask_plan is plan
+    assert req.derived.plan(_Seen, _Seen, "after the write").value == "after the write"
