@@ -163,8 +163,9 @@ def run(quick: bool, out: Path) -> Finding:
             return f"{', '.join(map(str, beats))} heads beat one and {', '.join(map(str, loses))} did worse ({unit})"
         return f"no number of heads beat one in every run ({unit})"
 
-    task_ok = task_learned and bool(task_beats) and not task_loses
-    lm_ok = bool(lm_beats) and not lm_loses
+    # "Several heads beat one" is supported only for every number of heads measured, not for some of them.
+    task_ok = task_learned and task_beats == many
+    lm_ok = lm_beats == many
     if task_ok and lm_ok and same_params:
         verdict = "supported"
     elif task_learned and not task_beats and not lm_beats:
