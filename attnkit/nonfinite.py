@@ -44,7 +44,10 @@ sum overflowed), or for a KV cache's buffers the flag the cache keeps of what it
 bias's maximum (NaN or ``+inf``; ``-inf`` is a mask); on a device, one host sync. A backend that
 reads every input it uses in its own pass may answer instead: the banded kernel, for a call that
 records no gradient, marks in its statistics each row whose scores or output met a non-finite value,
-and a look at those replaces the sums (``sees_nonfinite``/``if_finite``, see :func:`call`). When the
+and a look at those replaces the sums (``sees_nonfinite``/``if_finite``, see :func:`call`); the SDPA
+backend, for a few queries on the CPU (a decode step over a Hugging Face cache or a user's tensors), adds
+to its one call a probe row of zeros whose output is finite only if every key and value is
+(:mod:`attnkit.backends.sdpa`), so such a step reads its cache once, not twice. When the
 check passes, the backend runs on the inputs as they are. Otherwise the same backend runs on sanitized inputs
 (non-finite entries of ``q``, ``k``, ``v`` and the NaN/``+inf`` entries of ``bias`` replaced by 0),
 so that every row that sees no poison is the clean call's, and the poisoned rows are made NaN

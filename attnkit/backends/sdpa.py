@@ -8,6 +8,28 @@ in the rows that see it, as on every backend: only rows whose mask is all ``Fals
 ``-inf``) are zeroed, and on CPU, where the kernel's own causal mode returns 0 for a NaN row, a
 causal call with a NaN in its inputs takes an explicit mask.
 
+Grouped-query heads are read in place, never repeated: SDPA's own ``enable_gqa`` (PyTorch 2.5 and
+later; before, the keys and values are repeated per query head), and for a few queries on the CPU
+(a decode step) the groups folded into the query rows: the ``G`` query heads that share a key/value
+head become ``G * Lq`` rows of one call on that head, so the kernel streams each key and value once
+(its ``enable_gqa`` CPU path is several times slower there, ``attnkit bench hf``).
+
+Such a folded call also answers whether its keys and values are finite, in the same pass
+(:meth:`SDPABackend.if_finite`, which :mod:`attnkit.nonfinite` uses instead of a second read of the
+cache): one probe row rides along on each key/value head, a query of zeros allowed every key. Its score
+against ``k_j`` is ``0 * k_j``, which is 0 when ``k_j`` is finite and NaN when it holds a NaN or an
+infinity (``0 * inf`` is NaN), and then the probe's row is NaN; its probabilities, uniform, meet every
+``v_j`` in the product (``p * inf`` is not finite for any ``p``, zero included). So a finite probe row and
+a finite ``q`` mean every input is finite, with no false alarm from large finite keys; anything else
+sends the call to the exact path. (A row of ones would not do: a key of ``-inf`` scores ``-inf``, a
+weight of 0, and the row stays finite.)
+
+Plain PyTorch, for a reader (``q [B, H, Lq, D]``, ``k``/``v [B, Hkv, Lk, D]``, ``G = H // Hkv``)::
+
+    rows = torch.cat([q.reshape(B, Hkv, G * Lq, D), q.new_zeros(B, Hkv, 1, D)], 2)
+    out = F.scaled_dot_product_attention(rows, k, v)
+    out, probe = out[:, :, :-1].reshape(B, H, Lq, -1), out[:, :, -1]
+
 float16 on a CPU without float16 products (:func:`attnkit._cpu.has_fp16_products`) is computed in
 float32 and rounded back: PyTorch's CPU kernel accumulates half types in float32 anyway, and its
 float16 path is slower than its float32 one there (``attnkit bench dtypes``). bfloat16 stays
@@ -16,15 +38,23 @@ bfloat16, whose CPU path is not slower.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.torch_version import TorchVersion
 
 from .. import _cpu, masks
 from ..call import Call
 from ..memory import check_dense_fits
 from .reference import expand_kv
 from .refusals import Refusal, reasons
+
+#: Whether the torch in use takes ``enable_gqa`` (2.5 and later); tests set it False to run the fallback.
+NATIVE_GQA = TorchVersion(torch.__version__) >= (2, 5)
+#: The most queries a call folds its query-head groups into (a decode step has one; speculative decoding a few).
+FOLD_MAX_QUERIES = 8
 
 
 class SDPABackend:
@@ -42,16 +72,30 @@ class SDPABackend:
         return reasons(self.REFUSALS, req)
 
     def __call__(self, req: Call) -> tuple[Tensor, None]:
+        return self._run(req)[0], None
+
+    def sees_nonfinite(self, req: Call) -> bool:
+        """Whether :meth:`if_finite` can answer for ``req``: a folded call (see the module docstring)."""
+        return _folds(req)
+
+    def if_finite(self, req: Call) -> tuple[Tensor, None] | None:
+        """``self(req)``, or None when ``q`` or the probe row of the same call is not finite (so an input is
+        not): :mod:`attnkit.nonfinite` then takes its exact path."""
+        out, probe = self._run(req)
+        seen = _total(req.query) + _total(probe)
+        return (out, None) if math.isfinite(seen.item()) else None
+
+    def _run(self, req: Call) -> tuple[Tensor, Tensor | None]:
+        """The output, and the probe row's output of a folded call (else None)."""
         q, k, v = req.query, req.key, req.value
         rounded = q.dtype == torch.float16 and q.device.type == "cpu" and not _cpu.has_fp16_products()
         if rounded:
             q, k, v = q.float(), k.float(), v.float()
-        if req.heads != req.kv_heads:
-            k, v = expand_kv(k, req.heads), expand_kv(v, req.heads)
         mask = req.mask
         # One query aligned bottom-right sits after every key: causal masks nothing (a decode step).
         is_causal = req.is_causal and req.q_len > 1
-        if is_causal and (mask is not None or req.bias is not None or req.q_len != req.kv_len):
+        if is_causal and (mask is not None or req.bias is not None or req.q_len != req.kv_len
+                          or _folds(req)):
             causal = masks.causal(req.q_len, req.kv_len, device=q.device)
             mask = causal if mask is None else mask & causal
             is_causal = False
@@ -59,6 +103,9 @@ class SDPABackend:
             shape = masks.broadcast_shape(*(t.shape for t in (mask, req.bias) if t is not None))
             check_dense_fits("the SDPA backend's combined attn_mask", shape,
                              torch.bool if req.bias is None else q.dtype, 2)
+        if _folds(req):
+            out, probe = _folded(q, k, v, mask, req)
+            return (out.to(torch.float16) if rounded else out), probe
         attn_mask, dead = mask, None
         if req.bias is not None:
             bias = req.bias.to(q.dtype)
@@ -68,8 +115,14 @@ class SDPABackend:
         elif mask is not None:
             dead = ~mask.any(dim=-1, keepdim=True)
             attn_mask = mask | dead
+        gqa = {}
+        if req.heads != req.kv_heads:
+            if NATIVE_GQA:
+                gqa = {"enable_gqa": True}
+            else:
+                k, v = expand_kv(k, req.heads), expand_kv(v, req.heads)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=req.dropout_p,
-                                             is_causal=is_causal, scale=req.scale)
+                                             is_causal=is_causal, scale=req.scale, **gqa)
         if dead is not None:
             out = out.masked_fill(dead, 0.0)
         if is_causal and q.device.type == "cpu":
@@ -78,3 +131,32 @@ class SDPABackend:
             out = out.masked_fill(q.isnan().any(-1, keepdim=True), float("nan"))
         return (out.to(torch.float16) if rounded else out), None
 
+
+def _total(x: Tensor) -> Tensor:
+    """The sum of ``x``: finite unless an element is not (or it overflows); float16 summed in float32."""
+    return x.sum(dtype=torch.float32) if x.dtype == torch.float16 else x.sum()
+
+
+def _folds(req: Call) -> bool:
+    """Whether ``req`` runs folded (module docstring): a few queries on the CPU, 4-D, no bias or dropout."""
+    return (req.q_len <= FOLD_MAX_QUERIES and req.query.is_cpu and req.query.dim() == 4 and req.bias is None
+            and req.dropout_p == 0.0)
+
+
+def _folded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, req: Call) -> tuple[Tensor, Tensor]:
+    """SDPA over each key/value head with its query heads' rows and a probe row of zeros: ``(out [B, H, Lq,
+    Ev], probe [B, Hkv, 1, Ev])``. ``mask`` (bool, broadcastable to ``[B, H, Lq, Lk]``) is the whole mask."""
+    b, h, hkv, lq, lk, d = q.shape[0], req.heads, req.kv_heads, req.q_len, req.kv_len, q.shape[-1]
+    rows = h // hkv * lq
+    qf = torch.cat([q.reshape(b, hkv, rows, d), q.new_zeros(1, 1, 1, 1).expand(b, hkv, 1, d)], 2)  # [B, Hkv, G*Lq+1, D]
+    attn_mask = dead = None
+    if mask is not None:
+        mask = mask.expand(b, h, lq, lk).reshape(b, hkv, rows, lk)
+        dead = ~mask.any(-1, keepdim=True)
+        attn_mask = torch.cat([mask | dead, mask.new_ones(1, 1, 1, 1).expand(b, hkv, 1, lk)], 2)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=False,
+                                         scale=req.scale)
+    real = out[:, :, :rows]
+    if dead is not None:
+        real = real.masked_fill(dead, 0.0)
+    return real.reshape(b, h, lq, out.shape[-1]), out[:, :, rows:]
