@@ -53,6 +53,8 @@ from attnkit.maskplan import MaskPlan
 
 NAME = "attnkit"
 _SUPPORTED_MAJOR = 5
+#: A call with this many queries or fewer (a decode step) gets a dense mask, over the keys it may see only.
+FEW_QUERIES = 1
 
 
 def _check_version() -> None:
@@ -103,6 +105,8 @@ def attnkit_attention_forward(
         if is_causal is None:
             is_causal = getattr(module, "is_causal", True)
         causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
+        if attention_mask is not None and query.shape[2] <= FEW_QUERIES and not torch.compiler.is_compiling():
+            key, value, attention_mask = _few_queries(attention_mask, key, value)
     score_mod = position_mod if cap is None else scores.softcap(float(cap))
     want_weights = bool(kwargs.get("output_attentions", False))
     result = attnkit.attention(
@@ -118,6 +122,22 @@ def attnkit_attention_forward(
     )
     out, weights = result if want_weights else (result, None)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _few_queries(mask: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """A decode step's dense mask (``[B|1, H|1, Lq, Lk]`` bool, :func:`attnkit_mask`'s for a few queries) as
+    ``(key, value, mask)`` over the keys from the first that a row may see to the last: views, and the mask's
+    columns for them (None when it allows every one). A windowed layer's step then reads its window only; the
+    keys left out are masked for every row, so the answer is the same. A mask that allows nothing is kept whole
+    (its rows are dead: zeros)."""
+    seen = mask.flatten(0, -2).any(0)  # [Lk]: keys some row may see
+    used = seen.nonzero()
+    if not used.numel():
+        return key, value, mask
+    lo, hi = int(used[0]), int(used[-1]) + 1
+    if lo or hi < mask.shape[-1]:
+        key, value, mask = key[..., lo:hi, :], value[..., lo:hi, :], mask[..., lo:hi]
+    return key, value, None if bool(mask.all()) else mask
 
 
 def _position_bias_terms(position_bias: torch.Tensor | None, batch: int, heads: int, q_len: int,
@@ -254,6 +274,13 @@ def attnkit_mask(batch_size: int, q_length: int | None = None, kv_length: int | 
     # transformers evaluates its mask functions on broadcasting indices unless told to vmap them
     at_positions = _AtPositions(whole, q_offset, kv_offset, None if contiguous else cache_position,
                                 broadcasts=not use_vmap)
+    if q_length <= FEW_QUERIES and not use_vmap and not compiling:
+        # A decode step: its few rows evaluated cell by cell cost less than working out a plan (whose intervals
+        # only pay where a kernel walks many rows), as transformers' sdpa_mask does.
+        b, q, kv = (torch.arange(n, device=device) for n in (batch_size, q_length, kv_length))
+        grid = at_positions(b.view(-1, 1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device),
+                            q.view(1, 1, -1, 1), kv.view(1, 1, 1, -1))
+        return grid.expand(batch_size, 1, q_length, kv_length)
     return attnkit.mask_plan(at_positions, q_len=q_length, kv_len=kv_length, batch=batch_size, device=device)
 
 

@@ -123,6 +123,63 @@ def test_greedy_generation_matches_sdpa():
     assert torch.equal(tokens["sdpa"], tokens["attnkit"])
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_left_padded_greedy_generation_past_the_window_matches_its_anchor(name, monkeypatch):
+    """A batch decoded past its sliding window (5 for Mistral, 4 for Gemma 2's local layers), left-padded for
+    Mistral: each step gets one dense mask row and reads the keys from the first some row may see on, no more
+    (views of the cache); the tokens are the anchor's ("sdpa", or "eager" for Gemma 2, which has no SDPA path)."""
+    torch.manual_seed(0)
+    if name == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=5.0,
+            max_position_embeddings=64)).double().eval()
+        anchor = "eager"
+    else:
+        config, cls = _configs()["mistral"]
+        model, anchor = cls(config).double().eval(), "sdpa"
+    ids = torch.randint(1, V, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if anchor == "sdpa":  # eager makes NaN of a padded query row that sees nothing, and spreads it: unpadded
+        mask[1, :5] = 0  # left padding, still inside the window at the first steps
+    lengths, real = [], attnkit.attention
+
+    def spy(q, k, v, **kw):
+        if q.shape[2] == 1:
+            lengths.append((k.shape[2], kw["mask"] is not None and kw["mask"].dtype == torch.bool))
+        return real(q, k, v, **kw)
+
+    tokens = {}
+    for impl in (anchor, "attnkit"):
+        model.set_attn_implementation(impl)
+        with monkeypatch.context() as m:
+            m.setattr(hf.attnkit, "attention", spy)
+            tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                          pad_token_id=0)
+    assert torch.equal(tokens[anchor], tokens["attnkit"])
+    window = model.config.sliding_window
+    # the windowed layers' steps read at most the window, and the padded row's keys are masked by a dense row
+    assert lengths and min(n for n, _ in lengths) <= window
+    assert any(dense for _, dense in lengths) == (anchor == "sdpa")
+
+
+def test_a_decode_steps_dense_mask_reads_only_the_keys_it_allows():
+    q, k, v = torch.randn(2, 4, 1, 8, dtype=torch.float64), *torch.randn(2, 2, 2, 10, 8, dtype=torch.float64)
+    mask = torch.zeros(2, 1, 1, 10, dtype=torch.bool)
+    mask[0, ..., 3:8] = True
+    mask[1, ..., 5:9] = True
+    k2, v2, m2 = hf._few_queries(mask, k, v)
+    assert k2.shape[2] == 6 and k2.data_ptr() == k[:, :, 3:].data_ptr() and torch.equal(m2, mask[..., 3:9])
+    want = attnkit.attention(q, k, v, mask=mask, backend="reference")
+    close(attnkit.attention(q, k2, v2, mask=m2), want, torch.float64)
+    full = torch.zeros_like(mask)
+    full[..., 2:6] = True
+    k3, v3, m3 = hf._few_queries(full, k, v)
+    assert m3 is None and k3.shape[2] == 4
+    dead = torch.zeros_like(mask)
+    assert hf._few_queries(dead, k, v)[0] is k
+
+
 def test_output_attentions_match_eager_weights():
     torch.manual_seed(0)
     config, cls = _configs()["llama"]
