@@ -150,7 +150,12 @@ def _folded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, req: Call) -> 
     rows = h // hkv * lq
     qf = torch.cat([q.reshape(b, hkv, rows, d), q.new_zeros(1, 1, 1, 1).expand(b, hkv, 1, d)], 2)  # [B, Hkv, G*Lq+1, D]
     attn_mask = dead = None
-    if mask is not None:
+    if mask is not None and mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1:
+        # One row per batch element, shared by every head and query (a decode step's padding): the probe takes it
+        # as it is, since a key it masks is masked for every row the probe answers for.
+        dead = ~mask.any(-1, keepdim=True)
+        attn_mask = mask | dead
+    elif mask is not None:
         mask = mask.expand(b, h, lq, lk).reshape(b, hkv, rows, lk)
         dead = ~mask.any(-1, keepdim=True)
         attn_mask = torch.cat([mask | dead, mask.new_ones(1, 1, 1, 1).expand(b, hkv, 1, lk)], 2)

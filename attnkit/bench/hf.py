@@ -1,122 +1,327 @@
-"""Hugging Face suite: whole transformers models with attn_implementation "attnkit" against "sdpa"
-and "eager", random weights from configs built in code (no download).
+"""Hugging Face suite: a matrix of real model families with attn_implementation "attnkit" against "sdpa" and
+"eager" in the same run, random weights from configs built in code (no download).
 
-The question it answers: how much of a model's prefill (and forward+backward) does attnkit's
-attention change, end to end, for a Mistral-style model (sliding window 512), a Gemma 2-style
-model (soft-capping, alternating local/global layers; transformers 5.24 refuses "sdpa" for Gemma2Model, so
-eager is its anchor) and a T5-style encoder (a learned relative position bias per head, which the model hands
-every layer as a dense ``[1, H, n, n]`` tensor: attnkit reads it as one bias per diagonal, sdpa takes it as a
-float mask)? Targets: Mistral >= 2x sdpa, Gemma 2 >= 1.5x eager and sdpa, at n = 8192 (forward+backward at
-4096).
+Each family keeps its real attention shape (query and key/value heads, head size, window, soft-cap, local and
+global layers, context length) at a tiny width elsewhere (a small vocabulary and MLP, few layers), so the
+attention dominates what is timed. Cells: prefill (the whole prompt in one forward) and decode (one token per
+step through a ``DynamicCache`` already holding ``n`` tokens, with the 2-D attention mask and position ids
+``generate`` passes), batch 1 and a left-padded batch of 8, float32 and bfloat16. The question each cell
+answers: how much faster (above 1) or slower (below 1) a model runs with ``"attnkit"`` than with ``"sdpa"``
+(eager where transformers offers no SDPA path: Gemma 2), end to end.
+
+Times are CPU time on one thread (``torch.set_num_threads(1)``, ``time.process_time``): a shared machine's
+other load then does not count against whichever implementation it meets. ``--quick`` runs a few tiny cells
+and checks attnkit's logits against the anchor's within the tolerance table (``tests/bench``).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ._util import interleaved_medians, markdown_table, write_report
+from .. import _cpu
+from ._util import markdown_table, progress, write_report
+
+VOCAB = 256
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
+LENGTHS = (512, 2048, 8192)
+PADDED_BATCH = 8
+#: Eager materialises the scores [B, H, n, n]: a cell whose scores would pass this many bytes is not run eager.
+EAGER_SCORES_MAX = 1 << 28
 
 
-def _mistral(layers: int):
+@dataclass(frozen=True)
+class Family:
+    """One model family: how to build it (``layers`` deep), its context, whether it decodes, its anchor."""
+
+    name: str
+    shape: str  # the attention shape, for the table
+    build: object  # (dtype) -> model
+    context: int
+    decoder: bool
+    anchor: str = "sdpa"  # Gemma 2 has no SDPA path in transformers
+    windowed: bool = False
+    heads: int = 0
+
+
+def _llama(dtype):
     import transformers
-    config = transformers.MistralConfig(
-        vocab_size=1000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=4, sliding_window=512, max_position_embeddings=16384)
-    return transformers.MistralModel(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=64, num_hidden_layers=1, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, pad_token_id=0)).to(dtype)
 
 
-def _gemma2(layers: int):
+def _mistral(dtype):
     import transformers
-    config = transformers.Gemma2Config(
-        vocab_size=1000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=64, sliding_window=512,
-        attn_logit_softcapping=50.0, max_position_embeddings=16384)
-    return transformers.Gemma2Model(config)
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=64, num_hidden_layers=1, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, sliding_window=4096, max_position_embeddings=32768,
+        pad_token_id=0)).to(dtype)
 
 
-def _t5_encoder(layers: int):
+def _qwen2(dtype):
     import transformers
-    config = transformers.T5Config(
-        vocab_size=1000, d_model=512, d_kv=64, d_ff=1024, num_layers=layers, num_heads=8,
-        relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.0)
-    return transformers.T5EncoderModel(config)
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=64, num_hidden_layers=1, num_attention_heads=28,
+        num_key_value_heads=4, head_dim=128, max_position_embeddings=32768, pad_token_id=0)).to(dtype)
 
 
-def _forward(model, impl, ids, backward=False):
-    def run():
+def _gemma2(dtype):
+    import transformers
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, sliding_window=4096, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, query_pre_attn_scalar=256, max_position_embeddings=8192,
+        pad_token_id=0)).to(dtype)
+
+
+def _phi(dtype):
+    import transformers
+    return transformers.PhiForCausalLM(transformers.PhiConfig(
+        vocab_size=VOCAB, hidden_size=2560, intermediate_size=64, num_hidden_layers=1, num_attention_heads=32,
+        max_position_embeddings=2048, partial_rotary_factor=0.4, pad_token_id=0)).to(dtype)
+
+
+def _gpt2(dtype):
+    import transformers
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=768, n_inner=64, n_layer=1, n_head=12, n_positions=1024,
+        pad_token_id=0)).to(dtype)
+
+
+def _bert(dtype):
+    import transformers
+    return transformers.BertModel(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=768, intermediate_size=64, num_hidden_layers=1, num_attention_heads=12,
+        max_position_embeddings=512, pad_token_id=0), add_pooling_layer=False).to(dtype)
+
+
+def _modernbert(dtype):
+    import transformers
+    return transformers.ModernBertModel(transformers.ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=768, intermediate_size=64, num_hidden_layers=3, num_attention_heads=12,
+        local_attention=128, global_attn_every_n_layers=3, max_position_embeddings=8192, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)).to(dtype)
+
+
+FAMILIES = (
+    Family("Llama 3 (8B)", "32/8 heads, D 128", _llama, 8192, True, heads=32),
+    Family("Mistral (7B)", "32/8 heads, D 128, window 4096", _mistral, 32768, True, windowed=True, heads=32),
+    Family("Qwen2 (7B)", "28/4 heads, D 128", _qwen2, 32768, True, heads=28),
+    Family("Gemma 2 (2B)", "8/4 heads, D 256, local 4096 + global, softcap 50", _gemma2, 8192, True,
+           anchor="eager", windowed=True, heads=8),
+    Family("Phi-2", "32 heads, D 80", _phi, 2048, True, heads=32),
+    Family("GPT-2", "12 heads, D 64", _gpt2, 1024, True, heads=12),
+    Family("BERT (base)", "12 heads, D 64, bidirectional", _bert, 512, False, heads=12),
+    Family("ModernBERT (base)", "12 heads, D 64, local 128 + global every 3rd", _modernbert, 8192, False,
+           windowed=True, heads=12),
+)
+
+
+def _batch(n: int, batch: int, seed: int):
+    """Token ids ``[batch, n]`` and the 2-D mask: batch 1 unpadded; a batch of 8 left-padded, row ``i`` by
+    ``i * n // 32`` tokens (none to 7/32 of the prompt)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, n), generator=g)
+    mask = torch.ones(batch, n, dtype=torch.long)
+    if batch > 1:
+        for i in range(batch):
+            mask[i, : i * n // 32] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask
+
+
+def _positions(mask):
+    return (mask.cumsum(-1) - 1).clamp(min=0)  # what generate passes for a left-padded batch
+
+
+def _prefill(model, ids, mask, decoder: bool):
+    kw = {"input_ids": ids, "attention_mask": mask}
+    if decoder:
+        kw.update(position_ids=_positions(mask), use_cache=False)
+    out = model(**kw)
+    return out.logits if decoder else out.last_hidden_state
+
+
+def _cache_contents(model, batch: int, n: int, dtype, seed: int) -> list[tuple]:
+    """Random keys and values ``[batch, Hkv, n, D]`` for every layer of ``model``, as a prefill of ``n`` tokens
+    would leave in its cache (the values do not change the work of a step)."""
+    config = model.config
+    g = torch.Generator().manual_seed(seed)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return [tuple(torch.randn(batch, heads, n, head_dim, generator=g).to(dtype) for _ in range(2))
+            for _ in range(config.num_hidden_layers)]
+
+
+def _filled_cache(model, contents):
+    """A fresh ``DynamicCache`` for ``model`` holding ``contents`` (:func:`_cache_contents`), as ``generate``
+    makes it (its sliding-window layers keep their window only)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(contents):
+        cache.update(k, v, layer)
+    return cache
+
+
+def _step(model, cache, token, mask):
+    return model(input_ids=token, attention_mask=mask, position_ids=_positions(mask)[:, -1:],
+                 past_key_values=cache, use_cache=True).logits
+
+
+def _set(model, impl):
+    if model.config._attn_implementation != impl:
         model.set_attn_implementation(impl)
-        if backward:
-            model(input_ids=ids).last_hidden_state.sum().backward()
-        else:
-            with torch.no_grad():
-                model(input_ids=ids)
-    return run
 
 
-def _attention_share(model, impl, ids) -> float:
-    """The share of one no-grad forward spent inside the attention calls (mask building apart),
-    measured through a timed copy of ``impl`` registered under another name."""
-    import sys
-    import time
-
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    inner = (sys.modules[type(model).__module__].eager_attention_forward if impl == "eager"
-             else ALL_ATTENTION_FUNCTIONS[impl])
-    spent = [0.0]
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    name = f"{impl}-timed"
-    AttentionInterface.register(name, timed)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
-    model.set_attn_implementation(name)
-    t0 = time.perf_counter()
+def _prefill_cell(model, impls, n, batch, family, repeat):
+    ids, mask = _batch(n, batch, seed=n + batch)
+    times = {impl: [] for impl in impls}
+    outs = {}
     with torch.no_grad():
-        model(input_ids=ids)
-    return spent[0] / (time.perf_counter() - t0)
+        for r in range(repeat + 1):  # the first round warms up
+            for impl in (impls if r % 2 else impls[::-1]):
+                _set(model, impl)
+                t0 = time.process_time()
+                out = _prefill(model, ids, mask, family.decoder)
+                if r:
+                    times[impl].append(time.process_time() - t0)
+                outs[impl] = out
+    return {impl: statistics.median(t) for impl, t in times.items()}, outs, mask
 
 
-HEADER = ["model", "pass", "n", "layers", "impl", "ms", "attnkit speed-up", "attention share"]
+def _decode_cell(model, impls, n, batch, dtype, steps):
+    ids, mask = _batch(n + 1, batch, seed=n + batch + 1)
+    token = ids[:, -1:]
+    times = {impl: [] for impl in impls}
+    outs = {}
+    contents = _cache_contents(model, batch, n, dtype, seed=n)
+    with torch.no_grad():
+        for r in range(steps + 1):
+            for impl in (impls if r % 2 else impls[::-1]):
+                _set(model, impl)
+                cache = _filled_cache(model, contents)  # built apart: not timed
+                t0 = time.process_time()
+                out = _step(model, cache, token, mask)
+                if r:
+                    times[impl].append(time.process_time() - t0)
+                outs[impl] = out
+    return {impl: statistics.median(t) for impl, t in times.items()}, outs, mask[:, -1:]
+
+
+def _cells(quick: bool):
+    """(family, phase, n, batch, dtype, note) for every cell of the matrix (or of the quick run)."""
+    if quick:
+        for family in FAMILIES:
+            yield family, "prefill", 64, 2, torch.float32, ""
+            if family.decoder:
+                yield family, "decode", 64, 2, torch.float32, ""
+        return
+    for family in FAMILIES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for batch in (1, PADDED_BATCH):
+                for n in LENGTHS:
+                    if n > family.context:
+                        continue
+                    # A prefill's attention grows with n^2: the long and batched prompts are kept to the families
+                    # whose windows they measure, so that the whole matrix runs in minutes.
+                    if batch == 1 and (n < 8192 or family.windowed):
+                        yield family, "prefill", n, batch, dtype, ""
+                    elif batch > 1 and n == 512:
+                        yield family, "prefill", n, batch, dtype, ""
+                    if family.decoder:
+                        yield family, "decode", n, batch, dtype, ""
+
+
+def _impls(family: Family, phase: str, n: int, batch: int, quick: bool = False) -> tuple[list[str], str]:
+    impls = ["attnkit", family.anchor]
+    note = ""
+    if family.anchor != "eager" and not quick:
+        if phase == "decode" and batch > 1:
+            note = "eager not run (batch 8 decode: it copies the cache per query head)"
+        elif batch * family.heads * (1 if phase == "decode" else n) * n * 4 > EAGER_SCORES_MAX:
+            note = "eager not run (its scores would pass 256 MiB)"
+        else:
+            impls.append("eager")
+    return impls, note
+
+
+HEADER = ["model", "attention", "dtype", "batch", "phase", "n", "attnkit ms", "anchor", "anchor ms",
+          "attnkit speed-up", "eager speed-up", "note"]
+
+
+def measure(quick: bool, say=print) -> tuple[list[list], list[tuple]]:
+    """Run the matrix (or the quick cells): ``(rows, outputs)``, a table row per cell and, per cell,
+    ``(model, phase, attnkit's output, the anchor's, the 2-D mask of the positions it covers, dtype)``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    import attnkit.integrations.transformers  # noqa: F401  (registers "attnkit")
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)  # 5.x renames it
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows, checks = [], []
+    models: dict = {}
+    try:
+        for family, phase, n, batch, dtype, _ in _cells(quick):
+            key = (family.name, dtype)
+            if key not in models:
+                models.clear()
+                torch.manual_seed(0)
+                models[key] = family.build(dtype).eval()
+            model = models[key]
+            impls, note = _impls(family, phase, n, batch, quick)
+            if phase == "prefill":
+                repeat = 1 if quick else 3 if n < 2048 else 2
+                t, outs, mask = _prefill_cell(model, impls, n, batch, family, repeat)
+            else:
+                t, outs, mask = _decode_cell(model, impls, n, batch, dtype, steps=1 if quick else 3)
+            checks.append((family.name, phase, outs["attnkit"], outs[family.anchor], mask, dtype))
+            eager = f"{t['eager'] / t['attnkit']:.2f}" if "eager" in t and family.anchor != "eager" else "-"
+            rows.append([family.name, family.shape, str(dtype).removeprefix("torch."), batch, phase, n,
+                         round(t["attnkit"] * 1e3, 2), family.anchor, round(t[family.anchor] * 1e3, 2),
+                         round(t[family.anchor] / t["attnkit"], 2), eager, note])
+            say(" | ".join(str(c) for c in rows[-1][:11]))
+    finally:
+        torch.set_num_threads(threads)
+    return rows, checks
 
 
 def run(quick: bool, out_dir: Path) -> str:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import attnkit.integrations.transformers  # noqa: F401  (registers "attnkit")
-
-    layers = 2 if quick else 8
-    n_fwd, n_bwd = (1024, 512) if quick else (8192, 4096)
-    repeat = 3
-    torch.manual_seed(0)
-    rows = []
-    cases = [("Mistral", _mistral, "prefill", n_fwd, ["attnkit", "sdpa"]),
-             ("Mistral", _mistral, "fwd+bwd", n_bwd, ["attnkit", "sdpa"]),
-             ("Gemma 2", _gemma2, "prefill", n_fwd, ["attnkit", "eager"]),
-             ("T5 encoder", _t5_encoder, "prefill", n_bwd, ["attnkit", "sdpa", "eager"])]
-    for name, build, kind, n, impls in cases:
-        model = build(layers).eval()
-        ids = torch.randint(0, 1000, (1, n))
-        fns = {impl: _forward(model, impl, ids, backward=kind == "fwd+bwd") for impl in impls}
-        t = interleaved_medians(fns, repeat=repeat, alternate=True)
-        for impl in impls:
-            share = f"{_attention_share(model, impl, ids):.0%}" if kind == "prefill" else "-"
-            rows.append([name, kind, n, layers, impl, round(t[impl] * 1e3, 1),
-                         round(t[impl] / t["attnkit"], 2), share])
-            print("  ", rows[-1], flush=True)
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    body = ("Medians of 3 interleaved runs. Attention share: the time inside the attention calls of one more "
-            "prefill, through a timed copy of the implementation (mask building excluded).\n\n"
-            + markdown_table(HEADER, rows) + f"\n\nLoad averages after the run: {load}. "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}.\n")
-    return write_report(out_dir, "hf", "attnkit inside Hugging Face transformers", body,
-                        f"python -m attnkit.bench hf{' --quick' if quick else ''}")
+    say = progress("hf")
+    have = [f for f in FLAGS if f in _cpu.flags()] or ["none of them (or unknown)"]
+    say(f"CPU: {_cpu.name()}; flags: {', '.join(have)}")
+    t0 = time.perf_counter()
+    rows = measure(quick, say)[0]
+    minutes = (time.perf_counter() - t0) / 60
+    ratio = HEADER.index("attnkit speed-up")
+    worst, best = min(rows, key=lambda r: r[ratio]), max(rows, key=lambda r: r[ratio])
+    describe = lambda r: f"{r[0]}, {r[4]}, n = {r[5]}, batch {r[3]}, {r[2]}"  # noqa: E731
+    summary = markdown_table(["cell", "which", "attnkit speed-up", "anchor"],
+                             [["worst", describe(worst), worst[ratio], worst[7]],
+                              ["best", describe(best), best[ratio], best[7]]])
+    below = sum(r[ratio] < 0.97 for r in rows)
+    body = (f"CPU: {_cpu.name()}; flags: {', '.join(have)}. One thread; CPU time (`time.process_time`), medians "
+            f"of {'1' if quick else '3 (2 from n = 2048)'} prefill rounds and {'1' if quick else '3'} decode steps "
+            "after one warm-up, the implementations interleaved (the order reversed every other round). "
+            "`attnkit speed-up` is the anchor's time over attnkit's (above 1: attnkit is faster); the anchor is "
+            "`\"sdpa\"`, or `\"eager\"` where transformers has no SDPA path (Gemma 2). Decode: one token per "
+            "step through a `DynamicCache` holding `n` tokens, with the mask and position ids `generate` passes "
+            "(tokens/s = batch / ms * 1000). The batch of 8 is left-padded, row i by i/32 of the prompt. "
+            "Prefill at n = 8192 runs only for the windowed families, and batched prefill only at n = 512 "
+            "(the rest would take most of the run); a family's cells stop at its context length. "
+            f"The whole matrix took {minutes:.1f} minutes.\n\n## Summary\n\n{summary}\n\n"
+            f"Cells below 0.97 (slower than the anchor beyond noise): {below} of {len(rows)}.\n\n"
+            f"## The matrix\n\n{markdown_table(HEADER, rows)}\n\n"
+            f"Load averages after the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}.\n")
+    return write_report(out_dir, "hf", "attnkit inside Hugging Face transformers: a matrix of model families",
+                        body, f"attnkit bench hf{' --quick' if quick else ''}")

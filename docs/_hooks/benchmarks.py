@@ -91,8 +91,11 @@ HEADLINES = (
     Headline("GPT-2 greedy generation with a KV cache, time over transformers' `generate`",
              "models", "", {"case": "GPT-2 (4x256) greedy, 4 x 128 prompt + 64 tokens, KV cache",
                             "anchor": "transformers generate*"}, "ratio (attnkit / anchor)", "x"),
-    Headline("Mistral-style model on `attn_implementation=\"attnkit\"`, prefill n = 8192: `\"sdpa\"` takes",
-             "hf", "", {"model": "Mistral", "pass": "prefill", "impl": "sdpa"}, "attnkit speed-up", "x attnkit's time"),
+    Headline("Hugging Face model families on `attn_implementation=\"attnkit\"`, prefill and decode: the matrix's "
+             "worst cell, where `\"sdpa\"` (eager for Gemma 2) takes", "hf", "Summary", {"cell": "worst"},
+             "attnkit speed-up", "x attnkit's time"),
+    Headline("the same matrix's best cell: `\"sdpa\"` (eager for Gemma 2) takes", "hf", "Summary",
+             {"cell": "best"}, "attnkit speed-up", "x attnkit's time"),
     Headline("`torch.compile`d `MultiHeadAttention`, window 256, n = 8192, fwd+bwd: graphs / breaks",
              "compile", "", {"case": "MultiHeadAttention*", "path": "attnkit compiled*"}, "graphs / breaks"),
     Headline("ring attention, 4 ranks, causal: memory per rank over one rank's",

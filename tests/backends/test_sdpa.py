@@ -121,14 +121,16 @@ def test_large_finite_keys_are_no_false_alarm_for_the_probe():
 
 
 @pytest.mark.parametrize("where", ["k -inf", "k +inf", "k NaN", "v +inf", "v NaN", "q NaN"])
-@pytest.mark.parametrize("masked", [False, True], ids=["allowed key", "a key only the dead row allows"])
-def test_a_decode_step_keeps_the_nonfinite_rule_with_the_probe(where, masked):
+@pytest.mark.parametrize("masked", [False, True], ids=["allowed key", "a key no row allows"])
+@pytest.mark.parametrize("shared", [False, True], ids=["mask per head", "one mask row per batch element"])
+def test_a_decode_step_keeps_the_nonfinite_rule_with_the_probe(where, masked, shared):
     """Through attnkit.attention (the probe instead of a read of the cache): the rows that allow the bad key
     are NaN, every other row is the clean call's bit for bit, a dead row is zeros."""
     q, k, v = _qkv(4, 2, 1, 30, d=8)
-    mask = torch.ones(2, 4, 1, 30, dtype=torch.bool)
-    mask[1, 2:] = False  # batch 1, heads 2 and 3 (kv head 1): dead rows
-    mask[:, :, :, 7] = False  # key 7 allowed by nobody ...
+    mask = torch.ones(2, 1 if shared else 4, 1, 30, dtype=torch.bool)
+    if not shared:
+        mask[1, 2:] = False  # batch 1, heads 2 and 3 (kv head 1): dead rows
+    mask[:, :, :, 7] = False  # key 7 allowed by nobody
     bad_key = 12
     if masked:
         bad_key = 7
@@ -147,4 +149,5 @@ def test_a_decode_step_keeps_the_nonfinite_rule_with_the_probe(where, masked):
     got = attnkit.attention(q, k, v, mask=mask)
     assert got[rows].isnan().all()
     assert torch.equal(got[~rows], clean[~rows])
-    assert torch.equal(got[1, 2:], torch.zeros_like(got[1, 2:]))
+    if not shared:
+        assert torch.equal(got[1, 2:], torch.zeros_like(got[1, 2:]))

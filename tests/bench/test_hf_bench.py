@@ -1,0 +1,29 @@
+"""`attnkit bench hf --quick`: every family of the matrix runs on "attnkit" and on its anchor, prefill and decode,
+and attnkit's outputs are the anchor's within the tolerance table (nothing is asserted about speed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.tolerances import MODEL_PARITY, close
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.slow
+def test_the_quick_matrix_gives_the_anchors_outputs_for_every_family_and_phase():
+    from attnkit.bench import hf
+
+    said = []
+    rows, outputs = hf.measure(quick=True, say=said.append)
+    want = {(f.name, "prefill") for f in hf.FAMILIES} | {(f.name, "decode") for f in hf.FAMILIES if f.decoder}
+    assert {(name, phase) for name, phase, *_ in outputs} == want
+    assert len(rows) == len(outputs) == len(said)
+    for name, phase, got, anchor, mask, dtype in outputs:
+        keep = mask.bool()  # the real positions: a padded one is read by no real token
+        assert got.shape == anchor.shape and keep.shape == got.shape[:2], (name, phase)
+        try:
+            close(got[keep], anchor[keep], dtype, **MODEL_PARITY[dtype])
+        except AssertionError as error:
+            raise AssertionError(f"{name}, {phase}: {error}") from None
+    assert all(row[hf.HEADER.index("attnkit speed-up")] > 0 for row in rows)
