@@ -12,17 +12,21 @@ Grouped-query heads are read in place, never repeated: SDPA's own ``enable_gqa``
 later; before, the keys and values are repeated per query head), and for a few queries on the CPU
 (a decode step) the groups folded into the query rows: the ``G`` query heads that share a key/value
 head become ``G * Lq`` rows of one call on that head, so the kernel streams each key and value once
-(its ``enable_gqa`` CPU path is several times slower there, ``attnkit bench hf``).
+(SDPA's own ``enable_gqa`` path on the CPU is slower for a few queries, markedly so in bfloat16; transformers'
+``"sdpa"`` takes it for an unpadded batch, and ``attnkit bench hf`` times the two in a model's decode steps).
 
 Such a folded call also answers whether its keys and values are finite, in the same pass
 (:meth:`SDPABackend.if_finite`, which :mod:`attnkit.nonfinite` uses instead of a second read of the
-cache): one probe row rides along on each key/value head, a query of zeros allowed every key. Its score
+cache): one probe row rides along on each key/value head, a query of zeros allowed every key that a row of
+its head may see (every key, unless the mask is one row per batch element, which the probe shares). Its score
 against ``k_j`` is ``0 * k_j``, which is 0 when ``k_j`` is finite and NaN when it holds a NaN or an
 infinity (``0 * inf`` is NaN), and then the probe's row is NaN; its probabilities, uniform, meet every
 ``v_j`` in the product (``p * inf`` is not finite for any ``p``, zero included). So a finite probe row and
 a finite ``q`` mean every input is finite, with no false alarm from large finite keys; anything else
 sends the call to the exact path. (A row of ones would not do: a key of ``-inf`` scores ``-inf``, a
-weight of 0, and the row stays finite.)
+weight of 0, and the row stays finite.) This leans on the kernel's products being IEEE arithmetic that skips no
+zero, as PyTorch's are; ``tests/backends/test_sdpa.py`` checks it for every kind of bad key and value, in
+every dtype and in the kernel's later key blocks.
 
 Plain PyTorch, for a reader (``q [B, H, Lq, D]``, ``k``/``v [B, Hkv, Lk, D]``, ``G = H // Hkv``)::
 
@@ -32,8 +36,9 @@ Plain PyTorch, for a reader (``q [B, H, Lq, D]``, ``k``/``v [B, Hkv, Lk, D]``, `
 
 float16 on a CPU without float16 products (:func:`attnkit._cpu.has_fp16_products`) is computed in
 float32 and rounded back: PyTorch's CPU kernel accumulates half types in float32 anyway, and its
-float16 path is slower than its float32 one there (``attnkit bench dtypes``). bfloat16 stays
-bfloat16, whose CPU path is not slower.
+float16 path is slower than its float32 one there (``attnkit bench dtypes``), for one query too, where the
+conversion reads the whole cache: measured over a decode step's cache, the float16 kernel alone still took
+longer than converting and running in float32. bfloat16 stays bfloat16, whose CPU path is not slower.
 """
 
 from __future__ import annotations
