@@ -181,17 +181,17 @@ def _set(model, impl):
         model.set_attn_implementation(impl)
 
 
-def _prefill_cell(model, impls, n, batch, family, repeat):
+def _prefill_cell(model, impls, n, batch, family, repeat, warmup=1):
     ids, mask = _batch(n, batch, seed=n + batch)
     times = {impl: [] for impl in impls}
     outs = {}
     with torch.no_grad():
-        for r in range(repeat + 1):  # the first round warms up
+        for r in range(repeat + warmup):  # the first rounds warm up
             for impl in (impls if r % 2 else impls[::-1]):
                 _set(model, impl)
                 t0 = time.process_time()
                 out = _prefill(model, ids, mask, family.decoder)
-                if r:
+                if r >= warmup:
                     times[impl].append(time.process_time() - t0)
                 outs[impl] = out
     return {impl: statistics.median(t) for impl, t in times.items()}, outs, mask
@@ -232,7 +232,8 @@ def _cells(quick: bool):
                         continue
                     # A prefill's attention grows with n^2: the long and batched prompts are kept to the families
                     # whose windows they measure, so that the whole matrix runs in minutes.
-                    if batch == 1 and (n < 8192 or family.windowed):
+                    long_ok = family.windowed and dtype == torch.float32 and family.anchor != "eager"
+                    if batch == 1 and (n < 8192 or long_ok):
                         yield family, "prefill", n, batch, dtype, ""
                     elif batch > 1 and n == 512:
                         yield family, "prefill", n, batch, dtype, ""
@@ -254,7 +255,7 @@ def _impls(family: Family, phase: str, n: int, batch: int, quick: bool = False) 
 
 
 HEADER = ["model", "attention", "dtype", "batch", "phase", "n", "attnkit ms", "anchor", "anchor ms",
-          "attnkit speed-up", "eager speed-up", "note"]
+          "attnkit speed-up", "eager speed-up", "attnkit tokens/s", "anchor tokens/s", "note"]
 
 
 def measure(quick: bool, say=print) -> tuple[list[list], list[tuple]]:
@@ -281,15 +282,17 @@ def measure(quick: bool, say=print) -> tuple[list[list], list[tuple]]:
             model = models[key]
             impls, note = _impls(family, phase, n, batch, quick)
             if phase == "prefill":
-                repeat = 1 if quick else 3 if n < 2048 else 2
-                t, outs, mask = _prefill_cell(model, impls, n, batch, family, repeat)
+                repeat = 1 if quick else 3 if n < 2048 else 2 if n < 8192 else 1
+                t, outs, mask = _prefill_cell(model, impls, n, batch, family, repeat, warmup=int(n < 8192))
             else:
-                t, outs, mask = _decode_cell(model, impls, n, batch, dtype, steps=1 if quick else 3)
+                t, outs, mask = _decode_cell(model, impls, n, batch, dtype, steps=1 if quick else 7 if n < 8192 else 3)
             checks.append((family.name, phase, outs["attnkit"], outs[family.anchor], mask, dtype))
+            tokens = batch * (1 if phase == "decode" else n)
             eager = f"{t['eager'] / t['attnkit']:.2f}" if "eager" in t and family.anchor != "eager" else "-"
             rows.append([family.name, family.shape, str(dtype).removeprefix("torch."), batch, phase, n,
                          round(t["attnkit"] * 1e3, 2), family.anchor, round(t[family.anchor] * 1e3, 2),
-                         round(t[family.anchor] / t["attnkit"], 2), eager, note])
+                         round(t[family.anchor] / t["attnkit"], 2), eager,
+                         *(round(tokens / t[impl]) for impl in ("attnkit", family.anchor)), note])
             say(" | ".join(str(c) for c in rows[-1][:11]))
     finally:
         torch.set_num_threads(threads)
@@ -311,14 +314,18 @@ def run(quick: bool, out_dir: Path) -> str:
                               ["best", describe(best), best[ratio], best[7]]])
     below = sum(r[ratio] < 0.97 for r in rows)
     body = (f"CPU: {_cpu.name()}; flags: {', '.join(have)}. One thread; CPU time (`time.process_time`), medians "
-            f"of {'1' if quick else '3 (2 from n = 2048)'} prefill rounds and {'1' if quick else '3'} decode steps "
-            "after one warm-up, the implementations interleaved (the order reversed every other round). "
+            f"of {'1' if quick else '3 prefill rounds (2 at n = 2048, 1 at 8192)'} and "
+            f"{'1' if quick else '7 decode steps (3 at n = 8192)'}, after one warm-up round (none for a prefill "
+            "at n = 8192: the family's shorter cells have run the same code), the implementations interleaved "
+            "(the order reversed every other round). "
             "`attnkit speed-up` is the anchor's time over attnkit's (above 1: attnkit is faster); the anchor is "
             "`\"sdpa\"`, or `\"eager\"` where transformers has no SDPA path (Gemma 2). Decode: one token per "
             "step through a `DynamicCache` holding `n` tokens, with the mask and position ids `generate` passes "
-            "(tokens/s = batch / ms * 1000). The batch of 8 is left-padded, row i by i/32 of the prompt. "
-            "Prefill at n = 8192 runs only for the windowed families, and batched prefill only at n = 512 "
-            "(the rest would take most of the run); a family's cells stop at its context length. "
+            "(tokens/s: the batch's new tokens per second; for a prefill, its prompt tokens). "
+            "The batch of 8 is left-padded, row i by i/32 of the prompt. "
+            "Prefill at n = 8192 runs only for the windowed families with an SDPA path (Mistral, ModernBERT) in "
+            "float32, and batched prefill only at n = 512: the rest would take most of the run (or, for Gemma 2, "
+            "whose only anchor is eager, several GiB of scores). A family's cells stop at its context length. "
             f"The whole matrix took {minutes:.1f} minutes.\n\n## Summary\n\n{summary}\n\n"
             f"Cells below 0.97 (slower than the anchor beyond noise): {below} of {len(rows)}.\n\n"
             f"## The matrix\n\n{markdown_table(HEADER, rows)}\n\n"
