@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import _cpu
-from ._util import markdown_table, progress, write_report
+from ._util import interleaved_medians, markdown_table, progress, write_report
 
 VOCAB = 256
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
@@ -299,12 +299,50 @@ def measure(quick: bool, say=print) -> tuple[list[list], list[tuple]]:
     return rows, checks
 
 
+DECODE_HEADER = ["dtype", "n", "heads", "D", "read K and V ms", "attnkit ms", "SDPA enable_gqa ms",
+                 "attnkit / read", "SDPA / attnkit"]
+
+
+def decode_step(quick: bool, say=print) -> list[list]:
+    """One query against a cache of ``n`` tokens, the attention call alone: ``attnkit.attention`` (which checks
+    the cache's finiteness in the same pass), PyTorch SDPA with ``enable_gqa`` (no check), and the anchor, one
+    read of the keys and values (``k.sum()`` and ``v.sum()``); CPU time on one thread, medians of 15 rounds."""
+    import torch.nn.functional as F
+
+    import attnkit
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    shapes = [(256, 32, 8, 64)] if quick else [(n, 32, 8, d) for n in (4096, 8192) for d in (64, 128)]
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for n, h, hkv, d in shapes:
+                q = torch.randn(1, h, 1, d, generator=g).to(dtype)
+                k, v = (torch.randn(1, hkv, n, d, generator=g).to(dtype) for _ in range(2))
+                fns = {"read": lambda k=k, v=v: (k.sum(), v.sum()),
+                       "attnkit": lambda q=q, k=k, v=v: attnkit.attention(q, k, v),
+                       "sdpa": lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+                with torch.no_grad():
+                    t = interleaved_medians(fns, repeat=3 if quick else 15, warmup=2, clock=time.process_time,
+                                            alternate=True)
+                rows.append([str(dtype).removeprefix("torch."), n, f"{h}/{hkv}", d, round(t["read"] * 1e3, 3),
+                             round(t["attnkit"] * 1e3, 3), round(t["sdpa"] * 1e3, 3),
+                             round(t["attnkit"] / t["read"], 2), round(t["sdpa"] / t["attnkit"], 2)])
+                say("decode step alone: " + " | ".join(str(c) for c in rows[-1]))
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
 def run(quick: bool, out_dir: Path) -> str:
     say = progress("hf")
     have = [f for f in FLAGS if f in _cpu.flags()] or ["none of them (or unknown)"]
     say(f"CPU: {_cpu.name()}; flags: {', '.join(have)}")
     t0 = time.perf_counter()
     rows = measure(quick, say)[0]
+    step = decode_step(quick, say)
     minutes = (time.perf_counter() - t0) / 60
     ratio = HEADER.index("attnkit speed-up")
     worst, best = min(rows, key=lambda r: r[ratio]), max(rows, key=lambda r: r[ratio])
@@ -329,6 +367,11 @@ def run(quick: bool, out_dir: Path) -> str:
             f"The whole matrix took {minutes:.1f} minutes.\n\n## Summary\n\n{summary}\n\n"
             f"Cells below 0.97 (slower than the anchor beyond noise): {below} of {len(rows)}.\n\n"
             f"## The matrix\n\n{markdown_table(HEADER, rows)}\n\n"
+            "## A decode step alone\n\nOne query against a cache of n tokens (batch 1), the attention call alone: "
+            "`attnkit.attention`, whose finiteness check rides in the same call, against reading the keys and "
+            "values once (`k.sum()` and `v.sum()`, the memory traffic a step cannot avoid) and against PyTorch's "
+            "SDPA with `enable_gqa=True` (which checks nothing); CPU time, one thread, medians of "
+            f"{3 if quick else 15} interleaved rounds.\n\n{markdown_table(DECODE_HEADER, step)}\n\n"
             f"Load averages after the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}.\n")
     return write_report(out_dir, "hf", "attnkit inside Hugging Face transformers: a matrix of model families",
                         body, f"attnkit bench hf{' --quick' if quick else ''}")

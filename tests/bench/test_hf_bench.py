@@ -27,3 +27,5 @@ def test_the_quick_matrix_gives_the_anchors_outputs_for_every_family_and_phase()
         except AssertionError as error:
             raise AssertionError(f"{name}, {phase}: {error}") from None
     assert all(row[hf.HEADER.index("attnkit speed-up")] > 0 for row in rows)
+    step = hf.decode_step(quick=True, say=said.append)  # the decode step alone, against one read of the cache
+    assert [row[0] for row in step] == ["float32", "bfloat16"] and all(row[5] > 0 for row in step)
