@@ -14,10 +14,13 @@ query and key offsets. :func:`attnkit_mask` turns it into an :class:`attnkit.Mas
 forward and mask type (each row's allowed keys as intervals, found by evaluating the function once,
 see :mod:`attnkit.maskplan`), and every layer of that type reuses it: windowed and padded layers run on
 the banded kernel. A plain causal mask without padding, or no mask at all, is passed as
-``is_causal`` (or nothing), as transformers does for SDPA.
+``is_causal`` (or nothing), as transformers does for SDPA. A decode step (one query) is the exception: its
+mask is one row per sequence, evaluated cell by cell as ``sdpa_mask`` does (cheaper than a plan there), and
+the step reads only the keys from the first that a row may see to the last (:func:`_few_queries`).
 
 Honoured: ``scaling``, ``dropout``, ``softcap`` (Gemma 2, through ``attnkit.scores.softcap``),
-GQA (no ``repeat_kv``), ``output_attentions`` (weights from ``backend="reference"``, as eager).
+GQA (no ``repeat_kv``: grouped heads are read in place), ``output_attentions`` (weights from
+``backend="reference"``, as eager).
 
 ``position_bias`` (T5, mT5, UMT5, LongT5 and the like: a dense ``[1, H, Lq, Lk]`` term that eager adds
 to the scaled scores) is served exactly, in one of three ways:
@@ -238,7 +241,8 @@ def attnkit_mask(batch_size: int, q_length: int | None = None, kv_length: int | 
     positions (query ``q_offset + i``, or ``cache_position[i]`` as transformers before 5.x's later
     releases passes them; key ``kv_offset + j``), ``attention_mask`` the 2-D padding mask. Returns
     None where no mask is needed (causal without padding, with the queries at the end of the keys,
-    or full attention), as ``sdpa_mask`` does.
+    or full attention), as ``sdpa_mask`` does, and for a decode step (:data:`FEW_QUERIES`) the dense bool
+    mask ``[B, 1, Lq, Lk]`` itself, evaluated on broadcasting indices.
     """
     from transformers.masking_utils import (
         and_masks,
