@@ -515,7 +515,7 @@ def alignment_figure(model: Seq2Seq | RNNSeq2Seq, words: list[str], layer: int =
     decoder layer's cross-attention, mean over heads; the RNN's is its one additive attention
     (``layer`` must be 0).
 
-    The first layer is the Transformer's default: there the alignment is sharpest (in the default
+    The first layer is the Transformer's default: there the alignment is sharpest (in the dates
     model the "7" of "seventy" puts most of its weight on "seventy"); later layers mix in context
     the first already gathered."""
     from ..viz.heatmap import heatmap

@@ -136,8 +136,8 @@ print(f"weight of a date's digits on the words they come from: {np.mean(on_sourc
 
 # %% [markdown]
 # How far the alignment has formed after 150 steps is the gap between the two numbers above; the map
-# shows which characters already look at their word and which still spread their weight. In the full
-# run's picture (in the guide) each character looks at the word it comes from: "7" at "seventy".
+# shows which characters already look at their word and which still spread their weight. The guide's
+# picture is the same map for a full run of the default pairs, French numbers into German.
 #
 # ## caption: each word looks at the strip
 #
