@@ -202,5 +202,5 @@ def run(quick: bool, out_dir: Path, tasks: tuple[str, ...] | None = None) -> str
             + "".join(f"\n- {n}" for n in notes)
             + "".join(sections))
     cmd = ("attnkit bench apps" + (" --quick" if quick else "") if tasks is None
-           else f"python -c 'from attnkit.bench import apps; apps.run({quick}, OUT, tasks={tuple(tasks)!r})'")
+           else f'python -c "from attnkit.bench import apps; apps.run({quick}, OUT, tasks={tuple(tasks)!r})"')
     return write_report(out_dir, "apps", "Applications: what each task reaches, against its target", body, cmd)
