@@ -1,4 +1,4 @@
-"""A banded attention kernel in C++ for masks whose rows are a few intervals of keys, on CPU, compiled on first use.
+"""A banded attention kernel in C++ for masks whose rows are a few intervals of keys, on CPU, compiled at install.
 
 Under a window, causal, prefix-LM, padding or packed-documents mask the keys a query sees are one
 contiguous range; under a window plus global tokens, a dilated or strided pattern or a block
@@ -6,7 +6,7 @@ layout, a few. The mask plan (:mod:`attnkit.maskplan`) gives each row's interval
 query rows needs exactly the union of its rows' intervals: 576 keys for a 64-row block of a
 513-wide band, 89% of them visible. :mod:`._fused` hands PyTorch's flash kernel such tiles too,
 but that kernel works on 32-row slices below 192 rows, splits keys at 512 and goes through Python
-between batches; ``_band.cpp`` does the whole call in one parallel loop, with the rows' exact key
+between batches; the kernel (``csrc/band/``) does the whole call in one parallel loop, with the rows' exact key
 ranges, over the BLAS that torch links. Forward and a FlashAttention-2 backward (recomputing
 probabilities from the saved log-sum-exp, each key block owning its dK/dV, dQ rows added under
 locks; under `torch.use_deterministic_algorithms(True)` dQ comes from a row-owned pass instead,
@@ -16,16 +16,21 @@ d-th key of their own class of positions mod d (a dilated window) are folded, ea
 element of its own where the mask is a plain band (:func:`_dilation`), which skips the gaps instead of walking
 them (``attnkit bench blockwise`` has the dilated row).
 
-The source is compiled once per source, torch version and CPU capability (about a minute, said on
-stderr; one process builds while others wait) into ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``,
-which must be private to the user) and loaded from there afterwards once its recorded SHA-256
-matches; :mod:`._build` does the caching and says how. ``ATTNKIT_BUILD=0`` forbids compiling (a
-cached build is still used); a failed build is not retried for an hour unless ``ATTNKIT_BUILD=1``.
-If anything fails (no compiler, a cache folder others may write to, a torch without the BLAS
-symbols, a self-check against the formula that does not match), :func:`available` is False, the
-reason is in :func:`unavailable_reason`, and the blockwise backend uses its other paths. The module
-is loaded and self-checked once per process, under a lock (:func:`._build.once`): threads making
-their first call together wait for that one load and all get the module (or the same reason).
+The sources (one translation unit per role: ``csrc/band/kernel.h`` lists them) are compiled when attnkit is
+installed (``setup.py``, against the torch installed then: ``pip install --no-build-isolation``) into
+``attnkit.backends._band_kernel``, beside its build record; a process loads that module once the record names
+this process's sources, torch version, CPU capability and flags (:mod:`._band_sources`) and the module's bytes
+match the record's SHA-256. Where it is missing (installed without a compiler, or by an isolated build) or was
+built for another torch, the kernel is compiled on first use instead, once per sources, torch version and CPU
+capability (minutes: a :class:`._build.BuildWarning` says so first; one process builds while others wait) into
+``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``, which must be private to the user) and loaded from there
+afterwards once its recorded SHA-256 matches; :mod:`._build` does the loading and caching and says how.
+``ATTNKIT_BUILD=0`` forbids compiling (a cached build is still used); a failed build is not retried for an
+hour unless ``ATTNKIT_BUILD=1``. If anything fails (no compiler, a cache folder others may write to, a torch
+without the BLAS symbols, a self-check against the formula that does not match), :func:`available` is False,
+the reason is in :func:`unavailable_reason` (and in one warning), and the blockwise backend uses its other
+paths. The module is loaded and self-checked once per process, under a lock (:func:`._build.once`): threads
+making their first call together wait for that one load and all get the module (or the same reason).
 
 Both operators check every argument before touching memory and name the one that does not fit
 ("What they check", above the operators below).
@@ -50,11 +55,11 @@ rounded once.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import logging
 import math
 import os
-import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,9 +72,11 @@ from .. import _cpu
 from .._tracing import assume_constant_result, real_tensors
 from ..call import Call
 from ..dtypes import HALF, compute_dtype
-from . import _build
+from . import _band_sources, _build
 
-SOURCE = Path(__file__).with_name("_band.cpp")
+#: Where ``setup.py`` puts the module it builds at install, and its build record.
+INSTALLED = Path(__file__).with_name(f"{_band_sources.MODULE}{_build.SUFFIX}")
+INSTALLED_RECORD = Path(__file__).with_name(_band_sources.RECORD)
 #: Forward: query rows per block and most keys per chunk. Backward: keys per block and most
 #: queries per chunk. Chosen on this 2-core machine (window 256, n = 8192): 32-64 rows within 3%,
 #: 128 rows 5-10% slower (more of the band's corners computed).
@@ -77,11 +84,7 @@ Q_ROWS, KV_CHUNK = 64, 1024
 KV_ROWS, Q_CHUNK = 64, 1024
 DTYPES = (torch.float32, torch.float64)
 
-_ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
-}
+logger = logging.getLogger(__name__)
 _reason: str | None = None
 _reports = False  # reports_nonfinite(): set once by _checked()
 #: Per half type, how its products are named: the compiled module's tag (``set_<tag>_products``,
@@ -96,12 +99,14 @@ _products_reason: dict[torch.dtype, str | None] = {}  # why half_products(dtype)
 class BandInputs(NamedTuple):
     """What the kernel needs beyond q, k, v: each query row's keys as intervals (``starts``,
     ``ends``: int64 ``[P, Lq, K]``, ``P`` 1, B or B*H, the convention of :mod:`attnkit.maskplan`), the
-    score_mod's diagonal bias (``[1 or H, Lq + Lk - 1]``, with autograd; None without a score_mod)
-    and the soft-cap ``c`` of the scores (``t -> c * tanh(t / c)`` after scale and bias; 0 for none)."""
+    score_mod's table per head and diagonal (``diagonal_table``: ``[1 or H, Lq + Lk - 1]``, added to the score
+    of query i and key j at column ``j - i + Lq - 1``, with autograd; None without a score_mod; not a call's
+    dense ``bias``, which this kernel refuses) and the soft-cap ``c`` of the scores (``t -> c * tanh(t / c)``
+    after scale and the table; 0 for none)."""
 
     starts: Tensor
     ends: Tensor
-    bias: Tensor | None
+    diagonal_table: Tensor | None
     softcap: float = 0.0
 
 
@@ -121,7 +126,8 @@ def attention(req: Call, inputs: BandInputs) -> Tensor:
 
     ``inputs``: what the band backend worked out for ``req``.
     """
-    return run(req.query, req.key, req.value, inputs.starts, inputs.ends, inputs.bias, req.scale, inputs.softcap)
+    return run(req.query, req.key, req.value, inputs.starts, inputs.ends, inputs.diagonal_table, req.scale,
+               inputs.softcap)
 
 
 def reports_nonfinite() -> bool:
@@ -209,7 +215,7 @@ def attention_if_finite(req: Call, inputs: BandInputs) -> Tensor | None:
     that overflowed. Its statistics mark such rows NaN, so one look at them replaces reading ``q``, ``k``
     and ``v`` once more before the call. Rows of the inputs the kernel never read (keys no row sees,
     queries that see nothing) may hold anything: they change no output."""
-    out, stats = _run(req.query, req.key, req.value, inputs.starts, inputs.ends, inputs.bias, req.scale,
+    out, stats = _run(req.query, req.key, req.value, inputs.starts, inputs.ends, inputs.diagonal_table, req.scale,
                       inputs.softcap)
     return None if bool(torch.isnan(stats[0]).any()) else out
 
@@ -393,7 +399,7 @@ def _rows(x: Tensor) -> Tensor:
 #
 # What they check. Both operators, and the compiled module's ``forward``/``backward`` under them,
 # check every argument before any memory is touched and raise a RuntimeError that names the
-# argument, what came and what was expected (the checks are in ``_band.cpp``, O(1) but for one
+# argument, what came and what was expected (the checks are in ``csrc/band/checks.cpp``, O(1) but for one
 # pass over the intervals):
 # - band_forward: q float32, float64, bfloat16 or float16, 4-D; k, v 4-D in its dtype (half types are computed in
 #   float32: queries and outputs converted a row at a time, keys and values once per call, or a chunk at a
@@ -490,27 +496,41 @@ def _checked():
     try:
         mod = _module()
     except Exception as e:  # _build.BuildError: no compiler, a refused cache folder, ... in one line
-        _reason = f"could not build {SOURCE.name}: {e}"
-        print(f"attnkit: {_reason}; the blockwise backend uses its tile schedule instead", file=sys.stderr)
+        _reason = f"could not build the banded kernel: {e}"
+        _warn(f"{_reason}; the blockwise backend uses its tile schedule instead")
         return None
     try:
         if not mod.has_blas():
             _reason = "this torch does not export the BLAS functions (sgemm_/dgemm_) the kernel calls"
             return None
-        with real_tensors(), torch.inference_mode(False), torch.enable_grad():  # the first caller may be under no_grad
+        # (the first caller may be under no_grad)
+        with real_tensors(), torch.inference_mode(False), torch.enable_grad(), _one_thread():
             err = _self_check(mod)
     except Exception as e:  # a module that raises where it should compute is not used either
         err = f"{type(e).__name__}: {e}"
     if err is not None:
         _reason = f"self-check against the formula failed: {err}"
-        print(f"attnkit: banded kernel {_reason}; not used", file=sys.stderr)
+        _warn(f"banded kernel {_reason}; not used")
         return None
     global _reports
-    with real_tensors(), torch.inference_mode(False):
+    with real_tensors(), torch.inference_mode(False), _one_thread():
         _reports = all(_reports_in(mod, dtype) for dtype in DTYPES)
         for dtype in _HALF_PRODUCTS:
             _use_half_products(mod, dtype)
     return mod
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """This thread's torch ops on one thread for the block (``torch.set_num_threads`` sets the calling thread's
+    OpenMP and MKL threads only): the self-checks' cases are small, and split between threads on a busy machine
+    they waited on each other for seconds, which a first call paid. The kernel's locks are still taken there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _use_half_products(mod, dtype: torch.dtype) -> None:
@@ -533,8 +553,7 @@ def _use_half_products(mod, dtype: torch.dtype) -> None:
     if err is not None:
         switch(False)
         _products_reason[dtype] = f"their self-check against the formula failed: {err}"
-        print(f"attnkit: banded kernel's {name} products {_products_reason[dtype]}; it computes {name} in float32",
-              file=sys.stderr)
+        _warn(f"banded kernel's {name} products {_products_reason[dtype]}; it computes {name} in float32")
         return
     _products_ok[dtype] = True
     asked = os.environ.get(variable)
@@ -700,19 +719,35 @@ def _formula(q, k, v, dout, starts, ends, bias, scale, softcap=0.0):
     return out.detach(), (q.grad, k.grad, v.grad, dbias)
 
 
+def _warn(message: str) -> None:
+    """A reason the kernel (or a path of it) is not used, which a user can act on: once per process, as the
+    load is (:func:`_checked`)."""
+    warnings.warn(f"attnkit: {message}", RuntimeWarning, stacklevel=_build._outside_attnkit())
+
+
 @_build.once  # one load per process; a failure is remembered with its reason (a BuildError each call)
 def _module():
-    """The compiled kernel, from the cache or built now (:func:`._build.load`; raises its BuildError)."""
+    """The kernel built at install (:data:`INSTALLED`, once its build record matches), else compiled now or taken
+    from the cache (:func:`._build.load`, which warns before it blocks; raises its BuildError)."""
     name, cflags, _ = _target()
-    return _build.load(name, SOURCE, cflags, ["-fopenmp"], "the banded attention kernel")
+    try:
+        return _build.load_installed(INSTALLED, INSTALLED_RECORD, build_key())
+    except _build.BuildError as e:
+        why = f"the banded attention kernel built at install is not used: {e}"
+    logger.info("%s; loading it from the cache or compiling it", why)
+    return _build.load(name, _band_sources.sources(), cflags, _band_sources.LDFLAGS, "the banded attention kernel",
+                       f"{why} (`pip install --no-build-isolation .` builds it at install)")
+
+
+def build_key() -> str:
+    """What this process needs the kernel built from, hashed (:func:`._band_sources.key`): sources, torch
+    version, CPU capability and flags. The installed module's build record must name it."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return _band_sources.key(torch.__version__, cap, _band_sources.cflags(cap, _cpu.flags()))
 
 
 def _target() -> tuple[str, list[str], Path]:
-    """Module name, compiler flags and cache path; the name changes with source, torch and CPU."""
+    """Module name, compiler flags and cache path of the fallback's build; the name carries :func:`build_key`."""
     cap = torch.backends.cpu.get_cpu_capability()
-    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(cap, [])]
-    if cap == "AVX512" and "avx512_bf16" in _cpu.flags():
-        cflags.append("-mavx512bf16")  # the weights rounded to bfloat16 by one instruction (round_pair in the source)
-    key = "\n".join([SOURCE.read_text(), torch.__version__, cap, *cflags])
-    name = f"attnkit_band_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    return name, cflags, _build.entry(name)
+    name = _band_sources.module_name(build_key())
+    return name, _band_sources.cflags(cap, _cpu.flags()), _build.entry(name)

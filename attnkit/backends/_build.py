@@ -1,8 +1,12 @@
-"""Compile a C++ extension once per cache key, keep it in a private cache, and load it back safely.
+"""Load a C++ extension built at install, or compile it once per cache key into a private cache, and load
+either back safely.
 
-:func:`load` turns a source file, its compiler flags and a module name (which the caller derives
-from everything that changes the binary: source, torch version, flags) into the imported module,
-or raises :class:`BuildError` with a one-line reason. The cache (``$ATTNKIT_CACHE``, default
+:func:`load_installed` imports a module that ``setup.py`` built beside attnkit's sources once its build
+record names the build key this process needs (sources, torch version, CPU, flags) and the module's bytes
+match the SHA-256 recorded beside them; else it raises :class:`BuildError` saying why (not installed, built
+for another torch, ...). :func:`load`, the fallback, turns source files, their compiler flags and a module
+name (which the caller derives from everything that changes the binary) into the imported module, or raises
+:class:`BuildError` with a one-line reason. The cache (``$ATTNKIT_CACHE``, default
 ``~/.cache/attnkit``) may sit in a shared place, so it is treated as hostile until checked:
 
 - the folder is created 0700 and refused if another user owns it or group/others may write to it;
@@ -15,6 +19,8 @@ or raises :class:`BuildError` with a one-line reason. The cache (``$ATTNKIT_CACH
   folder, so nothing can swap the file between the hash and ``dlopen``. (Loading the cache entry
   in place would lean on the folder check alone; the copy costs a few hundred kB of writes.)
   A missing or wrong checksum, a truncated file or an import error means "rebuild", never a crash;
+- the installed module is loaded the same way: read with ``O_NOFOLLOW``, hashed against its build record,
+  and the verified bytes imported from a fresh private copy;
 - one process builds while the others wait on ``flock`` of ``<name>.lock`` (at most
   :data:`LOCK_WAIT_S`), then take its result;
 - a failed build leaves ``<name>.failed`` (time and reason), and for :data:`RETRY_AFTER_S` later
@@ -22,6 +28,10 @@ or raises :class:`BuildError` with a one-line reason. The cache (``$ATTNKIT_CACH
 
 ``ATTNKIT_BUILD=0`` forbids compiling (a verified cached build is still used); ``ATTNKIT_BUILD=1``
 retries a build that failed recently.
+
+A process that is about to block (compile, or wait for another process's compile) says so once through
+:func:`warnings.warn` (a :class:`BuildWarning`), with the reason the installed module was not used; the time
+the compile took, and the rest, go to :mod:`logging` (logger ``attnkit.backends._build``).
 
 Within a process, modules are imported one at a time (pybind11 3 keeps a completed module per name
 and skips the initialisation of a second object made for that name meanwhile: two threads importing
@@ -57,12 +67,19 @@ RETRY_AFTER_S = 3600
 #: How long a process waits for another one's build before giving up (several times what a build takes on 2 cores).
 LOCK_WAIT_S = 600
 
+logger = logging.getLogger(__name__)
+
 _T = TypeVar("_T")
 _IMPORTING = threading.Lock()  # one import of an extension module at a time in this process
 
 
 class BuildError(RuntimeError):
     """Why the module could not be loaded or built, in one line."""
+
+
+class BuildWarning(UserWarning):
+    """A native kernel is being compiled now, on first use, which blocks the call for minutes (the module built
+    at install was missing or built for another torch): the message says why, and how to build it at install."""
 
 
 def once(build: Callable[[], _T]) -> Callable[[], _T]:
@@ -105,15 +122,57 @@ def entry(name: str) -> Path:
     return cache_dir() / f"{name}{SUFFIX}"
 
 
-def load(name: str, source: Path, cflags: list[str], ldflags: list[str], what: str):
-    """The extension module ``name`` built from ``source``: from the cache if a verified build is
-    there, else compiled now (one process at a time) and cached.
+def load_installed(path: Path, record: Path, key: str):
+    """The module built at install at ``path``, once its build ``record`` (``setup.py`` writes it) names ``key``
+    and the SHA-256 of the module's bytes; only those verified bytes are imported (from a private copy).
+
+    Raises:
+        BuildError: why not, in a few words (no module there, built for another key, a checksum or import failure).
+    """
+    from . import _band_sources
+
+    data = check_installed(path, record, key)
+    name = _band_sources.module_name(key)  # the module's own name (bindings.cpp), not its file's
+    try:
+        with tempfile.TemporaryDirectory(prefix="attnkit-load-") as tmp:  # (mkdtemp: 0700, an unguessable name)
+            return _import_copy(name, data, Path(tmp) / f"{name}{SUFFIX}")
+    except Exception as e:  # a verified build that does not import (a library it needs is gone, a torch ABI break)
+        raise BuildError(f"installed {path.name} does not import: {_cause(e)}") from e
+
+
+def check_installed(path: Path, record: Path, key: str) -> bytes:
+    """The bytes of the module built at install at ``path`` once its build ``record`` names ``key`` and their
+    SHA-256 (read without following a symlink), else a :class:`BuildError` saying why; nothing is imported."""
+    from . import _band_sources
+
+    try:
+        data = _read(path)
+    except FileNotFoundError:
+        raise BuildError(f"no {path.name} installed beside attnkit") from None
+    except OSError as e:
+        raise BuildError(f"installed {path.name} unreadable: {e.strerror or e}") from None
+    try:
+        built_key, digest = _band_sources.parse_record(_read(record))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError):
+        raise BuildError(f"installed {path.name} has no readable build record ({record.name})") from None
+    if built_key != key:
+        raise BuildError(f"installed {path.name} was built for other sources, another torch or another CPU "
+                         f"(build key {built_key}; this process needs {key})")
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise BuildError(f"installed {path.name} does not match its recorded SHA-256")
+    return data
+
+
+def load(name: str, sources: list[Path], cflags: list[str], ldflags: list[str], what: str, why: str = ""):
+    """The extension module ``name`` built from ``sources``: from the cache if a verified build is
+    there, else compiled now (one process at a time, the sources in parallel) and cached.
 
     Args:
-        name: module name; must change whenever the binary would (source, torch, flags).
-        source: the C++ file.
+        name: module name; must change whenever the binary would (sources, torch, flags).
+        sources: the C++ translation units.
         cflags, ldflags: extra compiler and linker flags.
-        what: the module in words, for the progress lines on stderr.
+        what: the module in words, for the warning and the log.
+        why: why the module is compiled here rather than loaded as installed, for the warning.
 
     Raises:
         BuildError: with a one-line reason (folder refused, ``ATTNKIT_BUILD=0``, a recent failed
@@ -125,18 +184,18 @@ def load(name: str, source: Path, cflags: list[str], ldflags: list[str], what: s
         raise BuildError("ATTNKIT_BUILD=0 forbids compiling it")
     try:
         _private_folder(folder)
-        mod, why = _load_cached(name)
+        mod, missing = _load_cached(name)
         if mod is not None:
             return mod
         if policy == "0":
-            raise BuildError(f"ATTNKIT_BUILD=0 forbids compiling it ({why})")
+            raise BuildError(f"ATTNKIT_BUILD=0 forbids compiling it ({missing})")
         _not_failed_recently(name, policy)
-        with _lock(folder / f"{name}.lock", what):
-            mod, why = _load_cached(name)  # built by the process we waited for
+        with _lock(folder / f"{name}.lock", what, why) as waited:
+            mod, _ = _load_cached(name)  # built by the process we waited for
             if mod is not None:
                 return mod
             _not_failed_recently(name, policy)
-            return _build(name, source, cflags, ldflags, what)
+            return _build(name, sources, cflags, ldflags, what, "" if waited else why)
     except BuildError:
         raise
     except Exception as e:  # whatever else goes wrong, the caller falls back instead of crashing
@@ -187,13 +246,18 @@ def _load_cached(name: str):
         return None, "cached build does not match its recorded SHA-256"
     try:
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".load-") as tmp:
-            copy = Path(tmp) / path.name
-            fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            return _import(name, copy), None
+            return _import_copy(name, data, Path(tmp) / path.name), None
     except Exception as e:  # a verified build that does not import (e.g. a library it needs is gone)
         return None, f"cached build does not import: {_cause(e)}"
+
+
+def _import_copy(name: str, data: bytes, copy: Path):
+    """Module ``name`` imported from ``data`` written to ``copy`` (a new 0600 file in a private folder): what is
+    imported is exactly the bytes that were verified."""
+    fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return _import(name, copy)
 
 
 def _import(name: str, path: Path):
@@ -205,14 +269,16 @@ def _import(name: str, path: Path):
 
 
 @contextlib.contextmanager
-def _lock(path: Path, what: str):
+def _lock(path: Path, what: str, why: str):
+    """Hold ``path``'s flock; yields whether it had to wait for another process (which then warned)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    waited = False
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"attnkit: waiting for another process's build of {what} (up to {LOCK_WAIT_S // 60} min)",
-                  file=sys.stderr, flush=True)
+            waited = True
+            _warn(f"{why}; waiting for another process's build of {what} (up to {LOCK_WAIT_S // 60} min)")
             deadline = time.monotonic() + LOCK_WAIT_S
             while True:
                 time.sleep(0.2)
@@ -223,7 +289,7 @@ def _lock(path: Path, what: str):
                     if time.monotonic() > deadline:
                         raise BuildError(f"gave up after {LOCK_WAIT_S} s waiting for another process's build "
                                          f"(lock {path})") from None
-        yield
+        yield waited
     finally:
         os.close(fd)  # releases the lock; the file stays (unlinking it would let two holders in)
 
@@ -242,15 +308,20 @@ def _not_failed_recently(name: str, policy: str) -> None:
                          f"{RETRY_AFTER_S // 60} min, ATTNKIT_BUILD=1 retries now)")
 
 
-def _build(name: str, source: Path, cflags: list[str], ldflags: list[str], what: str):
-    """Compile in a private folder inside the cache, record the SHA-256, install both; remember a failure."""
+def _build(name: str, sources: list[Path], cflags: list[str], ldflags: list[str], what: str, why: str):
+    """Compile in a private folder inside the cache, record the SHA-256, install both; remember a failure.
+    ``why``: the warning's reason (empty: this process already warned, while it waited for another's build)."""
     path = entry(name)
-    print(f"attnkit: compiling {what} for this machine (once; about a minute) -> {path}", file=sys.stderr,
-          flush=True)
+    jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
+    if why:
+        _warn(f"{why}; compiling {what} for this machine now, once for this torch and CPU ({len(sources)} "
+              f"files, {jobs} at a time: minutes on 2 cores) -> {path}")
+    else:
+        logger.info("compiling %s for this machine -> %s", what, path)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
         try:
-            mod, made = _compile(name, source, cflags, ldflags, Path(tmp))
+            mod, made = _compile(name, sources, cflags, ldflags, Path(tmp))
         except Exception as e:
             reason = _cause(e)
             note = f"{time.time():.0f} {reason}\n".encode()
@@ -261,11 +332,24 @@ def _build(name: str, source: Path, cflags: list[str], ldflags: list[str], what:
     digest = f"{hashlib.sha256(data).hexdigest()}\n".encode()
     atomic_write(path.with_name(f"{name}.sha256"), lambda f: f.write(digest))
     path.with_name(f"{name}.failed").unlink(missing_ok=True)
-    print(f"attnkit: compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    logger.warning("attnkit: compiled %s in %.0f s -> %s", what, time.perf_counter() - start, path)
     return mod
 
 
-def _compile(name: str, source: Path, cflags: list[str], ldflags: list[str], folder: Path):
+def _warn(message: str) -> None:
+    """The one warning of a blocking build, pointed at the user's call rather than at this file."""
+    warnings.warn(f"attnkit: {message}", BuildWarning, stacklevel=_outside_attnkit())
+
+
+def _outside_attnkit() -> int:
+    """The stacklevel of the nearest frame outside attnkit (and torch), for a warning the user can place."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("attnkit", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _compile(name: str, sources: list[Path], cflags: list[str], ldflags: list[str], folder: Path):
     """(imported module, path of the built library), built in ``folder`` by torch's cpp_extension."""
     from torch.utils import cpp_extension
 
@@ -276,7 +360,7 @@ def _compile(name: str, source: Path, cflags: list[str], ldflags: list[str], fol
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mod = cpp_extension.load(name, [str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
+            mod = cpp_extension.load(name, [str(s) for s in sources], extra_cflags=cflags, extra_ldflags=ldflags,
                                      build_directory=str(folder), verbose=False)
     finally:
         cpp_logger.setLevel(level)

@@ -65,7 +65,8 @@ class BandBackend:
 
     def __call__(self, req: Call) -> tuple[Tensor, None]:
         inputs = self._inputs(req)
-        if inputs.bias is not None and not torch.compiler.is_compiling():  # compiled: no check (attnkit.nonfinite)
+        table = inputs.diagonal_table
+        if table is not None and not torch.compiler.is_compiling():  # compiled: no check (attnkit.nonfinite)
             # The score_mod's table is the kernel's input: a NaN in it (or +inf, uncapped) is kept to the rows that
             # allow its diagonal like a NaN in q, k or v (attnkit.nonfinite), not left to the kernel's vectorised exp.
             bad = _bad_table(inputs)
@@ -80,9 +81,10 @@ class BandBackend:
         (:func:`._band.reports_nonfinite`)."""
         inputs = _kernel_inputs(req).inputs
         if torch.is_grad_enabled() and (any(t.requires_grad for t in (req.query, req.key, req.value)) or (
-                inputs.bias is not None and inputs.bias.requires_grad)):
+                inputs.diagonal_table is not None and inputs.diagonal_table.requires_grad)):
             return False
-        if inputs.bias is not None and not inputs.softcap and bool(torch.isneginf(inputs.bias).any()):
+        table = inputs.diagonal_table
+        if table is not None and not inputs.softcap and bool(torch.isneginf(table).any()):
             return False  # uncapped, the kernel sees scores after the table: its -inf (a mask) would look like poison
         return _band.reports_nonfinite()
 
@@ -91,7 +93,7 @@ class BandBackend:
         (:func:`._band.attention_if_finite`): :mod:`attnkit.nonfinite` then takes its exact path. For calls
         :meth:`sees_nonfinite` accepts; what the score_mod's table holds is checked as by ``self(req)``."""
         inputs = self._inputs(req)
-        if inputs.bias is not None and bool(_bad_table(inputs).any()):
+        if inputs.diagonal_table is not None and bool(_bad_table(inputs).any()):
             return None
         out = _band.attention_if_finite(req, inputs)
         return None if out is None else (out, None)
@@ -105,7 +107,8 @@ class BandBackend:
 
 def _bad_table(inputs: _band.BandInputs) -> Tensor:
     """The score_mod table's entries that poison a row: NaN, and +inf unless the scores are capped."""
-    return torch.isnan(inputs.bias) if inputs.softcap else torch.isnan(inputs.bias) | torch.isposinf(inputs.bias)
+    table = inputs.diagonal_table
+    return torch.isnan(table) if inputs.softcap else torch.isnan(table) | torch.isposinf(table)
 
 
 def _bad_diagonals(req: Call, inputs: _band.BandInputs, bad: Tensor) -> tuple[Tensor, None]:
@@ -121,8 +124,8 @@ def _bad_diagonals(req: Call, inputs: _band.BandInputs, bad: Tensor) -> tuple[Te
     at = (bx, hx, lq, starts.shape[-1])
     seen = cum.gather(-1, (ends + first).expand(at)) - cum.gather(-1, (starts + first).expand(at))
     rows = (seen.sum(-1) > 0).expand(b, h, lq)
-    table = nonfinite.sanitized(inputs.bias, ~bad, rows.any().expand(inputs.bias.shape))
-    clean = inputs._replace(bias=table)
+    table = nonfinite.sanitized(inputs.diagonal_table, ~bad, rows.any().expand(inputs.diagonal_table.shape))
+    clean = inputs._replace(diagonal_table=table)
     return nonfinite.exact(lambda r: (_band.attention(r, clean), None), req, rows)
 
 

@@ -423,8 +423,8 @@ def run(quick: bool, out_dir: Path) -> str:
     n_alibi = 1024 if quick else 4096
     rounds = 2 if quick else 5
     say = progress("blockwise")
-    say("banded kernel (compiled on first use)")
-    band_line = ("Window and causal calls run the banded C++ kernel (`attnkit/backends/_band.cpp`)."
+    say("banded kernel (built at install, else compiled on first use)")
+    band_line = ("Window and causal calls run the banded C++ kernel (`attnkit/backends/csrc/band/`)."
                  if _band.available() else
                  f"The banded C++ kernel is NOT available here ({_band.unavailable_reason()}); window and causal "
                  "calls run the tile schedule.")

@@ -1,14 +1,17 @@
-"""The compiled-kernel cache (``attnkit/backends/_build.py``) against a hostile or broken cache folder.
+"""The kernel built at install and its fallback, the compiled-kernel cache (``attnkit/backends/_build.py``),
+against a hostile or broken cache folder or installed module.
 
 Each case runs a fresh Python process (a crash there is a failed test, not a dead test run) on its
-own cache folder. Where the compiler is not the point, ``cpp_extension.load`` is replaced in that
+own cache folder. Unless the installed module is the point, that process sees none (``NOT_INSTALLED``), so it
+takes the fallback. Where the compiler is not the point, ``cpp_extension.load`` is replaced in that
 process by a fake that sleeps, says "fake compile" on stderr and copies the kernel this test
-session built, so the real compiler runs at most once (in the ``prebuilt`` fixture).
+session loaded (installed, or compiled in the ``prebuilt`` fixture), so the real compiler runs at most once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -20,10 +23,15 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
-from attnkit.backends import _band
+from attnkit.backends import _band, _band_sources, _build
 
 pytestmark = pytest.mark.slow
 
+NOT_INSTALLED = """
+from pathlib import Path
+from attnkit.backends import _band
+_band.INSTALLED = Path({missing!r})
+"""
 FAKE_COMPILE = """
 import importlib.util, shutil, sys, time
 from pathlib import Path
@@ -48,13 +56,22 @@ print(_band.unavailable_reason())
 """
 
 
+def _installed() -> str | None:
+    """Why the module built at install is not used here (None: it is, as a fresh process would load it)."""
+    try:
+        _build.check_installed(_band.INSTALLED, _band.INSTALLED_RECORD, _band.build_key())
+    except _build.BuildError as e:
+        return str(e)
+    return None
+
+
 @pytest.fixture(scope="module")
 def prebuilt(tmp_path_factory) -> Path:
-    """A copy of this session's compiled kernel (built here if the session's cache has none)."""
+    """A copy of this session's kernel: the module built at install, else the cache's (built here if need be)."""
     if not _band.available():
         pytest.skip(f"no compiled kernel to copy: {_band.unavailable_reason()}")
     path = tmp_path_factory.mktemp("prebuilt") / "kernel.so"
-    path.write_bytes(_band._target()[2].read_bytes())
+    path.write_bytes(_band.INSTALLED.read_bytes() if _installed() is None else _band._target()[2].read_bytes())
     return path
 
 
@@ -67,9 +84,9 @@ def _private(folder: Path) -> Path:
     return folder
 
 
-def _code(prebuilt: Path | None, delay: float = 0.0, before: str = "") -> str:
+def _code(prebuilt: Path | None, delay: float = 0.0, before: str = "", report: str = REPORT) -> str:
     fake = FAKE_COMPILE.format(delay=delay, prebuilt=str(prebuilt)) if prebuilt is not None else ""
-    return fake + textwrap.dedent(before) + REPORT
+    return NOT_INSTALLED.format(missing="/nonexistent/_band_kernel.so") + fake + textwrap.dedent(before) + report
 
 
 def _env(cache: Path, **env) -> dict:
@@ -179,8 +196,9 @@ def test_a_failed_build_names_its_cause_in_one_line_and_is_remembered(tmp_path):
     ok, reason = _outcome(first)
     assert ok == "False" and "/nonexistent: not found" in reason
     lines = first.stderr.splitlines()
-    assert len(lines) == 2 and "compiling" in lines[0] and "about a minute" in lines[0], first.stderr
-    assert "/nonexistent: not found" in lines[1] and "tile schedule" in lines[1]
+    assert len(lines) == 2 and "BuildWarning" in lines[0] and "compiling" in lines[0], first.stderr
+    assert "built at install is not used" in lines[0] and "--no-build-isolation" in lines[0]
+    assert "RuntimeWarning" in lines[1] and "/nonexistent: not found" in lines[1] and "tile schedule" in lines[1]
     again = _python(_code(None), cache, CXX="/nonexistent")
     ok, reason = _outcome(again)
     assert ok == "False" and "/nonexistent: not found" in reason and "ATTNKIT_BUILD=1" in reason
@@ -215,7 +233,7 @@ def test_without_a_build_it_falls_back_with_one_line_and_the_same_answer(tmp_pat
             "b = attnkit.attention(q, q, q, window=(3, 3), backend='reference')\n"
             "print(_band.available(), float((a - b).abs().max()))\n"
             "print(_band.unavailable_reason())\n")
-    res = _python(code, tmp_path, ATTNKIT_BUILD="0")
+    res = _python(_code(None, report=code), tmp_path, ATTNKIT_BUILD="0")
     assert res.returncode == 0, res.stderr
     ok, err = res.stdout.split()[:2]
     assert ok == "False" and float(err) < 1e-12
@@ -224,18 +242,16 @@ def test_without_a_build_it_falls_back_with_one_line_and_the_same_answer(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_compiled_kernel_is_reused_from_the_cache_with_its_recorded_checksum(tmp_path):
-    # Copy this process's build and its recorded SHA-256 into a fresh cache; a new process must import it.
-    assert _band.available()
-    built = _band._target()[2]
-    sidecar = built.with_name(f"{_band._target()[0]}.sha256")
-    assert sidecar.read_text().strip() == hashlib.sha256(built.read_bytes()).hexdigest()
+def test_a_compiled_kernel_is_reused_from_the_cache_with_its_recorded_checksum(tmp_path, prebuilt):
+    # This session's build and its SHA-256 in a fresh cache, as a build leaves them: a new process imports it,
+    # quietly (no installed module: it is the fallback's cache).
     cache = _private(tmp_path / "cache")
-    for path in (built, sidecar):
-        (cache / path.name).write_bytes(path.read_bytes())
-    res = _python(REPORT, cache, ATTNKIT_BUILD="0")
+    entry = cache / _entry_name()
+    entry.write_bytes(prebuilt.read_bytes())
+    entry.with_name(f"{_band._target()[0]}.sha256").write_text(hashlib.sha256(entry.read_bytes()).hexdigest() + "\n")
+    res = _python(_code(None), cache, ATTNKIT_BUILD="0")
     assert _outcome(res)[0] == "True", res.stderr
-    assert "compiling" not in res.stderr
+    assert res.stderr == ""
 
 
 def test_the_source_compiles_where_torch_has_no_brgemm(tmp_path):
@@ -245,10 +261,103 @@ def test_the_source_compiles_where_torch_has_no_brgemm(tmp_path):
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         pytest.skip(f"no C++ compiler ({cxx})")
-    wrapper = tmp_path / "without_brgemm.cpp"
+    wrapper = tmp_path / "without_brgemm.cpp"  # every translation unit in one: the headers are parsed once
     wrapper.write_text("#include <ATen/native/CPUBlas.h>\n#undef CPUBLAS_BRGEMM_BF16BF16F32\n"
-                       f'#include "{_band.SOURCE}"\n')
+                       + "".join(f'#include "{source}"\n' for source in _band_sources.sources()))
     includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
     res = subprocess.run([cxx, "-fsyntax-only", "-std=c++17", "-fopenmp", "-w", "-DTORCH_EXTENSION_NAME=probe",
                           *includes, str(wrapper)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, "\n".join(line for line in res.stderr.splitlines() if "error" in line)
+
+
+def test_the_fallback_says_once_that_it_compiles_and_why(tmp_path, prebuilt):
+    """No module built at install: the first call compiles (here a fake compile) and says so by one BuildWarning,
+    pointed at the user's line, with the reason and the way to build at install; its time goes to logging."""
+    calls = """
+        import json, warnings
+        import torch, attnkit
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            q = torch.randn(1, 2, 64, 16)
+            for _ in range(2):
+                attnkit.attention(q, q, q, window=(8, 0))
+                attnkit.attention(q, q, q, is_causal=True)
+                attnkit.attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), window=(8, 8))
+        print(json.dumps([[w.category.__name__, str(w.message), w.filename] for w in seen]))
+        """
+    res = _python(_code(prebuilt, before=calls, report=""), tmp_path / "cache")
+    assert res.returncode == 0, res.stderr[-2000:]
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [w[0] for w in seen] == ["BuildWarning"], seen
+    _, message, filename = seen[0]
+    assert filename == "<string>", seen  # the user's call, not attnkit's code
+    assert "built at install is not used: no _band_kernel" in message and "--no-build-isolation" in message
+    assert "compiling the banded attention kernel" in message
+    assert res.stderr.count("fake compile") == 1
+    assert "compiled the banded attention kernel in" in res.stderr  # logging's last resort prints a warning
+
+
+@pytest.mark.parametrize("install", ["another_build", "planted", "symlink"])
+def test_an_installed_module_that_is_not_this_build_is_never_loaded(tmp_path, prebuilt, install):
+    """The installed module is loaded only with a build record naming this process's build key and its bytes'
+    SHA-256, read without following a link; anything else takes the fallback (here a fake compile), loading
+    nothing of it."""
+    lib, ran = _constructor_library(tmp_path)
+    folder = tmp_path / "site"
+    folder.mkdir()
+    module, record = folder / _band.INSTALLED.name, folder / _band_sources.RECORD
+    good = prebuilt.read_bytes()
+    key = _band.build_key()
+    if install == "another_build":  # e.g. built at install against another torch
+        module.write_bytes(good)
+        record.write_bytes(_band_sources.record("0" * 16, hashlib.sha256(good).hexdigest()))
+        why = "was built for other sources, another torch or another CPU"
+    elif install == "planted":  # a library under the name, beside the record of a good build
+        shutil.copyfile(lib, module)
+        record.write_bytes(_band_sources.record(key, hashlib.sha256(good).hexdigest()))
+        why = "does not match its recorded SHA-256"
+    else:  # a link to a library elsewhere, with a record that matches it
+        module.symlink_to(lib)
+        record.write_bytes(_band_sources.record(key, hashlib.sha256(lib.read_bytes()).hexdigest()))
+        why = "unreadable"
+    before = f"""
+        from pathlib import Path
+        from attnkit.backends import _band
+        _band.INSTALLED, _band.INSTALLED_RECORD = Path({str(module)!r}), Path({str(record)!r})
+        """
+    res = _python(_code(prebuilt, before=before), tmp_path / "cache")
+    assert _outcome(res)[0] == "True"
+    assert not ran.exists(), "the planted library's constructor ran"
+    assert res.stderr.count("fake compile") == 1 and why in res.stderr, res.stderr
+
+
+#: The first window call of a fresh process with the kernel installed, at most (a load and the self-check).
+FIRST_CALL_S = 2.0
+QUIET_CALLS = """
+import json, sys, time
+import torch
+import attnkit
+q = torch.randn(1, 4, 1024, 64)
+start = time.perf_counter()
+attnkit.attention(q, q, q, window=(128, 0))
+first = time.perf_counter() - start
+attnkit.attention(q, q, q, is_causal=True)
+attnkit.attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), window=(64, 64))
+with open(sys.argv[1], "w") as f:
+    json.dump({"first": first}, f)
+"""
+
+
+def test_with_the_kernel_installed_a_fresh_process_says_nothing_and_its_first_call_is_quick(tmp_path):
+    """`python -W error` (any warning an error): import, a window, a causal and a bfloat16 call print nothing, load
+    the installed module (no cache, no compiler) and the first window call takes under FIRST_CALL_S."""
+    why = _installed()
+    if why is not None:
+        pytest.skip(f"attnkit was not installed with its compiled kernel here: {why}")
+    times = tmp_path / "times.json"
+    res = subprocess.run([sys.executable, "-W", "error", "-c", QUIET_CALLS, str(times)], capture_output=True,
+                         text=True, timeout=300, env=_env(tmp_path / "cache", ATTNKIT_BUILD="0"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (res.stdout, res.stderr) == ("", "")
+    assert not (tmp_path / "cache").exists()  # the installed module, not the fallback's cache
+    assert json.loads(times.read_text())["first"] < FIRST_CALL_S
