@@ -195,7 +195,7 @@ def load(name: str, sources: list[Path], cflags: list[str], ldflags: list[str], 
             if mod is not None:
                 return mod
             _not_failed_recently(name, policy)
-            return _build(name, sources, cflags, ldflags, what, "" if waited else why)
+            return _build(name, sources, cflags, ldflags, what, None if waited else why)
     except BuildError:
         raise
     except Exception as e:  # whatever else goes wrong, the caller falls back instead of crashing
@@ -278,7 +278,7 @@ def _lock(path: Path, what: str, why: str):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             waited = True
-            _warn(f"{why}; waiting for another process's build of {what} (up to {LOCK_WAIT_S // 60} min)")
+            _warn(f"{_clause(why)}waiting for another process's build of {what} (up to {LOCK_WAIT_S // 60} min)")
             deadline = time.monotonic() + LOCK_WAIT_S
             while True:
                 time.sleep(0.2)
@@ -308,14 +308,13 @@ def _not_failed_recently(name: str, policy: str) -> None:
                          f"{RETRY_AFTER_S // 60} min, ATTNKIT_BUILD=1 retries now)")
 
 
-def _build(name: str, sources: list[Path], cflags: list[str], ldflags: list[str], what: str, why: str):
+def _build(name: str, sources: list[Path], cflags: list[str], ldflags: list[str], what: str, why: str | None):
     """Compile in a private folder inside the cache, record the SHA-256, install both; remember a failure.
-    ``why``: the warning's reason (empty: this process already warned, while it waited for another's build)."""
+    ``why``: the warning's reason (None: this process already warned, while it waited for another's build)."""
     path = entry(name)
-    jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
-    if why:
-        _warn(f"{why}; compiling {what} for this machine now, once for this torch and CPU ({len(sources)} "
-              f"files, {jobs} at a time: minutes on 2 cores) -> {path}")
+    if why is not None:
+        _warn(f"{_clause(why)}compiling {what} for this machine now, once for this torch and CPU ({len(sources)} "
+              f"files in parallel, MAX_JOBS at a time if set: minutes on 2 cores) -> {path}")
     else:
         logger.info("compiling %s for this machine -> %s", what, path)
     start = time.perf_counter()
@@ -334,6 +333,10 @@ def _build(name: str, sources: list[Path], cflags: list[str], ldflags: list[str]
     path.with_name(f"{name}.failed").unlink(missing_ok=True)
     logger.warning("attnkit: compiled %s in %.0f s -> %s", what, time.perf_counter() - start, path)
     return mod
+
+
+def _clause(why: str) -> str:
+    return f"{why}; " if why else ""
 
 
 def _warn(message: str) -> None:
