@@ -45,9 +45,11 @@ bias's maximum (NaN or ``+inf``; ``-inf`` is a mask); on a device, one host sync
 reads every input it uses in its own pass may answer instead: the banded kernel, for a call that
 records no gradient, marks in its statistics each row whose scores or output met a non-finite value,
 and a look at those replaces the sums (``sees_nonfinite``/``if_finite``, see :func:`call`); the SDPA
-backend, for a few queries on the CPU (a decode step over a Hugging Face cache or a user's tensors), adds
-to its one call a probe row of zeros whose output is finite only if every key and value is
-(:mod:`attnkit.backends.sdpa`), so such a step reads its cache once, not twice. When the
+backend, for a few queries on the CPU (a decode step over a Hugging Face cache or a user's tensors, not
+vouched for), adds to its one call a probe row of zeros whose output is finite only if every key and value is
+(:mod:`attnkit.backends.sdpa`), so such a step reads its cache once, not twice. The exact path vouches for
+its sanitized keys and values when the call's were vouched for, so that the backend computes them as it does
+the clean call. When the
 check passes, the backend runs on the inputs as they are. Otherwise the same backend runs on sanitized inputs
 (non-finite entries of ``q``, ``k``, ``v`` and the NaN/``+inf`` entries of ``bias`` replaced by 0),
 so that every row that sees no poison is the clean call's, and the poisoned rows are made NaN
@@ -92,7 +94,7 @@ from torch.autograd.function import once_differentiable
 from .call import Call
 from .closures import captured_tensors
 
-__all__ = ["call", "all_finite", "finite", "vouch", "exact", "sanitized"]
+__all__ = ["call", "all_finite", "finite", "vouch", "is_vouched", "exact", "sanitized"]
 
 _NAN = float("nan")
 
@@ -170,6 +172,12 @@ def finite(x: Tensor) -> Tensor:
     it overflows)."""
     seen = _vouched(x)
     return seen if seen is not None else torch.isfinite(_sum(x))
+
+
+def is_vouched(x: Tensor) -> bool:
+    """Whether :func:`vouch` answers for ``x`` as it is now (a KV cache's buffers, or a view of them): a backend
+    whose own pass could tell finiteness (:mod:`attnkit.backends.sdpa`'s probe) leaves it to the flag then."""
+    return _vouched(x) is not None
 
 
 def _vouched(x: Tensor) -> Tensor | None:
@@ -251,9 +259,14 @@ def exact(backend, req: Call, extra_rows: Tensor | None = None) -> tuple[Tensor,
     if grad and bias is not None and bias.requires_grad:
         cells = (allowed.dense & poisoned.unsqueeze(-1)).reshape(*shape, h, lq, -1)
         cells = cells.expand(*shape, h, lq, lk).to(bias.dtype).sum_to_size(bias.shape) > 0
+    clean_k, clean_v = sanitized(k, fk, keys), sanitized(v, fv, keys)
+    if is_vouched(k) and is_vouched(v):
+        # The clean call a vouched cache makes is vouched too: the backend then computes as it does there (the
+        # SDPA backend's decode call leaves out its probe row, which would change the rounding of the others).
+        vouch(torch.ones((), dtype=torch.bool, device=k.device), clean_k, clean_v)
     clean = dataclasses.replace(
-        req, query=sanitized(q, fq, rows if grad else None), key=sanitized(k, fk, keys),
-        value=sanitized(v, fv, keys), bias=None if bias is None else sanitized(bias, bias_ok, cells))
+        req, query=sanitized(q, fq, rows if grad else None), key=clean_k, value=clean_v,
+        bias=None if bias is None else sanitized(bias, bias_ok, cells))
     out, weights = backend(clean)
     captured = []
     if grad and req.score_mod is not None:

@@ -23,10 +23,11 @@ against ``k_j`` is ``0 * k_j``, which is 0 when ``k_j`` is finite and NaN when i
 infinity (``0 * inf`` is NaN), and then the probe's row is NaN; its probabilities, uniform, meet every
 ``v_j`` in the product (``p * inf`` is not finite for any ``p``, zero included). So a finite probe row and
 a finite ``q`` mean every input is finite, with no false alarm from large finite keys; anything else
-sends the call to the exact path. (A row of ones would not do: a key of ``-inf`` scores ``-inf``, a
-weight of 0, and the row stays finite.) This leans on the kernel's products being IEEE arithmetic that skips no
-zero, as PyTorch's are; ``tests/backends/test_sdpa.py`` checks it for every kind of bad key and value, in
-every dtype and in the kernel's later key blocks.
+sends the call to the exact path. Keys and values vouched for (:func:`attnkit.nonfinite.vouch`, attnkit's own
+KV cache) need no probe: their flag answers, and the call carries none. (A row of ones would not do: a key
+of ``-inf`` scores ``-inf``, a weight of 0, and the row stays finite.) This leans on the kernel's products
+being IEEE arithmetic that skips no zero, as PyTorch's are; ``tests/backends/test_sdpa.py`` checks it for
+every kind of bad key and value, in every dtype and in the kernel's later key blocks.
 
 Plain PyTorch, for a reader (``q [B, H, Lq, D]``, ``k``/``v [B, Hkv, Lk, D]``, ``G = H // Hkv``)::
 
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.torch_version import TorchVersion
 
-from .. import _cpu, masks
+from .. import _cpu, masks, nonfinite
 from ..call import Call
 from ..memory import check_dense_fits
 from .reference import expand_kv
@@ -80,8 +81,9 @@ class SDPABackend:
         return self._run(req)[0], None
 
     def sees_nonfinite(self, req: Call) -> bool:
-        """Whether :meth:`if_finite` can answer for ``req``: a folded call (see the module docstring)."""
-        return _folds(req)
+        """Whether :meth:`if_finite` can answer for ``req``: a folded call with its probe row (see the module
+        docstring)."""
+        return _folds(req) and _probes(req)
 
     def if_finite(self, req: Call) -> tuple[Tensor, None] | None:
         """``self(req)``, or None when ``q`` or the probe row of the same call is not finite (so an input is
@@ -148,12 +150,24 @@ def _folds(req: Call) -> bool:
             and req.dropout_p == 0.0)
 
 
-def _folded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, req: Call) -> tuple[Tensor, Tensor]:
-    """SDPA over each key/value head with its query heads' rows and a probe row of zeros: ``(out [B, H, Lq,
-    Ev], probe [B, Hkv, 1, Ev])``. ``mask`` (bool, broadcastable to ``[B, H, Lq, Lk]``) is the whole mask."""
+def _probes(req: Call) -> bool:
+    """Whether a folded call carries the probe row: unless its keys and values are vouched for
+    (:func:`attnkit.nonfinite.vouch`, a KV cache's buffers), whose flag answers for them at no cost. The choice
+    follows the tensors, not their values, so a call and its exact path's clean call (vouched alike,
+    :func:`attnkit.nonfinite.exact`) compute alike: the probe row changes the rounding of the others."""
+    return torch.compiler.is_compiling() or not (nonfinite.is_vouched(req.key) and nonfinite.is_vouched(req.value))
+
+
+def _folded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, req: Call) -> tuple[Tensor, Tensor | None]:
+    """SDPA over each key/value head with its query heads' rows and, unless :func:`_probes` says not, a probe
+    row of zeros: ``(out [B, H, Lq, Ev], probe [B, Hkv, 1, Ev] or None)``. ``mask`` (bool, broadcastable to
+    ``[B, H, Lq, Lk]``) is the whole mask."""
     b, h, hkv, lq, lk, d = q.shape[0], req.heads, req.kv_heads, req.q_len, req.kv_len, q.shape[-1]
     rows = h // hkv * lq
-    qf = torch.cat([q.reshape(b, hkv, rows, d), q.new_zeros(1, 1, 1, 1).expand(b, hkv, 1, d)], 2)  # [B, Hkv, G*Lq+1, D]
+    probes = int(_probes(req))
+    qf = q.reshape(b, hkv, rows, d)
+    if probes:
+        qf = torch.cat([qf, q.new_zeros(1, 1, 1, 1).expand(b, hkv, 1, d)], 2)  # [B, Hkv, G * Lq + 1, D]
     attn_mask = dead = None
     if mask is not None and mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1:
         # One row per batch element, shared by every head and query (a decode step's padding): the probe takes it
@@ -163,10 +177,10 @@ def _folded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, req: Call) -> 
     elif mask is not None:
         mask = mask.expand(b, h, lq, lk).reshape(b, hkv, rows, lk)
         dead = ~mask.any(-1, keepdim=True)
-        attn_mask = torch.cat([mask | dead, mask.new_ones(1, 1, 1, 1).expand(b, hkv, 1, lk)], 2)
+        attn_mask = torch.cat([mask | dead, mask.new_ones(1, 1, 1, 1).expand(b, hkv, probes, lk)], 2)
     out = F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=False,
                                          scale=req.scale)
     real = out[:, :, :rows]
     if dead is not None:
         real = real.masked_fill(dead, 0.0)
-    return real.reshape(b, h, lq, out.shape[-1]), out[:, :, rows:]
+    return real.reshape(b, h, lq, out.shape[-1]), out[:, :, rows:] if probes else None

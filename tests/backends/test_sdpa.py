@@ -151,3 +151,28 @@ def test_a_decode_step_keeps_the_nonfinite_rule_with_the_probe(where, masked, sh
     assert torch.equal(got[~rows], clean[~rows])
     if not shared:
         assert torch.equal(got[1, 2:], torch.zeros_like(got[1, 2:]))
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["MHA", "GQA"])
+def test_a_vouched_cache_takes_no_probe_row_and_its_exact_path_computes_like_its_clean_call(monkeypatch, heads):
+    """A KV cache's buffers are vouched for (their flag answers, at no cost): the folded call then carries no probe
+    row, and a poisoned cache's exact path computes its clean rows as the clean cache's call does, bit for bit (a
+    probe row in one of the two calls would change their rounding)."""
+    from attnkit import nonfinite
+
+    h, hkv = heads
+    q, k, v = _qkv(h, hkv, 1, 600, d=64)
+    dirty_k = k.clone()
+    dirty_k[1, 0, 17, 3] = NAN  # kv head 0 of batch 1: its query heads' rows are poisoned
+    clean_k = dirty_k.nan_to_num(0.0)
+    nonfinite.vouch(torch.tensor(True), clean_k, v)
+    calls = _calls(monkeypatch)
+    want = attnkit.attention(q, clean_k, v)
+    assert calls[-1][0][0].shape[2] == h // hkv  # the query rows alone
+    vv = v.clone()
+    nonfinite.vouch(torch.tensor(False), dirty_k, vv)
+    got = attnkit.attention(q, dirty_k, vv)
+    assert all(args[0].shape[2] == h // hkv for args, _ in calls)
+    rows = torch.zeros(2, h, dtype=torch.bool)
+    rows[1, : h // hkv] = True
+    assert got[rows].isnan().all() and torch.equal(got[~rows], want[~rows])
