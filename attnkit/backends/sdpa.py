@@ -83,7 +83,7 @@ class SDPABackend:
     def sees_nonfinite(self, req: Call) -> bool:
         """Whether :meth:`if_finite` can answer for ``req``: a folded call with its probe row (see the module
         docstring)."""
-        return _folds(req) and _probes(req)
+        return _folds(req) and _probes(req)  # _folds first: it is the cheaper question
 
     def if_finite(self, req: Call) -> tuple[Tensor, None] | None:
         """``self(req)``, or None when ``q`` or the probe row of the same call is not finite (so an input is
@@ -99,10 +99,11 @@ class SDPABackend:
         if rounded:
             q, k, v = q.float(), k.float(), v.float()
         mask = req.mask
+        probes = _folds(req) and _probes(req)
+        fold = probes or (_folds(req) and req.heads != req.kv_heads)  # one head each, vouched: nothing to fold
         # One query aligned bottom-right sits after every key: causal masks nothing (a decode step).
         is_causal = req.is_causal and req.q_len > 1
-        if is_causal and (mask is not None or req.bias is not None or req.q_len != req.kv_len
-                          or _folds(req)):
+        if is_causal and (mask is not None or req.bias is not None or req.q_len != req.kv_len or fold):
             causal = masks.causal(req.q_len, req.kv_len, device=q.device)
             mask = causal if mask is None else mask & causal
             is_causal = False
@@ -110,8 +111,8 @@ class SDPABackend:
             shape = masks.broadcast_shape(*(t.shape for t in (mask, req.bias) if t is not None))
             check_dense_fits("the SDPA backend's combined attn_mask", shape,
                              torch.bool if req.bias is None else q.dtype, 2)
-        if _folds(req):
-            out, probe = _folded(q, k, v, mask, req)
+        if fold:
+            out, probe = _folded(q, k, v, mask, req, probes)
             return (out.to(torch.float16) if rounded else out), probe
         attn_mask, dead = mask, None
         if req.bias is not None:
@@ -158,13 +159,14 @@ def _probes(req: Call) -> bool:
     return torch.compiler.is_compiling() or not (nonfinite.is_vouched(req.key) and nonfinite.is_vouched(req.value))
 
 
-def _folded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, req: Call) -> tuple[Tensor, Tensor | None]:
-    """SDPA over each key/value head with its query heads' rows and, unless :func:`_probes` says not, a probe
+def _folded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, req: Call,
+            probe: bool) -> tuple[Tensor, Tensor | None]:
+    """SDPA over each key/value head with its query heads' rows and, with ``probe`` (:func:`_probes`), a probe
     row of zeros: ``(out [B, H, Lq, Ev], probe [B, Hkv, 1, Ev] or None)``. ``mask`` (bool, broadcastable to
     ``[B, H, Lq, Lk]``) is the whole mask."""
     b, h, hkv, lq, lk, d = q.shape[0], req.heads, req.kv_heads, req.q_len, req.kv_len, q.shape[-1]
     rows = h // hkv * lq
-    probes = int(_probes(req))
+    probes = int(probe)
     qf = q.reshape(b, hkv, rows, d)
     if probes:
         qf = torch.cat([qf, q.new_zeros(1, 1, 1, 1).expand(b, hkv, 1, d)], 2)  # [B, Hkv, G * Lq + 1, D]
