@@ -24,7 +24,10 @@ batch) and scored over several seeds (each seed a new initialisation, the split 
 
 Both graph models run through :func:`attnkit.attention` with the adjacency (self-loops added) as
 its boolean mask, ``True`` = may attend. The score is the whole logit (passed as ``bias``, with
-``scale=0`` so that the dot product plays no part), as in :mod:`attnkit.apps._rnn`.
+``scale=0`` so that the dot product plays no part), as in :mod:`attnkit.apps._rnn`. A friendship
+graph has no band or tile structure for the banded and tiled kernels to use (who is friends with
+whom does not follow the node numbers), and the picture needs the weights: the reference backend,
+the one that returns them, runs every call.
 
 The picture is the trained graph-attention model's first layer on the graph: each edge drawn as
 wide as the weight its two ends give each other over what the plain mean would give (mean over
