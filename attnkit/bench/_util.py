@@ -15,6 +15,10 @@ import torch
 from .._io import atomic_write
 
 
+class CannotMeasure(Exception):
+    """This machine lacks what a suite measures (a CUDA device for ``gpu``): the command says so in one line."""
+
+
 def progress(suite: str) -> Callable[[str], None]:
     """``say(step)`` prints ``attnkit bench SUITE: step (N s)`` on stderr: a suite runs for minutes."""
     t0 = time.perf_counter()

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from .. import attention, backends, mask_plan, masks, scores, which_backend
 from ..backends import flex as flex_backend
 from ..call import validate_call
-from ._util import markdown_table, median_time, progress, write_report
+from ._util import CannotMeasure, markdown_table, median_time, progress, write_report
 
 SIZES = (4096, 8192, 16384, 32768)
 MODEL_SIZES = (4096, 16384)
@@ -364,10 +364,10 @@ def run(quick: bool, out_dir: Path) -> str:
     """Measure, write ``out_dir/gpu.md`` (after every step) and return the table.
 
     Raises:
-        ValueError: no CUDA device (one line: the command needs one).
+        CannotMeasure: no CUDA device (one line: the command needs one).
     """
     if not torch.cuda.is_available():
-        raise ValueError("no CUDA device: attnkit bench gpu measures attnkit on a CUDA GPU "
+        raise CannotMeasure("no CUDA device: attnkit bench gpu measures attnkit on a CUDA GPU "
                          "(torch.cuda.is_available() is False here)")
     return measure(steps(quick), QUICK_ROUNDS if quick else ROUNDS, torch.device("cuda"), out_dir,
                    "attnkit bench gpu" + (" --quick" if quick else ""))

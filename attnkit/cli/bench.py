@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from ..bench._util import CannotMeasure
 from .command import UserError, prepare_out
 
 
@@ -29,6 +30,10 @@ def run(args) -> int:
             raise UserError(f"benchmark suite {args.suite!r} is not available in this version") from None
         raise UserError(f"benchmark suite {args.suite!r} needs {e.name}, which is not installed") from None
     prepare_out(args.out)  # before minutes of measuring: a folder of someone else's, or unwritable, fails here
-    print(mod.run(args.quick, args.out))
+    try:
+        table = mod.run(args.quick, args.out)
+    except CannotMeasure as e:
+        raise UserError(str(e)) from None
+    print(table)
     print(f"table written to {args.out / (args.suite + '.md')}")
     return 0
