@@ -200,8 +200,8 @@ def headline_table(link) -> str:
     for h in HEADLINES:
         rows.append(f"| {h.what} | {cell(h)} | [{h.suite}]({link(h.suite)}) |")
     note = ("Each figure is one cell of the table linked beside it, copied from it by "
-            "`docs/_hooks/benchmarks.py`; measured on CPU, float32, each table naming the command that "
-            "wrote it, the machine and the date.")
+            "`docs/_hooks/benchmarks.py`; measured on CPU, in float32 unless the row or cell names another "
+            "type, each table naming the command that wrote it, the machine and the date.")
     return "\n".join(rows) + "\n\n" + note
 
 
