@@ -71,7 +71,8 @@ def _kernel() -> dict:
                 return
             record = built.with_name(sources.RECORD)
             staged = record.with_name(f".{record.name}.{os.getpid()}")
-            staged.write_bytes(sources.record(key, hashlib.sha256(built.read_bytes()).hexdigest()))
+            staged.write_bytes(sources.record(key, hashlib.sha256(built.read_bytes()).hexdigest(),
+                                              f"torch {torch.__version__}, CPU capability {capability}"))
             os.replace(staged, record)
 
     # -g0: without the debug information Python's own CFLAGS ask for (it is most of the module's size). The module

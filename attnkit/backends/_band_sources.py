@@ -59,12 +59,14 @@ def module_name(key_: str) -> str:
     return f"attnkit_band_{key_}"
 
 
-def record(key_: str, digest: str) -> bytes:
-    """The installed module's build record: its key (:func:`key`) and the SHA-256 of the module's bytes."""
-    return f"key {key_}\nsha256 {digest}\n".encode()
+def record(key_: str, digest: str, built_for: str = "") -> bytes:
+    """The installed module's build record: its key (:func:`key`), the SHA-256 of the module's bytes and, in
+    words, what it was built for (torch version and CPU capability, for the message when the key differs)."""
+    return f"key {key_}\nsha256 {digest}\nfor {built_for}\n".encode()
 
 
-def parse_record(data: bytes) -> tuple[str, str]:
-    """``(key, sha256)`` of a build record; ValueError if it is not one."""
+def parse_record(data: bytes) -> tuple[str, str, str]:
+    """``(key, sha256, built for)`` of a build record (built for: ``""`` where the record does not say); KeyError
+    or ValueError if it is not one."""
     fields = dict(line.split(" ", 1) for line in data.decode().splitlines() if line)
-    return fields["key"], fields["sha256"]
+    return fields["key"], fields["sha256"], fields.get("for", "")

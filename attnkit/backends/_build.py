@@ -152,15 +152,22 @@ def check_installed(path: Path, record: Path, key: str) -> bytes:
     except OSError as e:
         raise BuildError(f"installed {path.name} unreadable: {e.strerror or e}") from None
     try:
-        built_key, digest = _band_sources.parse_record(_read(record))
+        built_key, digest, built_for = _band_sources.parse_record(_read(record))
     except (OSError, UnicodeDecodeError, ValueError, KeyError):
         raise BuildError(f"installed {path.name} has no readable build record ({record.name})") from None
     if built_key != key:
         raise BuildError(f"installed {path.name} was built for other sources, another torch or another CPU "
-                         f"(build key {built_key}; this process needs {key})")
+                         f"({built_for + '; ' if built_for else ''}build key {built_key}; this process, with torch "
+                         f"{_torch_version()}, needs {key})")
     if hashlib.sha256(data).hexdigest() != digest:
         raise BuildError(f"installed {path.name} does not match its recorded SHA-256")
     return data
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def load(name: str, sources: list[Path], cflags: list[str], ldflags: list[str], what: str, why: str = ""):
