@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from ..bench._util import CannotMeasure
 from .command import UserError, prepare_out
 
 
@@ -30,6 +29,8 @@ def run(args) -> int:
             raise UserError(f"benchmark suite {args.suite!r} is not available in this version") from None
         raise UserError(f"benchmark suite {args.suite!r} needs {e.name}, which is not installed") from None
     prepare_out(args.out)  # before minutes of measuring: a folder of someone else's, or unwritable, fails here
+    from ..bench._util import CannotMeasure  # imports torch: not before the arguments are checked
+
     try:
         table = mod.run(args.quick, args.out)
     except CannotMeasure as e:
