@@ -92,6 +92,7 @@ _reports = False  # reports_nonfinite(): set once by _checked()
 #: multiplies that type natively, and the flags that say so.
 _HALF_PRODUCTS = {torch.bfloat16: ("bf16", "ATTNKIT_BF16_PRODUCTS", _cpu.has_bf16_products, "AVX512-BF16 or AMX-BF16"),
                   torch.float16: ("f16", "ATTNKIT_FP16_PRODUCTS", _cpu.has_fp16_products, "AVX512-FP16 or AMX-FP16")}
+_f32_products = "BLAS sgemm"  # float32_products(): set once by _checked()
 _products_ok: dict[torch.dtype, bool] = {}  # a half type's products exist and passed their self-check (_checked())
 _products_reason: dict[torch.dtype, str | None] = {}  # why half_products(dtype) is False, once _checked() ran
 
@@ -517,7 +518,46 @@ def _checked():
         _reports = all(_reports_in(mod, dtype) for dtype in DTYPES)
         for dtype in _HALF_PRODUCTS:
             _use_half_products(mod, dtype)
+        _use_f32_brgemm(mod)
     return mod
+
+
+def float32_products() -> str:
+    """Which product the kernel's untransposed float32 products take here: ``"oneDNN brgemm"`` or
+    ``"BLAS sgemm"``, with why (chosen once per process by timing both on the kernel's tile shapes, after a
+    self-check; ``ATTNKIT_F32_BRGEMM=1`` or ``0`` decides instead). ``attnkit bench dtypes`` prints it."""
+    return _f32_products if available() else "none (the kernel is not available)"
+
+
+def _use_f32_brgemm(mod) -> None:
+    """float32 products through brgemm where torch has its float32 micro-kernel, ``ATTNKIT_F32_BRGEMM`` allows, it
+    timed faster than sgemm here (by a tenth at least) and the float32 self-check passes with it."""
+    global _f32_products
+    asked = os.environ.get("ATTNKIT_F32_BRGEMM")
+    if not mod.has_f32_brgemm():
+        _f32_products = "BLAS sgemm (this torch or CPU has no float32 brgemm)"
+        return
+    if asked == "0":
+        _f32_products = "BLAS sgemm (ATTNKIT_F32_BRGEMM=0)"
+        return
+    sgemm_s, brgemm_s = mod.f32_product_times(20)
+    if asked != "1" and not brgemm_s < 0.9 * sgemm_s:
+        _f32_products = f"BLAS sgemm (timed here: brgemm {sgemm_s / brgemm_s:.2f}x its speed)"
+        return
+    mod.set_f32_brgemm(True)
+    try:
+        err = _half_self_check(mod, torch.float32)
+        if err is None and _reports and not _reports_in(mod, torch.float32):
+            err = "its statistics do not mark a non-finite value (0 * inf through the product)"
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    if err is not None:
+        mod.set_f32_brgemm(False)
+        _f32_products = f"BLAS sgemm (brgemm's float32 self-check failed: {err})"
+        _warn(f"banded kernel's float32 products through brgemm failed their self-check: {err}; it uses sgemm")
+        return
+    _f32_products = ("oneDNN brgemm (ATTNKIT_F32_BRGEMM=1)" if asked == "1"
+                     else f"oneDNN brgemm (timed here: {sgemm_s / brgemm_s:.2f}x sgemm's speed)")
 
 
 @contextlib.contextmanager
@@ -567,7 +607,8 @@ def _use_half_products(mod, dtype: torch.dtype) -> None:
 
 
 def _half_self_check(mod, dtype: torch.dtype) -> str | None:
-    """The forward and the backward with ``dtype``'s products against the formula in float64 on the same (``dtype``)
+    """The forward and the backward with ``dtype``'s products (bfloat16, float16, or float32 through brgemm) against
+    the formula in float64 on the same (``dtype``)
     values, on the cases of :func:`_self_check` (windows, documents, several intervals per row, GQA, a bias,
     soft-capping, a scale that is a power of two and one that is not, dQ under locks and from its own pass): each
     result within 2^-5 of its largest magnitude (the values', for the output), far above the rounding of the

@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SEED, CASES = 29, 300
 TIMEOUT_S = 240  # the fuzz takes seconds; a call that hangs is a failure too
 #: What the fuzz calls; a new export or operator must be added to it (the test checks these lists).
-EXPORTS = ("backward", "bf16_gemm", "bf16_products", "f16_products", "forward", "half_product", "has_bf16_gemm",
-           "has_blas", "has_f16_gemm", "set_bf16_products", "set_f16_products")
+EXPORTS = ("backward", "bf16_gemm", "bf16_products", "f16_products", "f32_brgemm", "f32_product_times", "forward",
+           "half_product", "has_bf16_gemm", "has_blas", "has_f16_gemm", "has_f32_brgemm", "set_bf16_products",
+           "set_f16_products", "set_f32_brgemm")
 OPERATORS = ("attnkit::band_backward", "attnkit::band_forward")
 MAX_BLOCK = 2**20
 F64 = torch.float64
@@ -354,8 +355,19 @@ def _child(seed: int, cases: int, log: str) -> None:
                          ("f16_products()", mod.f16_products), ("f16_products(1)", lambda: mod.f16_products(1)),
                          ("set_f16_products()", mod.set_f16_products),
                          ("set_f16_products('x')", lambda: mod.set_f16_products("x")),
-                         ("bf16_gemm()", mod.bf16_gemm), ("bf16_gemm(1)", lambda: mod.bf16_gemm(1))):
+                         ("bf16_gemm()", mod.bf16_gemm), ("bf16_gemm(1)", lambda: mod.bf16_gemm(1)),
+                         ("has_f32_brgemm(1)", lambda: mod.has_f32_brgemm(1)),
+                         ("f32_brgemm(1)", lambda: mod.f32_brgemm(1)), ("set_f32_brgemm()", mod.set_f32_brgemm),
+                         ("set_f32_brgemm('x')", lambda: mod.set_f32_brgemm("x")),
+                         ("f32_product_times()", mod.f32_product_times),
+                         ("f32_product_times('x')", lambda: mod.f32_product_times("x"))):
         attempt(label, thunk)
+    for reps in (0, -1, 10**12):  # a count that would hang or time nothing is refused by name
+        _, error = attempt(f"f32_product_times({reps})", lambda reps=reps: mod.f32_product_times(reps))
+        if error is None or "band kernel: reps must be between 1 and 100000" not in error:
+            report["issue"].append(f"f32_product_times({reps}): expected a RuntimeError naming reps, got {error}")
+    if mod.has_f32_brgemm():  # what the process had (the load's timed choice) stays
+        attempt("set_f32_brgemm(on)", lambda: mod.set_f32_brgemm(mod.f32_brgemm()))
     bf, c = torch.ones(8, 4, dtype=torch.bfloat16), torch.zeros(8, 8)
     products = mod.bf16_products()
     if mod.has_bf16_gemm():  # on, so that the checks of the operands are what refuses

@@ -58,6 +58,18 @@ PYBIND11_MODULE(ATTNKIT_BAND_MODULE, m) {
         f16_products.store(on);
       },
       "whether the forward and the backward compute float16 inputs with float16 products (process-wide)");
+  m.def("has_f32_brgemm", &has_f32_brgemm, "whether oneDNN's brgemm computes float32 products here");
+  m.def(
+      "set_f32_brgemm",
+      [](bool on) {
+        TORCH_CHECK(!on || has_f32_brgemm(), "band kernel: float32 products through brgemm need oneDNN's float32 "
+                    "brgemm, which this torch or CPU does not have");
+        f32_brgemm.store(on);
+      },
+      "whether untransposed float32 products go through oneDNN's brgemm instead of the BLAS's sgemm (process-wide)");
+  m.def("f32_brgemm", [] { return f32_brgemm.load(); }, "what set_f32_brgemm set (False at first)");
+  m.def("f32_product_times", &f32_product_times,
+        "f32_product_times(reps) -> [sgemm seconds, brgemm seconds] for reps of a few tile products, best of three");
   m.def("bf16_products", [] { return bf16_products.load(); }, "what set_bf16_products set (False at first)");
   m.def("f16_products", [] { return f16_products.load(); }, "what set_f16_products set (False at first)");
 }

@@ -75,5 +75,6 @@ std::vector<Tensor> band_backward(const Tensor& dout, const Tensor& q, const Ten
                                   const Tensor& bias, double scale, double softcap, Index kv_rows, Index q_chunk,
                                   bool deterministic, bool bias_grad);
 Tensor half_product(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool tb, double alpha, double beta);
+std::vector<double> f32_product_times(Index reps);
 
 }  // namespace attnkit::band

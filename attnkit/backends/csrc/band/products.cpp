@@ -7,6 +7,8 @@
 #include "tiles.h"
 #include "vec_math.h"
 
+#include <chrono>
+
 namespace attnkit::band {
 
 // Half products (see "half products" at forward_impl): whether torch exports MKL's bfloat16 and float16 products,
@@ -313,6 +315,54 @@ void gemm_bf16_brgemm(bool ta, bool tb, Index m, Index n, Index k, float alpha, 
 }
 
 // The end of a thread's share of a call: a micro-kernel's hardware state (AMX's tile configuration) let go.
+bool has_f32_brgemm() {
+#if defined(CPUBLAS_BRGEMM_F32F32F32)
+  static const bool works = [] {
+    try {
+      constexpr Index m = 9, n = 37, k = 35;
+      std::vector<float> a(m * k), b(k * n), c(m * n);
+      for (Index i = 0; i < m; ++i) for (Index p = 0; p < k; ++p) a[i * k + p] = float((i + 2 * p) % 5) - 2.f;
+      for (Index p = 0; p < k; ++p) for (Index j = 0; j < n; ++j) b[p * n + j] = float((3 * p + j) % 7) - 3.f;
+      at::native::cpublas::brgemm(m, n, k, k, n, n, false, a.data(), b.data(), c.data(), false);
+      at::native::cpublas::brgemm_release(false);
+      for (Index i = 0; i < m; ++i) {
+        for (Index j = 0; j < n; ++j) {
+          float want = 0.f;  // small integers: exact in any order
+          for (Index p = 0; p < k; ++p) want += a[i * k + p] * b[p * n + j];
+          if (c[i * n + j] != want) return false;
+        }
+      }
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return works && at::globalContext().userEnabledMkldnn();
+#else
+  return false;
+#endif
+}
+
+void gemm_f32_brgemm(Index m, Index n, Index k, float alpha, const float* a, Index lda, const float* b, Index ldb,
+                     float beta, float* c, Index ldc) {
+  BrgemmBuffers& w = brgemm_buffers;
+  const bool direct = alpha == 1.f && (beta == 0.f || beta == 1.f);
+  float* C = direct ? c : room(w.c, m * n);
+  const Index lc = direct ? ldc : n;
+  w.used = true;
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, lc, direct && beta == 1.f, a, b, C, false);
+  if (direct) return;
+  for (Index i = 0; i < m; ++i) {  // beta 0: C is not read (it may hold anything), as in BLAS
+    float* ci = c + i * ldc;
+    const float* pi = C + i * n;
+    if (beta == 0.f) {
+      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j];
+    } else {
+      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j] + beta * ci[j];
+    }
+  }
+}
+
 void release_products() {
   if (brgemm_buffers.used) {
     brgemm_buffers.used = false;
@@ -384,12 +434,44 @@ Tensor transposed_rows(const Tensor& t, Index& ld) {
 }
 #else
 bool brgemm_bf16() { return false; }
+bool has_f32_brgemm() { return false; }
+void gemm_f32_brgemm(Index, Index, Index, float, const float*, Index, const float*, Index, float, float*, Index) {
+  TORCH_CHECK(false, "band kernel: no brgemm for float32 products");
+}
 void release_products() {}
 Tensor pack_keys(const Tensor&, Index&, Index&, int) { TORCH_CHECK(false, "band kernel: no brgemm to pack keys for"); }
 Tensor pack_rows(const Tensor&, Index&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to pack rows for"); }
 Tensor transposed_rows(const Tensor&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to transpose rows for"); }
 #endif  // brgemm
 // Whether the kernel has a bfloat16 product: oneDNN's brgemm or MKL's.
+std::atomic<bool> f32_brgemm{false};
+
+// Seconds for `reps` of the untransposed float32 products of a forward's and a backward's tiles (p v over 320 and
+// over 1024 keys, dS k), best of three, through sgemm and through brgemm: {sgemm, brgemm}. One thread.
+std::vector<double> f32_product_times(Index reps) {
+  TORCH_CHECK(reps >= 1 && reps <= 100000, "band kernel: reps must be between 1 and 100000, got ", reps);
+  struct Case { Index m, n, k; };
+  const Case cases[] = {{64, 64, 320}, {64, 64, 1024}, {64, 64, 64}};
+  std::vector<float> a(64 * 1024), b(1024 * 64), c(64 * 64);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = float(i % 13) / 13.f - 0.5f, b[i] = float(i % 11) / 11.f - 0.5f;
+  const bool was = f32_brgemm.load();
+  std::vector<double> best(2, 1e30);
+  for (int round = 0; round < 3; ++round) {
+    for (int way = 0; way < 2; ++way) {
+      f32_brgemm.store(way == 1);
+      const auto start = std::chrono::steady_clock::now();
+      for (Index r = 0; r < reps; ++r) {
+        for (const Case& x : cases) gemm<float>(false, false, x.m, x.n, x.k, 1.f, a.data(), x.k, b.data(), x.n, 0.f,
+                                                c.data(), x.n);
+      }
+      best[way] = std::min(best[way], std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+  }
+  release_products();
+  f32_brgemm.store(was);
+  return best;
+}
+
 bool has_bf16_gemm() { return has_mkl_bf16_gemm() || brgemm_bf16(); }
 
 // The kernel's product of a half type on its own, for tests of the packing (transposes, odd sizes, alpha, beta).

@@ -9,10 +9,30 @@
 
 namespace attnkit::band {
 
+// float32 products with neither operand transposed (p v in the forward, dS k in the backward, ...) through
+// oneDNN's brgemm instead of the BLAS's sgemm: MKL runs AVX2 code on AMD CPUs, where brgemm's float32
+// micro-kernel runs AVX-512. Off until the Python side has timed both here, found brgemm faster and its
+// self-check passed (set_f32_brgemm). Transposed products stay with sgemm: copying an operand transposed for
+// brgemm (keys of a long causal row) cost more than it saved. Another summation order than sgemm's: results
+// within the float32 tolerances, not bit for bit sgemm's.
+extern std::atomic<bool> f32_brgemm;
+// Whether brgemm computes float32 products here (checked once, exactly, on a small product; then: oneDNN on).
+bool has_f32_brgemm();
+// Row-major C[m x n] = alpha * A[m x k] * B[k x n] + beta * C through brgemm (a factor, or a beta other than 0 or
+// 1, through a pass over the result in this thread's buffer).
+void gemm_f32_brgemm(Index m, Index n, Index k, float alpha, const float* a, Index lda, const float* b, Index ldb,
+                     float beta, float* c, Index ldc);
+
 // Row-major C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C; ta/tb: the operand is stored transposed.
 template <typename T>
 void gemm(bool ta, bool tb, Index m, Index n, Index k, T alpha, const T* a, Index lda, const T* b, Index ldb, T beta,
           T* c, Index ldc) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!ta && !tb && m > 0 && n > 0 && k > 0 && f32_brgemm.load(std::memory_order_relaxed)) {
+      gemm_f32_brgemm(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      return;
+    }
+  }
   const char opa = ta ? 'T' : 'N', opb = tb ? 'T' : 'N';
   const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
   const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
