@@ -12,7 +12,7 @@ from pathlib import Path
 
 #: The kernel's C++ sources: one translation unit per role (``csrc/band/kernel.h`` lists them).
 FOLDER = Path(__file__).with_name("csrc") / "band"
-SOURCES = ("checks.cpp", "products.cpp", "forward.cpp", "backward.cpp", "bindings.cpp")
+SOURCES = ("checks.cpp", "products.cpp", "forward.cpp", "backward.cpp", "decode.cpp", "bindings.cpp")
 #: The installed module's name in :mod:`attnkit.backends`, and its build record beside it (:func:`record`).
 MODULE = "_band_kernel"
 RECORD = f"{MODULE}.build"

@@ -156,12 +156,15 @@ def select(req: Call, name: str = "auto") -> Backend:
 
 def _register_builtin() -> None:
     from .band import BandBackend
+    from .decode import DecodeBackend
     from .flex import FlexBackend
     from .reference import ReferenceBackend
     from .sdpa import SDPABackend
     from .tiles import FusedTilesBackend, TilesBackend
 
     register(SDPABackend(), auto_rank=0)
+    # before SDPA: a decode step (a few queries, no gradient) reads the cache once there (backends/decode.py)
+    register(DecodeBackend(), auto_rank=0)
     register(BandBackend(), auto_rank=1)
     register(FusedTilesBackend(), auto_rank=2)
     register(TilesBackend(), auto_rank=3)

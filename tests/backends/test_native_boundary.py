@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SEED, CASES = 29, 300
 TIMEOUT_S = 240  # the fuzz takes seconds; a call that hangs is a failure too
 #: What the fuzz calls; a new export or operator must be added to it (the test checks these lists).
-EXPORTS = ("backward", "bf16_gemm", "bf16_products", "f16_products", "f32_brgemm", "f32_product_times", "forward",
-           "half_product", "has_bf16_gemm", "has_blas", "has_f16_gemm", "has_f32_brgemm", "set_bf16_products",
-           "set_f16_products", "set_f32_brgemm")
+EXPORTS = ("backward", "bf16_gemm", "bf16_products", "decode", "f16_products", "f32_brgemm", "f32_product_times",
+           "forward", "half_product", "has_bf16_gemm", "has_blas", "has_f16_gemm", "has_f32_brgemm",
+           "set_bf16_products", "set_f16_products", "set_f32_brgemm")
 OPERATORS = ("attnkit::band_backward", "attnkit::band_forward")
 MAX_BLOCK = 2**20
 F64 = torch.float64
@@ -321,6 +321,28 @@ def _issue_cases(mod) -> list[tuple[str, str, object, str]]:
     ]
 
 
+def _decode_cases(mod) -> list[tuple[str, object, str]]:
+    """The decode entry point with arguments that do not fit: (what, thunk, expected message). Each, read as if it
+    fit, would read or write out of bounds (``tests/backends/test_decode.py`` has the rest)."""
+    z = torch.zeros
+    q, k, none = z(2, 4, 1, 16), z(2, 2, 20, 16), z(0, 0, 0, 0, dtype=torch.bool)
+    lo, hi = z(2, 1, dtype=torch.long), torch.full((2, 1), 20)
+    return [
+        ("decode: k of batch 1", lambda: mod.decode(q, k[:1], k[:1], none, lo, hi, 1.0), "k must be"),
+        ("decode: v shorter than k", lambda: mod.decode(q, k, k[:, :, :10], none, lo, hi, 1.0), "v must be"),
+        ("decode: hi past Lk", lambda: mod.decode(q, k, k, none, lo, hi + 1, 1.0), "key ranges"),
+        ("decode: mask one key short", lambda: mod.decode(q, k, k, z(2, 1, 1, 19, dtype=torch.bool), lo, hi, 1.0),
+         "mask must be"),
+        ("decode: mask of 3 batch elements", lambda: mod.decode(q, k, k, z(3, 1, 1, 20, dtype=torch.bool), lo, hi,
+                                                                1.0), "mask must be"),
+        ("decode: lo of 3 rows", lambda: mod.decode(q, k, k, none, z(3, 1, dtype=torch.long), hi, 1.0), "lo must be"),
+        ("decode: 9 queries", lambda: mod.decode(z(2, 4, 9, 16), k, k, none, z(2, 9, dtype=torch.long),
+                                                 torch.full((2, 9), 20), 1.0), "queries"),
+        ("decode: k's columns strided", lambda: mod.decode(q, z(2, 2, 20, 32)[..., ::2], k, none, lo, hi, 1.0),
+         "unit stride"),
+    ]
+
+
 def _child(seed: int, cases: int, log: str) -> None:
     """Runs the issue's cases and the fuzz, writing each call to ``log`` before it is made; the last
     line is a JSON report: the exports and operators found, and every outcome not the expected one."""
@@ -396,6 +418,10 @@ def _child(seed: int, cases: int, log: str) -> None:
         attempt("set_bf16_products(on)", lambda: mod.set_bf16_products(mod.bf16_products()))
     if mod.has_f16_gemm():
         attempt("set_f16_products(on)", lambda: mod.set_f16_products(mod.f16_products()))
+    for label, thunk, message in _decode_cases(mod):
+        _, error = attempt(label, thunk)
+        if error is None or not error.startswith("RuntimeError: band kernel: ") or message not in error:
+            report["issue"].append(f"{label}: expected a RuntimeError with {message!r}, got {error}")
     calls = _calls(mod)
     forward = calls["torch.ops.attnkit.band_forward"]
     for n in range(cases):

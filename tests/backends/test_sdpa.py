@@ -123,9 +123,10 @@ def test_large_finite_keys_are_no_false_alarm_for_the_probe():
 @pytest.mark.parametrize("where", ["k -inf", "k +inf", "k NaN", "v +inf", "v NaN", "q NaN"])
 @pytest.mark.parametrize("masked", [False, True], ids=["allowed key", "a key no row allows"])
 @pytest.mark.parametrize("shared", [False, True], ids=["mask per head", "one mask row per batch element"])
-def test_a_decode_step_keeps_the_nonfinite_rule_with_the_probe(where, masked, shared):
-    """Through attnkit.attention (the probe instead of a read of the cache): the rows that allow the bad key
-    are NaN, every other row is the clean call's bit for bit, a dead row is zeros."""
+@pytest.mark.parametrize("backend", ["sdpa", "decode"])
+def test_a_decode_step_keeps_the_nonfinite_rule_with_the_probe(where, masked, shared, backend):
+    """Through attnkit.attention (the probe, or the decode kernel's own flag, instead of a read of the cache): the
+    rows that allow the bad key are NaN, every other row is the clean call's bit for bit, a dead row is zeros."""
     q, k, v = _qkv(4, 2, 1, 30, d=8)
     mask = torch.ones(2, 1 if shared else 4, 1, 30, dtype=torch.bool)
     if not shared:
@@ -134,7 +135,7 @@ def test_a_decode_step_keeps_the_nonfinite_rule_with_the_probe(where, masked, sh
     bad_key = 12
     if masked:
         bad_key = 7
-    clean = attnkit.attention(q, k, v, mask=mask)
+    clean = attnkit.attention(q, k, v, mask=mask, backend=backend)
     name, kind = where.split()
     value = {"-inf": -INF, "+inf": INF, "NaN": NAN}[kind]
     t = {"q": q, "k": k, "v": v}[name]
@@ -146,7 +147,7 @@ def test_a_decode_step_keeps_the_nonfinite_rule_with_the_probe(where, masked, sh
         t[1, 0, bad_key, 3] = value  # kv head 0 of batch 1: query heads 0 and 1
         rows = torch.zeros(2, 4, dtype=torch.bool)
         rows[1, :2] = not masked
-    got = attnkit.attention(q, k, v, mask=mask)
+    got = attnkit.attention(q, k, v, mask=mask, backend=backend)
     assert got[rows].isnan().all()
     assert torch.equal(got[~rows], clean[~rows])
     if not shared:
@@ -167,11 +168,11 @@ def test_a_vouched_cache_takes_no_probe_row_and_its_exact_path_computes_like_its
     clean_k = dirty_k.nan_to_num(0.0)
     nonfinite.vouch(torch.tensor(True), clean_k, v)
     calls = _calls(monkeypatch)
-    want = attnkit.attention(q, clean_k, v)
+    want = attnkit.attention(q, clean_k, v, backend="sdpa")
     assert calls[-1][0][0].shape[2] == h // hkv  # the query rows alone
     vv = v.clone()
     nonfinite.vouch(torch.tensor(False), dirty_k, vv)
-    got = attnkit.attention(q, dirty_k, vv)
+    got = attnkit.attention(q, dirty_k, vv, backend="sdpa")
     assert all(args[0].shape[2] == h // hkv for args, _ in calls)
     rows = torch.zeros(2, h, dtype=torch.bool)
     rows[1, : h // hkv] = True

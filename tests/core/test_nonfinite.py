@@ -177,9 +177,10 @@ def test_poison_reaches_exactly_the_rows_that_see_it(backend, shape, mask, dtype
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("backend", ["auto", "band"])
+@pytest.mark.parametrize("backend", ["auto", "band", "decode"])
 def test_poison_reaches_exactly_the_rows_that_see_it_without_a_gradient(backend, shape, mask, dtype):
-    """The forward under no_grad, where the banded kernel's statistics answer for q, k and v."""
+    """The forward under no_grad, where the banded kernel's statistics (and the decode kernel's flag, for the few
+    queries it takes) answer for q, k and v."""
     _grid(backend, shape, mask, dtype, grad=False)
 
 

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "checks.h"
+#include "decode.h"
 #include "kernel.h"
 #include "products.h"
 
@@ -31,6 +32,10 @@ PYBIND11_MODULE(ATTNKIT_BAND_MODULE, m) {
         "compute type; q float32 or float64, or bfloat16 or float16 while that type's products are on (then the "
         "five products of the backward take operands of that type, and gradients are summed in float32 and "
         "returned in q's type); kv_rows, q_chunk in [1, 2^20]");
+  m.def("decode", &band_decode,
+        "decode(q, k, v, mask, lo, hi, scale) -> [out, finite]: attention of a few queries (Lq <= 8) over a cache, "
+        "each key and value read once for every query head that shares it; finite [B, Hkv] says whether every key "
+        "and value read was finite (decode.h says what each argument must be; checked first)");
   m.def("has_blas", &has_blas, "whether torch exposes the BLAS this module calls");
   m.def("has_bf16_gemm", &has_bf16_gemm,
         "whether the kernel has a bfloat16 product here: oneDNN's brgemm (at::native::cpublas::brgemm, where it "

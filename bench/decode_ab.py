@@ -1,0 +1,70 @@
+"""A/B of one decode step on one thread: the decode backend against SDPA's folded call (attnkit's "sdpa"), SDPA
+with ``enable_gqa`` and a plain read of K and V (``k.sum(); v.sum()``), in the same run.
+
+    PYTHONPATH=. python bench/decode_ab.py [--quick]
+
+Prints a Markdown table: per shape, each variant's median time and the ratios to the read and to the folded call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from attnkit.backends.decode import DecodeBackend
+from attnkit.backends.sdpa import SDPABackend
+from attnkit.call import validate_call
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="one small shape, few repetitions")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    heads = [(32, 8, 128), (12, 12, 64)]
+    lengths = [512] if args.quick else [512, 2048, 8192]
+    dtypes = [torch.float32] if args.quick else [torch.float32, torch.bfloat16]
+    batches = [1] if args.quick else [1, 8]
+    decode, sdpa = DecodeBackend(), SDPABackend()
+    print("| dtype | B | H/Hkv, D | Lk | read K,V (ms) | decode (ms) | sdpa folded (ms) | enable_gqa (ms) | "
+          "decode / read | decode vs folded | decode vs enable_gqa |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    with torch.no_grad():
+        for dtype in dtypes:
+            for b in batches:
+                for h, hkv, d in heads:
+                    for lk in lengths:
+                        print(_row(decode, sdpa, dtype, b, h, hkv, d, lk, args.quick), flush=True)
+
+
+def _row(decode, sdpa, dtype, b, h, hkv, d, lk, quick) -> str:
+    q = torch.randn(b, h, 1, d, dtype=dtype)
+    k = torch.randn(b, hkv, lk, d, dtype=dtype)
+    v = torch.randn(b, hkv, lk, d, dtype=dtype)
+    req = validate_call(q, k, v, is_causal=True)
+    reps = 5 if quick else max(5, int(2e8 / (b * hkv * lk * d * 2 * q.element_size())))
+    read = _time(lambda: (k.sum(), v.sum()), reps)
+    ours = _time(lambda: decode.if_finite(req), reps)
+    folded = _time(lambda: sdpa.if_finite(req), reps)
+    gqa = _time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=h != hkv), reps)
+    return (f"| {str(dtype)[6:]} | {b} | {h}/{hkv}, {d} | {lk} | {read * 1e3:.3f} | {ours * 1e3:.3f}"
+            f" | {folded * 1e3:.3f} | {gqa * 1e3:.3f} | {ours / read:.2f}x | {folded / ours:.2f}x"
+            f" | {gqa / ours:.2f}x |")
+
+if __name__ == "__main__":
+    main()

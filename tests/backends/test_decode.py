@@ -1,0 +1,225 @@
+"""The decode backend (``backends/decode.py``, ``csrc/band/decode.cpp``): a few queries over a cache, each key and
+value read once. Against the float64 oracle and SDPA, in every dtype it takes, grouped and plain heads, masks and
+key ranges, the split of a long range over threads, its finiteness flag, what it refuses, and its native boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit.backends import _band
+from attnkit.backends import decode as decode_module
+from attnkit.backends.sdpa import SDPABackend
+from attnkit.call import validate_call
+from tests.support import oracle
+from tests.support.tolerances import close
+
+pytestmark = pytest.mark.skipif(not _band.available(), reason="the band kernel (which holds decode) is not built")
+
+NAN, INF = float("nan"), float("inf")
+BACKEND = decode_module.DecodeBackend()
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _qkv(b, h, hkv, lq, lk, dtype=torch.float32, d=16, dv=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, lq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, lk, dv or d, generator=g).to(dtype)
+    return q, k, v
+
+
+def _padding(b, lk, seed=5):
+    """One mask row per batch element (left padding of a batch): element i drops its first 3 * i keys."""
+    m = torch.ones(b, 1, 1, lk, dtype=torch.bool)
+    for i in range(b):
+        m[i, ..., : 3 * i] = False
+    return m
+
+
+def _check(q, k, v, dtype, **kw):
+    req = validate_call(q, k, v, **kw)
+    assert not BACKEND.not_supported_reasons(req)
+    out, _ = BACKEND(req)
+    b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    allowed = oracle.allowed_grid(b, h, lq, lk, is_causal=kw.get("is_causal", False), window=kw.get("window"),
+                                  mask=kw.get("mask"))
+    want, _ = oracle.attention(q, k, v, allowed=allowed, scale=kw.get("scale"))
+    close(out, want, dtype)
+    if "window" not in kw:  # SDPA takes no window
+        close(out, SDPABackend()(req)[0], dtype)
+    got = BACKEND.if_finite(req)
+    assert got is not None and torch.equal(got[0], out)  # the checked call is the same call
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (6, 1)], ids=["GQA", "MHA", "MQA"])
+@pytest.mark.parametrize("lq", [1, 3, 8])
+@pytest.mark.parametrize("case", ["none", "causal", "padding", "window", "per-head mask with a dead row"])
+def test_the_kernel_gives_the_oracles_answer(dtype, heads, lq, case):
+    h, hkv = heads
+    lk = 77  # odd: a partial block of keys and of vector lanes
+    q, k, v = _qkv(2, h, hkv, lq, lk, dtype, d=24, dv=40)
+    kw = {"none": {}, "causal": {"is_causal": True}, "padding": {"mask": _padding(2, lk), "is_causal": True},
+          "window": {"window": (20, 0)}}.get(case)
+    if kw is None:
+        m = torch.rand(2, h, lq, lk, generator=torch.Generator().manual_seed(3)) < 0.5
+        m[1, -1, -1] = False
+        kw = {"mask": m}
+    out = _check(q, k, v, dtype, **kw)
+    if case.endswith("dead row"):
+        assert torch.equal(out[1, -1, -1], torch.zeros_like(out[1, -1, -1]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_real_head_sizes_over_a_long_cache(dtype, d):
+    q, k, v = _qkv(1, 4, 2, 1, 1000, dtype, d=d)
+    _check(q, k, v, dtype, scale=0.3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_long_range_split_over_threads_merges_to_the_same_answer(dtype):
+    """One batch element and one key/value head, four threads: the range is split in chunks merged after."""
+    q, k, v = _qkv(1, 4, 1, 2, 3000, dtype, d=32)
+    one = _check(q, k, v, dtype, is_causal=True)
+    torch.set_num_threads(4)
+    split = _check(q, k, v, dtype, is_causal=True)
+    close(split, one, dtype)
+
+
+def test_a_strided_cache_view_is_read_in_place():
+    """A KV cache's written part is a view with a row stride of the whole buffer: no copy needed."""
+    q, k, v = _qkv(2, 4, 2, 1, 300, d=16)
+    kb, vb = torch.zeros(2, 2, 512, 16), torch.zeros(2, 2, 512, 16)
+    kb[:, :, :300], vb[:, :, :300] = k, v
+    out = _check(q, kb[:, :, :300], vb[:, :, :300], torch.float32)
+    close(out, _check(q, k, v, torch.float32), torch.float32, atol=0, rtol=0)
+
+
+@settings(deadline=None, derandomize=True, max_examples=25)
+@given(b=st.integers(1, 3), hkv=st.integers(1, 3), g=st.integers(1, 4), lq=st.integers(1, 8), lk=st.integers(1, 90),
+       d=st.integers(1, 40), dtype=st.sampled_from(DTYPES), causal=st.booleans(), masked=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_any_small_shape_matches_the_oracle(b, hkv, g, lq, lk, d, dtype, causal, masked, seed):
+    q, k, v = _qkv(b, hkv * g, hkv, lq, lk, dtype, d=d, seed=seed)
+    kw = {"is_causal": causal}
+    if masked:
+        kw["mask"] = torch.rand(b, 1, lq, lk, generator=torch.Generator().manual_seed(seed)) < 0.7
+    _check(q, k, v, dtype, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["NaN", "+inf", "-inf"])
+@pytest.mark.parametrize("where", ["k element", "k row", "k row, mixed signs", "v element", "v row", "q element"])
+@pytest.mark.parametrize("key", [0, 700, 1499], ids=["first key", "a later block", "last key"])
+def test_the_flag_sees_every_non_finite_input(dtype, value, where, key):
+    """A key of ``-inf`` scores ``-inf`` against an ordinary query (weight 0: the row stays finite); ``k * 0`` is
+    NaN for it. Every kind of non-finite key or value, in any block of the pass, makes :meth:`if_finite` decline."""
+    q, k, v = _qkv(2, 4, 2, 1, 1500, dtype, d=64)
+    t = {"k": k, "v": v, "q": q}[where[0]]
+    if where == "q element":
+        q[1, 3, 0, key % 64] = value
+    elif where.endswith("element"):
+        t[1, 1, key, 5] = value
+    else:
+        t[1, 1, key] = value
+        if where.endswith("mixed signs"):
+            t[1, 1, key, ::2] = -value
+    assert BACKEND.if_finite(validate_call(q, k, v)) is None
+
+
+def test_large_finite_keys_are_no_false_alarm():
+    q, k, v = _qkv(2, 4, 2, 1, 64, d=64)
+    k[0, 0, 3] = 3e38  # a sum of this key's elements would overflow; k * 0 does not
+    assert BACKEND.if_finite(validate_call(q, k, v)) is not None
+
+
+def test_keys_outside_every_rows_range_are_not_read():
+    """A window's far keys are not read: a NaN there changes no output and is no alarm."""
+    q, k, v = _qkv(1, 2, 1, 1, 200, d=16)
+    k[0, 0, 10] = NAN
+    assert BACKEND.if_finite(validate_call(q, k, v, window=(50, 0))) is not None
+
+
+def test_a_decode_step_through_attention_picks_it_and_keeps_the_nonfinite_rule():
+    q, k, v = _qkv(2, 8, 2, 1, 50, d=16)
+    assert attnkit.which_backend(q, k, v, is_causal=True) == "decode"
+    clean = attnkit.attention(q, k, v, is_causal=True)
+    k[1, 0, 12, 3] = NAN  # kv head 0 of batch 1: query heads 0..3 of batch 1
+    got = attnkit.attention(q, k, v, is_causal=True)
+    assert got[1, :4].isnan().all()
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[1, 4:], clean[1, 4:])
+
+
+@pytest.mark.parametrize(("what", "kw", "reason"), [
+    ("grad", {}, "forward only"),
+    ("9 queries", {}, "at most 8 queries"),
+    ("float64", {}, "float32, bfloat16 or float16"),
+    ("bias", {"bias": torch.zeros(1, 1, 1, 20)}, "no bias"),
+    ("dropout", {"dropout_p": 0.1}, "dropout"),
+    ("weights", {"return_weights": True}, "weights"),
+])
+def test_it_refuses_what_it_does_not_serve(what, kw, reason):
+    q, k, v = _qkv(1, 4, 2, 9 if what == "9 queries" else 1, 20, torch.float64 if what == "float64" else torch.float32)
+    if what == "grad":
+        q.requires_grad_(True)
+    reasons = BACKEND.not_supported_reasons(validate_call(q, k, v, **kw))
+    assert any(reason in r for r in reasons), reasons
+    assert attnkit.which_backend(q, k, v, **kw) != "decode"
+
+
+def test_under_no_grad_a_leaf_that_requires_grad_is_served():
+    q, k, v = _qkv(1, 4, 2, 1, 20)
+    q.requires_grad_(True)
+    with torch.no_grad():
+        assert attnkit.which_backend(q, k, v) == "decode"
+
+
+def _ranges(b, lq, lo=0, hi=20):
+    return torch.full((b, lq), lo, dtype=torch.long), torch.full((b, lq), hi, dtype=torch.long)
+
+
+NONE = torch.empty(0, 0, 0, 0, dtype=torch.bool)
+
+
+@pytest.mark.parametrize(("what", "args", "message"), [
+    ("q float64", lambda q, k, v: (q.double(), k.double(), v.double(), NONE, *_ranges(2, 1), 1.0), "q must be"),
+    ("k bfloat16", lambda q, k, v: (q, k.bfloat16(), v, NONE, *_ranges(2, 1), 1.0), "k must be"),
+    ("k 3-D", lambda q, k, v: (q, k[0], v, NONE, *_ranges(2, 1), 1.0), "k must be"),
+    ("k of another batch", lambda q, k, v: (q, k[:1], v[:1], NONE, *_ranges(2, 1), 1.0), "k must be"),
+    ("v shorter", lambda q, k, v: (q, k, v[:, :, :10], NONE, *_ranges(2, 1), 1.0), "v must be"),
+    ("heads not a multiple", lambda q, k, v: (q[:, :3], k, v, NONE, *_ranges(2, 1), 1.0), "multiple"),
+    ("9 queries", lambda q, k, v: (q.expand(2, 4, 9, 16), k, v, NONE, *_ranges(2, 9), 1.0), "queries"),
+    ("k columns strided", lambda q, k, v: (q, k.repeat(1, 1, 1, 2)[..., ::2], v, NONE, *_ranges(2, 1), 1.0),
+     "k must have unit stride"),
+    ("mask int", lambda q, k, v: (q, k, v, torch.ones(2, 1, 1, 20, dtype=torch.int), *_ranges(2, 1), 1.0), "mask"),
+    ("mask too short", lambda q, k, v: (q, k, v, torch.ones(2, 1, 1, 19, dtype=torch.bool), *_ranges(2, 1), 1.0),
+     "mask"),
+    ("mask of 3 batch elements", lambda q, k, v: (q, k, v, torch.ones(3, 1, 1, 20, dtype=torch.bool),
+                                                  *_ranges(2, 1), 1.0), "mask"),
+    ("hi past Lk", lambda q, k, v: (q, k, v, NONE, *_ranges(2, 1, hi=21), 1.0), "key ranges"),
+    ("lo above hi", lambda q, k, v: (q, k, v, NONE, *_ranges(2, 1, lo=5, hi=4), 1.0), "key ranges"),
+    ("lo negative", lambda q, k, v: (q, k, v, NONE, *_ranges(2, 1, lo=-1), 1.0), "key ranges"),
+    ("lo int32", lambda q, k, v: (q, k, v, NONE, _ranges(2, 1)[0].int(), _ranges(2, 1)[1], 1.0), "lo must be"),
+    ("hi of 3 rows", lambda q, k, v: (q, k, v, NONE, _ranges(2, 1)[0], torch.full((3, 1), 20), 1.0), "hi must be"),
+    ("scale inf", lambda q, k, v: (q, k, v, NONE, *_ranges(2, 1), INF), "scale"),
+    ("scale past float32", lambda q, k, v: (q, k, v, NONE, *_ranges(2, 1), 1e39), "scale"),
+])
+def test_the_native_entry_point_refuses_bad_arguments_by_name(what, args, message):
+    """Checked before any memory is read (a wrong size read as a right one would read out of bounds)."""
+    q, k, v = _qkv(2, 4, 2, 1, 20)
+    with pytest.raises(RuntimeError, match=f"band kernel: .*{message}"):
+        _band._checked().decode(*args(q, k, v))
