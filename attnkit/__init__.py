@@ -3,7 +3,7 @@
 The table of contents:
 
 * ``attnkit.attention`` - the one entry point for the maths (``functional.py``), in front of
-  ``attnkit.backends`` (sdpa, band, fused_tiles, tiles, reference, flex; each a kernel with a name).
+  ``attnkit.backends`` (decode, sdpa, band, fused_tiles, tiles, reference, flex; each a kernel with a name).
 * ``attnkit.masks`` - mask predicates and builders, ``True`` = may attend.
 * ``attnkit.mask_plan`` -> ``attnkit.MaskPlan`` - a mask worked out once for every kernel (``maskplan/``).
 * ``attnkit.MultiHeadAttention`` - the module (``modules/``), and ``attnkit.cache.KVCache``, the key/value

@@ -163,11 +163,11 @@ def _register_builtin() -> None:
     from .tiles import FusedTilesBackend, TilesBackend
 
     register(SDPABackend(), auto_rank=0)
-    # before SDPA: a decode step (a few queries, no gradient) reads the cache once there (backends/decode.py)
-    register(DecodeBackend(), auto_rank=0)
     register(BandBackend(), auto_rank=1)
     register(FusedTilesBackend(), auto_rank=2)
     register(TilesBackend(), auto_rank=3)
+    # first, before SDPA: a decode step (a few queries, no gradient) reads the cache once there (backends/decode.py)
+    register(DecodeBackend(), auto_rank=0)
     register(ReferenceBackend(), auto_rank=99)
     # after the reference: on the CPU only what nothing else serves
     register(FlexBackend(fallback=_next_in_order("flex")), auto_rank=100)

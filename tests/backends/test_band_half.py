@@ -389,14 +389,16 @@ def test_the_environment_turns_half_products_off_or_on_whatever_the_cpu(dtype, a
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *HALF], ids=str)
 def test_auto_serves_plain_causal_calls_on_the_kernel(dtype):
     """The measured preference (attnkit bench core, attnkit bench dtypes): plain causal calls with more than one
-    query go to the kernel ahead of SDPA in every dtype, with or without a gradient; one query (a decode step),
-    a dense mask or dropout stay with SDPA, and so does no mask, but for bfloat16 where the kernel runs the CPU's
+    query go to the kernel ahead of SDPA in every dtype, with or without a gradient; one query (a decode step) goes
+    to the decode kernel without a gradient (but in float64, which it does not take), a dense mask or dropout stay
+    with SDPA, and so does no mask, but for bfloat16 where the kernel runs the CPU's
     own bfloat16 products (_band.native_bf16_products). The kernel's answer is the oracle's within the table, and a
     NaN query poisons its own row only."""
     q, k, v = _inputs((1, 4, 2, 90, 90), dtype, seed=4)
     with torch.no_grad():
         assert attnkit.which_backend(q, k, v, is_causal=True) == "band"
-        assert attnkit.which_backend(q[..., :1, :], k, v, is_causal=True) == "sdpa"
+        assert attnkit.which_backend(q[..., :1, :], k, v, is_causal=True) == ("sdpa" if dtype == torch.float64
+                                                                               else "decode")
         native = dtype == torch.bfloat16 and _band.native_bf16_products()
         assert attnkit.which_backend(q, k, v) == ("band" if native else "sdpa")
         assert attnkit.which_backend(q, k, v, is_causal=True, mask=torch.ones(90, 90, dtype=torch.bool)) == "sdpa"

@@ -224,7 +224,7 @@ def test_what_flex_does_not_serve_is_refused_by_name(kw, why):
 def test_on_the_cpu_auto_never_picks_flex_and_on_cuda_it_comes_after_sdpa():
     order = attnkit.backends.auto_order("cpu")
     assert order == attnkit.backends.AUTO_ORDER and order[-1] == "flex"
-    assert order[:-1] == ["sdpa", "band", "fused_tiles", "tiles", "reference"]
+    assert order[:-1] == ["decode", "sdpa", "band", "fused_tiles", "tiles", "reference"]
     assert attnkit.backends.auto_order(torch.device("cuda", 0))[:2] == ["sdpa", "flex"]
     # the "blockwise" family: flex first on CUDA, not a member on the CPU
     assert attnkit.backends.family_order("blockwise", "cpu") == ["band", "fused_tiles", "tiles"]

@@ -187,9 +187,10 @@ def test_matches_torch_sdpa(kind, shape_name, dtype):
     close(ours, theirs)
 
 
-def test_auto_prefers_sdpa_and_never_drops_masks():
+def test_auto_prefers_decode_then_sdpa_and_never_drops_masks():
     (q, k, v), _ = make(SHAPES["lq<lk"], torch.float32)
-    assert attnkit.which_backend(q, k, v) == "sdpa"
+    assert attnkit.which_backend(q, k, v) == "decode"  # a few queries without a gradient
+    assert attnkit.which_backend(q.requires_grad_(), k, v) == "sdpa"
     assert attnkit.which_backend(q, k, v, return_weights=True) == "reference"
     m = torch.zeros(5, 7, dtype=torch.bool)
     m[:, 0] = True  # everything may only attend key 0: the output must be v[..., 0, :]
@@ -290,7 +291,7 @@ def test_served_names_the_backend_of_each_call_in_order_and_nothing_else():
             attnkit.which_backend(q, k, v, score_mod=lambda s, b, h, i, j: s)  # chooses, serves nothing
         attnkit.attention(q, k, v, backend="tiles")
     assert inner == ["reference"]
-    assert outer == ["sdpa", "reference", "tiles"]  # an inner block's calls count in the outer one too
+    assert outer == ["decode", "reference", "tiles"]  # an inner block's calls count in the outer one too
     seen = []
 
     def other_thread():
@@ -305,4 +306,4 @@ def test_served_names_the_backend_of_each_call_in_order_and_nothing_else():
         t.start()
         t.join()
         attnkit.attention(q, k, v)
-    assert seen == [["reference"]] and mine == ["sdpa"]  # each thread its own calls
+    assert seen == [["reference"]] and mine == ["decode"]  # each thread its own calls

@@ -10,15 +10,19 @@ from attnkit import backends
 
 
 def eager_backends() -> list[str]:
-    """Every registered backend but ``flex``.
+    """Every registered backend but ``flex`` and ``decode``.
 
     ``flex`` compiles a kernel for each new family of calls (shapes, dtype, mods), seconds of CPU
     each, so the generic grids (hundreds of shapes x masks x dtypes) would compile hundreds of them.
     It has its own oracle grid instead, in ``tests/backends/test_flex*.py``: every dtype it serves
     (bfloat16 and float16 too), each way a mask reaches it, dead rows, GQA and ``Lq != Lk``, on a few
     shapes whose kernels are shared across cases.
+
+    ``decode`` serves a few queries without a gradient, in float32 and the half types, where the grids run
+    float64 with gradients; ``tests/backends/test_decode.py`` has its grid, and ``"auto"`` takes it for the
+    grids' calls it serves.
     """
-    return [name for name in backends.available() if name != "flex"]
+    return [name for name in backends.available() if name not in ("flex", "decode")]
 
 
 @contextlib.contextmanager
