@@ -47,10 +47,10 @@ def causal(q_len: int, kv_len: int | None = None) -> str:
 
 def test_causal_bfloat16_calls_go_to_the_kernel():
     """The rule the models' tests lean on: the kernel serves plain causal calls of more than one query ahead of
-    SDPA (one query, a decode step, stays with SDPA)."""
+    SDPA (one query, a decode step without a gradient, goes to the decode kernel)."""
     if not _band.available():
         pytest.skip(f"no banded kernel here: {_band.unavailable_reason()}")
-    assert causal(37) == "band" and causal(1, 37) == "sdpa"
+    assert causal(37) == "band" and causal(1, 37) == "decode"
 
 
 def plain(q_len: int, kv_len: int | None = None, dtype: torch.dtype = BF16) -> str:
@@ -63,13 +63,14 @@ def plain(q_len: int, kv_len: int | None = None, dtype: torch.dtype = BF16) -> s
 def test_bfloat16_calls_without_a_mask_go_to_the_kernel_where_it_runs_the_cpus_bfloat16_products():
     """Where the kernel's bfloat16 products are the CPU's own (oneDNN's brgemm on a CPU with AVX512-BF16, no AMX),
     plain bfloat16 calls of more than one query go to it ahead of SDPA, whose CPU kernel does not use them; with
-    the products off, or elsewhere, SDPA keeps them, and float32 calls and one query stay with SDPA everywhere."""
+    the products off, or elsewhere, SDPA keeps them, and float32 calls stay with SDPA everywhere (a few queries go
+    to the decode kernel)."""
     native = _band.native_bf16_products()
     assert native == (_cpu.has_bf16_products() and _band.half_products(BF16)
                       and _band._module().bf16_gemm() == "oneDNN brgemm")
     assert plain(37) == ("band" if native else "sdpa")
-    assert plain(5, 37) == ("band" if native else "sdpa")
-    assert plain(1, 37) == "sdpa"
+    assert plain(5, 37) == ("band" if native else "decode")  # a few queries without a gradient: the decode kernel
+    assert plain(1, 37) == "decode"
     assert plain(37, dtype=torch.float32) == "sdpa"
     with half_products(BF16, False):
         assert plain(37) == "sdpa"
