@@ -144,7 +144,8 @@ def test_a_table_replaces_a_link_planted_under_its_name(tmp_path):
 
 def test_the_dtypes_suites_tile_anchor_times_float32_and_each_half_type_whose_products_are_on():
     """The preamble's tile anchor: float32's product and the kernel's own product of each half type that is on
-    (packing included), as GFLOP/s, and the sentence that names which bfloat16 product ran."""
+    (packing included), as GFLOP/s, after the sentence that names which float32 product the kernel runs, and the
+    sentence that names which bfloat16 product ran."""
     from attnkit.backends import _band
     from attnkit.bench import dtypes
 
@@ -153,5 +154,6 @@ def test_the_dtypes_suites_tile_anchor_times_float32_and_each_half_type_whose_pr
     assert set(tile) == ({"float32", "bfloat16"} if on else {"float32"})
     assert all(g > 0 for g in tile.values())
     text = dtypes._tile_text(tile)
-    assert text.startswith("One q k^T tile of the kernel (64 x 1024 x 64), one thread: float32 ")
+    assert text.startswith(f"The kernel's untransposed float32 products: {_band.float32_products()}. "
+                           "One q k^T tile of the kernel (64 x 1024 x 64), one thread: float32 ")
     assert ("its bfloat16 product here: " in text) == on
