@@ -3,8 +3,10 @@ that decide how a kernel computes half precision."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -41,3 +43,19 @@ def has_bf16_products() -> bool:
     """Whether the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16); without them MKL's bfloat16
     product widens its operands itself, no faster than a float32 product."""
     return bool(flags() & {"avx512_bf16", "amx_bf16"})
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Within the block torch's ops on the calling thread run on one thread, then on as many as before
+    (``torch.set_num_threads`` sets the calling thread's OpenMP and MKL threads only). For work too small to
+    split (a kernel's self-check cases, a graph of 34 nodes): there more threads mostly wait for each other,
+    for seconds on a busy machine."""
+    import torch  # here, not at import: setup.py reads this module before attnkit is installed
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

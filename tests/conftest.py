@@ -37,3 +37,13 @@ def said(caplog):
         warnings.simplefilter("always")
         yield lambda: "\n".join([r.getMessage() for r in caplog.records if r.name.startswith("attnkit")]
                                 + [str(w.message) for w in caught])
+
+
+@pytest.fixture
+def one_thread():
+    """The test's torch ops on one thread (``attnkit._cpu.one_thread``): for files whose shapes are so small that
+    every thread hand-off costs more than the work."""
+    from attnkit._cpu import one_thread as on_one_thread
+
+    with on_one_thread():
+        yield

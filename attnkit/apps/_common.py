@@ -10,8 +10,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,19 +295,6 @@ class Result:
         metric under its label, then the seconds of the whole run."""
         return [*({"Metric": label(k, self.labels), "Value": v} for k, v in self.metrics.items()),
                 {"Metric": "Seconds in all", "Value": round(self.seconds, 1)}]
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Within the block torch runs on one thread, then on as many as before. For the tasks whose
-    tensors are tiny (a graph of 34 nodes, a series of a few hundred steps): there, more threads
-    mostly wait for each other, many times slower on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class Timer:

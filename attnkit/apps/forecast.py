@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._cpu import one_thread
 from ..analysis.record import recorded_weights
 from ..modules import MultiHeadAttention, TransformerEncoder, TransformerEncoderLayer
 from ..viz.report import Section
@@ -289,7 +290,7 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
     out = Path(out)
     from tqdm.auto import tqdm
 
-    with Timer() as total, _common.one_thread():
+    with Timer() as total, one_thread():
         months, series = co2_monthly()
         n_train = len(series) - TEST_MONTHS
         scale = scale_of(series[:n_train])

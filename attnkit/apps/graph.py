@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._cpu import one_thread
 from ..functional import attention
 from ..viz.report import Section
 from . import _common
@@ -319,7 +320,7 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
     out = Path(out)
     from tqdm.auto import tqdm
 
-    with Timer() as total, _common.one_thread():
+    with Timer() as total, one_thread():
         adj, labels = karate()
         train_nodes, test_nodes = split(labels)
         seeds = range(seed, seed + cfg["seeds"])

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._cpu import one_thread
 from ..analysis.record import recorded_weights
 from ..modules import MultiHeadAttention, TransformerEncoder, TransformerEncoderLayer
 from ..viz.report import Section
@@ -285,7 +286,7 @@ def run(*, out: Path, steps: int | None = None, seed: int = 0, quick: bool = Fal
     held-out files, save the checkpoint and the attention picture into ``out``."""
     cfg = _common.settings(DEFAULTS, QUICK, quick=quick, steps=steps)
     out = Path(out)
-    with Timer() as total, _common.one_thread():
+    with Timer() as total, one_thread():
         train_files, test_files = split(read_files(QUICK_FILES if cfg["quick"] else FILES))
         vocab = vocabulary(train_files)
         train_ids, train_tags = encode(train_files, vocab)

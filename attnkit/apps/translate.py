@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._cpu import one_thread
 from ..analysis.record import recorded_weights
 from ..cache import KVCache
 from ..modules import Transformer
@@ -592,7 +593,7 @@ def train(model: str = "transformer", *, steps: int | None = None, seed: int = 0
         made = time.perf_counter()
         return batch
 
-    with _common.Timer() as train_time, _common.one_thread():
+    with _common.Timer() as train_time, one_thread():
         losses = _common.fit(net, batch_fn, loss_fn, steps=cfg["steps"], lr=cfg["lr"],
                              desc="translate" if model == "transformer" else f"translate ({model})",
                              warmup=min(cfg["warmup"], cfg["steps"]), progress=progress)

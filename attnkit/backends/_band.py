@@ -505,7 +505,7 @@ def _checked():
             _reason = "this torch does not export the BLAS functions (sgemm_/dgemm_) the kernel calls"
             return None
         # (the first caller may be under no_grad)
-        with real_tensors(), torch.inference_mode(False), torch.enable_grad(), _one_thread():
+        with real_tensors(), torch.inference_mode(False), torch.enable_grad(), _cpu.one_thread():
             err = _self_check(mod)
     except Exception as e:  # a module that raises where it should compute is not used either
         err = f"{type(e).__name__}: {e}"
@@ -514,7 +514,7 @@ def _checked():
         _warn(f"banded kernel {_reason}; not used")
         return None
     global _reports
-    with real_tensors(), torch.inference_mode(False), _one_thread():
+    with real_tensors(), torch.inference_mode(False), _cpu.one_thread():
         _reports = all(_reports_in(mod, dtype) for dtype in DTYPES)
         for dtype in _HALF_PRODUCTS:
             _use_half_products(mod, dtype)
@@ -558,19 +558,6 @@ def _use_f32_brgemm(mod) -> None:
         return
     _f32_products = ("oneDNN brgemm (ATTNKIT_F32_BRGEMM=1)" if asked == "1"
                      else f"oneDNN brgemm (timed here: {sgemm_s / brgemm_s:.2f}x sgemm's speed)")
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """This thread's torch ops on one thread for the block (``torch.set_num_threads`` sets the calling thread's
-    OpenMP and MKL threads only): the self-checks' cases are small, and split between threads on a busy machine
-    they waited on each other for seconds, which a first call paid. The kernel's locks are still taken there."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _use_half_products(mod, dtype: torch.dtype) -> None:

@@ -17,19 +17,14 @@ from attnkit.call import validate_call
 from tests.support import oracle
 from tests.support.tolerances import close
 
-pytestmark = pytest.mark.skipif(not _band.available(), reason="the band kernel (which holds decode) is not built")
+pytestmark = [pytest.mark.skipif(not _band.available(), reason="the band kernel (which holds decode) is not built"),
+              pytest.mark.usefixtures("one_thread")]
 
 NAN, INF = float("nan"), float("inf")
 BACKEND = decode_module.DecodeBackend()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _qkv(b, h, hkv, lq, lk, dtype=torch.float32, d=16, dv=None, seed=0):

@@ -16,12 +16,7 @@ NAN, INF = float("nan"), float("inf")
 BACKEND = sdpa_module.SDPABackend()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _qkv(h, hkv, lq, lk, dtype=torch.float32, d=16, seed=0, grad=False):

@@ -35,13 +35,8 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SHAPES = {"square": (2, 2, 12, 12), "gqa, Lq < Lk": (2, 1, 7, 12)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Shapes this small are all thread hand-offs: one thread runs the grid several times faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Shapes this small are all thread hand-offs: one thread runs the grid several times faster.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _dense_mask(lq, lk):
