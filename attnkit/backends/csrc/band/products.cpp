@@ -208,6 +208,20 @@ bool brgemm_bf16() {
   return works && at::globalContext().userEnabledMkldnn();
 }
 
+// c[m x n] (rows ldc apart) = alpha * p + beta * c, for a product p (rows lp apart) that brgemm wrote into a buffer
+// because it could not write c itself; beta 0: c is not read (it may hold anything), as in BLAS.
+static void scale_into(Index m, Index n, float alpha, const float* p, Index lp, float beta, float* c, Index ldc) {
+  for (Index i = 0; i < m; ++i) {
+    float* ci = c + i * ldc;
+    const float* pi = p + i * lp;
+    if (beta == 0.f) {
+      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j];
+    } else {
+      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j] + beta * ci[j];
+    }
+  }
+}
+
 // Row-major C[m x n] = alpha * A[m x kp] * B + beta * C through brgemm: A's rows la apart, B packed (VNNI, ldb
 // 32-bit words apart, zeros past kp and with room for n rounded up to BRGEMM_Q). Straight into C when it is
 // C = A B or C += A B with as many columns as the micro-kernel's, else through this thread's buffer.
@@ -220,16 +234,7 @@ void brgemm_into(Index m, Index n, Index kp, const BF16* A, Index la, const BF16
   const Index lc = direct ? ldc : np;
   w.used = true;
   at::native::cpublas::brgemm(m, np, kp, la, ldb, lc, direct && beta == 1.f, A, B, C, true);
-  if (direct) return;
-  for (Index i = 0; i < m; ++i) {  // beta 0: C is not read (it may hold anything), as in BLAS
-    float* ci = c + i * ldc;
-    const float* pi = C + i * lc;
-    if (beta == 0.f) {
-      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j];
-    } else {
-      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j] + beta * ci[j];
-    }
-  }
+  if (!direct) scale_into(m, n, alpha, C, lc, beta, c, ldc);
 }
 
 // a ([k x m], rows lda apart) transposed into out ([mp x kp], rows kp apart; mp: m rounded up to BRGEMM_Q),
@@ -351,16 +356,7 @@ void gemm_f32_brgemm(Index m, Index n, Index k, float alpha, const float* a, Ind
   const Index lc = direct ? ldc : n;
   w.used = true;
   at::native::cpublas::brgemm(m, n, k, lda, ldb, lc, direct && beta == 1.f, a, b, C, false);
-  if (direct) return;
-  for (Index i = 0; i < m; ++i) {  // beta 0: C is not read (it may hold anything), as in BLAS
-    float* ci = c + i * ldc;
-    const float* pi = C + i * n;
-    if (beta == 0.f) {
-      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j];
-    } else {
-      for (Index j = 0; j < n; ++j) ci[j] = alpha * pi[j] + beta * ci[j];
-    }
-  }
+  if (!direct) scale_into(m, n, alpha, C, lc, beta, c, ldc);
 }
 
 void release_products() {
