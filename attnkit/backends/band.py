@@ -101,7 +101,7 @@ class BandBackend:
     def _inputs(self, req: Call) -> _band.BandInputs:
         reasons = self.not_supported_reasons(req)
         if reasons:  # select() asks first; this is a direct call
-            raise ValueError("backend 'band' cannot serve this call: " + "; ".join(reasons))
+            raise refusals.refused("band", req, reasons)
         return _kernel_inputs(req).inputs
 
 

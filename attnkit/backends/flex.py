@@ -170,7 +170,7 @@ class FlexBackend:
     def __call__(self, req: Call) -> tuple[Tensor, None]:
         why = self.not_supported_reasons(req)
         if why:  # select() asks first; this is a direct call
-            raise ValueError(f"backend {self.name!r} cannot serve this call: " + "; ".join(why))
+            raise refusals.refused(self.name, req, why)
         if torch.compiler.is_compiling():
             return _traced(req, self.block_size), None
         ins = _inputs(req, self.block_size)

@@ -29,6 +29,12 @@ def reasons(refusals: tuple[Refusal, ...], req: Call) -> list[str]:
     return [r.why(req) if callable(r.why) else r.why for r in refusals if r.asks(req)]
 
 
+def refused(backend: str, req: Call, why: list[str]) -> ValueError:
+    """The error for a forced ``backend`` that cannot serve ``req``: the call as :meth:`Call.describe` gives it
+    (as the message for a call no backend serves does), then ``why``, the backend's reasons."""
+    return ValueError(f"backend {backend!r} cannot serve this call ({req.describe()}): " + "; ".join(why))
+
+
 def weights(backend: str) -> Refusal:
     """The refusal of a kernel that never forms the attention weights."""
     return Refusal(lambda c: c.return_weights,

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..call import Call
+from .refusals import refused
 
 
 class Backend(Protocol):
@@ -128,8 +129,8 @@ def select(req: Call, name: str = "auto") -> Backend:
     device (or in the named family).
 
     Raises:
-        ValueError: the named backend cannot serve ``req`` (its reasons), or no candidate can: then the call
-            (shapes, dtype, device, what is set) and, one a line, each candidate with its reasons.
+        ValueError: the named backend cannot serve ``req``: then the call (shapes, dtype, device, what is set)
+            and its reasons; or no candidate can: then the call and, one a line, each candidate with its reasons.
     """
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, got {type(name).__name__}")
@@ -137,7 +138,7 @@ def select(req: Call, name: str = "auto") -> Backend:
         backend = get(name)
         reasons = backend.not_supported_reasons(req)
         if reasons:
-            raise ValueError(f"backend {name!r} cannot serve this call: " + "; ".join(reasons))
+            raise refused(name, req, reasons)
         return backend
     why = {}
     order = auto_order(req.query.device) if name == "auto" else family_order(name, req.query.device)

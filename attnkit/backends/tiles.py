@@ -122,7 +122,7 @@ class _TileKernel:
     def __call__(self, req: Call) -> tuple[Tensor, None]:
         why = self.not_supported_reasons(req)
         if why:  # select() asks first; this is a direct call
-            raise ValueError(f"backend {self.name!r} cannot serve this call: " + "; ".join(why))
+            raise refusals.refused(self.name, req, why)
         captured: list[Tensor] = []
         if req.score_mod is not None and torch.is_grad_enabled():
             captured = captured_tensors(req.score_mod)

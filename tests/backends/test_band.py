@@ -247,7 +247,7 @@ def test_forcing_it_where_it_cannot_run_says_why():
     reasons = band.not_supported_reasons(validate_call(*wide, mask_mod=lambda b, h, i, j: j % 2 == 0))
     assert reasons == ["the mask has no interval form (a row has too many runs of keys)"]
     assert band.not_supported_reasons(validate_call(q, k, v, window=(1, 1))) == []
-    with pytest.raises(ValueError, match="backend 'band' cannot serve this call: a dense bias"):
+    with pytest.raises(ValueError, match="backend 'band' cannot serve this call .*: a dense bias"):
         attnkit.attention(q, k, v, bias=torch.ones(5, 5), backend="band")
     with pytest.raises(ValueError, match="the score_mod is not an additive bias per head and diagonal"):
         band(validate_call(q, k, v, score_mod=lambda s, b, h, i, j: s * 2))

@@ -215,7 +215,7 @@ def test_float64_and_cpu_gradients_are_refused_with_flex_own_reasons():
 ], ids=["weights", "dropout", "bias"])
 def test_what_flex_does_not_serve_is_refused_by_name(kw, why):
     q, k, v = qkv()
-    with torch.no_grad(), pytest.raises(ValueError, match=f"backend 'flex' cannot serve this call: .*{why}"):
+    with torch.no_grad(), pytest.raises(ValueError, match=f"backend 'flex' cannot serve this call .*: .*{why}"):
         attnkit.which_backend(q, k, v, backend="flex", **kw)
     with torch.no_grad(), pytest.raises(ValueError, match="an empty call"):
         attnkit.which_backend(*qkv(lk=0), backend="flex")
@@ -325,7 +325,7 @@ def test_a_family_whose_first_output_disagrees_with_the_formula_is_not_used(stan
     close(out, expected(q, k, v, is_causal=True), torch.float32)
     assert "(ValueError: the compiled kernel disagrees with the formula: batch 0, head 0, query 0: largest " \
            "difference" in said()
-    with torch.no_grad(), pytest.raises(ValueError, match="backend 'flex' cannot serve this call: compiled "
+    with torch.no_grad(), pytest.raises(ValueError, match="backend 'flex' cannot serve this call .*: compiled "
                                                           "flex_attention cannot serve this family of calls"):
         SMALL(validate_call(q, k, v, is_causal=True))  # a direct call says why, as a forced backend does
 

@@ -15,6 +15,7 @@ import torch
 
 import attnkit
 from attnkit import masks, scores
+from attnkit.call import validate_call
 from tests.support import oracle
 from tests.support.tolerances import close
 
@@ -72,7 +73,7 @@ V = torch.randn(2, 2, 7, 6)
     ((Q[0], K[0], V[0]), {"mask_mod": lambda b, h, q, kv: q >= kv}, ValueError, r"mask_mod needs 4-D inputs"),
     ((Q, K, V), {"backend": "flash"}, ValueError, r"backend must be 'auto' or one of \[.*'reference'.*\], got 'flash'"),
     ((Q, K, V), {"backend": "sdpa", "return_weights": True}, ValueError,
-     r"backend 'sdpa' cannot serve this call: fused SDPA kernels do not return attention weights"),
+     r"backend 'sdpa' cannot serve this call .*: fused SDPA kernels do not return attention weights"),
     ((Q, K, V), {"return_weights": "yes"}, TypeError, r"return_weights must be a bool, got str"),
 ])
 def test_bad_input(args, kwargs, exc, pattern):
@@ -84,6 +85,24 @@ def test_forced_backend_lists_every_reason():
     with pytest.raises(ValueError) as info:
         attnkit.attention(Q, K, V, backend="sdpa", return_weights=True, score_mod=lambda s, *i: s)
     assert "do not return attention weights" in str(info.value) and "score_mod" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["band", "fused_tiles", "tiles", "flex"])
+def test_forced_backend_refusal_describes_the_call(name):
+    # the call as the message for a call no backend serves describes it, then this backend's reasons
+    call = ("query (2, 4, 5, 8), key (2, 2, 7, 8), value (2, 2, 7, 8), torch.float32 on cpu; window (1, 1); "
+            "return_weights")
+    expected = (f"backend {name!r} cannot serve this call ({call}): "
+                f"the {name} backend never forms the weights (use backend='reference')")
+    with pytest.raises(ValueError) as forced:
+        attnkit.attention(Q, K, K, window=(1, 1), return_weights=True, backend=name)
+    assert str(forced.value) == expected
+    with pytest.raises(ValueError) as direct:  # a backend called directly, not through select()
+        attnkit.backends.get(name)(validate_call(Q, K, K, window=(1, 1), return_weights=True))
+    assert str(direct.value) == expected
+    with pytest.raises(ValueError) as family:
+        attnkit.attention(Q, K, K, window=(1, 1), return_weights=True, backend="blockwise")
+    assert str(family.value).splitlines()[0].endswith(f"can serve this call ({call}):")
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
