@@ -1,13 +1,17 @@
 """One calling convention over the approximate kinds: :func:`attention` checks a call, refuses a mask
 its ``kind`` cannot honour (:data:`SUPPORTS`) and runs the kind's implementation from the modules
-beside this one (``kernel``, ``nystrom``, ``linformer``, ``scores``); :func:`step` decodes the kernel
-kinds one token at a time. The kinds and their arguments are tabled in ``attnkit.approx``'s docstring.
+beside this one (``kernel``, ``nystrom``, ``linformer``, ``scores``); :func:`checked` is its first half
+(every check, nothing computed), for a caller that changes state between the two (a KV cache's write);
+:func:`step` decodes the kernel kinds one token at a time. The kinds and their arguments are tabled in
+``attnkit.approx``'s docstring.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -27,7 +31,7 @@ from .kernel import (
     scan_step,
     streamed_attention,
 )
-from .linformer import linformer_attention
+from .linformer import check_projection, linformer_attention
 from .nystrom import nystrom_attention
 from .scores import additive_attention, dot_attention, multiplicative_attention
 
@@ -48,26 +52,36 @@ KINDS = tuple(SUPPORTS)
 _SCORES = ("dot", "multiplicative", "additive")  # exact attention with another score: unscaled by default
 
 
+Compute = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""``compute(q, k, v)``: a kind's computation, its arguments bound and checked (``k``/``v`` with ``H`` heads)."""
+
+
 def _kernel(phi_name):
-    def run(q, k, v, *, key_column, is_causal, scale, chunk_size: int = 128, eps: float | None = None,
-            num_features: int = 256, seed: int = 0, projection: Tensor | None = None):
+    def prepare(q, k, v, *, key_column, is_causal, scale, chunk_size: int = 128, eps: float | None = None,
+                num_features: int = 256, seed: int = 0, projection: Tensor | None = None) -> Compute:
         eps = (0.0 if phi_name == "performer" else 1e-6) if eps is None else eps  # see kernel.normalise
+        check_causal_lengths(is_causal, q.shape[-2], k.shape[-2])
         check_chunk_size(chunk_size)
         if phi_name == "performer":
             w = _performer_projection(num_features, q.shape[-1], seed, projection)
             _check_features_fit(q, k, v, w.shape[0], is_causal, chunk_size)
             if not is_causal:
-                return favor_attention(q, k, v, w, scale, key_column=key_column, chunk_size=chunk_size, eps=eps)
+                return functools.partial(favor_attention, w=w, scale=scale, key_column=key_column,
+                                         chunk_size=chunk_size, eps=eps)
             phi = favor_feature_map(w, scale)
         else:
             phi = elu_feature_map if phi_name == "elu" else relu_feature_map
             if not is_causal:
-                return streamed_attention(q, k, v, phi, key_column=key_column, chunk_size=chunk_size, eps=eps)
-        fq, fk = phi(q), phi(k)
-        if key_column is not None:
-            fk = fk * key_column
-        return kernel_attention(fq, fk, v, is_causal=is_causal, chunk_size=chunk_size, eps=eps)
-    return run
+                return functools.partial(streamed_attention, phi=phi, key_column=key_column, chunk_size=chunk_size,
+                                         eps=eps)
+
+        def causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            fq, fk = phi(q), phi(k)
+            if key_column is not None:
+                fk = fk * key_column
+            return kernel_attention(fq, fk, v, is_causal=True, chunk_size=chunk_size, eps=eps)
+        return causal
+    return prepare
 
 
 def _check_features_fit(q: Tensor, k: Tensor, v: Tensor, m: int, is_causal: bool, chunk_size: int) -> None:
@@ -92,17 +106,33 @@ def _performer_projection(num_features, head_dim: int, seed, projection: Tensor 
     return orthogonal_features(num_features, head_dim, generator=torch.Generator().manual_seed(seed))
 
 
-def _nystrom(q, k, v, *, mask, scale, num_landmarks: int = 64, exact_pinv: bool = False, pinv_iterations: int = 6):
+def _nystrom(q, k, v, *, mask, scale, num_landmarks: int = 64, exact_pinv: bool = False,
+             pinv_iterations: int = 6) -> Compute:
     for name, val in (("num_landmarks", num_landmarks), ("pinv_iterations", pinv_iterations)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"nystrom: {name} must be an int >= 1, got {val!r}")
-    return nystrom_attention(q, k, v, mask=mask, scale=scale, num_landmarks=num_landmarks,
+    return functools.partial(nystrom_attention, mask=mask, scale=scale, num_landmarks=num_landmarks,
                              exact_pinv=exact_pinv, pinv_iterations=pinv_iterations)
 
 
-_RUN = {"elu": _kernel("elu"), "relu": _kernel("relu"), "performer": _kernel("performer"), "nystrom": _nystrom,
-        "linformer": linformer_attention, "dot": dot_attention, "multiplicative": multiplicative_attention,
-        "additive": additive_attention}
+def _linformer(q, k, v, *, scale, projection) -> Compute:
+    check_projection(projection, k.shape[-2])
+    return functools.partial(linformer_attention, scale=scale, projection=projection)
+
+
+def _score(run):
+    """The score kinds' ``prepare``: they are exact attention, whose arguments :func:`checked` has validated."""
+    @functools.wraps(run)  # the signature, for kind_arguments
+    def prepare(q, k, v, **args) -> Compute:
+        return functools.partial(run, **args)
+    return prepare
+
+
+#: kind -> ``prepare(q, k, v, *, ..., **kind_args) -> compute``: the kind's arguments checked against the call, nothing
+#: computed (its signature lists the kind's arguments).
+_PREPARE = {"elu": _kernel("elu"), "relu": _kernel("relu"), "performer": _kernel("performer"), "nystrom": _nystrom,
+            "linformer": _linformer, "dot": _score(dot_attention), "multiplicative": _score(multiplicative_attention),
+            "additive": _score(additive_attention)}
 _FIXED = {"q", "k", "v", "key_column", "is_causal", "scale", "mask"}
 #: What each kind without a default for an argument needs it to be, for the error when it is missing.
 _NEEDS = {
@@ -116,14 +146,14 @@ _NEEDS = {
 def required_arguments(kind: str) -> list[str]:
     """The keyword arguments ``kind`` cannot do without (its parameters when called directly)."""
     check_kind(kind)
-    return [name for name, p in inspect.signature(_RUN[kind]).parameters.items()
+    return [name for name, p in inspect.signature(_PREPARE[kind]).parameters.items()
             if name not in _FIXED and p.kind is p.KEYWORD_ONLY and p.default is p.empty]
 
 
 def kind_arguments(kind: str) -> list[str]:
     """The keyword arguments ``kind`` takes besides the common ones."""
     check_kind(kind)
-    return [p for p in inspect.signature(_RUN[kind]).parameters if p not in _FIXED and p != "masks"]
+    return [p for p in inspect.signature(_PREPARE[kind]).parameters if p not in _FIXED and p != "masks"]
 
 
 def check_kind(kind) -> None:
@@ -154,6 +184,15 @@ def attention(query: Tensor, key: Tensor, value: Tensor, *, kind: str, mask: Ten
         TypeError, ValueError: bad input as in ``attnkit.attention``; an unknown kind or argument;
             a mask the kind cannot honour exactly, naming the kind and what it supports.
     """
+    return checked(query, key, value, kind=kind, mask=mask, is_causal=is_causal, scale=scale, **kind_args)()
+
+
+def checked(query: Tensor, key: Tensor, value: Tensor, *, kind: str, mask: Tensor | None = None,
+            is_causal: bool = False, scale: float | None = None, **kind_args) -> Callable[[], Tensor]:
+    """:func:`attention`'s first half: the call checked and every error of it raised, nothing computed; returns
+    the computation, which reads ``key`` and ``value`` only when it is called. A caller that changes state for a
+    call (a KV cache's write, into the buffers ``key`` and ``value`` view) runs this first, then the change,
+    then what it returns, so a refused call changes nothing."""
     check_kind(kind)
     unknown = sorted(set(kind_args) - set(kind_arguments(kind)))
     if unknown:
@@ -166,18 +205,25 @@ def attention(query: Tensor, key: Tensor, value: Tensor, *, kind: str, mask: Ten
     if kind in _SCORES and scale is None:
         scale = 1.0
     req = validate_call(query, key, value, mask=mask, is_causal=is_causal, scale=scale)
-    groups = req.heads // req.kv_heads
-    k, v = (t.repeat_interleave(groups, dim=-3) if groups > 1 else t for t in (key, value))
     if kind in _SCORES:
-        return _RUN[kind](query, k, v, mask=mask, is_causal=is_causal, scale=req.scale, **kind_args)
-    _check_masks(kind, mask, is_causal)
-    if kind == "linformer":
-        return linformer_attention(query, k, v, scale=req.scale, **kind_args)
-    if kind == "nystrom":
-        return _nystrom(query, k, v, mask=mask, scale=req.scale, **kind_args)
-    check_causal_lengths(is_causal, req.q_len, req.kv_len)
-    key_column = None if mask is None else _key_column(mask).to(query.dtype)
-    return _RUN[kind](query, k, v, key_column=key_column, is_causal=is_causal, scale=req.scale, **kind_args)
+        compute = _PREPARE[kind](query, key, value, mask=mask, is_causal=is_causal, scale=req.scale, **kind_args)
+    else:
+        _check_masks(kind, mask, is_causal)
+        if kind == "linformer":
+            compute = _linformer(query, key, value, scale=req.scale, **kind_args)
+        elif kind == "nystrom":
+            compute = _nystrom(query, key, value, mask=mask, scale=req.scale, **kind_args)
+        else:
+            key_column = None if mask is None else _key_column(mask).to(query.dtype)
+            compute = _PREPARE[kind](query, key, value, key_column=key_column, is_causal=is_causal, scale=req.scale,
+                                     **kind_args)
+    groups = req.heads // req.kv_heads
+
+    def run() -> Tensor:
+        # repeated here, not in the check: key and value may be views that the caller fills in between
+        k, v = (t.repeat_interleave(groups, dim=-3) if groups > 1 else t for t in (key, value))
+        return compute(query, k, v)
+    return run
 
 
 def _check_masks(kind: str, mask: Tensor | None, is_causal: bool) -> None:

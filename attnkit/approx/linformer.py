@@ -37,13 +37,18 @@ class LinformerProjection(nn.Module):
         return f"max_len={self.max_len}, k={self.k}"
 
 
-def linformer_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, projection: LinformerProjection) -> Tensor:
-    """``q [..., H, Lq, E]``, ``k``/``v`` ``[..., H, Lk, *]`` -> ``[..., H, Lq, Ev]``."""
+def check_projection(projection, n: int) -> None:
+    """Raise unless ``projection`` is a :class:`LinformerProjection` that serves ``n`` keys."""
     if not isinstance(projection, LinformerProjection):
         raise TypeError(f"linformer: projection must be a LinformerProjection, got {type(projection).__name__}")
-    n = k.shape[-2]
     if n > projection.max_len:
         raise ValueError(f"linformer: key length {n} exceeds the projections' max_len {projection.max_len}; "
                          "build LinformerProjection with a larger max_len")
+
+
+def linformer_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, projection: LinformerProjection) -> Tensor:
+    """``q [..., H, Lq, E]``, ``k``/``v`` ``[..., H, Lk, *]`` -> ``[..., H, Lq, Ev]``."""
+    n = k.shape[-2]
+    check_projection(projection, n)
     e, f = projection.e[:, :n].to(k.dtype), projection.f[:, :n].to(v.dtype)
     return exact(q, e @ k, f @ v, scale=scale)  # (E K), (F V): [..., H, k, *]

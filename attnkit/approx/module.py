@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-from .dispatch import attention, check_kind, kind_arguments
+from .dispatch import check_kind, checked, kind_arguments
 from .kernel import orthogonal_features
 from .linformer import LinformerProjection
 
@@ -70,10 +71,16 @@ class ApproxAttention(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, is_causal: bool = False,
                 scale: float | None = None) -> Tensor:
         """``q [B, H, Lq, D]``, ``k``/``v`` ``[B, Hkv, Lk, *]`` -> ``[B, H, Lq, Dv]``."""
+        return self.checked(q, k, v, mask=mask, is_causal=is_causal, scale=scale)()
+
+    def checked(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, is_causal: bool = False,
+                scale: float | None = None) -> Callable[[], Tensor]:
+        """:meth:`forward`'s call checked, nothing computed (:func:`attnkit.approx.dispatch.checked`): returns
+        the computation, which reads ``k`` and ``v`` when it is called (after a KV cache's write into them)."""
         params = {name: getattr(self, name) for name in ("projection", "weight", "query_weight", "key_weight",
                                                           "score_vector") if hasattr(self, name)}
-        return attention(q, k, v, kind=self.kind, mask=mask, is_causal=is_causal, scale=scale,
-                         **params, **self.kind_args)
+        return checked(q, k, v, kind=self.kind, mask=mask, is_causal=is_causal, scale=scale,
+                       **params, **self.kind_args)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}" + "".join(f", {k}={v!r}" for k, v in self.kind_args.items())

@@ -297,9 +297,12 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.k[:, :, :kv_len], cache.v[:, :, :kv_len]
         if self.approx is not None:
             self._check_approx(**approx_refused)
+            # the method's own checks too before the write: a refused step leaves the cache as it was
+            approx = self.approx.checked(q, k, v, mask=None if is_plan(mask) else mask, is_causal=is_causal,
+                                         scale=self.scale)
             if new_kv is not None:
                 cache.update(*new_kv)
-            return self._approx_forward(q, k, v, None if is_plan(mask) else mask, is_causal)
+            return self.out_proj(merge_heads(approx()))  # (B, Lq, embed_dim)
         if on_buffers:
             mask, bias, mask_mod = _on_buffers(cached, q.shape[-2], mask, bias, mask_mod, is_causal, window)
             is_causal, window = False, None  # now in mask and mask_mod, aligned to the written length
@@ -326,10 +329,6 @@ class MultiHeadAttention(nn.Module):
         if given:
             raise ValueError(f"kind {self.approx.kind!r} takes mask, key_mask and is_causal; got {given} "
                              "(exact attention, kind=None, takes them)")
-
-    def _approx_forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        out = self.approx(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale)
-        return self.out_proj(merge_heads(out))  # (B, Lq, embed_dim)
 
     # ---------------------------------------------------------------- torch.nn interop
 

@@ -273,6 +273,61 @@ def test_module_kind_refuses_what_it_cannot_do():
     assert m(x, need_weights=True)[1].shape == (1, 2, 5, 5)
 
 
+@pytest.mark.parametrize("kind", ["elu", "relu", "performer", "dot"])
+def test_module_kind_cached_decoding_equals_full_forward(kind):
+    """Grouped heads too: the cached keys are repeated for the query heads after the step's write, not before."""
+    from attnkit import MultiHeadAttention
+    from attnkit.cache import KVCache
+
+    torch.manual_seed(1)
+    m = MultiHeadAttention(8, 4, num_kv_heads=2, kind=kind, kind_args={"num_features": 16} if kind == "performer"
+                           else None).double()
+    x = torch.randn(1, 6, 8, dtype=torch.float64)
+    cache = KVCache(1, 6, 2, 2, dtype=torch.float64)
+    steps = [m(x[:, :3], cache=cache, is_causal=True), m(x[:, 3:4], cache=cache, is_causal=True),
+             m(x[:, 4:], cache=cache, is_causal=True)]
+    close(torch.cat(steps, dim=1), m(x, is_causal=True))
+
+
+#: What a two-token cached step of an approximate kind may get wrong, each refused by the method itself, not by the
+#: module's own checks: (kind, kind_args, the step's arguments, the error's text).
+APPROX_MISTAKES = {
+    "nystrom asked for is_causal": ("nystrom", None, {"is_causal": True}, r"nystrom cannot honour is_causal"),
+    "linformer past its max_len": ("linformer", {"max_len": 4, "k": 2}, {}, r"key length 5 exceeds .* max_len 4"),
+    "linformer given a mask": ("linformer", {"max_len": 8, "k": 2}, {"mask": torch.ones(1, 5, dtype=torch.bool)},
+                               r"linformer cannot honour a mask of shape \(1, 5\)"),
+    "elu with a mask that varies over queries": ("elu", None,
+                                                 {"mask": torch.tensor([[True] * 4 + [False], [True] * 5])},
+                                                 r"elu cannot honour a mask of shape \(2, 5\)"),
+    "relu with a mask for three queries": ("relu", None, {"mask": torch.ones(3, 5, dtype=torch.bool)},
+                                           r"mask of shape \(3, 5\) is not broadcastable"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(APPROX_MISTAKES))
+def test_a_refused_approximate_cached_step_leaves_the_cache_as_it_was(mistake):
+    """As for exact attention: every check runs before the new tokens are written, so a caller that catches the
+    error decodes on as if the mistake had never been made (compared with a cache that never saw it)."""
+    from attnkit import MultiHeadAttention
+    from attnkit.cache import KVCache
+
+    kind, kind_args, wrong, says = APPROX_MISTAKES[mistake]
+    torch.manual_seed(2)
+    m = MultiHeadAttention(8, 2, kind=kind, kind_args=kind_args).double()
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    cache, clean = KVCache(1, 5, 2, 4, dtype=torch.float64), KVCache(1, 5, 2, 4, dtype=torch.float64)
+    m(x[:, :3], cache=cache)
+    m(x[:, :3], cache=clean)
+    before = (cache.k.clone(), cache.v.clone(), cache.seq_len, int(cache.cache_pos), bool(cache.finite))
+    with pytest.raises(ValueError, match=says):
+        m(x[:, 3:], cache=cache, **wrong)
+    after = (cache.k, cache.v, cache.seq_len, int(cache.cache_pos), bool(cache.finite))
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1]) and after[2:] == before[2:]
+    step = x[:, 3:4]  # one token: within the linformer's max_len
+    close(m(step, cache=cache), m(step, cache=clean))
+    assert torch.equal(cache.k, clean.k) and torch.equal(cache.v, clean.v) and cache.seq_len == clean.seq_len
+
+
 def tiny_bert():
     from attnkit.models import Bert
     from attnkit.models.bert import BertConfig
