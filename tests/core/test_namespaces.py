@@ -44,3 +44,13 @@ def test_public_names_are_the_promised_ones_or_submodules(name):
 def test_the_package_docstring_names_every_registered_backend():
     names = re.search(r"``attnkit.backends`` \(([^)]*)\)", attnkit.__doc__.replace("\n", " ")).group(1)
     assert set(re.findall(r"\w+", names.split(";")[0])) == set(attnkit.backends.available())
+
+
+def test_the_architecture_page_lists_every_registered_backend():
+    """The call flow's "run the kernel" list: one line per backend ``which_backend`` can name, each once."""
+    from tests.support.markdown_blocks import ROOT
+
+    page = (ROOT / "docs" / "contributing" / "architecture.md").read_text(encoding="utf-8")
+    kernels = page.split("run the kernel:", 1)[1].split("```", 1)[0]
+    listed = re.findall(r"^ {8}(\w+) {2,}\S", kernels, flags=re.MULTILINE)
+    assert sorted(listed) == sorted(attnkit.backends.available())
