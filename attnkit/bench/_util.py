@@ -84,8 +84,9 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def machine_line() -> str:
-    return (f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+def machine_line(threads: int) -> str:
+    """The machine, the ``threads`` the measurement ran on, torch and python, for a table's header."""
+    return (f"{platform.machine()}, {threads} thread{'' if threads == 1 else 's'}, torch {torch.__version__}, "
             f"python {platform.python_version()}")
 
 
@@ -100,10 +101,14 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join(lines)
 
 
-def write_report(out_dir: Path, suite: str, title: str, body: str, command: str) -> str:
-    """Write ``out_dir/<suite>.md`` with a header naming the machine and the command (whole or not at all,
-    never through a link: :func:`attnkit._io.atomic_write`); return it."""
-    text = (f"# {title}\n\nMeasured on {machine_line()}, {time.strftime('%Y-%m-%d')}.\n"
+def write_report(out_dir: Path, suite: str, title: str, body: str, command: str, *, threads: int | None = None) -> str:
+    """Write ``out_dir/<suite>.md`` with a header naming the machine, the threads the measurement ran on and the
+    command (whole or not at all, never through a link: :func:`attnkit._io.atomic_write`); return it.
+
+    ``threads``: what the suite timed with; ``None`` for the process's count, right only for a suite that times
+    on it (one that sets one thread restores the count before it writes, so it must say ``threads=1``)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    text = (f"# {title}\n\nMeasured on {machine_line(threads)}, {time.strftime('%Y-%m-%d')}.\n"
             f"Command: `{command}`\n\n{body}\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     data = text.encode()

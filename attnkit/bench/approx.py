@@ -298,5 +298,6 @@ def run(quick: bool, out_dir: Path) -> str:
             "memory table), its cost the n * n * A tanh.\n\n"
             + markdown_table(["n", "pass", "dot ms", "additive ms", "additive / dot"], srows)
             + f"\n\n![cost against n]({pic.name})\n")
+    # threads=1: the cost points run in child processes of one thread (the quality part is not timed)
     return write_report(out_dir, "approx", "Approximate attention: quality on MiniLM and cost against n", body,
-                        f"attnkit bench approx{' --quick' if quick else ''}")
+                        f"attnkit bench approx{' --quick' if quick else ''}", threads=1)

@@ -114,7 +114,7 @@ def run(quick: bool, out_dir: Path) -> str:
             "(below 1: half precision is faster).\n\n" + markdown_table(HEADER, rows)
             + "\n\n## A Mistral-style model's prefill in bfloat16\n\n" + _model_text(model, model_n, model_repeat))
     return write_report(out_dir, "dtypes", "Half precision on the CPU: float32, bfloat16, float16", body,
-                        "attnkit bench dtypes" + (" --quick" if quick else ""))
+                        "attnkit bench dtypes" + (" --quick" if quick else ""), threads=1)
 
 
 def _case_rows(label: str, ours: dict, theirs: dict, base: list, backward: bool, products: dict[str, bool],

@@ -157,7 +157,8 @@ def run(quick: bool, out_dir: Path) -> str:
         "(communication, smaller blocks, a zigzag shard's two runs per block).\n"
     )
     cmd = "attnkit bench ring" + (" --quick" if quick else "")
-    return write_report(out_dir, "ring", "Ring attention: memory and time against world size", body, cmd)
+    return write_report(out_dir, "ring", "Ring attention: memory and time against world size", body, cmd,
+                        threads=1)  # every rank and the anchor run on one thread (run_local)
 
 
 def _bytes_sent_per_rank(cfg, world: int) -> float:

@@ -142,6 +142,20 @@ def test_a_table_replaces_a_link_planted_under_its_name(tmp_path):
     assert (tmp_path / "out" / "core.md").read_text() == text and target.read_text() == "someone else's"
 
 
+def test_a_tables_header_names_the_threads_its_measurement_ran_on(tmp_path, monkeypatch):
+    """A suite that measures on one thread in a process of more says one thread, not the process's count (which it
+    restores before writing); one that measures on the process's threads names that count."""
+    import platform
+
+    from attnkit.bench import _util
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the process's count when the table is written
+    one = _util.write_report(tmp_path, "t1", "title", "body", "cmd", threads=1)
+    every = _util.write_report(tmp_path, "t2", "title", "body", "cmd")
+    assert one.splitlines()[2].startswith(f"Measured on {platform.machine()}, 1 thread, torch {torch.__version__}, ")
+    assert every.splitlines()[2].startswith(f"Measured on {platform.machine()}, 2 threads, torch ")
+
+
 def test_the_dtypes_suites_tile_anchor_times_float32_and_each_half_type_whose_products_are_on():
     """The preamble's tile anchor: float32's product and the kernel's own product of each half type that is on
     (packing included), as GFLOP/s, after the sentence that names which float32 product the kernel runs, and the
