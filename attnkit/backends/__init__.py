@@ -16,6 +16,7 @@ The registry is :mod:`.registry`; each kernel is a module here (``sdpa``, ``band
 
 from .registry import (
     AUTO_ORDER,
+    AUTO_RANKS,
     DEVICE_FIRST,
     FAMILIES,
     FAMILY_DEVICE_FIRST,
@@ -29,5 +30,5 @@ from .registry import (
     served,
 )
 
-__all__ = ["AUTO_ORDER", "DEVICE_FIRST", "FAMILIES", "FAMILY_DEVICE_FIRST", "Backend", "auto_order", "available",
-           "family_order", "get", "register", "select", "served"]
+__all__ = ["AUTO_ORDER", "AUTO_RANKS", "DEVICE_FIRST", "FAMILIES", "FAMILY_DEVICE_FIRST", "Backend", "auto_order",
+           "available", "family_order", "get", "register", "select", "served"]

@@ -1,7 +1,7 @@
 """The backend registry: :func:`register` adds a backend, :func:`select` picks the one that serves a
-call (by name, a family in :data:`FAMILIES`, or ``"auto"`` through :func:`auto_order`: :data:`AUTO_ORDER`
-with the device's own engines first, :data:`DEVICE_FIRST`), and the built-in kernels are registered
-when it is first imported. ``attnkit.backends`` offers these names.
+call (by name, a family in :data:`FAMILIES`, or ``"auto"`` through :func:`auto_order`: :data:`AUTO_ORDER`,
+the backends by their :data:`AUTO_RANKS`, with the device's own engines first, :data:`DEVICE_FIRST`), and
+the built-in kernels are registered when it is first imported. ``attnkit.backends`` offers these names.
 """
 
 from __future__ import annotations
@@ -33,9 +33,12 @@ class Backend(Protocol):
 
 
 _REGISTRY: dict[str, Backend] = {}
+AUTO_RANKS: dict[str, int] = {}
+"""Each backend ``backend="auto"`` tries -> its ``auto_rank`` (:func:`register`): lower ranks are tried first."""
 AUTO_ORDER: list[str] = []
-"""Preference order for ``backend="auto"``: fused kernels first, the exact reference, then ``flex``, last
-(on the CPU ``flex`` serves only what nothing else does; see :data:`DEVICE_FIRST` for other devices)."""
+"""Preference order for ``backend="auto"``: the names of :data:`AUTO_RANKS` by rank, whatever order they were
+registered in. Fused kernels first, the exact reference, then ``flex``, last (on the CPU ``flex`` serves only
+what nothing else does; see :data:`DEVICE_FIRST` for other devices)."""
 DEVICE_FIRST: dict[str, tuple[str, ...]] = {"cuda": ("sdpa", "flex")}
 """Per device type, the backends that go before the rest of :data:`AUTO_ORDER` there, in this order:
 on CUDA, PyTorch's SDPA (flash, cuDNN, memory-efficient) for what it does exactly (no mask, causal, a
@@ -51,10 +54,28 @@ member: its compile would cost seconds where the kernels serve at once)."""
 
 
 def register(backend: Backend, *, auto_rank: int | None = None) -> Backend:
-    """Add ``backend`` to the registry; ``auto_rank`` places it in :data:`AUTO_ORDER`."""
+    """Add ``backend`` to the registry, in place of any of the same name.
+
+    ``auto_rank`` places it in :data:`AUTO_ORDER`: after every backend of a lower rank, before every backend of a
+    higher one (:data:`AUTO_RANKS` holds them; a backend already there moves to its new rank). It is a rank, not
+    a position in the list: registering another backend never moves the rest among themselves. ``None`` leaves
+    the order as it is (a new backend is then only served by name).
+
+    Raises:
+        TypeError: ``auto_rank`` is not an int.
+        ValueError: another backend holds that rank (the order between the two would be unstated), naming it.
+    """
+    if auto_rank is not None:
+        if not isinstance(auto_rank, int) or isinstance(auto_rank, bool):
+            raise TypeError(f"auto_rank must be an int or None, got {type(auto_rank).__name__}")
+        holder = next((n for n, r in AUTO_RANKS.items() if r == auto_rank and n != backend.name), None)
+        if holder is not None:
+            raise ValueError(f"auto_rank {auto_rank} is taken by {holder!r}: give {backend.name!r} a rank between "
+                             f"those of the backends it should come between, of {AUTO_RANKS}")
     _REGISTRY[backend.name] = backend
-    if auto_rank is not None and backend.name not in AUTO_ORDER:
-        AUTO_ORDER.insert(min(auto_rank, len(AUTO_ORDER)), backend.name)
+    if auto_rank is not None:
+        AUTO_RANKS[backend.name] = auto_rank
+        AUTO_ORDER[:] = sorted(AUTO_RANKS, key=AUTO_RANKS.__getitem__)  # in place: the list is importable
     return backend
 
 
@@ -163,12 +184,12 @@ def _register_builtin() -> None:
     from .sdpa import SDPABackend
     from .tiles import FusedTilesBackend, TilesBackend
 
-    register(SDPABackend(), auto_rank=0)
-    register(BandBackend(), auto_rank=1)
-    register(FusedTilesBackend(), auto_rank=2)
-    register(TilesBackend(), auto_rank=3)
     # first, before SDPA: a decode step (a few queries, no gradient) reads the cache once there (backends/decode.py)
     register(DecodeBackend(), auto_rank=0)
+    register(SDPABackend(), auto_rank=10)  # ranks apart, so that a backend of one's own can go between
+    register(BandBackend(), auto_rank=20)
+    register(FusedTilesBackend(), auto_rank=30)
+    register(TilesBackend(), auto_rank=40)
     register(ReferenceBackend(), auto_rank=99)
     # after the reference: on the CPU only what nothing else serves
     register(FlexBackend(fallback=_next_in_order("flex")), auto_rank=100)

@@ -282,6 +282,52 @@ def test_float16_on_a_cpu_without_float16_products_is_computed_in_float32_and_ro
         assert torch.equal(native, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
+class _Stub:
+    """A backend of one's own that serves nothing: enough to be placed in the order."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def not_supported_reasons(self, req):
+        return ["a stub"]
+
+    def __call__(self, req):
+        raise AssertionError("a stub never serves")
+
+
+@pytest.fixture
+def own_registry(monkeypatch):
+    """The registry's tables as copies, so a test's registrations go when it ends."""
+    from attnkit.backends import registry
+
+    for name in ("_REGISTRY", "AUTO_RANKS", "AUTO_ORDER"):
+        monkeypatch.setattr(registry, name, type(getattr(registry, name))(getattr(registry, name)))
+    return registry
+
+
+def test_an_auto_rank_places_a_backend_between_the_ranks_around_it_whatever_the_order_of_registration(own_registry):
+    builtin = ["decode", "sdpa", "band", "fused_tiles", "tiles", "reference", "flex"]
+    assert own_registry.AUTO_ORDER == builtin
+    ranks = own_registry.AUTO_RANKS
+    own_registry.register(_Stub("late"), auto_rank=(ranks["band"] + ranks["fused_tiles"]) // 2)
+    own_registry.register(_Stub("early"), auto_rank=(ranks["decode"] + ranks["sdpa"]) // 2)
+    assert own_registry.AUTO_ORDER == ["decode", "early", "sdpa", "band", "late", "fused_tiles", "tiles",
+                                       "reference", "flex"]
+    assert own_registry.auto_order("cpu") == own_registry.AUTO_ORDER
+    own_registry.register(_Stub("late"), auto_rank=ranks["flex"] + 1)  # again, with another rank: it moves
+    assert own_registry.AUTO_ORDER[-2:] == ["flex", "late"] and own_registry.AUTO_ORDER.count("late") == 1
+
+
+def test_an_auto_rank_another_backend_holds_is_refused_naming_it(own_registry):
+    before = (dict(own_registry._REGISTRY), list(own_registry.AUTO_ORDER))
+    band = own_registry.AUTO_RANKS["band"]
+    with pytest.raises(ValueError, match=rf"auto_rank {band} is taken by 'band': give 'mine' a rank"):
+        own_registry.register(_Stub("mine"), auto_rank=band)
+    with pytest.raises(TypeError, match="auto_rank must be an int or None, got str"):
+        own_registry.register(_Stub("mine"), auto_rank="first")
+    assert (own_registry._REGISTRY, own_registry.AUTO_ORDER) == before  # nothing registered
+
+
 def test_served_names_the_backend_of_each_call_in_order_and_nothing_else():
     q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
     with attnkit.backends.served() as outer:
