@@ -9,9 +9,9 @@ A family name (:data:`FAMILIES`: ``"blockwise"``) takes the first of its members
 :func:`family_order` (on CUDA compiled FlexAttention first: :data:`FAMILY_DEVICE_FIRST`);
 ``attnkit.which_backend`` always names the member that runs.
 
-The registry is :mod:`.registry`; each kernel is a module here (``sdpa``, ``band``, ``reference``,
-``flex``, and ``tiles`` for both ``tiles`` and ``fused_tiles``), and what each refuses is declared in
-:mod:`.refusals`.
+The registry is :mod:`.registry`; each kernel is a module here (``decode``, ``sdpa``, ``band``,
+``reference``, ``flex``, and ``tiles`` for both ``tiles`` and ``fused_tiles``), and what each refuses is
+declared in :mod:`.refusals`.
 """
 
 from .registry import (
