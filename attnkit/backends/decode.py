@@ -5,21 +5,24 @@ PyTorch's CPU SDPA kernel and the band kernel's tiles are built for many queries
 (packing, per-block products, the scratch of a tile) that a single row cannot amortise. This backend runs
 ``csrc/band/decode.cpp`` (built with the band kernel, :mod:`._band`): for each batch element and key/value head,
 the query heads that share it and their queries are the rows of one pass that streams the keys once, in blocks,
-widening bfloat16 and float16 to float32 in registers, scoring every row, and folding the block into each row's
-running maximum, sum and accumulator (online softmax in float32), then the values likewise. Grouped-query heads are
+scoring 16 keys against a row at a time (bfloat16 keys as stored where the CPU multiplies bfloat16 pairs, float16
+widened to float32), and folding the block into each row's running maximum, sum and accumulator (online softmax in
+float32), then the values likewise. Grouped-query heads are
 read in place. With too few batch elements and key/value heads for the threads, the keys are split in chunks
 merged afterwards (split softmax).
 
-What it serves: CPU, float32, bfloat16 or float16, 4-D tensors, ``Lq <= 8``, no bias, dropout, ``score_mod``,
-``mask_mod`` or weights, and no gradient (it is forward only). Causal (bottom-right) and a window become each
-row's key range ``[lo, hi)``; a boolean mask is read as it is (one row per batch element, head or query, or
-shared). Rows that see no key are 0.
+What it serves: CPU, float32, bfloat16 or float16, 4-D tensors, ``Lq <= 8``, no bias, dropout, ``mask_mod`` or
+weights, no ``score_mod`` but tanh soft-capping alone (:func:`attnkit.scores.softcap`, as Gemma 2 has), and no
+gradient (it is forward only). Causal (bottom-right) and a window become each row's key range ``[lo, hi)``; a
+boolean mask is read as it is (one row per batch element, head or query, or shared). Rows that see no key are 0.
 
-The NaN rule (:mod:`attnkit.nonfinite`): the same pass adds up ``q * 0``, ``k * 0`` and ``v * 0`` for the query
-rows and every key and value it reads, 0 when they are finite and NaN otherwise (``0 * inf`` is NaN), so
-:meth:`DecodeBackend.if_finite` answers whether the call's inputs are finite with no second read of the cache
-(keys outside every row's range are not read, and change no output). Anything non-finite sends the call to the
-exact path.
+The NaN rule (:mod:`attnkit.nonfinite`): the same pass tells whether the call's inputs are finite, with no second
+read of the cache. The query rows are summed as ``q * 0``; every key read is scored against the first row, masked
+or not, and a key with a NaN or an infinity scores NaN or an infinity (``0 * inf`` is NaN, so a zero in the query
+hides nothing); and every value read is added into that row's accumulator times its weight, even a weight of 0.
+So :meth:`DecodeBackend.if_finite` answers from what the pass computed anyway (keys outside every row's range are
+not read, and change no output; a score that overflows is a false alarm, which costs only the exact path).
+Anything non-finite sends the call to the exact path.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import functools
 import torch
 from torch import Tensor
 
+from .. import scores
 from ..call import Call
 from . import _band, refusals
 from .refusals import Refusal
@@ -56,8 +60,9 @@ class DecodeBackend:
                 lambda c: f"the decode kernel takes at most {MAX_QUERIES} queries, got {c.q_len}"),
         Refusal(lambda c: c.query.dim() != 4, lambda c: f"the decode kernel takes 4-D tensors, got {c.query.dim()}-D"),
         Refusal(lambda c: c.bias is not None, "the decode kernel takes no bias"),
-        Refusal(lambda c: c.score_mod is not None or c.mask_mod is not None,
-                "the decode kernel takes no score_mod or mask_mod"),
+        Refusal(lambda c: c.mask_mod is not None, "the decode kernel takes no mask_mod"),
+        Refusal(lambda c: c.score_mod is not None and _cap(c) is None,
+                "the decode kernel takes no score_mod but tanh soft-capping alone (attnkit.scores.softcap)"),
         Refusal(lambda c: c.kv_len == 0, "empty key sequence (Lk = 0)"),
         Refusal(_grad, "the decode kernel is forward only (an input requires grad)"),
         Refusal(lambda c: torch.compiler.is_compiling(), "the decode kernel is not traced by torch.compile"),
@@ -88,7 +93,16 @@ def _run(req: Call) -> tuple[Tensor, Tensor]:
     q, k, v = req.query, req.key, req.value
     lo, hi = _ranges(req)
     mask = _NO_MASK if req.mask is None else _mask(req.mask, req.kv_len)
-    return tuple(_band._checked().decode(_unit_last(q), _unit_last(k), _unit_last(v), mask, lo, hi, float(req.scale)))
+    return tuple(_band._checked().decode(_unit_last(q), _unit_last(k), _unit_last(v), mask, lo, hi, float(req.scale),
+                                         _cap(req) or 0.0))
+
+
+def _cap(req: Call) -> float | None:
+    """The soft cap of a call whose score_mod is tanh soft-capping alone (0.0 with no score_mod); None otherwise."""
+    if req.score_mod is None:
+        return 0.0
+    terms = scores.parts(req.score_mod)
+    return float(terms[1]) if terms is not None and terms[0] is None and terms[1] is not None else None
 
 
 def _unit_last(x: Tensor) -> Tensor:

@@ -328,17 +328,17 @@ def _decode_cases(mod) -> list[tuple[str, object, str]]:
     q, k, none = z(2, 4, 1, 16), z(2, 2, 20, 16), z(0, 0, 0, 0, dtype=torch.bool)
     lo, hi = z(2, 1, dtype=torch.long), torch.full((2, 1), 20)
     return [
-        ("decode: k of batch 1", lambda: mod.decode(q, k[:1], k[:1], none, lo, hi, 1.0), "k must be"),
-        ("decode: v shorter than k", lambda: mod.decode(q, k, k[:, :, :10], none, lo, hi, 1.0), "v must be"),
-        ("decode: hi past Lk", lambda: mod.decode(q, k, k, none, lo, hi + 1, 1.0), "key ranges"),
-        ("decode: mask one key short", lambda: mod.decode(q, k, k, z(2, 1, 1, 19, dtype=torch.bool), lo, hi, 1.0),
+        ("decode: k of batch 1", lambda: mod.decode(q, k[:1], k[:1], none, lo, hi, 1.0, 0.0), "k must be"),
+        ("decode: v shorter than k", lambda: mod.decode(q, k, k[:, :, :10], none, lo, hi, 1.0, 0.0), "v must be"),
+        ("decode: hi past Lk", lambda: mod.decode(q, k, k, none, lo, hi + 1, 1.0, 0.0), "key ranges"),
+        ("decode: mask one key short", lambda: mod.decode(q, k, k, z(2, 1, 1, 19, dtype=torch.bool), lo, hi, 1.0, 0.0),
          "mask must be"),
         ("decode: mask of 3 batch elements", lambda: mod.decode(q, k, k, z(3, 1, 1, 20, dtype=torch.bool), lo, hi,
-                                                                1.0), "mask must be"),
-        ("decode: lo of 3 rows", lambda: mod.decode(q, k, k, none, z(3, 1, dtype=torch.long), hi, 1.0), "lo must be"),
+                                                                1.0, 0.0), "mask must be"),
+        ("decode: lo of 3 rows", lambda: mod.decode(q, k, k, none, z(3, 1, dtype=torch.long), hi, 1.0, 0.0), "lo must be"),
         ("decode: 9 queries", lambda: mod.decode(z(2, 4, 9, 16), k, k, none, z(2, 9, dtype=torch.long),
-                                                 torch.full((2, 9), 20), 1.0), "queries"),
-        ("decode: k's columns strided", lambda: mod.decode(q, z(2, 2, 20, 32)[..., ::2], k, none, lo, hi, 1.0),
+                                                 torch.full((2, 9), 20), 1.0, 0.0), "queries"),
+        ("decode: k's columns strided", lambda: mod.decode(q, z(2, 2, 20, 32)[..., ::2], k, none, lo, hi, 1.0, 0.0),
          "unit stride"),
     ]
 

@@ -33,7 +33,7 @@ PYBIND11_MODULE(ATTNKIT_BAND_MODULE, m) {
         "five products of the backward take operands of that type, and gradients are summed in float32 and "
         "returned in q's type); kv_rows, q_chunk in [1, 2^20]");
   m.def("decode", &band_decode,
-        "decode(q, k, v, mask, lo, hi, scale) -> [out, finite]: attention of a few queries (Lq <= 8) over a cache, "
+        "decode(q, k, v, mask, lo, hi, scale, softcap) -> [out, finite]: attention of a few queries (Lq <= 8) over a cache, "
         "each key and value read once for every query head that shares it; finite [B, Hkv] says whether every key "
         "and value read was finite (decode.h says what each argument must be; checked first)");
   m.def("has_blas", &has_blas, "whether torch exposes the BLAS this module calls");

@@ -1,21 +1,24 @@
 // A few queries against a long cache (a decode step): band_decode, for attnkit/backends/decode.py.
 //
 // For each batch element b and key/value head c, the G = H / Hkv query heads that share it and their Lq <= 8
-// queries are R = G * Lq rows of one pass: the keys are streamed once, in blocks of BLOCK, each block widened to
-// float32 in registers (or a small buffer for half types and head sizes that are not a multiple of the vector),
-// scored against every row, and folded into each row's running maximum, sum and accumulator (online softmax,
-// float32). Each key and value is read from memory once for all the rows that share it, where PyTorch's CPU
-// kernel (and the band kernel's tiles) are built for many queries and pay per-call packing and product set-ups
-// that a single query cannot amortise.
+// queries are R = G * Lq rows of one pass: the keys are streamed once, in blocks of BLOCK, scored against every
+// row 16 keys at a time (16 accumulators summed across their lanes together, where AVX-512 is there), and folded
+// into each row's running maximum, sum and accumulator (online softmax, float32). bfloat16 keys are scored as
+// stored where the CPU multiplies bfloat16 pairs (AVX512-BF16), float16 ones widened to float32 in a small buffer.
+// Each key and value is read from memory once for all the rows that share it, where PyTorch's CPU kernel (and the
+// band kernel's tiles) are built for many queries and pay per-call packing and product set-ups that a single
+// query cannot amortise. With a soft cap, each score (after the scale) becomes cap * tanh(score / cap).
 //
 // Row r (head c * G + r / Lq, query r % Lq) sees key j when lo[p, i] <= j < hi[p, i] (p = 0 or b) and, with a
 // mask, mask[b', h', i', j] (each of b', h', i' 0 when that dimension of the mask is 1). A row that sees no key
 // is 0 (a dead row). Keys outside every row's range are not read.
 //
-// In the same pass each (b, c) adds up q * 0, k * 0 and v * 0 over its query rows and every key and value it reads:
-// 0 for finite ones, NaN for a NaN or an infinity (0 * inf is NaN). finite[b, c] is that sum's finiteness: False
-// means a query, key or value read was not finite, and the caller (attnkit.nonfinite) takes its exact path; a masked key inside the
-// range read counts too (a false alarm, which costs only that path). The output's other rows are then unspecified.
+// In the same pass each (b, c) tells whether what it read was finite: its query rows summed as q * 0, the raw
+// scores of row 0 against every key read (a key with a NaN or an infinity scores one: 0 * inf is NaN), and row 0's
+// accumulator, to which every value read is added times its weight, 0 included. finite[b, c] is that sum's
+// finiteness: False means a query, key or value read was not finite (or a score overflowed: a false alarm), and the
+// caller (attnkit.nonfinite) takes its exact path; a masked key inside the range read counts too (a false alarm,
+// which costs only that path). The output's other rows are then unspecified.
 //
 // Too few (b, c) for the threads: the key range is split into chunks, each chunk's (max, sum, accumulator) kept,
 // and the chunks merged per row afterwards (the split softmax of FlashDecoding).
@@ -27,7 +30,7 @@
 namespace attnkit::band {
 
 void check_decode(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, const Tensor& lo,
-                  const Tensor& hi, double scale) {
+                  const Tensor& hi, double scale, double softcap) {
   TORCH_CHECK(q.defined() && (q.scalar_type() == at::kFloat || is_half(q)),
               "band kernel: decode's q must be float32, bfloat16 or float16, got ", described(q));
   check_qkv(q, k, v, true);
@@ -63,6 +66,8 @@ void check_decode(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
   }
   TORCH_CHECK(std::isfinite(scale) && std::abs(scale) <= std::numeric_limits<float>::max(),
               "band kernel: decode's scale must be finite in float32, got ", scale);
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0 && softcap <= std::numeric_limits<float>::max(),
+              "band kernel: decode's softcap must be finite in float32 and >= 0 (0 for none), got ", softcap);
 }
 
 namespace {
@@ -71,6 +76,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr Index BLOCK = 32;          // keys scored together before they are folded into the rows
 constexpr Index MIN_SPLIT = 512;     // the fewest keys a chunk of a split range takes
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+static_assert(BLOCK % 16 == 0, "a block is whole vectors of scores on every ISA");
 
 template <typename T>
 inline void widen(const T* from, float* to, Index n) {
@@ -89,19 +95,31 @@ inline void widen(const T* from, float* to, Index n) {
 
 struct Shape {
   Index B, H, Hkv, G, Lq, Lk, D, Dv, R, Dp, Dvp;
+  float scale, cap;  // cap > 0: scores capped to cap * tanh(score / cap)
+  bool pairs;        // bfloat16 keys scored in place, two products per lane (dot_pairs); q kept unscaled
 };
 
-// The per-thread state of one chunk: each row's maximum, sum and accumulator [R, Dvp].
+// The per-thread state of one chunk: each row's maximum, sum and accumulator [R, Dvp], its query (scaled
+// float32, or as stored for `pairs`), the block's scores [R, BLOCK] and the widened keys and values.
 struct Rows {
   std::vector<float> q, m, l, acc, s, kbuf, vbuf;
-  void size_for(const Shape& z) {
+  std::vector<c10::BFloat16> qh;
+  // once per thread: the padding of q, the keys and the values past D is zero, and no write reaches it
+  void allocate(const Shape& z) {
     q.assign(z.R * z.Dp, 0.f);
-    m.assign(z.R, NEG_INF);
-    l.assign(z.R, 0.f);
-    acc.assign(z.R * z.Dvp, 0.f);
-    s.assign(z.R * BLOCK, 0.f);
+    qh.assign(z.pairs ? z.R * z.Dp * 2 : 0, c10::BFloat16(0.f));
+    m.resize(z.R);
+    l.resize(z.R);
+    acc.resize(z.R * z.Dvp);
+    s.assign(z.R * BLOCK, NEG_INF);
     kbuf.assign(BLOCK * z.Dp, 0.f);
     vbuf.assign(BLOCK * z.Dvp, 0.f);
+  }
+  // once per (b, c) and chunk of keys
+  void reset() {
+    std::fill(m.begin(), m.end(), NEG_INF);
+    std::fill(l.begin(), l.end(), 0.f);
+    std::fill(acc.begin(), acc.end(), 0.f);
   }
 };
 
@@ -120,122 +138,230 @@ inline void with_vecs(Index nv, const F& f) {
   }
 }
 
-// s[jj] = q . k_jj over the block's keys that row sees (allowed[jj]), -inf elsewhere; q in registers (NV vectors).
-template <int NV>
-inline void score_row(const float* q, const float* const* krows, const bool* allowed, Index n, float* s) {
-  Vec qv[NV];
-  for (int u = 0; u < NV; ++u) qv[u] = Vec::loadu(q + u * Vec::size());
+// s[jj] = q . k_jj for keys jj in [0, n) (rows ks apart, Dp floats each, zero past D like q): one horizontal sum
+// a key. The tail of a block, and every key where the ISA has no lane_sums.
+inline void dots_one_by_one(const float* q, const float* k, Index ks, Index Dp, Index n, float* s) {
   for (Index jj = 0; jj < n; ++jj) {
-    if (!allowed[jj]) {
-      s[jj] = NEG_INF;
-      continue;
+    const float* kr = k + jj * ks;
+    Vec a(0.f), b(0.f);
+    Index d = 0;
+    for (; d + 2 * Vec::size() <= Dp; d += 2 * Vec::size()) {
+      a = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(kr + d), a);
+      b = at::vec::fmadd(Vec::loadu(q + d + Vec::size()), Vec::loadu(kr + d + Vec::size()), b);
     }
-    Vec a = qv[0] * Vec::loadu(krows[jj]);
-    for (int u = 1; u < NV; ++u) a = at::vec::fmadd(qv[u], Vec::loadu(krows[jj] + u * Vec::size()), a);
-    s[jj] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, a);
+    if (d < Dp) a = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(kr + d), a);
+    s[jj] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, a + b);
   }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The key accumulator t of a group of 16 takes, so that lane_sums leaves key L in lane L: its shuffles gather
+// accumulator KEY_OF[L] into lane L, and KEY_OF is its own inverse.
+constexpr int KEY_OF[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+// The 16 lane sums of a[0..15] in one vector (lane L: the sum of a[KEY_OF[L]]'s lanes): halves, quarters,
+// pairs and single lanes of two accumulators shuffled side by side and added, 15 shuffle pairs in all, where a
+// horizontal sum per key takes four shuffles and four adds of its own.
+inline __m512 lane_sums(const __m512 (&a)[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int t = 0; t < 8; ++t) {
+    b[t] = _mm512_add_ps(_mm512_shuffle_f32x4(a[t], a[t + 8], 0x44), _mm512_shuffle_f32x4(a[t], a[t + 8], 0xEE));
+  }
+  for (int t = 0; t < 4; ++t) {
+    c[t] = _mm512_add_ps(_mm512_shuffle_f32x4(b[t], b[t + 4], 0x88), _mm512_shuffle_f32x4(b[t], b[t + 4], 0xDD));
+  }
+  for (int t = 0; t < 2; ++t) {
+    d[t] = _mm512_add_ps(_mm512_shuffle_ps(c[t], c[t + 2], 0x44), _mm512_shuffle_ps(c[t], c[t + 2], 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
+// s[0:16) = q . k_jj for 16 float keys (rows ks apart, Dp floats each): 16 accumulators side by side, summed
+// across their lanes together.
+inline void dots16(const float* q, const float* k, Index ks, Index Dp, float* s) {
+  __m512 a[16];
+  for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+  for (Index d = 0; d < Dp; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int t = 0; t < 16; ++t) a[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + KEY_OF[t] * ks + d), a[t]);
+  }
+  _mm512_storeu_ps(s, lane_sums(a));
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// s[0:16) = q . k_jj for 16 bfloat16 keys read as stored (rows ks apart, D values each; q as stored, zero from D
+// to a multiple of 32): AVX512-BF16's dot product multiplies two pairs of bfloat16 per float lane, exactly (a
+// product of two bfloat16 fits a float), and adds them in float32, so the keys are not widened first. It reads
+// subnormal bfloat16 (below 1.2e-38) as zero.
+inline void dots16_pairs(const c10::BFloat16* q, const c10::BFloat16* k, Index ks, Index D, float* s) {
+  __m512 a[16];
+  for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+  Index d = 0;
+  for (; d + 32 <= D; d += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+    for (int t = 0; t < 16; ++t) {
+      a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_loadu_si512(k + KEY_OF[t] * ks + d));
+    }
+  }
+  if (d < D) {
+    const __mmask32 tail = static_cast<__mmask32>((1ull << (D - d)) - 1);
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+    for (int t = 0; t < 16; ++t) {
+      a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_maskz_loadu_epi16(tail, k + KEY_OF[t] * ks + d));
+    }
+  }
+  _mm512_storeu_ps(s, lane_sums(a));
+}
+
+// The tail of a block in the same arithmetic: one key at a time.
+inline void dots_pairs_one_by_one(const c10::BFloat16* q, const c10::BFloat16* k, Index ks, Index D, Index n,
+                                  float* s) {
+  for (Index jj = 0; jj < n; ++jj) {
+    __m512 a = _mm512_setzero_ps();
+    for (Index d = 0; d < D; d += 32) {
+      const __mmask32 m = D - d >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << (D - d)) - 1);
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + d),
+                           (__m512bh)_mm512_maskz_loadu_epi16(m, k + jj * ks + d));
+    }
+    s[jj] = _mm512_reduce_add_ps(a);
+  }
+}
+#endif
+
+// Raw scores s[0:n) of one row against the block's n keys: every key is scored, masked or not, so that the scores
+// of row 0 tell whether the keys are finite (see run_chunk).
+template <typename T>
+inline void raw_scores(const Shape& z, const Rows& w, Index r, const T* kblock, Index ks, const float* kf, Index n,
+                       float* s) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (z.pairs) {
+      const c10::BFloat16* qh = w.qh.data() + r * z.Dp * 2;
+      Index jj = 0;
+      for (; jj + 16 <= n; jj += 16) dots16_pairs(qh, kblock + jj * ks, ks, z.D, s + jj);
+      dots_pairs_one_by_one(qh, kblock + jj * ks, ks, z.D, n - jj, s + jj);
+      return;
+    }
+  }
+#endif
+  const float* q = w.q.data() + r * z.Dp;
+  const Index fs = kf == w.kbuf.data() ? z.Dp : ks;  // the float keys' row stride: the buffer's or the cache's
+  Index jj = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; jj + 16 <= n; jj += 16) dots16(q, kf + jj * fs, fs, z.Dp, s + jj);
+#endif
+  dots_one_by_one(q, kf + jj * fs, fs, z.Dp, n - jj, s + jj);
 }
 
 // The most accumulator vectors a row keeps in registers while a block of values is added in.
 constexpr Index ACC_VECS = 8;
 
-// acc[0 : NV vectors) += sum over the block's keys jj of p[jj] * v_jj[d : d + NV vectors), in registers.
+// acc[0 : NV vectors) += sum over the block's keys jj of p[jj] * v_jj[d : d + NV vectors), in registers. A weight
+// of 0 is multiplied in too: 0 * inf is NaN, so the accumulator tells whether the values were finite.
 template <int NV>
 inline void add_values(float* acc, const float* p, const float* const* vrows, Index n, Index d) {
-  Vec a[NV];
-  for (int u = 0; u < NV; ++u) a[u] = Vec::loadu(acc + u * Vec::size());
-  for (Index jj = 0; jj < n; ++jj) {
-    if (p[jj] == 0.f) continue;  // a masked key (a NaN weight still reaches the row)
+  // two keys at a time into two sets of accumulators, where the registers hold both: with one set, a row of
+  // four vectors waits on each multiply-add's latency before the next key's
+  constexpr bool two = Vec::size() == 16 || NV <= 4;
+  Vec a[NV], b[NV];
+  for (int u = 0; u < NV; ++u) a[u] = Vec::loadu(acc + u * Vec::size()), b[u] = Vec(0.f);
+  Index jj = 0;
+  if constexpr (two) {
+    for (; jj + 2 <= n; jj += 2) {
+      const Vec p0(p[jj]), p1(p[jj + 1]);
+      const float* v0 = vrows[jj] + d;
+      const float* v1 = vrows[jj + 1] + d;
+      for (int u = 0; u < NV; ++u) {
+        a[u] = at::vec::fmadd(p0, Vec::loadu(v0 + u * Vec::size()), a[u]);
+        b[u] = at::vec::fmadd(p1, Vec::loadu(v1 + u * Vec::size()), b[u]);
+      }
+    }
+  }
+  for (; jj < n; ++jj) {
     const Vec pv(p[jj]);
     const float* vr = vrows[jj] + d;
     for (int u = 0; u < NV; ++u) a[u] = at::vec::fmadd(pv, Vec::loadu(vr + u * Vec::size()), a[u]);
   }
-  for (int u = 0; u < NV; ++u) a[u].store(acc + u * Vec::size());
+  for (int u = 0; u < NV; ++u) (a[u] + b[u]).store(acc + u * Vec::size());
 }
 
-// Keys [from, to) of (b, c) folded into `w` (whose q rows are loaded and scaled); returns the k * 0 + v * 0 sum.
+// Row r's scores s[0:BLOCK) (-inf past the block's n keys and where the row does not see a key) folded into its
+// running maximum and sum and its accumulator rescaled; s becomes the block's weights.
+inline void online_softmax(const Shape& z, Rows& w, Index r) {
+  float* sr = w.s.data() + r * BLOCK;
+  Vec mx(NEG_INF);
+  for (Index jj = 0; jj < BLOCK; jj += Vec::size()) mx = at::vec::maximum(mx, Vec::loadu(sr + jj));  // keeps NaN
+  const float bm = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, mx);
+  const bool nan = std::isnan(w.m[r]) || std::isnan(bm);
+  if (nan || bm == NEG_INF) {  // NaN in: the row stays NaN (its output too); nothing seen: weights 0
+    if (nan) w.m[r] = std::numeric_limits<float>::quiet_NaN();
+    std::fill(sr, sr + BLOCK, nan ? w.m[r] : 0.f);
+    return;
+  }
+  const float m_new = std::max(w.m[r], bm);
+  if (m_new > w.m[r] && w.m[r] != NEG_INF) {
+    const float c = std::exp(w.m[r] - m_new);
+    w.l[r] *= c;
+    float* ar = w.acc.data() + r * z.Dvp;
+    for (Index d = 0; d < z.Dvp; d += Vec::size()) (Vec::loadu(ar + d) * Vec(c)).store(ar + d);
+  }
+  w.m[r] = m_new;
+  Vec sum(0.f);
+  for (Index jj = 0; jj < BLOCK; jj += Vec::size()) {
+    const Vec p = vexp<float, false>(Vec::loadu(sr + jj) - Vec(m_new));
+    p.store(sr + jj);
+    sum = sum + p;
+  }
+  w.l[r] += at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, sum);
+}
+
+// Keys [from, to) of (b, c) folded into `w` (whose q rows are loaded); returns a sum that is finite when every key
+// and value read was (and no score overflowed: a false alarm, which costs the caller only its exact path). Row
+// 0's raw scores are each q . k over every key read, NaN or infinite when a key is not finite (0 * inf is NaN, so a
+// zero in q hides nothing), and its accumulator has every value read times a weight added in (add_values).
 template <typename T>
 float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Index vs, const int64_t* lo,
                 const int64_t* hi, const bool* const* mrow, Index from, Index to) {
-  const Index R = z.R, Dp = z.Dp, Dvp = z.Dvp;
-  const bool k_inplace = std::is_same_v<T, float> && z.D == Dp;
+  const Index R = z.R, Dvp = z.Dvp;
+  const bool k_inplace = z.pairs || (std::is_same_v<T, float> && z.D == z.Dp);
   const bool v_inplace = std::is_same_v<T, float> && z.Dv == Dvp;
+  // keys every row sees, with no mask: a block inside them needs no per-key test
+  Index all_lo = 0, all_hi = z.Lk;
+  for (Index i = 0; i < z.Lq; ++i) all_lo = std::max<Index>(all_lo, lo[i]), all_hi = std::min<Index>(all_hi, hi[i]);
   Vec seen(0.f);
   const Vec zero(0.f);
   for (Index j0 = from; j0 < to; j0 += BLOCK) {
     const Index n = std::min(BLOCK, to - j0);
-    // the block's keys, each read once (from memory) for every row, and their scores s[r, jj] (-inf where row r
-    // does not see the key)
-    const float* krows[BLOCK];
-    for (Index jj = 0; jj < n; ++jj) {
-      if (k_inplace) {
-        krows[jj] = reinterpret_cast<const float*>(kp + (j0 + jj) * ks);
-      } else {
-        widen(kp + (j0 + jj) * ks, w.kbuf.data() + jj * Dp, z.D);
-        krows[jj] = w.kbuf.data() + jj * Dp;
-      }
-      for (Index d = 0; d < Dp; d += Vec::size()) seen = at::vec::fmadd(Vec::loadu(krows[jj] + d), zero, seen);
+    const float* kf = w.kbuf.data();
+    if (!k_inplace) {
+      for (Index jj = 0; jj < n; ++jj) widen(kp + (j0 + jj) * ks, w.kbuf.data() + jj * z.Dp, z.D);
+    } else if constexpr (std::is_same_v<T, float>) {
+      kf = kp + j0 * ks;
     }
-    bool allowed[BLOCK];
-    for (Index r = 0; r < R; ++r) {
-      const Index i = r % z.Lq;
-      for (Index jj = 0; jj < n; ++jj) {
-        const Index j = j0 + jj;
-        allowed[jj] = j >= lo[i] && j < hi[i] && (mrow == nullptr || mrow[r][j]);
-      }
-      float* sr = w.s.data() + r * BLOCK;
-      const float* qr = w.q.data() + r * Dp;
-      if (Dp <= ACC_VECS * Vec::size()) {
-        with_vecs(Dp / Vec::size(), [&](auto NV) { score_row<NV.value>(qr, krows, allowed, n, sr); });
-        continue;
-      }
-      for (Index jj = 0; jj < n; ++jj) {
-        if (!allowed[jj]) {
-          sr[jj] = NEG_INF;
-          continue;
-        }
-        Vec a(0.f), b(0.f);
-        Index d = 0;
-        for (; d + 2 * Vec::size() <= Dp; d += 2 * Vec::size()) {
-          a = at::vec::fmadd(Vec::loadu(qr + d), Vec::loadu(krows[jj] + d), a);
-          b = at::vec::fmadd(Vec::loadu(qr + d + Vec::size()), Vec::loadu(krows[jj] + d + Vec::size()), b);
-        }
-        if (d < Dp) a = at::vec::fmadd(Vec::loadu(qr + d), Vec::loadu(krows[jj] + d), a);
-        sr[jj] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, a + b);
-      }
-    }
-    // the online softmax: each row's new maximum, its old sum and accumulator rescaled, the block's weights
+    const bool every_key = mrow == nullptr && j0 >= all_lo && j0 + n <= all_hi;
     for (Index r = 0; r < R; ++r) {
       float* sr = w.s.data() + r * BLOCK;
-      float bm = NEG_INF;
-      bool nan = std::isnan(w.m[r]);
-      for (Index jj = 0; jj < n; ++jj) bm = std::max(bm, sr[jj]), nan = nan || std::isnan(sr[jj]);
-      if (nan || bm == NEG_INF) {  // NaN in: the row stays NaN (its output too); nothing seen: weights 0
-        if (nan) w.m[r] = std::numeric_limits<float>::quiet_NaN();
-        for (Index jj = 0; jj < n; ++jj) sr[jj] = nan ? w.m[r] : 0.f;
-        continue;
+      raw_scores<T>(z, w, r, kp + j0 * ks, ks, kf, n, sr);
+      if (r == 0) {
+        Index jj = 0;
+        for (; jj + Vec::size() <= n; jj += Vec::size()) seen = at::vec::fmadd(Vec::loadu(sr + jj), zero, seen);
+        for (; jj < n; ++jj) seen = seen + Vec(sr[jj] * 0.f);
       }
-      const float m_new = std::max(w.m[r], bm);
-      if (m_new > w.m[r] && w.m[r] != NEG_INF) {
-        const float c = std::exp(w.m[r] - m_new);
-        w.l[r] *= c;
-        float* ar = w.acc.data() + r * Dvp;
-        for (Index d = 0; d < Dvp; d += Vec::size()) (Vec::loadu(ar + d) * Vec(c)).store(ar + d);
+      if (z.pairs) {
+        for (Index jj = 0; jj < n; jj += Vec::size()) (Vec::loadu(sr + jj) * Vec(z.scale)).store(sr + jj);
       }
-      w.m[r] = m_new;
-      Index jj = 0;
-      float sum = 0.f;
-      for (; jj + Vec::size() <= n; jj += Vec::size()) {
-        const Vec p = vexp<float, false>(Vec::loadu(sr + jj) - Vec(m_new));
-        p.store(sr + jj);
-        sum += at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, p);
+      if (z.cap > 0.f) cap_row<float>(sr, n, z.cap);
+      if (!every_key) {
+        const Index i = r % z.Lq;
+        for (Index jj = 0; jj < n; ++jj) {
+          const Index j = j0 + jj;
+          if (!(j >= lo[i] && j < hi[i] && (mrow == nullptr || mrow[r][j]))) sr[jj] = NEG_INF;
+        }
       }
-      for (; jj < n; ++jj) {
-        sr[jj] = std::exp(sr[jj] - m_new);
-        sum += sr[jj];
-      }
-      w.l[r] += sum;
+      std::fill(sr + n, sr + BLOCK, NEG_INF);
     }
+    for (Index r = 0; r < R; ++r) online_softmax(z, w, r);
     // the values, each read once (from memory) for every row; then each row's accumulator, held in registers
     // NV vectors at a time, takes the block's values from the cache
     const float* vrows[BLOCK];
@@ -246,7 +372,6 @@ float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Ind
         widen(vp + (j0 + jj) * vs, w.vbuf.data() + jj * Dvp, z.Dv);
         vrows[jj] = w.vbuf.data() + jj * Dvp;
       }
-      for (Index d = 0; d < Dvp; d += Vec::size()) seen = at::vec::fmadd(Vec::loadu(vrows[jj] + d), zero, seen);
     }
     for (Index r = 0; r < R; ++r) {
       const float* pr = w.s.data() + r * BLOCK;
@@ -257,13 +382,20 @@ float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Ind
       }
     }
   }
+  for (Index d = 0; d < Dvp; d += Vec::size()) seen = at::vec::fmadd(Vec::loadu(w.acc.data() + d), zero, seen);
   return at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, seen);
 }
 
 template <typename T>
 void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, const Tensor& lo,
-                 const Tensor& hi, double scale, Tensor& out, Tensor& finite) {
+                 const Tensor& hi, double scale, double cap, Tensor& out, Tensor& finite) {
   Shape z;
+  z.scale = static_cast<float>(scale), z.cap = static_cast<float>(cap);
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  z.pairs = std::is_same_v<T, c10::BFloat16>;
+#else
+  z.pairs = false;
+#endif
   z.B = q.size(0), z.H = q.size(1), z.Lq = q.size(2), z.D = q.size(3), z.Hkv = k.size(1), z.Lk = k.size(2);
   z.Dv = v.size(3), z.G = z.H / z.Hkv, z.R = z.G * z.Lq;
   const auto up = [](Index x) { return (x + Vec::size() - 1) / Vec::size() * Vec::size(); };
@@ -304,13 +436,13 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   }
   const Index mb = has_mask ? mask.stride(0) : 0, mh = has_mask ? mask.stride(1) : 0;
   const Index mq = has_mask ? mask.stride(2) : 0;
-  const float sc = static_cast<float>(scale);
   at::parallel_for(0, items * splits, 1, [&](Index begin, Index end) {
     Rows w;
+    w.allocate(z);
     std::vector<const bool*> mrows(has_mask ? z.R : 0);
     for (Index it = begin; it < end; ++it) {
       const Index x = it / splits, part = it % splits, b = x / z.Hkv, c = x % z.Hkv;
-      w.size_for(z);
+      w.reset();
       Vec q_seen(0.f);
       for (Index r = 0; r < z.R; ++r) {
         const Index h = c * z.G + r / z.Lq, i = r % z.Lq;
@@ -320,8 +452,9 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
         for (Index d = 0; d < z.Dp; d += Vec::size()) {
           const Vec x = Vec::loadu(wq + d);
           q_seen = at::vec::fmadd(x, Vec(0.f), q_seen);
-          (x * Vec(sc)).store(wq + d);
+          (x * Vec(z.scale)).store(wq + d);
         }
+        if (z.pairs) std::copy(qr, qr + z.D, reinterpret_cast<T*>(w.qh.data()) + r * z.Dp * 2);
         if (has_mask) mrows[r] = md + (mask.size(0) == 1 ? 0 : b * mb) + (mask.size(1) == 1 ? 0 : h * mh) +
                                  (mask.size(2) == 1 ? 0 : i * mq);
       }
@@ -340,9 +473,14 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
       for (Index r = 0; r < z.R; ++r) {
         const Index h = c * z.G + r / z.Lq, i = r % z.Lq;
         T* orow = od + ((b * z.H + h) * z.Lq + i) * z.Dv;
-        const float l = w.l[r], inv = l > 0.f ? 1.f / l : 0.f;
-        const float dead = std::isnan(w.m[r]) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
-        for (Index d = 0; d < z.Dv; ++d) orow[d] = static_cast<T>(l > 0.f ? w.acc[r * z.Dvp + d] * inv : dead);
+        float* ar = w.acc.data() + r * z.Dvp;
+        if (w.l[r] > 0.f) {
+          const Vec inv(1.f / w.l[r]);
+          for (Index d = 0; d < z.Dvp; d += Vec::size()) (Vec::loadu(ar + d) * inv).store(ar + d);
+        } else {  // a dead row: 0, or NaN where a NaN reached it
+          std::fill(ar, ar + z.Dv, std::isnan(w.m[r]) ? std::numeric_limits<float>::quiet_NaN() : 0.f);
+        }
+        at::vec::convert(ar, orow, z.Dv);
       }
     }
   });
@@ -388,8 +526,8 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 }  // namespace
 
 std::vector<Tensor> band_decode(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
-                                const Tensor& lo, const Tensor& hi, double scale) {
-  check_decode(q, k, v, mask, lo, hi, scale);
+                                const Tensor& lo, const Tensor& hi, double scale, double softcap) {
+  check_decode(q, k, v, mask, lo, hi, scale, softcap);
   const Index B = q.size(0), H = q.size(1), Lq = q.size(2), Hkv = k.size(1);
   Tensor out = at::empty({B, H, Lq, v.size(3)}, q.options().memory_format(at::MemoryFormat::Contiguous));
   Tensor finite = at::empty({B, Hkv}, q.options().dtype(at::kBool));
@@ -400,9 +538,9 @@ std::vector<Tensor> band_decode(const Tensor& q, const Tensor& k, const Tensor& 
     return {out, finite};
   }
   switch (q.scalar_type()) {
-    case at::kFloat: decode_impl<float>(q, k, v, mask, lo, hi, scale, out, finite); break;
-    case at::kBFloat16: decode_impl<c10::BFloat16>(q, k, v, mask, lo, hi, scale, out, finite); break;
-    default: decode_impl<c10::Half>(q, k, v, mask, lo, hi, scale, out, finite); break;
+    case at::kFloat: decode_impl<float>(q, k, v, mask, lo, hi, scale, softcap, out, finite); break;
+    case at::kBFloat16: decode_impl<c10::BFloat16>(q, k, v, mask, lo, hi, scale, softcap, out, finite); break;
+    default: decode_impl<c10::Half>(q, k, v, mask, lo, hi, scale, softcap, out, finite); break;
   }
   return {out, finite};
 }

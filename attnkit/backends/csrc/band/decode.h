@@ -11,13 +11,14 @@ constexpr Index MAX_DECODE_QUERIES = 8;
 // q [B, H, Lq, E] float32/bfloat16/float16 with 1 <= Lq <= MAX_DECODE_QUERIES, k [B, Hkv, Lk, E] and
 // v [B, Hkv, Lk, Ev] in its dtype (H a multiple of Hkv), each with unit stride along its last dim; mask bool
 // [1 or B, 1 or H, 1 or Lq, Lk] with unit stride along its last dim, or [0, 0, 0, 0] for none; lo, hi contiguous
-// int64 [1 or B, Lq], 0 <= lo <= hi <= Lk; scale finite in float32. Checked (RuntimeError naming the argument)
+// int64 [1 or B, Lq], 0 <= lo <= hi <= Lk; scale finite in float32; softcap finite in float32 and >= 0 (scores
+// capped to softcap * tanh(score / softcap) after the scale; 0 for none). Checked (RuntimeError naming the argument)
 // before any memory is touched.
 void check_decode(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, const Tensor& lo,
-                  const Tensor& hi, double scale);
+                  const Tensor& hi, double scale, double softcap);
 // -> [out [B, H, Lq, Ev] in q's dtype, finite bool [B, Hkv]: whether the query rows of (b, c) and every key and
 // value the call read there were finite].
 std::vector<Tensor> band_decode(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
-                                const Tensor& lo, const Tensor& hi, double scale);
+                                const Tensor& lo, const Tensor& hi, double scale, double softcap);
 
 }  // namespace attnkit::band
