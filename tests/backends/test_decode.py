@@ -50,9 +50,9 @@ def _check(q, k, v, dtype, **kw):
     b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     allowed = oracle.allowed_grid(b, h, lq, lk, is_causal=kw.get("is_causal", False), window=kw.get("window"),
                                   mask=kw.get("mask"))
-    want, _ = oracle.attention(q, k, v, allowed=allowed, scale=kw.get("scale"))
+    want, _ = oracle.attention(q, k, v, allowed=allowed, scale=kw.get("scale"), score_mod=kw.get("score_mod"))
     close(out, want, dtype)
-    if "window" not in kw:  # SDPA takes no window
+    if "window" not in kw and "score_mod" not in kw:  # SDPA takes no window or score_mod
         close(out, SDPABackend()(req)[0], dtype)
     got = BACKEND.if_finite(req)
     assert got is not None and torch.equal(got[0], out)  # the checked call is the same call
@@ -83,6 +83,39 @@ def test_the_kernel_gives_the_oracles_answer(dtype, heads, lq, case):
 def test_real_head_sizes_over_a_long_cache(dtype, d):
     q, k, v = _qkv(1, 4, 2, 1, 1000, dtype, d=d)
     _check(q, k, v, dtype, scale=0.3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(8, 4), (4, 4)], ids=["GQA", "MHA"])
+@pytest.mark.parametrize("cap", [50.0, 0.5])
+def test_soft_capped_scores_are_served_as_gemma_2_caps_them(dtype, heads, cap):
+    """``cap * tanh(score * scale / cap)``, Gemma 2's soft cap, inside the pass: a cap of 0.5 bends every score."""
+    q, k, v = _qkv(2, heads[0], heads[1], 1, 300, dtype, d=256)
+    kw = {"is_causal": True, "score_mod": attnkit.scores.softcap(cap), "scale": 0.0625}
+    assert attnkit.which_backend(q, k, v, **kw) == "decode"
+    _check(q, k, v, dtype, **kw)
+
+
+def test_a_score_mod_other_than_a_soft_cap_is_refused():
+    q, k, v = _qkv(1, 4, 2, 1, 20)
+    for mod in (lambda s, b, h, i, j: s * 2, attnkit.scores.compose(attnkit.scores.alibi(attnkit.scores.alibi_slopes(4)),
+                                                                    attnkit.scores.softcap(5.0))):
+        reasons = BACKEND.not_supported_reasons(validate_call(q, k, v, score_mod=mod))
+        assert any("tanh soft-capping alone" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("value", [NAN, INF], ids=["NaN", "+inf"])
+def test_a_zero_query_or_a_zero_weight_hides_no_non_finite_key_or_value(dtype, where, value):
+    """The flag reads keys through row 0's raw scores and values through its accumulator: a query of zeros scores
+    an infinite key NaN (0 * inf), and a value whose weight is 0 (masked inside the range read) is still added in."""
+    q, k, v = _qkv(2, 4, 2, 1, 100, dtype, d=64)
+    q.zero_()
+    mask = torch.ones(2, 1, 1, 100, dtype=torch.bool)
+    mask[..., 40] = False
+    {"k": k, "v": v}[where][1, 0, 40, 7] = value
+    assert BACKEND.if_finite(validate_call(q, k, v, mask=mask)) is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

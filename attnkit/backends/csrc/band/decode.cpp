@@ -76,7 +76,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr Index BLOCK = 32;          // keys scored together before they are folded into the rows
 constexpr Index MIN_SPLIT = 512;     // the fewest keys a chunk of a split range takes
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-static_assert(BLOCK % 16 == 0, "a block is whole vectors of scores on every ISA");
+static_assert(BLOCK % 32 == 0, "a block is whole vectors of scores, and of bfloat16 weights, on every ISA");
 
 template <typename T>
 inline void widen(const T* from, float* to, Index n) {
@@ -99,11 +99,14 @@ struct Shape {
   bool pairs;        // bfloat16 keys scored in place, two products per lane (dot_pairs); q kept unscaled
 };
 
+// The length of a pair of value rows interleaved (pair_values): 2 Dvp, rounded up to whole vectors of 32.
+inline Index pair_row(const Shape& z) { return (2 * z.Dvp + 31) / 32 * 32; }
+
 // The per-thread state of one chunk: each row's maximum, sum and accumulator [R, Dvp], its query (scaled
 // float32, or as stored for `pairs`), the block's scores [R, BLOCK] and the widened keys and values.
 struct Rows {
   std::vector<float> q, m, l, acc, s, kbuf, vbuf;
-  std::vector<c10::BFloat16> qh;
+  std::vector<c10::BFloat16> qh, vpairs;  // vpairs: the block's values two keys to a lane (pair_values)
   // once per thread: the padding of q, the keys and the values past D is zero, and no write reaches it
   void allocate(const Shape& z) {
     q.assign(z.R * z.Dp, 0.f);
@@ -114,6 +117,7 @@ struct Rows {
     s.assign(z.R * BLOCK, NEG_INF);
     kbuf.assign(BLOCK * z.Dp, 0.f);
     vbuf.assign(BLOCK * z.Dvp, 0.f);
+    vpairs.assign(z.pairs ? BLOCK / 2 * pair_row(z) : 0, c10::BFloat16(0.f));
   }
   // once per (b, c) and chunk of keys
   void reset() {
@@ -226,6 +230,52 @@ inline void dots_pairs_one_by_one(const c10::BFloat16* q, const c10::BFloat16* k
     }
     s[jj] = _mm512_reduce_add_ps(a);
   }
+}
+
+// Value rows jj and jj + 1 of a block (Dv values each) interleaved into `to` (pair_row values): element 2i from
+// row jj and 2i + 1 from row jj + 1, zero past Dv, so that one pair product adds both keys' values into lane i.
+// An odd last row is paired with zeros.
+inline void pair_values(const c10::BFloat16* v0, const c10::BFloat16* v1, Index Dv, Index len, c10::BFloat16* to) {
+  alignas(64) static constexpr uint16_t LOW[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t HIGH[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(LOW), hi = _mm512_load_si512(HIGH);
+  for (Index d = 0; 2 * d < len; d += 32) {
+    const __mmask32 m = Dv - d >= 32 ? ~__mmask32(0) : Dv > d ? static_cast<__mmask32>((1ull << (Dv - d)) - 1) : 0;
+    const __m512i a = _mm512_maskz_loadu_epi16(m, v0 + d);
+    const __m512i b = v1 == nullptr ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi16(m, v1 + d);
+    _mm512_storeu_si512(to + 2 * d, _mm512_permutex2var_epi16(a, lo, b));
+    if (2 * d + 32 < len) _mm512_storeu_si512(to + 2 * d + 32, _mm512_permutex2var_epi16(a, hi, b));
+  }
+}
+
+// acc[0 : NV vectors) += the block's values times their weights, two keys per pair product: w2[t] holds the
+// weights of keys 2t and 2t + 1 rounded to bfloat16 (the products then take half the instructions of widened
+// values; the band kernel's bfloat16 products round their weights so too), vpairs their values (pair_values).
+// A weight of 0 is multiplied in, as in add_values.
+template <int NV>
+inline void add_value_pairs(float* acc, const uint32_t* w2, const c10::BFloat16* vpairs, Index len, Index pairs,
+                            Index d) {
+  __m512 a[NV], b[NV];
+  for (int u = 0; u < NV; ++u) a[u] = _mm512_loadu_ps(acc + u * 16), b[u] = _mm512_setzero_ps();
+  Index t = 0;
+  for (; t + 2 <= pairs; t += 2) {
+    const __m512bh p0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w2[t]));
+    const __m512bh p1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w2[t + 1]));
+    const c10::BFloat16* r0 = vpairs + t * len + 2 * d;
+    const c10::BFloat16* r1 = r0 + len;
+    for (int u = 0; u < NV; ++u) {
+      a[u] = _mm512_dpbf16_ps(a[u], p0, (__m512bh)_mm512_loadu_si512(r0 + 32 * u));
+      b[u] = _mm512_dpbf16_ps(b[u], p1, (__m512bh)_mm512_loadu_si512(r1 + 32 * u));
+    }
+  }
+  if (t < pairs) {
+    const __m512bh p0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w2[t]));
+    const c10::BFloat16* r0 = vpairs + t * len + 2 * d;
+    for (int u = 0; u < NV; ++u) a[u] = _mm512_dpbf16_ps(a[u], p0, (__m512bh)_mm512_loadu_si512(r0 + 32 * u));
+  }
+  for (int u = 0; u < NV; ++u) _mm512_storeu_ps(acc + u * 16, _mm512_add_ps(a[u], b[u]));
 }
 #endif
 
@@ -362,6 +412,31 @@ float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Ind
       std::fill(sr + n, sr + BLOCK, NEG_INF);
     }
     for (Index r = 0; r < R; ++r) online_softmax(z, w, r);
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (z.pairs) {  // the values two keys to a lane, each pair of rows read once for every row of weights
+        const Index len = pair_row(z), pairs = (n + 1) / 2;
+        for (Index t = 0; t < pairs; ++t) {
+          const T* v0 = vp + (j0 + 2 * t) * vs;
+          pair_values(v0, 2 * t + 1 < n ? v0 + vs : nullptr, z.Dv, len, w.vpairs.data() + t * len);
+        }
+        for (Index r = 0; r < R; ++r) {
+          const float* pr = w.s.data() + r * BLOCK;
+          alignas(64) uint32_t w2[BLOCK / 2];
+          for (Index jj = 0; jj < BLOCK; jj += 32) {
+            _mm512_store_si512(w2 + jj / 2,
+                               (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + jj + 16), _mm512_loadu_ps(pr + jj)));
+          }
+          float* ar = w.acc.data() + r * Dvp;
+          for (Index d = 0; d < Dvp; d += ACC_VECS * 16) {
+            const Index nv = std::min<Index>(ACC_VECS, (Dvp - d) / 16);
+            with_vecs(nv, [&](auto NV) { add_value_pairs<NV.value>(ar + d, w2, w.vpairs.data(), len, pairs, d); });
+          }
+        }
+        continue;
+      }
+    }
+#endif
     // the values, each read once (from memory) for every row; then each row's accumulator, held in registers
     // NV vectors at a time, takes the block's values from the cache
     const float* vrows[BLOCK];
