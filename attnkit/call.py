@@ -249,12 +249,13 @@ def validate_call(
             if query.dim() != 4:
                 raise ValueError(f"{name} needs 4-D inputs [B, H, L, E], got query shape {tuple(query.shape)}")
     unchecked = None if is_plan(mask_mod) else mask_mod  # a plan's predicate was checked when it was built
-    if (unchecked is not None or score_mod is not None) and 0 not in target:
+    probed = None if getattr(score_mod, "score_only", False) is True else score_mod  # e.g. attnkit.scores.softcap
+    if (unchecked is not None or probed is not None) and 0 not in target:
         if unchecked is not None:
             unchecked = mask_mod = per_element.evaluator(mask_mod, target, query.device)
-        if score_mod is not None:
-            score_mod = per_element.evaluator(score_mod, target, query.device, query.dtype)
-        _probe_mods(unchecked, score_mod, per_element.probe_indices(target, query.device), query)
+        if probed is not None:
+            score_mod = probed = per_element.evaluator(score_mod, target, query.device, query.dtype)
+        _probe_mods(unchecked, probed, per_element.probe_indices(target, query.device), query)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):

@@ -115,6 +115,9 @@ class SoftCap:
     the scores itself instead of calling the mod)."""
 
     broadcasts = True
+    #: A function of the score alone, with nothing captured: validate_call has nothing to probe (it would cost a
+    #: decode step, which calls it once per layer, more than the step's own attention over a short cache).
+    score_only = True
 
     def __init__(self, cap: float):
         self.cap = cap
