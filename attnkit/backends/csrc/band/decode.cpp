@@ -72,6 +72,11 @@ void check_decode(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
 
 namespace {
 
+// add_values inlined whatever the compiler's size heuristics say: called out of line, it spilled its accumulators to
+// the stack and zeroed them there on every call, once per row and block (inlining the scoring helpers too cost the
+// bfloat16 path more than it gave float32, in an A/B of the builds).
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
 using Vec = at::vec::Vectorized<float>;
 constexpr Index BLOCK = 32;          // keys scored together before they are folded into the rows
 constexpr Index MIN_SPLIT = 512;     // the fewest keys a chunk of a split range takes
@@ -310,7 +315,7 @@ constexpr Index ACC_VECS = 8;
 // acc[0 : NV vectors) += sum over the block's keys jj of p[jj] * v_jj[d : d + NV vectors), in registers. A weight
 // of 0 is multiplied in too: 0 * inf is NaN, so the accumulator tells whether the values were finite.
 template <int NV>
-inline void add_values(float* acc, const float* p, const float* const* vrows, Index n, Index d) {
+ALWAYS_INLINE void add_values(float* acc, const float* p, const float* const* vrows, Index n, Index d) {
   // two keys at a time into two sets of accumulators, where the registers hold both: with one set, a row of
   // four vectors waits on each multiply-add's latency before the next key's
   constexpr bool two = Vec::size() == 16 || NV <= 4;
