@@ -118,6 +118,21 @@ def test_a_zero_query_or_a_zero_weight_hides_no_non_finite_key_or_value(dtype, w
     assert BACKEND.if_finite(validate_call(q, k, v, mask=mask)) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_call_that_reads_past_the_last_level_cache_gives_the_same_answer(dtype):
+    """Over 32 MiB of half-type keys and values read (6,001 keys of 16 heads): the kernel asks for its blocks ahead
+    (prefetch_pays), which must change no number. Against SDPA on the same inputs widened to float32, with the key
+    range cut by a window."""
+    q, k, v = _qkv(1, 32, 16, 1, 8192, dtype, d=128)
+    req = validate_call(q, k, v, window=(6000, 0))
+    out, _ = BACKEND(req)
+    allowed = torch.zeros(1, 1, 1, 8192, dtype=torch.bool)
+    allowed[..., 8191 - 6000:] = True
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed,
+                                                            enable_gqa=True)
+    close(out, want.to(dtype), dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_long_range_split_over_threads_merges_to_the_same_answer(dtype):
     """One batch element and one key/value head, four threads: the range is split in chunks merged after."""
