@@ -64,7 +64,7 @@ def _cell(mod, mask: str, backward: bool, threads: int, n: int, budget_s: float)
     a, b = _times(run, mod, 2)  # warm-up: each way's micro-kernels and buffers made once
     reps = max(5, min(15, int(budget_s / (statistics.median(a + b) * 2))))
     a, b = _times(run, mod, reps)
-    ratios = sorted(x / y for x, y in zip(a, b))
+    ratios = sorted(x / y for x, y in zip(a, b, strict=True))
     return {"mask": mask, "pass": "forward + backward" if backward else "forward", "threads": threads,
             "reps": reps, "sgemm": statistics.median(a), "brgemm": statistics.median(b),
             "ratio": statistics.median(a) / statistics.median(b), "low": ratios[len(ratios) // 4],

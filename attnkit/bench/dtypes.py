@@ -271,7 +271,7 @@ def _tile_text(tile: dict[str, float]) -> str:
     base = tile["float32"]
     halves = [f"{name} {g:.1f} GFLOP/s ({g / base:.2f} of float32)" for name, g in tile.items() if name != "float32"]
     product = _band._module().bf16_gemm() if _band.available() else ""
-    return (f"The kernel's untransposed float32 products: {_band.float32_products()}. "
+    return (f"The kernel's float32 products: {_band.float32_products()}. "
             f"One q k^T tile of the kernel (64 x 1024 x 64), one thread: float32 {base:.1f} GFLOP/s"
             + (f", {', '.join(halves)} through the kernel's own product (its bfloat16 product here: {product}, "
                "operands packed per tile)" if halves else "") + ".")

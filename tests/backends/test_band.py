@@ -385,29 +385,3 @@ def test_head_size_zero_gives_each_row_the_mean_of_the_values_it_sees(kw, dtype)
     close(dv, dv_want, dtype)
     assert BAND.not_supported_reasons(validate_call(q, k, v, **kw)) == [
         "head size 0 (every score is 0, each row the mean of its values): the kernel needs q and k columns"]
-
-
-@pytest.fixture
-def float32_products_restored():
-    """The kernel's float32 product choice (process-wide) as it was after the test."""
-    mod = _band._module() if _band.available() else None
-    before = mod.f32_brgemm() if mod is not None else False
-    yield mod
-    if mod is not None:
-        mod.set_f32_brgemm(before)
-
-
-def test_float32_through_brgemm_or_sgemm_both_match_the_formula(float32_products_restored):
-    """The float32 products go through oneDNN's brgemm where that timed faster here (`attnkit bench dtypes` says
-    which): forward and backward meet the float32 tolerance against the oracle with either product, on a window
-    over blocks of several key chunks and a causal call with Lq != Lk."""
-    mod = float32_products_restored
-    if mod is None or not mod.has_f32_brgemm():
-        pytest.skip("no float32 brgemm here")
-    assert _band.float32_products().split(" (")[0] in ("oneDNN brgemm", "BLAS sgemm")
-    for on in (False, True):
-        mod.set_f32_brgemm(on)
-        q, k, v = qkv(1, 4, 2, 300, 300, d=64)
-        check_against_oracle(BAND, q, k, v, window=(70, 5))
-        q, k, v = qkv(2, 2, 2, 130, 200, d=32)
-        check_against_oracle(BAND, q, k, v, is_causal=True)

@@ -168,6 +168,6 @@ def test_the_dtypes_suites_tile_anchor_times_float32_and_each_half_type_whose_pr
     assert set(tile) == ({"float32", "bfloat16"} if on else {"float32"})
     assert all(g > 0 for g in tile.values())
     text = dtypes._tile_text(tile)
-    assert text.startswith(f"The kernel's untransposed float32 products: {_band.float32_products()}. "
+    assert text.startswith(f"The kernel's float32 products: {_band.float32_products()}. "
                            "One q k^T tile of the kernel (64 x 1024 x 64), one thread: float32 ")
     assert ("its bfloat16 product here: " in text) == on

@@ -272,18 +272,48 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   // dK^T += q^T dS, into the thread's sums (added to dV and dK once the block's rows are done). Their right
   // operands are then P and dS with pairs of rows interleaved as they are rounded (pack_row_pairs), where
   // P^T and dS^T would be transposed for every chunk; their left ones, dout^T and q^T, are made once per call.
-  Tensor q_t, do_t;
-  Index t_ld = 0;
+  // float32 products through brgemm (set_f32_brgemm) the same way, from float32 copies (transposed_f32), and
+  // q k^T and dout v^T from k^T and v^T, copied once per call too (brgemm reads B row-major; sgemm reads k and v
+  // as they are stored).
+  constexpr bool f32 = std::is_same_v<T, float> && std::is_same_v<KV, float> && !widens;
+  Tensor q_t, do_t, k_t, v_t;
+  Index t_ld = 0, kv_ld = 0;
   if constexpr (std::is_same_v<KV, c10::BFloat16> && !widens) {
     if (brgemm_bf16() && q_chunk >= BRGEMM_ROWS) {
       q_t = transposed_rows(q, t_ld);
       do_t = transposed_rows(dout, t_ld);
     }
+  } else if constexpr (f32) {
+    if (f32_brgemm.load(std::memory_order_relaxed) && q_chunk >= BRGEMM_ROWS) {
+      q_t = transposed_f32(q, t_ld);
+      do_t = transposed_f32(dout, t_ld);
+      k_t = transposed_f32(k, kv_ld);
+      v_t = transposed_f32(v, kv_ld);
+    }
   }
-  // rows i0 .. i0 + n of (b, h) as columns of q^T (or dout^T), where the transposed sums take them (else nullptr)
+  // rows i0 .. i0 + n of (b, h) as columns of q^T (or dout^T), where the transposed sums take them (else nullptr;
+  // bfloat16: pairs of rows interleaved, so from an even row, and a multiple of BRGEMM_Q rows)
   const auto transposed_at = [&](const Tensor& t, Index b, Index h, Index i0, Index n) -> const KV* {
-    if (!t.defined() || i0 < 0 || i0 % 2 != 0 || n % BRGEMM_Q != 0) return nullptr;
+    if (!t.defined() || i0 < 0 || (!f32 && (i0 % 2 != 0 || n % BRGEMM_Q != 0))) return nullptr;
     return static_cast<const KV*>(t.data_ptr()) + (b * d.H + h) * t.size(2) + i0;  // (t: [B, H, Ep * t_ld])
+  };
+  // S = q k^T and dP = dout v^T of m rows (qp, dop: rows ldq, ldo apart) against keys c0 .. c0 + n of (b, hk) (kp,
+  // vp: rows ldk, ldv apart; c0 < 0: gathered), into p and ds (rows n apart): from k^T and v^T where they were
+  // copied and the keys are read in place.
+  const float* const k_t_base = k_t.defined() ? k_t.data_ptr<float>() : nullptr;
+  const float* const v_t_base = v_t.defined() ? v_t.data_ptr<float>() : nullptr;
+  const auto scores = [&](Index m, Index n, const KV* qp, Index ldq, const KV* dop, Index ldo, const KV* kp,
+                          Index ldk, const KV* vp, Index ldv, Index b, Index hk, Index c0, T* p, T* ds) {
+    if constexpr (f32) {
+      if (k_t_base != nullptr && c0 >= 0) {
+        gemm_f32_brgemm(m, n, d.E, 1.f, qp, ldq, k_t_base + (b * d.Hkv + hk) * d.E * kv_ld + c0, kv_ld, 0.f, p, n);
+        gemm_f32_brgemm(m, n, d.Ev, 1.f, dop, ldo, v_t_base + (b * d.Hkv + hk) * d.Ev * kv_ld + c0, kv_ld, 0.f, ds,
+                        n);
+        return;
+      }
+    }
+    product<T, KV>(false, true, m, n, d.E, T(1), qp, ldq, kp, ldk, T(0), p, n);
+    product<T, KV>(false, true, m, n, d.Ev, T(1), dop, ldo, vp, ldv, T(0), ds, n);
   };
   each_item(d.B * d.Hkv * blocks, deterministic && bias_grad, [&](const auto& next) {
     Tensor p_buf, ds_buf, qg_buf, dog_buf, dqg_buf, pk_buf, dsk_buf, kb_buf, vb_buf;
@@ -300,7 +330,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     // the transposed sums of a key block (dK^T and dV^T, [E x cp] and [Ev x cp]) and a chunk's P or dS packed
     const Index cp_max = (kv_rows + 15) / 16 * 16;
     std::vector<float> dk_t(q_t.defined() ? d.E * cp_max : 0), dv_t(q_t.defined() ? d.Ev * cp_max : 0);
-    std::vector<KV> pairs(q_t.defined() ? (q_chunk + 1) / 2 * 2 * cp_max : 0);
+    std::vector<KV> pairs(q_t.defined() && !f32 ? (q_chunk + 1) / 2 * 2 * cp_max : 0);
     for (Index it = 0; next(it);) {
       const Index blk = interleaved(it % blocks, blocks), hk = (it / blocks) % d.Hkv, b = it / (blocks * d.Hkv);
       const Index j0 = blk * kv_rows, cols = std::min(kv_rows, d.S - j0), cp = (cols + 15) / 16 * 16;
@@ -323,8 +353,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
         // i0: the first of n consecutive rows (their packed operands may be read), or -1 (rows gathered).
         const auto rows_chunk = [&](Index n, Index i0, const KV* qp, Index ldq, const KV* dop, Index ldo,
                                     const auto& row, const auto& add_dq) {
-          product<T, KV>(false, true, n, cols, d.E, T(1), qp, ldq, kp, ldk, T(0), p, cols);
-          product<T, KV>(false, true, n, cols, d.Ev, T(1), dop, ldo, vp, ldv, T(0), ds, cols);
+          scores(n, cols, qp, ldq, dop, ldo, kp, ldk, vp, ldv, b, hk, j0, p, ds);
           for (Index r = 0; r < n; ++r) {
             const Index i = row(r);
             const Index count = R.ranges(set, i, j0, cols, rg);
@@ -341,7 +370,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
             }
           }
           bool done = false;
-          if constexpr (std::is_same_v<KV, c10::BFloat16> && !widens) {
+          if constexpr ((std::is_same_v<KV, c10::BFloat16> && !widens) || f32) {
             const KV* dot = transposed_at(do_t, b, h, i0, n);
             const KV* qt = transposed_at(q_t, b, h, i0, n);
             if (dot != nullptr && qt != nullptr) {
@@ -350,10 +379,15 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
                 std::fill(dv_t.begin(), dv_t.begin() + d.Ev * cp, 0.f);
                 summed_t = true;
               }
-              pack_row_pairs(p, cols, n, cols, cp, pairs.data());
-              brgemm_into(d.Ev, cp, n, dot, t_ld, pairs.data(), cp, 1.f, 1.f, dv_t.data(), cp);
-              pack_row_pairs(ds, cols, n, cols, cp, pairs.data());
-              brgemm_into(d.E, cp, n, qt, t_ld, pairs.data(), cp, 1.f, 1.f, dk_t.data(), cp);
+              if constexpr (f32) {  // P and dS row-major as they are: brgemm's B
+                gemm_f32_brgemm(d.Ev, cols, n, 1.f, dot, t_ld, p, cols, 1.f, dv_t.data(), cp);
+                gemm_f32_brgemm(d.E, cols, n, 1.f, qt, t_ld, ds, cols, 1.f, dk_t.data(), cp);
+              } else {
+                pack_row_pairs(p, cols, n, cols, cp, pairs.data());
+                brgemm_into(d.Ev, cp, n, dot, t_ld, pairs.data(), cp, 1.f, 1.f, dv_t.data(), cp);
+                pack_row_pairs(ds, cols, n, cols, cp, pairs.data());
+                brgemm_into(d.E, cp, n, qt, t_ld, pairs.data(), cp, 1.f, 1.f, dk_t.data(), cp);
+              }
               done = true;
             }
           }
@@ -440,9 +474,8 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     const Index base = (b * d.H + h) * d.L;
     key_chunks<T, KV, S>(R, R.set(b, h), g, row, kv_rows, q_chunk, k, v, bias, b, h, h / G, w.keys,
                   [&](const KV* kp, Index ldk, const KV* vp, Index ldv, Index kc, const auto& visible,
-                      const auto& bias_of, Index /*c0*/) {
-      product<T, KV>(false, true, g, kc, d.E, T(1), qp, ldq, kp, ldk, T(0), w.p, kc);
-      product<T, KV>(false, true, g, kc, d.Ev, T(1), dop, ldo, vp, ldv, T(0), w.ds, kc);
+                      const auto& bias_of, Index c0) {
+      scores(g, kc, qp, ldq, dop, ldo, kp, ldk, vp, ldv, b, h / G, c0, w.p, w.ds);
       for (Index r = 0; r < g; ++r) {
         const Index i = row(r);
         const Index count = i < 0 ? 0 : visible(i, w.rg);  // (none: zeros, and the statistics are not read)

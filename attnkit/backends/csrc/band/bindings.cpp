@@ -71,7 +71,8 @@ PYBIND11_MODULE(ATTNKIT_BAND_MODULE, m) {
                     "brgemm, which this torch or CPU does not have");
         f32_brgemm.store(on);
       },
-      "whether untransposed float32 products go through oneDNN's brgemm instead of the BLAS's sgemm (process-wide)");
+      "whether float32 products go through oneDNN's brgemm instead of the BLAS's sgemm, the transposed ones "
+      "from copies made once per call (process-wide)");
   m.def("f32_brgemm", [] { return f32_brgemm.load(); }, "what set_f32_brgemm set (False at first)");
   m.def("f32_product_times", &f32_product_times,
         "f32_product_times(reps) -> [sgemm seconds, brgemm seconds] for reps of a few tile products, best of three");

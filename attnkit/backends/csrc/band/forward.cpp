@@ -33,10 +33,11 @@ bool few_reads(const Tensor& q, const Tensor& k, Index q_rows, const Rows& R) {
   return true;
 }
 
-// Whether the forward packs k^T once for the call: bfloat16 products through brgemm, where many blocks of rows
-// read each key (not few_reads).
+// Whether the forward packs k^T once for the call: products through brgemm (bfloat16, or float32 where
+// set_f32_brgemm chose it), where many blocks of rows read each key (not few_reads).
 bool packs_keys(const Tensor& q, const Tensor& k, Index q_rows, const Rows& R) {
-  return brgemm_bf16() && q_rows >= BRGEMM_ROWS && !few_reads(q, k, q_rows, R);
+  const bool brgemm = k.scalar_type() == at::kFloat ? f32_brgemm.load(std::memory_order_relaxed) : brgemm_bf16();
+  return brgemm && q_rows >= BRGEMM_ROWS && !few_reads(q, k, q_rows, R);
 }
 
 // Half products (KV = Store = c10::BFloat16 or c10::Half, with T = float): q, k and v are read as they are
@@ -83,6 +84,18 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       keys_scaled = prescale;
       packed_buf = pack_keys(k, packed_ld, packed_pairs, keys_scaled ? exponent - 1 : 0);
       values_buf = pack_rows(v, values_ld, values_pairs);
+    }
+  }
+  // float32 products through brgemm likewise: k^T copied once per call (transposed_f32), the B that brgemm reads
+  // for q k^T (sgemm reads k as it is stored). Not scaled: the queries take the scale as they are copied.
+  constexpr bool f32 = std::is_same_v<T, float> && std::is_same_v<KV, float> && std::is_same_v<KS, float>;
+  Tensor keys_t;
+  const float* keys_t_base = nullptr;
+  Index keys_t_ld = 0;
+  if constexpr (f32) {
+    if (packs_keys(q, k, q_rows, R)) {
+      keys_t = transposed_f32(k, keys_t_ld);
+      keys_t_base = keys_t.data_ptr<float>();
     }
   }
   const bool queries_scaled = prescale && !keys_scaled;
@@ -150,6 +163,13 @@ void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out
       if constexpr (halves && std::is_same_v<KV, c10::BFloat16>) {
         if (keys_packed && c0 >= 0 && g >= BRGEMM_ROWS) {  // columns c0.. of the keys packed once for the call
           product_packed(g, kc, d.E, qp, lda, packed_keys(b, h / G) + c0, packed_ld, 0.f, s, kc);
+          done = true;
+        }
+      }
+      if constexpr (f32) {
+        if (keys_t_base != nullptr && c0 >= 0) {  // columns c0.. of k^T, copied once for the call
+          gemm_f32_brgemm(g, kc, d.E, unpacked_factor, qp, lda, keys_t_base + (b * d.Hkv + h / G) * d.E * keys_t_ld + c0,
+                          keys_t_ld, 0.f, s, kc);
           done = true;
         }
       }

@@ -58,7 +58,8 @@
 // v once more before the call.
 //
 // Matrix products go to the BLAS that torch itself links (sgemm_/dgemm_, looked up weakly so that
-// a torch without them still loads this module: has_blas() then says no and nothing here is used).
+// a torch without them still loads this module: has_blas() then says no and nothing here is used), or
+// float32 ones to oneDNN's brgemm where the Python side chose it (set_f32_brgemm; products.h).
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: gemm() swaps the operands.
 #pragma once
 

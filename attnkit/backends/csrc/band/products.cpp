@@ -319,7 +319,6 @@ void gemm_bf16_brgemm(bool ta, bool tb, Index m, Index n, Index k, float alpha, 
   brgemm_into(m, n, kp, A, la, packed, np, alpha, beta, c, ldc);
 }
 
-// The end of a thread's share of a call: a micro-kernel's hardware state (AMX's tile configuration) let go.
 bool has_f32_brgemm() {
 #if defined(CPUBLAS_BRGEMM_F32F32F32)
   static const bool works = [] {
@@ -359,21 +358,22 @@ void gemm_f32_brgemm(Index m, Index n, Index k, float alpha, const float* a, Ind
   if (!direct) scale_into(m, n, alpha, C, lc, beta, c, ldc);
 }
 
+// The end of a thread's share of a call: a micro-kernel's hardware state (AMX's tile configuration) let go.
 void release_products() {
   if (brgemm_buffers.used) {
     brgemm_buffers.used = false;
     at::native::cpublas::brgemm_release(true);
   }
 }
-// out: t's heads ([B, H, L, E] bfloat16), each made into `size` bfloat16 values by pack(its first row, its part
-// of out), side by side in one bfloat16 tensor [B, H, size]. In parallel over (b, h).
-template <typename Pack>
+// out: t's heads ([B, H, L, E] of type X), each made into `size` values of X by pack(its first row, its part of
+// out), side by side in one tensor [B, H, size]. In parallel over (b, h).
+template <typename X, typename Pack>
 Tensor packed_per_head(const Tensor& t, Index size, const Pack& pack) {
   const Index B = t.size(0), H = t.size(1);
-  Tensor out = at::empty({B, H, size}, t.options().dtype(at::kBFloat16));
-  BF16* base = out.data_ptr<BF16>();
+  Tensor out = at::empty({B, H, size}, t.options().dtype(c10::CppTypeToScalarType<X>::value));
+  X* base = out.data_ptr<X>();
   at::parallel_for(0, B * H, 1, [&](Index begin, Index end) {
-    for (Index x = begin; x < end; ++x) pack(row_ptr<BF16>(t, x / H, x % H, 0), base + x * size);
+    for (Index x = begin; x < end; ++x) pack(row_ptr<X>(t, x / H, x % H, 0), base + x * size);
   });
   return out;
 }
@@ -387,7 +387,7 @@ Tensor pack_keys(const Tensor& k, Index& ld, Index& pairs, int e) {
   const Index S = k.size(2), E = k.size(3), kp = round_up(E, BRGEMM_Q);
   ld = round_up(S + BRGEMM_Q, 256);
   pairs = kp / 2;
-  return packed_per_head(k, pairs * ld * 2, [&](const BF16* rows, BF16* to) {
+  return packed_per_head<BF16>(k, pairs * ld * 2, [&](const BF16* rows, BF16* to) {
     pack_vnni(true, E, S, rows, k.stride(2), kp, ld, to, e);
   });
 }
@@ -410,7 +410,7 @@ Tensor pack_rows(const Tensor& t, Index& ld, Index& pairs) {
   const Index L = t.size(2), E = t.size(3), lp = round_up(L, BRGEMM_Q);
   ld = round_up(E, BRGEMM_Q);
   pairs = lp / 2;
-  return packed_per_head(t, pairs * ld * 2, [&](const BF16* rows, BF16* to) {
+  return packed_per_head<BF16>(t, pairs * ld * 2, [&](const BF16* rows, BF16* to) {
     pack_vnni(false, L, E, rows, t.stride(2), lp, ld, to);
   });
 }
@@ -424,8 +424,37 @@ Tensor pack_rows(const Tensor& t, Index& ld, Index& pairs) {
 Tensor transposed_rows(const Tensor& t, Index& ld) {
   const Index L = t.size(2), E = t.size(3);
   ld = round_up(L + BRGEMM_Q, 256);
-  return packed_per_head(t, round_up(E, BRGEMM_Q) * ld, [&](const BF16* rows, BF16* to) {
+  return packed_per_head<BF16>(t, round_up(E, BRGEMM_Q) * ld, [&](const BF16* rows, BF16* to) {
     transposed_into(E, L, ld, rows, t.stride(2), to);
+  });
+}
+
+// Each (b, h)'s t ([B, H, L, E] float32) transposed, laid out as float [B, H, E * ld] (ld: L rounded up to 256,
+// and BRGEMM_Q more: the leading dimension picks brgemm's micro-kernel, which torch builds and keeps per shape and
+// thread, so calls of many lengths share few; and rows of the copy a power of two bytes apart would share the
+// cache's sets), nothing past L. Columns c0 .. c0 + n of it are then B of q k^T over keys c0 .. c0 + n (t = k),
+// or A of q^T dS over rows c0 .. c0 + n (t = q). Blocks of 16 x 16 floats, as 32-bit words (transpose_16x16).
+// In parallel over (b, h).
+Tensor transposed_f32(const Tensor& t, Index& ld) {
+  const Index L = t.size(2), E = t.size(3), lt = t.stride(2);
+  ld = round_up(L, 256) + BRGEMM_Q;
+  return packed_per_head<float>(t, E * ld, [&](const float* rows, float* to) {
+    Index i0 = 0;
+#if defined(__AVX512F__)
+    for (; i0 + 16 <= L; i0 += 16) {
+      Index e0 = 0;
+      for (; e0 + 16 <= E; e0 += 16) {
+        transpose_16x16(reinterpret_cast<const BF16*>(rows + i0 * lt + e0), 2 * lt,
+                        reinterpret_cast<uint32_t*>(to + e0 * ld + i0), ld);
+      }
+      for (Index e = e0; e < E; ++e) {
+        for (Index i = i0; i < i0 + 16; ++i) to[e * ld + i] = rows[i * lt + e];
+      }
+    }
+#endif
+    for (Index e = 0; e < E; ++e) {
+      for (Index i = i0; i < L; ++i) to[e * ld + i] = rows[i * lt + e];
+    }
   });
 }
 #else
@@ -438,18 +467,24 @@ void release_products() {}
 Tensor pack_keys(const Tensor&, Index&, Index&, int) { TORCH_CHECK(false, "band kernel: no brgemm to pack keys for"); }
 Tensor pack_rows(const Tensor&, Index&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to pack rows for"); }
 Tensor transposed_rows(const Tensor&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to transpose rows for"); }
+Tensor transposed_f32(const Tensor&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to transpose rows for"); }
 #endif  // brgemm
-// Whether the kernel has a bfloat16 product: oneDNN's brgemm or MKL's.
 std::atomic<bool> f32_brgemm{false};
 
-// Seconds for `reps` of the untransposed float32 products of a forward's and a backward's tiles (p v over 320 and
-// over 1024 keys, dS k), best of three, through sgemm and through brgemm: {sgemm, brgemm}. One thread.
+// Seconds for `reps` of the float32 products of a forward's and a backward's tiles (p v over 320 and over 1024 keys,
+// dS k, q k^T over 576 keys), best of three, through sgemm and through brgemm: {sgemm, brgemm}. sgemm reads the
+// keys of q k^T as they are stored, brgemm a transposed copy (transposed_f32: made once per call, not timed). One
+// thread.
 std::vector<double> f32_product_times(Index reps) {
   TORCH_CHECK(reps >= 1 && reps <= 100000, "band kernel: reps must be between 1 and 100000, got ", reps);
   struct Case { Index m, n, k; };
   const Case cases[] = {{64, 64, 320}, {64, 64, 1024}, {64, 64, 64}};
-  std::vector<float> a(64 * 1024), b(1024 * 64), c(64 * 64);
+  constexpr Index keys = 576, E = 64, ld = keys + 16;
+  std::vector<float> a(64 * 1024), b(1024 * 64), c(64 * keys), kt(E * ld);
   for (size_t i = 0; i < a.size(); ++i) a[i] = float(i % 13) / 13.f - 0.5f, b[i] = float(i % 11) / 11.f - 0.5f;
+  for (Index j = 0; j < keys; ++j) {
+    for (Index e = 0; e < E; ++e) kt[e * ld + j] = b[j * E + e];
+  }
   const bool was = f32_brgemm.load();
   std::vector<double> best(2, 1e30);
   for (int round = 0; round < 3; ++round) {
@@ -459,6 +494,11 @@ std::vector<double> f32_product_times(Index reps) {
       for (Index r = 0; r < reps; ++r) {
         for (const Case& x : cases) gemm<float>(false, false, x.m, x.n, x.k, 1.f, a.data(), x.k, b.data(), x.n, 0.f,
                                                 c.data(), x.n);
+        if (way == 1) {
+          gemm_f32_brgemm(64, keys, E, 1.f, a.data(), E, kt.data(), ld, 0.f, c.data(), keys);
+        } else {
+          gemm<float>(false, true, 64, keys, E, 1.f, a.data(), E, b.data(), E, 0.f, c.data(), keys);
+        }
       }
       best[way] = std::min(best[way], std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }

@@ -1,20 +1,22 @@
-// The kernel's matrix products: float32 and float64 through the BLAS torch links, bfloat16 and float16 into
-// float32 through oneDNN's batch-reduce GEMM micro-kernel (at::native::cpublas::brgemm) or MKL's half
+// The kernel's matrix products: float64 through the BLAS torch links, float32 through it or oneDNN's batch-reduce
+// GEMM micro-kernel (at::native::cpublas::brgemm), bfloat16 and float16 into float32 through brgemm or MKL's half
 // products, with the packing brgemm reads. Templates and the one-product dispatch (product) are here,
 // inline where the forward and backward call them per tile; the packing and brgemm's thread state are in
-// products.cpp. This is where further product paths (AMX tiles, float32 through brgemm) belong.
+// products.cpp. This is where further product paths (AMX tiles, ...) belong.
 #pragma once
 
 #include "common.h"
 
 namespace attnkit::band {
 
-// float32 products with neither operand transposed (p v in the forward, dS k in the backward, ...) through
-// oneDNN's brgemm instead of the BLAS's sgemm: MKL runs AVX2 code on AMD CPUs, where brgemm's float32
-// micro-kernel runs AVX-512. Off until the Python side has timed both here, found brgemm faster and its
-// self-check passed (set_f32_brgemm). Transposed products stay with sgemm: copying an operand transposed for
-// brgemm (keys of a long causal row) cost more than it saved. Another summation order than sgemm's: results
-// within the float32 tolerances, not bit for bit sgemm's.
+// float32 products through oneDNN's brgemm instead of the BLAS's sgemm: MKL runs AVX2 code on AMD CPUs, where
+// brgemm's float32 micro-kernel runs AVX-512. Off until the Python side has timed both here, found brgemm faster
+// and its self-check passed (set_f32_brgemm). brgemm reads both operands row-major: products with neither stored
+// transposed (p v in the forward, dS k in the backward, ...) take it as they are; the transposed ones read
+// copies made once per call (transposed_f32: k^T for q k^T, and in the backward v^T, q^T and dout^T, where dV
+// and dK are summed transposed), since a transposed copy per product (keys of a long causal row) cost more than
+// brgemm saved. Another summation order than sgemm's: results within the float32 tolerances, not bit for bit
+// sgemm's.
 extern std::atomic<bool> f32_brgemm;
 // Whether brgemm computes float32 products here (checked once, exactly, on a small product; then: oneDNN on).
 bool has_f32_brgemm();
@@ -22,6 +24,8 @@ bool has_f32_brgemm();
 // 1, through a pass over the result in this thread's buffer).
 void gemm_f32_brgemm(Index m, Index n, Index k, float alpha, const float* a, Index lda, const float* b, Index ldb,
                      float beta, float* c, Index ldc);
+// Each (b, h)'s t ([B, H, L, E] float32) transposed, as float [B, H, E * ld], for brgemm (see products.cpp).
+Tensor transposed_f32(const Tensor& t, Index& ld);
 
 // Row-major C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C; ta/tb: the operand is stored transposed.
 template <typename T>
