@@ -1,11 +1,11 @@
 """The band kernel's float32 products through oneDNN's brgemm or the BLAS's sgemm (``set_f32_brgemm``).
 
-With brgemm on, the transposed products read copies made once per call (k^T for q k^T; in the backward v^T,
-q^T and dout^T too, where dV and dK are summed transposed): each way is held to the float32 row of the tolerance
-table against the float64 formula, outputs and gradients, over odd head sizes (E not a multiple of 16, Ev != E),
-lengths that are not a multiple of the tiles, windows, causal with ``Lq != Lk``, documents with rows that see
-nothing, grouped heads, global tokens (gathered keys and rows), strided inputs and dQ from its own pass
-(deterministic algorithms).
+With brgemm on, the transposed products read transposed copies (k^T for q k^T, once per call; in the backward
+q^T and dout^T once per call, where dV and dK are summed transposed, and each key block's k^T and v^T): each way
+is held to the float32 row of the tolerance table against the float64 formula, outputs and gradients, over odd
+head sizes (E not a multiple of 16, Ev != E), lengths that are not a multiple of the tiles, windows, causal with
+``Lq != Lk``, a few rows over a longer cache, documents with rows that see nothing, grouped heads, global tokens
+(gathered keys and rows), strided inputs and dQ from its own pass (deterministic algorithms).
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ CASES = {
     "window_wide_head": ((1, 2, 1, 300, 300, 64, 64), {"window": (70, 70)}),
     "causal_lq_below_lk": ((2, 2, 2, 130, 200, 33, 17), {"is_causal": True}),
     "causal_lq_above_lk": ((1, 4, 1, 200, 130, 16, 16), {"is_causal": True}),
+    "few_rows_long_cache": ((1, 4, 2, 3, 260, 16, 16), {"is_causal": True}),
     "documents_some_rows_see_nothing": ((2, 4, 2, 70, 70, 12, 12), {"mask_mod": masks.document_mod(
         torch.tensor([0] * 13 + [1] * 30 + [3] * 2 + [4] * 25), torch.tensor([0] * 40 + [3] * 30))}),
     "global_tokens": ((1, 2, 2, 300, 300, 24, 24), {"mask_mod": masks.global_tokens_mod(12, [0, 1, 150])}),

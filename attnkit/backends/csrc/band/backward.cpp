@@ -272,9 +272,12 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
   // dK^T += q^T dS, into the thread's sums (added to dV and dK once the block's rows are done). Their right
   // operands are then P and dS with pairs of rows interleaved as they are rounded (pack_row_pairs), where
   // P^T and dS^T would be transposed for every chunk; their left ones, dout^T and q^T, are made once per call.
-  // float32 products through brgemm (set_f32_brgemm) the same way, from float32 copies (transposed_f32), and
-  // q k^T and dout v^T from k^T and v^T, copied once per call too (brgemm reads B row-major; sgemm reads k and v
-  // as they are stored).
+  // float32 products through brgemm (set_f32_brgemm) the same way, from float32 copies (transposed_f32). brgemm
+  // reads B row-major, where sgemm reads k and v as they are stored for q k^T and dout v^T: a key block's k^T
+  // and v^T are made once for the block, into the thread's buffers (its every chunk of rows and head of the
+  // group reads them; a copy per call would be one more pass over k and v, which costs more than brgemm saves
+  // where few rows read each key), and for dQ's own pass, which walks blocks of rows as the forward does, once
+  // per call where many blocks read each key (packs_keys).
   constexpr bool f32 = std::is_same_v<T, float> && std::is_same_v<KV, float> && !widens;
   Tensor q_t, do_t, k_t, v_t;
   Index t_ld = 0, kv_ld = 0;
@@ -287,8 +290,10 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     if (f32_brgemm.load(std::memory_order_relaxed) && q_chunk >= BRGEMM_ROWS) {
       q_t = transposed_f32(q, t_ld);
       do_t = transposed_f32(dout, t_ld);
-      k_t = transposed_f32(k, kv_ld);
-      v_t = transposed_f32(v, kv_ld);
+      if (deterministic && packs_keys(q, k, kv_rows, R)) {
+        k_t = transposed_f32(k, kv_ld);
+        v_t = transposed_f32(v, kv_ld);
+      }
     }
   }
   // rows i0 .. i0 + n of (b, h) as columns of q^T (or dout^T), where the transposed sums take them (else nullptr;
@@ -297,18 +302,15 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     if (!t.defined() || i0 < 0 || (!f32 && (i0 % 2 != 0 || n % BRGEMM_Q != 0))) return nullptr;
     return static_cast<const KV*>(t.data_ptr()) + (b * d.H + h) * t.size(2) + i0;  // (t: [B, H, Ep * t_ld])
   };
-  // S = q k^T and dP = dout v^T of m rows (qp, dop: rows ldq, ldo apart) against keys c0 .. c0 + n of (b, hk) (kp,
-  // vp: rows ldk, ldv apart; c0 < 0: gathered), into p and ds (rows n apart): from k^T and v^T where they were
-  // copied and the keys are read in place.
-  const float* const k_t_base = k_t.defined() ? k_t.data_ptr<float>() : nullptr;
-  const float* const v_t_base = v_t.defined() ? v_t.data_ptr<float>() : nullptr;
+  // S = q k^T and dP = dout v^T of m rows (qp, dop: rows ldq, ldo apart) against n keys (kp, vp: rows ldk, ldv
+  // apart), into p and ds (rows n apart): through brgemm from the keys' k^T and v^T (kt, vt: rows ldt apart) where
+  // they were made, else with the keys as they are stored.
   const auto scores = [&](Index m, Index n, const KV* qp, Index ldq, const KV* dop, Index ldo, const KV* kp,
-                          Index ldk, const KV* vp, Index ldv, Index b, Index hk, Index c0, T* p, T* ds) {
+                          Index ldk, const KV* vp, Index ldv, const T* kt, const T* vt, Index ldt, T* p, T* ds) {
     if constexpr (f32) {
-      if (k_t_base != nullptr && c0 >= 0) {
-        gemm_f32_brgemm(m, n, d.E, 1.f, qp, ldq, k_t_base + (b * d.Hkv + hk) * d.E * kv_ld + c0, kv_ld, 0.f, p, n);
-        gemm_f32_brgemm(m, n, d.Ev, 1.f, dop, ldo, v_t_base + (b * d.Hkv + hk) * d.Ev * kv_ld + c0, kv_ld, 0.f, ds,
-                        n);
+      if (kt != nullptr) {
+        gemm_f32_brgemm(m, n, d.E, 1.f, qp, ldq, kt, ldt, 0.f, p, n);
+        gemm_f32_brgemm(m, n, d.Ev, 1.f, dop, ldo, vt, ldt, 0.f, ds, n);
         return;
       }
     }
@@ -331,12 +333,24 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     const Index cp_max = (kv_rows + 15) / 16 * 16;
     std::vector<float> dk_t(q_t.defined() ? d.E * cp_max : 0), dv_t(q_t.defined() ? d.Ev * cp_max : 0);
     std::vector<KV> pairs(q_t.defined() && !f32 ? (q_chunk + 1) / 2 * 2 * cp_max : 0);
+    // a key block's k^T and v^T ([E x cp] and [Ev x cp]) for float32 products through brgemm
+    std::vector<T> kt_blk(f32 && q_t.defined() ? d.E * cp_max : 0), vt_blk(f32 && q_t.defined() ? d.Ev * cp_max : 0);
     for (Index it = 0; next(it);) {
       const Index blk = interleaved(it % blocks, blocks), hk = (it / blocks) % d.Hkv, b = it / (blocks * d.Hkv);
       const Index j0 = blk * kv_rows, cols = std::min(kv_rows, d.S - j0), cp = (cols + 15) / 16 * 16;
       Index ldk = 0, ldv = 0;
       const KV* kp = rows_as<KV, S>(k, b, hk, j0, cols, kb, ldk);
       const KV* vp = rows_as<KV, S>(v, b, hk, j0, cols, vb, ldv);
+      const T* kt = nullptr;
+      const T* vt = nullptr;
+      if constexpr (f32) {
+        if (!kt_blk.empty()) {
+          transpose_f32(kp, cols, d.E, ldk, kt_blk.data(), cp);
+          transpose_f32(vp, cols, d.Ev, ldv, vt_blk.data(), cp);
+          kt = kt_blk.data();
+          vt = vt_blk.data();
+        }
+      }
       T* dkp = dk.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.E;
       T* dvp = dv.data_ptr<T>() + ((b * d.Hkv + hk) * d.S + j0) * d.Ev;
       bool summed_t = false;  // the transposed sums hold this block's share
@@ -353,7 +367,7 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
         // i0: the first of n consecutive rows (their packed operands may be read), or -1 (rows gathered).
         const auto rows_chunk = [&](Index n, Index i0, const KV* qp, Index ldq, const KV* dop, Index ldo,
                                     const auto& row, const auto& add_dq) {
-          scores(n, cols, qp, ldq, dop, ldo, kp, ldk, vp, ldv, b, hk, j0, p, ds);
+          scores(n, cols, qp, ldq, dop, ldo, kp, ldk, vp, ldv, kt, vt, cp, p, ds);
           for (Index r = 0; r < n; ++r) {
             const Index i = row(r);
             const Index count = R.ranges(set, i, j0, cols, rg);
@@ -475,7 +489,13 @@ void backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const T
     key_chunks<T, KV, S>(R, R.set(b, h), g, row, kv_rows, q_chunk, k, v, bias, b, h, h / G, w.keys,
                   [&](const KV* kp, Index ldk, const KV* vp, Index ldv, Index kc, const auto& visible,
                       const auto& bias_of, Index c0) {
-      scores(g, kc, qp, ldq, dop, ldo, kp, ldk, vp, ldv, b, h / G, c0, w.p, w.ds);
+      const T* kt = nullptr;
+      const T* vt = nullptr;
+      if (k_t.defined() && c0 >= 0) {  // columns c0.. of k^T and v^T, copied once for the call
+        kt = static_cast<const T*>(k_t.data_ptr()) + (b * d.Hkv + h / G) * d.E * kv_ld + c0;
+        vt = static_cast<const T*>(v_t.data_ptr()) + (b * d.Hkv + h / G) * d.Ev * kv_ld + c0;
+      }
+      scores(g, kc, qp, ldq, dop, ldo, kp, ldk, vp, ldv, kt, vt, kv_ld, w.p, w.ds);
       for (Index r = 0; r < g; ++r) {
         const Index i = row(r);
         const Index count = i < 0 ? 0 : visible(i, w.rg);  // (none: zeros, and the statistics are not read)

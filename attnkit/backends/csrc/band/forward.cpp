@@ -9,37 +9,6 @@
 namespace attnkit::band {
 namespace {
 
-// Whether a half forward without its products reads its keys and values a chunk at a time, widening each as
-// it is read, rather than widening them once (to_float) first: where each key is read at most twice (a query
-// head per key head, at most two blocks of query rows: a decode step, a short chunk of prefill), or where the
-// keys a block of rows sees are few beside all of them, so that widening them for every query head and block
-// (reads x (span + q_rows) keys, span the widest any row sees) costs less than widening every key once (a
-// decode step of a grouped-query model with a window over a long cache). There the copy, a fresh tensor of
-// every key and value, costs more than the attention; where blocks of rows read each key again and again, a
-// float copy is the faster read (see load_row).
-bool few_reads(const Tensor& q, const Tensor& k, Index q_rows, const Rows& R) {
-  const Index reads = (q.size(1) / std::max<Index>(k.size(1), 1)) * ((q.size(2) + q_rows - 1) / q_rows);
-  if (reads <= 2) return true;
-  const Index most = k.size(2) / reads - q_rows;  // the widest span that still reads fewer keys than a copy
-  if (most < 0) return false;
-  for (Index p = 0; p < R.Bp; ++p) {
-    for (Index i = 0; i < R.L; ++i) {
-      const Index o = R.at(p, i);
-      Index last = 0;  // the row's last interval that is not empty (they are sorted, empty ones last)
-      while (last + 1 < R.K && R.s[o + last + 1] < R.e[o + last + 1]) ++last;
-      if (R.s[o] < R.e[o] && R.e[o + last] - R.s[o] > most) return false;
-    }
-  }
-  return true;
-}
-
-// Whether the forward packs k^T once for the call: products through brgemm (bfloat16, or float32 where
-// set_f32_brgemm chose it), where many blocks of rows read each key (not few_reads).
-bool packs_keys(const Tensor& q, const Tensor& k, Index q_rows, const Rows& R) {
-  const bool brgemm = k.scalar_type() == at::kFloat ? f32_brgemm.load(std::memory_order_relaxed) : brgemm_bf16();
-  return brgemm && q_rows >= BRGEMM_ROWS && !few_reads(q, k, q_rows, R);
-}
-
 // Half products (KV = Store = c10::BFloat16 or c10::Half, with T = float): q, k and v are read as they are
 // stored, the two products of a chunk take half operands into float32 (gemm_half: each product exact, sums
 // in float32), and the weights p are rounded to the half type for p v, as FlashAttention does on a GPU; the

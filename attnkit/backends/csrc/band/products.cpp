@@ -429,33 +429,36 @@ Tensor transposed_rows(const Tensor& t, Index& ld) {
   });
 }
 
+// a ([rows x cols] float32, rows la apart) transposed into to ([cols x rows], rows lt apart): blocks of 16 x 16
+// floats as 32-bit words (transpose_16x16), the edges one by one.
+void transpose_f32(const float* a, Index rows, Index cols, Index la, float* to, Index lt) {
+  Index i0 = 0;
+#if defined(__AVX512F__)
+  for (; i0 + 16 <= rows; i0 += 16) {
+    Index c0 = 0;
+    for (; c0 + 16 <= cols; c0 += 16) {
+      transpose_16x16(reinterpret_cast<const BF16*>(a + i0 * la + c0), 2 * la,
+                      reinterpret_cast<uint32_t*>(to + c0 * lt + i0), lt);
+    }
+    for (Index c = c0; c < cols; ++c) {
+      for (Index i = i0; i < i0 + 16; ++i) to[c * lt + i] = a[i * la + c];
+    }
+  }
+#endif
+  for (Index c = 0; c < cols; ++c) {
+    for (Index i = i0; i < rows; ++i) to[c * lt + i] = a[i * la + c];
+  }
+}
+
 // Each (b, h)'s t ([B, H, L, E] float32) transposed, laid out as float [B, H, E * ld] (ld: L rounded up to 256,
 // and BRGEMM_Q more: the leading dimension picks brgemm's micro-kernel, which torch builds and keeps per shape and
 // thread, so calls of many lengths share few; and rows of the copy a power of two bytes apart would share the
 // cache's sets), nothing past L. Columns c0 .. c0 + n of it are then B of q k^T over keys c0 .. c0 + n (t = k),
-// or A of q^T dS over rows c0 .. c0 + n (t = q). Blocks of 16 x 16 floats, as 32-bit words (transpose_16x16).
-// In parallel over (b, h).
+// or A of q^T dS over rows c0 .. c0 + n (t = q). In parallel over (b, h).
 Tensor transposed_f32(const Tensor& t, Index& ld) {
   const Index L = t.size(2), E = t.size(3), lt = t.stride(2);
   ld = round_up(L, 256) + BRGEMM_Q;
-  return packed_per_head<float>(t, E * ld, [&](const float* rows, float* to) {
-    Index i0 = 0;
-#if defined(__AVX512F__)
-    for (; i0 + 16 <= L; i0 += 16) {
-      Index e0 = 0;
-      for (; e0 + 16 <= E; e0 += 16) {
-        transpose_16x16(reinterpret_cast<const BF16*>(rows + i0 * lt + e0), 2 * lt,
-                        reinterpret_cast<uint32_t*>(to + e0 * ld + i0), ld);
-      }
-      for (Index e = e0; e < E; ++e) {
-        for (Index i = i0; i < i0 + 16; ++i) to[e * ld + i] = rows[i * lt + e];
-      }
-    }
-#endif
-    for (Index e = 0; e < E; ++e) {
-      for (Index i = i0; i < L; ++i) to[e * ld + i] = rows[i * lt + e];
-    }
-  });
+  return packed_per_head<float>(t, E * ld, [&](const float* rows, float* to) { transpose_f32(rows, L, E, lt, to, ld); });
 }
 #else
 bool brgemm_bf16() { return false; }
@@ -468,6 +471,9 @@ Tensor pack_keys(const Tensor&, Index&, Index&, int) { TORCH_CHECK(false, "band 
 Tensor pack_rows(const Tensor&, Index&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to pack rows for"); }
 Tensor transposed_rows(const Tensor&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to transpose rows for"); }
 Tensor transposed_f32(const Tensor&, Index&) { TORCH_CHECK(false, "band kernel: no brgemm to transpose rows for"); }
+void transpose_f32(const float*, Index, Index, Index, float*, Index) {
+  TORCH_CHECK(false, "band kernel: no brgemm to transpose rows for");
+}
 #endif  // brgemm
 std::atomic<bool> f32_brgemm{false};
 

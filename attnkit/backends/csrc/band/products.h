@@ -26,6 +26,8 @@ void gemm_f32_brgemm(Index m, Index n, Index k, float alpha, const float* a, Ind
                      float beta, float* c, Index ldc);
 // Each (b, h)'s t ([B, H, L, E] float32) transposed, as float [B, H, E * ld], for brgemm (see products.cpp).
 Tensor transposed_f32(const Tensor& t, Index& ld);
+// a ([rows x cols] float32, rows la apart) transposed into to ([cols x rows], rows lt apart).
+void transpose_f32(const float* a, Index rows, Index cols, Index la, float* to, Index lt);
 
 // Row-major C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C; ta/tb: the operand is stored transposed.
 template <typename T>
