@@ -524,7 +524,8 @@ def _checked():
 
 def float32_products() -> str:
     """Which product the kernel's float32 products take here: ``"oneDNN brgemm"`` (the transposed ones, q k^T and
-    the backward's, from transposed copies of q, k, v and the output's gradient made once per call) or
+    the backward's, from transposed copies of the keys, values, queries and output gradient, each made once for
+    all the products that read it) or
     ``"BLAS sgemm"``, with why (chosen once per process by timing both on the kernel's tile shapes, after a
     self-check; ``ATTNKIT_F32_BRGEMM=1`` or ``0`` decides instead). ``attnkit bench dtypes`` prints it."""
     return _f32_products if available() else "none (the kernel is not available)"

@@ -72,7 +72,7 @@ PYBIND11_MODULE(ATTNKIT_BAND_MODULE, m) {
         f32_brgemm.store(on);
       },
       "whether float32 products go through oneDNN's brgemm instead of the BLAS's sgemm, the transposed ones "
-      "from copies made once per call (process-wide)");
+      "from transposed copies of their operands (process-wide)");
   m.def("f32_brgemm", [] { return f32_brgemm.load(); }, "what set_f32_brgemm set (False at first)");
   m.def("f32_product_times", &f32_product_times,
         "f32_product_times(reps) -> [sgemm seconds, brgemm seconds] for reps of a few tile products, best of three");

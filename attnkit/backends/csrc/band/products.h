@@ -13,9 +13,10 @@ namespace attnkit::band {
 // brgemm's float32 micro-kernel runs AVX-512. Off until the Python side has timed both here, found brgemm faster
 // and its self-check passed (set_f32_brgemm). brgemm reads both operands row-major: products with neither stored
 // transposed (p v in the forward, dS k in the backward, ...) take it as they are; the transposed ones read
-// copies made once per call (transposed_f32: k^T for q k^T, and in the backward v^T, q^T and dout^T, where dV
-// and dK are summed transposed), since a transposed copy per product (keys of a long causal row) cost more than
-// brgemm saved. Another summation order than sgemm's: results within the float32 tolerances, not bit for bit
+// transposed copies made once for all the products that read them (transposed_f32, transpose_f32: k^T once per
+// call for the forward's q k^T; in the backward q^T and dout^T once per call, where dV and dK are summed
+// transposed, and each key block's k^T and v^T once per block), since a transposed copy per product (keys of a
+// long causal row) cost more than brgemm saved. Another summation order than sgemm's: results within the float32 tolerances, not bit for bit
 // sgemm's.
 extern std::atomic<bool> f32_brgemm;
 // Whether brgemm computes float32 products here (checked once, exactly, on a small product; then: oneDNN on).
