@@ -77,16 +77,22 @@ def attention(
 
 
 def which_backend(query: Tensor, key: Tensor, value: Tensor, *, backend: str = "auto", **kwargs) -> str:
-    """The name of the backend ``attention`` would run for these arguments (nothing is computed)."""
-    return checked(query, key, value, backend=backend, **kwargs)[1].name
+    """The name of the backend ``attention`` would run for these arguments (nothing is computed; whether its
+    dense tensors would fit in memory is not asked)."""
+    return backends.select(validate_call(query, key, value, **kwargs), backend).name
 
 
 def checked(query: Tensor, key: Tensor, value: Tensor, *, backend: str = "auto", **kwargs) -> tuple[Call, Backend]:
     """:func:`attention`'s first half: its arguments validated and its backend chosen, nothing computed. Every
     error of a call is raised here, so a caller that changes state for a call (a KV cache's write) runs this
-    first, then the change, then :func:`run`."""
+    first, then the change, then :func:`run`. That includes the memory error of the backend chosen, when it forms
+    dense tensors (its ``check_fits``: :mod:`attnkit.backends.refusals`)."""
     req = validate_call(query, key, value, **kwargs)
-    return req, backends.select(req, backend)
+    chosen = backends.select(req, backend)
+    fits = getattr(chosen, "check_fits", None)
+    if fits is not None:
+        fits(req)
+    return req, chosen
 
 
 def run(req: Call, chosen: Backend) -> tuple[Tensor, Tensor | None]:

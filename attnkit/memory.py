@@ -65,6 +65,19 @@ def check_dense_fits(what: str, shape, dtype: torch.dtype, copies: int) -> None:
                          "return_weights=False); a window= also restricts the work to nearby keys")
 
 
+class Fits:
+    """The kind under which :func:`check_fits_once` notes, in a call's :class:`attnkit.call.Derived`, that its dense
+    tensors fit."""
+
+
+def check_fits_once(req, backend: str, check, *args) -> None:
+    """``check(*args)``, ``backend``'s memory check of call ``req`` (it raises when the call's dense tensors would
+    not fit), once per call and backend: when the call is checked (:func:`attnkit.functional.checked`, before a KV
+    cache is written), not again when the backend runs it. The note holds nothing of the call's values, so it
+    outlives a cache's write (the sizes do not change)."""
+    req.derived.plan(Fits, check, *args, key=(backend,))
+
+
 @assume_constant_result
 def _free_memory() -> int:
     """Unused physical memory, a cheap lower bound of what is available (0 where unknown)."""

@@ -14,7 +14,7 @@ from torch import Tensor
 from .. import scores
 from ..call import Call
 from ..dtypes import compute_dtype
-from ..memory import check_dense_fits
+from ..memory import check_dense_fits, check_fits_once
 from ..ops import masked_softmax
 
 
@@ -39,10 +39,16 @@ class ReferenceBackend:
     def not_supported_reasons(self, req: Call) -> list[str]:
         return []
 
+    def check_fits(self, req: Call) -> None:
+        """Refuse ``req`` when its scores, exponentials and weights would not fit (:mod:`attnkit.memory`); asked
+        while the call is checked (:func:`attnkit.functional.checked`), before a KV cache is written."""
+        check_fits_once(req, self.name, check_dense_fits, "the reference backend (scores, exponentials, weights)",
+                        req.scores_shape, compute_dtype(req.query.dtype), 3)
+
     def __call__(self, req: Call) -> tuple[Tensor, Tensor | None]:
+        self.check_fits(req)  # for a caller that runs the backend itself (checked: a look-up)
         dtype = req.query.dtype
         compute = compute_dtype(dtype)
-        check_dense_fits("the reference backend (scores, exponentials, weights)", req.scores_shape, compute, 3)
         q = req.query.to(compute)
         k = expand_kv(req.key, req.heads).to(compute)
         v = expand_kv(req.value, req.heads).to(compute)

@@ -5,6 +5,11 @@ A backend's ``REFUSALS`` is a tuple of (what the call asks for, why this backend
 kernels that need it, what only working the call out can tell (the band kernel: whether the mask has
 an interval form). Reading a backend's table tells what it serves without running it; when nothing
 fits, :func:`attnkit.backends.select` lists every candidate's reasons.
+
+Memory is not a refusal: a backend that forms dense ``[..., H, Lq, Lk]`` tensors (the reference, SDPA's
+combined mask) has ``check_fits(call)``, asked of the backend chosen, and of it alone, while
+:func:`attnkit.functional.checked` checks the call (before a KV cache is written). So ``"auto"`` chooses
+as it always has, and the error is :mod:`attnkit.memory`'s, naming the limit and the way out.
 """
 
 from __future__ import annotations

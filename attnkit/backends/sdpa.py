@@ -45,6 +45,7 @@ longer than converting and running in float32. bfloat16 stays bfloat16, whose CP
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,7 @@ from torch.torch_version import TorchVersion
 
 from .. import _cpu, masks, nonfinite
 from ..call import Call
-from ..memory import check_dense_fits
+from ..memory import check_dense_fits, check_fits_once
 from .reference import expand_kv
 from .refusals import Refusal, reasons
 
@@ -92,28 +93,26 @@ class SDPABackend:
         seen = _total(req.query) + _total(probe)
         return (out, None) if math.isfinite(seen.item()) else None
 
+    def check_fits(self, req: Call) -> None:
+        """Refuse ``req`` when the attn_mask it would combine (mask, bias and a causal mask) would not fit
+        (:mod:`attnkit.memory`); asked while the call is checked (:func:`attnkit.functional.checked`), before a
+        KV cache is written."""
+        check_fits_once(req, self.name, _check_fits, req)
+
     def _run(self, req: Call) -> tuple[Tensor, Tensor | None]:
         """The output, and the probe row's output of a folded call (else None)."""
+        self.check_fits(req)  # for a caller that runs the backend itself (checked: a look-up)
+        plan = _plan(req)
         q, k, v = req.query, req.key, req.value
-        rounded = q.dtype == torch.float16 and q.device.type == "cpu" and not _cpu.has_fp16_products()
-        if rounded:
+        if plan.rounded:
             q, k, v = q.float(), k.float(), v.float()
         mask = req.mask
-        probes = _folds(req) and _probes(req)
-        fold = probes or (_folds(req) and req.heads != req.kv_heads)  # one head each, vouched: nothing to fold
-        # One query aligned bottom-right sits after every key: causal masks nothing (a decode step).
-        is_causal = req.is_causal and req.q_len > 1
-        if is_causal and (mask is not None or req.bias is not None or req.q_len != req.kv_len or fold):
+        if plan.causal_mask:
             causal = masks.causal(req.q_len, req.kv_len, device=q.device)
             mask = causal if mask is None else mask & causal
-            is_causal = False
-        if mask is not None or req.bias is not None:
-            shape = masks.broadcast_shape(*(t.shape for t in (mask, req.bias) if t is not None))
-            check_dense_fits("the SDPA backend's combined attn_mask", shape,
-                             torch.bool if req.bias is None else q.dtype, 2)
-        if fold:
-            out, probe = _folded(q, k, v, mask, req, probes)
-            return (out.to(torch.float16) if rounded else out), probe
+        if plan.fold:
+            out, probe = _folded(q, k, v, mask, req, plan.probes)
+            return (out.to(torch.float16) if plan.rounded else out), probe
         attn_mask, dead = mask, None
         if req.bias is not None:
             bias = req.bias.to(q.dtype)
@@ -130,14 +129,53 @@ class SDPABackend:
             else:
                 k, v = expand_kv(k, req.heads), expand_kv(v, req.heads)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=req.dropout_p,
-                                             is_causal=is_causal, scale=req.scale, **gqa)
+                                             is_causal=plan.is_causal, scale=req.scale, **gqa)
         if dead is not None:
             out = out.masked_fill(dead, 0.0)
-        if is_causal and q.device.type == "cpu":
+        if plan.is_causal and q.device.type == "cpu":
             # PyTorch's CPU causal kernel returns 0, not NaN, for a query row holding a NaN (a NaN key or
             # value does reach the rows that see it); NaN in, NaN out, in one pass and without a sync
             out = out.masked_fill(q.isnan().any(-1, keepdim=True), float("nan"))
-        return (out.to(torch.float16) if rounded else out), None
+        return (out.to(torch.float16) if plan.rounded else out), None
+
+
+class _Plan(NamedTuple):
+    """How :meth:`SDPABackend._run` runs a call, decided before anything is computed: :meth:`SDPABackend.check_fits`
+    sizes what it forms."""
+
+    rounded: bool  #: float16 computed in float32 (the module docstring)
+    probes: bool  #: folded, with the probe row
+    fold: bool  #: the query-head groups folded into the rows
+    is_causal: bool  #: the kernel's own causal mode
+    causal_mask: bool  #: causality as an explicit [Lq, Lk] mask instead
+
+
+def _plan(req: Call) -> _Plan:
+    rounded = _rounded(req)
+    probes = _folds(req) and _probes(req)
+    fold = probes or (_folds(req) and req.heads != req.kv_heads)  # one head each, vouched: nothing to fold
+    # One query aligned bottom-right sits after every key: causal masks nothing (a decode step).
+    is_causal = req.is_causal and req.q_len > 1
+    causal_mask = is_causal and (req.mask is not None or req.bias is not None or req.q_len != req.kv_len or fold)
+    return _Plan(rounded, probes, fold, is_causal and not causal_mask, causal_mask)
+
+
+def _rounded(req: Call) -> bool:
+    """Whether ``req`` is float16 computed in float32 (the module docstring)."""
+    return req.query.dtype == torch.float16 and req.query.device.type == "cpu" and not _cpu.has_fp16_products()
+
+
+def _check_fits(req: Call) -> None:
+    """Refuse the attn_mask that :meth:`SDPABackend._run` would combine for ``req`` (and its copy) beyond the memory
+    limit. Asked of every call SDPA serves, a decode step's included: the plan is worked out only where it decides."""
+    shapes = [t.shape for t in (req.mask, req.bias) if t is not None]
+    # With a mask or a bias, causality is always one more mask (_plan)
+    if req.is_causal and req.q_len > 1 and (shapes or _plan(req).causal_mask):
+        shapes.append((req.q_len, req.kv_len))
+    if shapes:
+        dtype = torch.bool if req.bias is None else torch.float32 if _rounded(req) else req.query.dtype
+        shape = shapes[0] if len(shapes) == 1 else masks.broadcast_shape(*shapes)
+        check_dense_fits("the SDPA backend's combined attn_mask", shape, dtype, 2)
 
 
 def _total(x: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ from ..call import is_plan
 from ..functional import checked, run
 from ..maskplan import MaskPlan
 from ..masks import check_window
+from ..memory import Fits
 from ..scores import compose
 
 if TYPE_CHECKING:
@@ -316,8 +317,8 @@ class MultiHeadAttention(nn.Module):
         if new_kv is not None:
             cache.update(*new_kv)
             # The call's keys now hold the new tokens: what was worked out from their values goes (a backend may
-            # have kept converted copies), the mask plan stays.
-            req.derived.forget_all_but(MaskPlan)
+            # have kept converted copies), the mask plan and the memory check (of the sizes alone) stay.
+            req.derived.forget_all_but(MaskPlan, Fits)
         for sink in self.score_inputs_sinks:
             sink(q, k)
         out, weights = run(req, chosen)

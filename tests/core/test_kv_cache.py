@@ -1,5 +1,7 @@
 """The static KV cache, and cached decoding through MultiHeadAttention equal to the full forward."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given
@@ -7,6 +9,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit.cache import KVCache, visible
+from attnkit.memory import MAX_DENSE_BYTES_ENV
 from attnkit.modules import MultiHeadAttention
 from attnkit.modules import attention as attention_module
 from attnkit.positional import ALiBi, RelativeKeyEmbedding, RotaryEmbedding, T5RelativeBias
@@ -221,6 +224,74 @@ def test_a_refused_cached_step_leaves_the_cache_as_it_was(mistake):
     after = (cache.k, cache.v, cache.seq_len, int(cache.cache_pos), bool(cache.finite))
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1]) and after[2:] == before[2:]
     close(mha(x[:, 3:], cache=cache, is_causal=True), mha(x, is_causal=True)[:, 3:])
+
+
+REFERENCE_TENSORS = "the reference backend (scores, exponentials, weights)"
+#: Cached steps (one query over 4 cached keys, float64, 2 heads) that a dense backend refuses for memory: the
+#: arguments of the whole forward, given the bias of its 4 queries (a step takes its row), the backend's words, and
+#: the bytes the step forms (the limit that refuses it is one byte less).
+TOO_LARGE = {
+    # "auto": only the reference backend returns weights; it forms 3 float64 [1, 2, 1, 4] tensors
+    "weights": (lambda bias: {"need_weights": True}, REFERENCE_TENSORS, 3 * 2 * 4 * 8),
+    "the reference backend by name": (lambda bias: {"backend": "reference"}, REFERENCE_TENSORS, 3 * 2 * 4 * 8),
+    # "auto": the decode kernel takes no bias (nor float64), so SDPA serves, merging the bias into a float64
+    # attn_mask [1, 2, 1, 4] and its copy
+    "a bias": (lambda bias: {"bias": bias}, "the SDPA backend's combined attn_mask", 2 * 2 * 4 * 8),
+}
+
+
+@pytest.mark.parametrize("case", list(TOO_LARGE))
+def test_a_cached_step_refused_for_memory_leaves_the_cache_as_it_was(monkeypatch, case):
+    """A dense backend's memory refusal is one of the call's checks, raised before the new token is written: the
+    refused step leaves the cache exactly as it was, and a retry that fits continues it as a cache that never
+    saw the refused step does."""
+    torch.manual_seed(8)
+    monkeypatch.delenv(MAX_DENSE_BYTES_ENV, raising=False)
+    mha = MultiHeadAttention(8, 2).double().eval()
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    make_kw, who, nbytes = TOO_LARGE[case]
+    full_kw = make_kw(torch.randn(1, 2, 4, 4, dtype=torch.float64))
+    step_kw = {name: val[:, :, 3:] if name == "bias" else val for name, val in full_kw.items()}
+    cache, untouched = (KVCache(1, 6, 2, 4, dtype=torch.float64) for _ in range(2))
+    for c in (cache, untouched):
+        mha(x[:, :3], cache=c, is_causal=True)
+    before = (cache.k.clone(), cache.v.clone(), cache.seq_len, int(cache.cache_pos), bool(cache.finite))
+    monkeypatch.setenv(MAX_DENSE_BYTES_ENV, str(nbytes - 1))
+    with pytest.raises(ValueError, match=rf"^{re.escape(who)} would materialise .* = {nbytes} bytes, more than the "
+                                         rf"limit of {nbytes - 1} bytes \(set by {MAX_DENSE_BYTES_ENV}\)\. "
+                                         r"backend='blockwise' computes tile by tile"):
+        mha(x[:, 3:], cache=cache, is_causal=True, **step_kw)
+    after = (cache.k, cache.v, cache.seq_len, int(cache.cache_pos), bool(cache.finite))
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1]) and after[2:] == before[2:]
+    monkeypatch.setenv(MAX_DENSE_BYTES_ENV, str(nbytes))  # exactly what the step forms: it fits
+    got = mha(x[:, 3:], cache=cache, is_causal=True, **step_kw)
+    want = mha(x[:, 3:], cache=untouched, is_causal=True, **step_kw)
+    got, want = ((r if isinstance(r, tuple) else (r,)) for r in (got, want))
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(cache.k, untouched.k) and torch.equal(cache.v, untouched.v)
+    assert cache.seq_len == untouched.seq_len == int(cache.cache_pos) == 4 and bool(cache.finite)
+    monkeypatch.delenv(MAX_DENSE_BYTES_ENV)
+    full_out, full_weights = mha(x, is_causal=True, **(full_kw | {"need_weights": True}))
+    close(got[0], full_out[:, 3:])
+    if len(got) == 2:
+        close(got[1], full_weights[:, :, 3:])
+
+
+def test_auto_serves_cached_steps_on_kernels_that_form_no_dense_tensor_under_any_limit(monkeypatch):
+    """Only the backend that serves a call checks its memory: under a limit no dense tensor fits, "auto" still
+    serves a windowed cached decode with the blockwise kernels it picks today (SDPA takes no window), and the
+    reference backend, which would not fit, is never asked to."""
+    torch.manual_seed(9)
+    monkeypatch.delenv(MAX_DENSE_BYTES_ENV, raising=False)
+    mha = MultiHeadAttention(8, 2).double().eval()
+    x = torch.randn(1, 6, 8, dtype=torch.float64)
+    full = mha(x, is_causal=True, window=(2, 0))
+    monkeypatch.setenv(MAX_DENSE_BYTES_ENV, "0")
+    cache = KVCache(1, 8, 2, 4, dtype=torch.float64)
+    with attnkit.backends.served() as names:
+        inc = _decode_in_chunks(mha, x, [3, 1, 2], cache, is_causal=True, window=(2, 0))
+    assert len(names) == 3 and not {"sdpa", "reference"} & set(names), names
+    close(inc, full)
 
 
 def test_cache_rejects_cross_attention_and_wrong_key_mask():

@@ -182,6 +182,20 @@ def test_sdpa_refuses_a_combined_mask_past_the_limit(monkeypatch, kwargs, shape,
           torch.float32)
 
 
+def test_auto_keeps_its_choice_and_the_sdpa_message_past_the_limit(monkeypatch):
+    """The memory check is the chosen backend's alone: "auto" picks SDPA for a key mask with a bias as it does
+    under any limit, and its refusal is SDPA's own message, raised before anything runs."""
+    q, k, v = _qkv(1, 1, 16, 32)
+    kwargs = {"mask": torch.arange(32) < 20, "bias": torch.zeros(1, 1, 16, 1)}
+    monkeypatch.setenv(ENV, "4095")
+    assert attnkit.which_backend(q, k, v, **kwargs) == "sdpa"
+    with pytest.raises(ValueError, match=r"^the SDPA backend's combined attn_mask would materialise 2 x \(1, 1, 16, "
+                                         r"32\) torch.float32 = 4096 bytes"):
+        attnkit.attention(q, k, v, **kwargs)
+    monkeypatch.setenv(ENV, "4096")
+    close(attnkit.attention(q, k, v, **kwargs), attention_oracle(q, k, v, **kwargs), torch.float32)
+
+
 def test_module_weights_past_the_limit_are_refused(monkeypatch):
     mha = attnkit.MultiHeadAttention(8, 2)
     monkeypatch.setenv(ENV, "1000")
