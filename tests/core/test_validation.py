@@ -196,6 +196,16 @@ def test_auto_keeps_its_choice_and_the_sdpa_message_past_the_limit(monkeypatch):
     close(attnkit.attention(q, k, v, **kwargs), attention_oracle(q, k, v, **kwargs), torch.float32)
 
 
+@pytest.mark.parametrize("name, who", [("reference", "the reference backend"), ("sdpa", "the SDPA backend")])
+def test_a_backend_run_by_hand_still_refuses_past_the_limit(monkeypatch, name, who):
+    """``attnkit.attention`` sizes a call while it checks it; a backend run on a call by hand sizes it itself."""
+    q, k, v = _qkv(1, 1, 16, 32)
+    req = validate_call(q, k, v, bias=torch.zeros(1, 1, 16, 32))
+    monkeypatch.setenv(ENV, "0")
+    with pytest.raises(ValueError, match=rf"^{who}.* would materialise .* more than the limit of 0 bytes"):
+        attnkit.backends.get(name)(req)
+
+
 def test_module_weights_past_the_limit_are_refused(monkeypatch):
     mha = attnkit.MultiHeadAttention(8, 2)
     monkeypatch.setenv(ENV, "1000")
