@@ -32,6 +32,10 @@ VOCAB = 256
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
 LENGTHS = (512, 2048, 8192)
 PADDED_BATCH = 8
+#: Decode steps timed per cell (prefill rounds: 5 below n = 2048): a step over a long cache is memory-bound and moves
+#: with the machine's other load, and a cell at parity (BERT's prefill, served by SDPA under both names) fell below
+#: 0.97 or rose above it by chance from one run of the matrix to the next with fewer.
+DECODE_STEPS = 15
 #: Eager materialises the scores [B, H, n, n]: a cell whose scores would pass this many bytes is not run eager.
 EAGER_SCORES_MAX = 1 << 28
 
@@ -282,10 +286,10 @@ def measure(quick: bool, say=print) -> tuple[list[list], list[tuple]]:
             model = models[key]
             impls, note = _impls(family, phase, n, batch, quick)
             if phase == "prefill":
-                repeat = 1 if quick else 3 if n < 2048 else 2 if n < 8192 else 1
+                repeat = 1 if quick else 5 if n < 2048 else 2 if n < 8192 else 1
                 t, outs, mask = _prefill_cell(model, impls, n, batch, family, repeat, warmup=int(n < 8192))
             else:
-                t, outs, mask = _decode_cell(model, impls, n, batch, dtype, steps=1 if quick else 7 if n < 8192 else 3)
+                t, outs, mask = _decode_cell(model, impls, n, batch, dtype, steps=1 if quick else DECODE_STEPS)
             checks.append((family.name, phase, outs["attnkit"], outs[family.anchor], mask, dtype))
             tokens = batch * (1 if phase == "decode" else n)
             eager = f"{t['eager'] / t['attnkit']:.2f}" if "eager" in t and family.anchor != "eager" else "-"
@@ -352,8 +356,8 @@ def run(quick: bool, out_dir: Path) -> str:
                               ["best", describe(best), best[ratio], best[7]]])
     below = sum(r[ratio] < 0.97 for r in rows)
     body = (f"CPU: {_cpu.name()}; flags: {', '.join(have)}. One thread; CPU time (`time.process_time`), medians "
-            f"of {'1' if quick else '3 prefill rounds (2 at n = 2048, 1 at 8192)'} and "
-            f"{'1' if quick else '7 decode steps (3 at n = 8192)'}, after one warm-up round (none for a prefill "
+            f"of {'1' if quick else '5 prefill rounds (2 at n = 2048, 1 at 8192)'} and "
+            f"{'1' if quick else f'{DECODE_STEPS} decode steps'}, after one warm-up round (none for a prefill "
             "at n = 8192: the family's shorter cells have run the same code), the implementations interleaved "
             "(the order reversed every other round). "
             "`attnkit speed-up` is the anchor's time over attnkit's (above 1: attnkit is faster); the anchor is "
@@ -374,4 +378,4 @@ def run(quick: bool, out_dir: Path) -> str:
             f"{3 if quick else 15} interleaved rounds.\n\n{markdown_table(DECODE_HEADER, step)}\n\n"
             f"Load averages after the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}.\n")
     return write_report(out_dir, "hf", "attnkit inside Hugging Face transformers: a matrix of model families",
-                        body, f"attnkit bench hf{' --quick' if quick else ''}")
+                        body, f"attnkit bench hf{' --quick' if quick else ''}", threads=1)
