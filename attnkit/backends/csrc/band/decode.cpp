@@ -112,7 +112,8 @@ inline Index pair_row(const Shape& z) { return (2 * z.Dvp + 31) / 32 * 32; }
 struct Rows {
   std::vector<float> q, m, l, acc, s, kbuf, vbuf;
   std::vector<c10::BFloat16> qh, vpairs;  // vpairs: the block's values two keys to a lane (pair_values)
-  // once per thread: the padding of q, the keys and the values past D is zero, and no write reaches it
+  // once per call and thread (the vectors keep their capacity: see decode_impl): the padding of q, the keys and the
+  // values past D is zero, and no write reaches it
   void allocate(const Shape& z) {
     q.assign(z.R * z.Dp, 0.f);
     qh.assign(z.pairs ? z.R * z.Dp * 2 : 0, c10::BFloat16(0.f));
@@ -543,7 +544,10 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   const Index mb = has_mask ? mask.stride(0) : 0, mh = has_mask ? mask.stride(1) : 0;
   const Index mq = has_mask ? mask.stride(2) : 0;
   at::parallel_for(0, items * splits, 1, [&](Index begin, Index end) {
-    Rows w;
+    // this thread's buffers, kept from call to call: allocated per call, they were fresh pages from the heap's top
+    // whenever the allocator had given memory back, and a decode step paid their page faults
+    static thread_local Rows kept;
+    Rows& w = kept;
     w.allocate(z);
     std::vector<const bool*> mrows(has_mask ? z.R : 0);
     for (Index it = begin; it < end; ++it) {
