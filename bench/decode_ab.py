@@ -28,7 +28,7 @@ def _times(fns, reps: int) -> list[float]:
         fn()
     times = [[] for _ in fns]
     for _ in range(reps):
-        for fn, ts in zip(fns, times):
+        for fn, ts in zip(fns, times, strict=True):
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)

@@ -98,8 +98,9 @@ def test_soft_capped_scores_are_served_as_gemma_2_caps_them(dtype, heads, cap):
 
 def test_a_score_mod_other_than_a_soft_cap_is_refused():
     q, k, v = _qkv(1, 4, 2, 1, 20)
-    for mod in (lambda s, b, h, i, j: s * 2, attnkit.scores.compose(attnkit.scores.alibi(attnkit.scores.alibi_slopes(4)),
-                                                                    attnkit.scores.softcap(5.0))):
+    capped_alibi = attnkit.scores.compose(attnkit.scores.alibi(attnkit.scores.alibi_slopes(4)),
+                                          attnkit.scores.softcap(5.0))
+    for mod in (lambda s, b, h, i, j: s * 2, capped_alibi):
         reasons = BACKEND.not_supported_reasons(validate_call(q, k, v, score_mod=mod))
         assert any("tanh soft-capping alone" in r for r in reasons), reasons
 
