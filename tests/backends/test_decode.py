@@ -14,7 +14,7 @@ from attnkit.backends import _band
 from attnkit.backends import decode as decode_module
 from attnkit.backends.sdpa import SDPABackend
 from attnkit.call import validate_call
-from tests.support import oracle
+from tests.support import oracle, poison
 from tests.support.tolerances import close
 
 pytestmark = [pytest.mark.skipif(not _band.available(), reason="the band kernel (which holds decode) is not built"),
@@ -167,21 +167,13 @@ def test_any_small_shape_matches_the_oracle(b, hkv, g, lq, lk, d, dtype, causal,
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["NaN", "+inf", "-inf"])
-@pytest.mark.parametrize("where", ["k element", "k row", "k row, mixed signs", "v element", "v row", "q element"])
+@pytest.mark.parametrize("where", poison.PLACES)
 @pytest.mark.parametrize("key", [0, 700, 1499], ids=["first key", "a later block", "last key"])
 def test_the_flag_sees_every_non_finite_input(dtype, value, where, key):
     """A key of ``-inf`` scores ``-inf`` against an ordinary query (weight 0: the row stays finite); ``k * 0`` is
     NaN for it. Every kind of non-finite key or value, in any block of the pass, makes :meth:`if_finite` decline."""
     q, k, v = _qkv(2, 4, 2, 1, 1500, dtype, d=64)
-    t = {"k": k, "v": v, "q": q}[where[0]]
-    if where == "q element":
-        q[1, 3, 0, key % 64] = value
-    elif where.endswith("element"):
-        t[1, 1, key, 5] = value
-    else:
-        t[1, 1, key] = value
-        if where.endswith("mixed signs"):
-            t[1, 1, key, ::2] = -value
+    poison.poison(q, k, v, where, key, value)
     assert BACKEND.if_finite(validate_call(q, k, v)) is None
 
 

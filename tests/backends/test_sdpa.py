@@ -9,7 +9,7 @@ import torch
 import attnkit
 from attnkit.backends import sdpa as sdpa_module
 from attnkit.call import validate_call
-from tests.support import oracle
+from tests.support import oracle, poison
 from tests.support.tolerances import close
 
 NAN, INF = float("nan"), float("inf")
@@ -92,20 +92,14 @@ def test_a_folded_call_gives_the_oracles_answer_and_zeros_for_a_dead_row(dtype, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
 @pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["NaN", "+inf", "-inf"])
-@pytest.mark.parametrize("where", ["k element", "k row", "k row, mixed signs", "v element", "v row"])
+@pytest.mark.parametrize("where", poison.KV_PLACES)
 @pytest.mark.parametrize("key", [0, 700, 1499], ids=["first key", "a later block", "last key"])
 def test_the_probe_row_sees_every_non_finite_key_and_value(dtype, value, where, key):
     """A key of ``-inf`` scores ``-inf`` against an ordinary query (weight 0: the row stays finite); the probe
     of zeros scores NaN against it. Every kind of non-finite key or value, in any block of the kernel's pass,
     makes :meth:`if_finite` decline."""
     q, k, v = _qkv(4, 2, 1, 1500, dtype, d=64)
-    t = k if where.startswith("k") else v
-    if where.endswith("element"):
-        t[1, 1, key, 5] = value
-    else:
-        t[1, 1, key] = value
-        if where.endswith("mixed signs"):
-            t[1, 1, key, ::2] = -value
+    poison.poison(q, k, v, where, key, value)
     assert BACKEND.if_finite(validate_call(q, k, v)) is None
 
 
