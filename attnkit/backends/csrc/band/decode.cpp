@@ -101,7 +101,8 @@ inline void widen(const T* from, float* to, Index n) {
 struct Shape {
   Index B, H, Hkv, G, Lq, Lk, D, Dv, R, Dp, Dvp;
   float scale, cap;  // cap > 0: scores capped to cap * tanh(score / cap)
-  bool pairs;        // bfloat16 keys scored in place, two products per lane (dot_pairs); q kept unscaled
+  bool pairs;        // bfloat16 keys scored in place, two products per lane (dots16_pairs); q kept unscaled
+  bool k_widened, v_widened;  // keys, values widened to float32 a block at a time (kbuf, vbuf), not read in place
 };
 
 // The length of a pair of value rows interleaved (pair_values): 2 Dvp, rounded up to whole vectors of 32.
@@ -121,8 +122,8 @@ struct Rows {
     l.resize(z.R);
     acc.resize(z.R * z.Dvp);
     s.assign(z.R * BLOCK, NEG_INF);
-    kbuf.assign(BLOCK * z.Dp, 0.f);
-    vbuf.assign(BLOCK * z.Dvp, 0.f);
+    kbuf.assign(z.k_widened ? BLOCK * z.Dp : 0, 0.f);
+    vbuf.assign(z.v_widened ? BLOCK * z.Dvp : 0, 0.f);
     vpairs.assign(z.pairs ? BLOCK / 2 * pair_row(z) : 0, c10::BFloat16(0.f));
   }
   // once per (b, c) and chunk of keys
@@ -200,6 +201,11 @@ inline void dots16(const float* q, const float* k, Index ks, Index Dp, float* s)
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// The first n of 32 lanes (all for n >= 32, none for n <= 0): the masked loads of a row's last, partial vector.
+inline __mmask32 first_lanes(Index n) {
+  return n >= 32 ? ~__mmask32(0) : n <= 0 ? __mmask32(0) : static_cast<__mmask32>((1ull << n) - 1);
+}
+
 // s[0:16) = q . k_jj for 16 bfloat16 keys read as stored (rows ks apart, D values each; q as stored, zero from D
 // to a multiple of 32): AVX512-BF16's dot product multiplies two pairs of bfloat16 per float lane, exactly (a
 // product of two bfloat16 fits a float), and adds them in float32, so the keys are not widened first. It reads
@@ -207,18 +213,11 @@ inline void dots16(const float* q, const float* k, Index ks, Index Dp, float* s)
 inline void dots16_pairs(const c10::BFloat16* q, const c10::BFloat16* k, Index ks, Index D, float* s) {
   __m512 a[16];
   for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
-  Index d = 0;
-  for (; d + 32 <= D; d += 32) {
+  for (Index d = 0; d < D; d += 32) {
+    const __mmask32 m = first_lanes(D - d);
     const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
     for (int t = 0; t < 16; ++t) {
-      a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_loadu_si512(k + KEY_OF[t] * ks + d));
-    }
-  }
-  if (d < D) {
-    const __mmask32 tail = static_cast<__mmask32>((1ull << (D - d)) - 1);
-    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
-    for (int t = 0; t < 16; ++t) {
-      a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_maskz_loadu_epi16(tail, k + KEY_OF[t] * ks + d));
+      a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k + KEY_OF[t] * ks + d));
     }
   }
   _mm512_storeu_ps(s, lane_sums(a));
@@ -230,9 +229,8 @@ inline void dots_pairs_one_by_one(const c10::BFloat16* q, const c10::BFloat16* k
   for (Index jj = 0; jj < n; ++jj) {
     __m512 a = _mm512_setzero_ps();
     for (Index d = 0; d < D; d += 32) {
-      const __mmask32 m = D - d >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << (D - d)) - 1);
       a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + d),
-                           (__m512bh)_mm512_maskz_loadu_epi16(m, k + jj * ks + d));
+                           (__m512bh)_mm512_maskz_loadu_epi16(first_lanes(D - d), k + jj * ks + d));
     }
     s[jj] = _mm512_reduce_add_ps(a);
   }
@@ -248,7 +246,7 @@ inline void pair_values(const c10::BFloat16* v0, const c10::BFloat16* v1, Index 
                                                     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i lo = _mm512_load_si512(LOW), hi = _mm512_load_si512(HIGH);
   for (Index d = 0; 2 * d < len; d += 32) {
-    const __mmask32 m = Dv - d >= 32 ? ~__mmask32(0) : Dv > d ? static_cast<__mmask32>((1ull << (Dv - d)) - 1) : 0;
+    const __mmask32 m = first_lanes(Dv - d);
     const __m512i a = _mm512_maskz_loadu_epi16(m, v0 + d);
     const __m512i b = v1 == nullptr ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi16(m, v1 + d);
     _mm512_storeu_si512(to + 2 * d, _mm512_permutex2var_epi16(a, lo, b));
@@ -302,7 +300,7 @@ inline void raw_scores(const Shape& z, const Rows& w, Index r, const T* kblock, 
   }
 #endif
   const float* q = w.q.data() + r * z.Dp;
-  const Index fs = kf == w.kbuf.data() ? z.Dp : ks;  // the float keys' row stride: the buffer's or the cache's
+  const Index fs = z.k_widened ? z.Dp : ks;  // the float keys' row stride: the buffer's or the cache's
   Index jj = 0;
 #if defined(CPU_CAPABILITY_AVX512)
   for (; jj + 16 <= n; jj += 16) dots16(q, kf + jj * fs, fs, z.Dp, s + jj);
@@ -399,8 +397,6 @@ template <typename T>
 float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Index vs, const int64_t* lo,
                 const int64_t* hi, const bool* const* mrow, Index from, Index to, bool prefetch) {
   const Index R = z.R, Dvp = z.Dvp;
-  const bool k_inplace = z.pairs || (std::is_same_v<T, float> && z.D == z.Dp);
-  const bool v_inplace = std::is_same_v<T, float> && z.Dv == Dvp;
   // keys every row sees, with no mask: a block inside them needs no per-key test
   Index all_lo = 0, all_hi = z.Lk;
   for (Index i = 0; i < z.Lq; ++i) all_lo = std::max<Index>(all_lo, lo[i]), all_hi = std::min<Index>(all_hi, hi[i]);
@@ -413,7 +409,7 @@ float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Ind
       if (j0 + BLOCK < to) prefetch_rows(kp, ks, j0 + BLOCK, std::min(BLOCK, to - j0 - BLOCK), z.D);
     }
     const float* kf = w.kbuf.data();
-    if (!k_inplace) {
+    if (z.k_widened) {
       for (Index jj = 0; jj < n; ++jj) widen(kp + (j0 + jj) * ks, w.kbuf.data() + jj * z.Dp, z.D);
     } else if constexpr (std::is_same_v<T, float>) {
       kf = kp + j0 * ks;
@@ -470,11 +466,11 @@ float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Ind
     // NV vectors at a time, takes the block's values from the cache
     const float* vrows[BLOCK];
     for (Index jj = 0; jj < n; ++jj) {
-      if (v_inplace) {
-        vrows[jj] = reinterpret_cast<const float*>(vp + (j0 + jj) * vs);
-      } else {
+      if (z.v_widened) {
         widen(vp + (j0 + jj) * vs, w.vbuf.data() + jj * Dvp, z.Dv);
         vrows[jj] = w.vbuf.data() + jj * Dvp;
+      } else {
+        vrows[jj] = reinterpret_cast<const float*>(vp + (j0 + jj) * vs);
       }
     }
     for (Index r = 0; r < R; ++r) {
@@ -504,6 +500,8 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   z.Dv = v.size(3), z.G = z.H / z.Hkv, z.R = z.G * z.Lq;
   const auto up = [](Index x) { return (x + Vec::size() - 1) / Vec::size() * Vec::size(); };
   z.Dp = std::max<Index>(up(z.D), Vec::size()), z.Dvp = std::max<Index>(up(z.Dv), Vec::size());
+  z.k_widened = !z.pairs && !(std::is_same_v<T, float> && z.D == z.Dp);
+  z.v_widened = !z.pairs && !(std::is_same_v<T, float> && z.Dv == z.Dvp);
   const Index items = z.B * z.Hkv;
   const T* qd = q.const_data_ptr<T>();
   const T* kd = k.const_data_ptr<T>();
