@@ -69,6 +69,15 @@ def attention(
         s = q @ k.transpose(-2, -1) * scale + bias
         out = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
     """
+    if (mask is None and bias is None and window is None and mask_mod is None and score_mod is None
+            and return_weights is False and backend == "auto" and (dropout_p.__class__ is float or
+                                                                   dropout_p.__class__ is int) and dropout_p == 0):
+        leader = backends.registry.step_leader()  # a plain step's lane: the decode backend's, where it leads
+        lane = getattr(leader, "step", None)
+        out = None if lane is None else lane(query, key, value, is_causal, scale)
+        if out is not None:
+            backends.registry.note_served(leader)
+            return out
     req, chosen = checked(query, key, value, mask=mask, bias=bias, is_causal=is_causal, window=window,
                           mask_mod=mask_mod, score_mod=score_mod, scale=scale, dropout_p=dropout_p,
                           return_weights=return_weights, backend=backend)

@@ -1,5 +1,6 @@
-"""A/B of one decode step on one thread: the decode backend against SDPA's folded call (attnkit's "sdpa"), SDPA
-with ``enable_gqa`` and a plain read of K and V (``k.sum(); v.sum()``), in the same run.
+"""A/B of one decode step on one thread: ``attnkit.attention`` (the decode backend's lane, what a model's step
+runs), the decode backend's checked call, SDPA's folded call (attnkit's "sdpa"), SDPA with ``enable_gqa`` and a
+plain read of K and V (``k.sum(); v.sum()``), in the same run.
 
     PYTHONPATH=. python bench/decode_ab.py [--quick]
 
@@ -15,6 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import attnkit
 from attnkit.backends.decode import DecodeBackend
 from attnkit.backends.sdpa import SDPABackend
 from attnkit.call import validate_call
@@ -46,9 +48,9 @@ def main() -> None:
     dtypes = [torch.float32] if args.quick else [torch.float32, torch.bfloat16]
     batches = [1] if args.quick else [1, 8]
     decode, sdpa = DecodeBackend(), SDPABackend()
-    print("| dtype | B | H/Hkv, D | Lk | read K,V (ms) | decode (ms) | sdpa folded (ms) | enable_gqa (ms) | "
-          "decode / read | decode vs folded | decode vs enable_gqa |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| dtype | B | H/Hkv, D | Lk | read K,V (ms) | attention (ms) | decode backend (ms) | sdpa folded (ms) | "
+          "enable_gqa (ms) | attention / read | folded / attention | enable_gqa / attention |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     with torch.no_grad():
         for dtype in dtypes:
             for b in batches:
@@ -63,12 +65,12 @@ def _row(decode, sdpa, dtype, b, h, hkv, d, lk, quick) -> str:
     v = torch.randn(b, hkv, lk, d, dtype=dtype)
     req = validate_call(q, k, v, is_causal=True)
     reps = 5 if quick else max(7, int(2e8 / (b * hkv * lk * d * 2 * q.element_size())))
-    read, ours, folded, gqa = _times([lambda: (k.sum(), v.sum()), lambda: decode.if_finite(req),
-                                      lambda: sdpa.if_finite(req),
-                                      lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=h != hkv)], reps)
+    read, ours, backend, folded, gqa = _times([
+        lambda: (k.sum(), v.sum()), lambda: attnkit.attention(q, k, v, is_causal=True), lambda: decode.if_finite(req),
+        lambda: sdpa.if_finite(req), lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=h != hkv)], reps)
     return (f"| {str(dtype)[6:]} | {b} | {h}/{hkv}, {d} | {lk} | {read * 1e3:.3f} | {ours * 1e3:.3f}"
-            f" | {folded * 1e3:.3f} | {gqa * 1e3:.3f} | {ours / read:.2f}x | {folded / ours:.2f}x"
-            f" | {gqa / ours:.2f}x |")
+            f" | {backend * 1e3:.3f} | {folded * 1e3:.3f} | {gqa * 1e3:.3f} | {ours / read:.2f}x"
+            f" | {folded / ours:.2f}x | {gqa / ours:.2f}x |")
 
 if __name__ == "__main__":
     main()

@@ -23,11 +23,22 @@ hides nothing); and every value read is added into that row's accumulator times 
 So :meth:`DecodeBackend.if_finite` answers from what the pass computed anyway (keys outside every row's range are
 not read, and change no output; a score that overflows is a false alarm, which costs only the exact path).
 Anything non-finite sends the call to the exact path.
+
+The lane (:meth:`DecodeBackend.step`): a plain decode step, one query and nothing but ``is_causal`` and ``scale``
+set, is what a model asks for once per layer and token, and for it the checks of
+:func:`attnkit.call.validate_call`, the walk of :func:`attnkit.backends.select` and the NaN rule's dispatch cost
+more than the kernel does over a short cache (the more so inside a model, whose weights have pushed that Python
+out of the CPU's caches by the time it runs). So when the decode backend is what ``"auto"`` would pick for such a
+call (:func:`attnkit.backends.registry.step_leader`), :func:`attnkit.attention` first offers it to
+:meth:`DecodeBackend.step`, which checks what it needs of the tensors in a few reads, runs the kernel, and answers
+when every input read was finite; anything else it hands back (None), and the call takes the whole path, which
+checks it, refuses it or applies the NaN rule.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
@@ -86,6 +97,41 @@ class DecodeBackend:
         """``self(req)``, or None when a query, key or value the kernel read is not finite."""
         out, finite = _run(req)
         return (out, None) if bool(finite.all()) else None
+
+    def step(self, query, key, value, is_causal, scale) -> Tensor | None:
+        """The lane (module docstring): ``attention(query, key, value, is_causal=is_causal, scale=scale)`` for a
+        plain step, ``query [B, H, 1, E]`` and ``key``/``value [B, Hkv, Lk, E|Ev]`` dense CPU tensors of one
+        dtype the kernel takes, no gradient asked for, when every input is finite; None for any other call
+        (which :func:`attnkit.attention` then takes the whole way). What it accepts is what
+        :func:`attnkit.call.validate_call` accepts and this backend serves (``tests/backends/test_decode.py``
+        checks the two agree)."""
+        if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+            return None  # subclasses (and anything else) take the whole path
+        dtype = query.dtype
+        if (dtype not in DTYPES or key.dtype is not dtype or value.dtype is not dtype or not query.is_cpu
+                or not key.is_cpu or not value.is_cpu or (is_causal is not False and is_causal is not True)):
+            return None
+        qs, ks, vs = query.shape, key.shape, value.shape
+        if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or qs[2] != 1:
+            return None
+        b, h, _, e = qs
+        hkv, lk = ks[1], ks[2]
+        if (ks[0] != b or vs[0] != b or ks[3] != e or vs[1] != hkv or vs[2] != lk or not lk or not hkv or h % hkv
+                or torch.compiler.is_compiling()):
+            return None
+        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+            return None
+        if scale is None:
+            scale = 1.0 / math.sqrt(e) if e else 1.0
+        elif (type(scale) is not float and type(scale) is not int) or not math.isfinite(scale):
+            return None
+        mod = _band._checked()
+        if mod is None:
+            return None
+        lo, hi = _key_ranges(1, lk, False, None)  # one query sees every key, causal or not
+        out, finite = mod.decode(_unit_last(query), _unit_last(key), _unit_last(value), _NO_MASK, lo, hi,
+                                 float(scale), 0.0)
+        return out if finite.all() else None  # not finite: the whole path applies the NaN rule
 
 
 def _run(req: Call) -> tuple[Tensor, Tensor]:

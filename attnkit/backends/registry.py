@@ -23,7 +23,9 @@ class Backend(Protocol):
     validated :class:`attnkit.call.Call` exactly) and ``__call__(request) -> (out, weights or None)``.
 
     A backend may also have ``prefers(request) -> bool``: True for calls it serves faster than the backends
-    before it in :func:`auto_order` (``"auto"`` then tries it first), each such rule a measured one."""
+    before it in :func:`auto_order` (``"auto"`` then tries it first), each such rule a measured one; and
+    ``step(query, key, value, is_causal, scale) -> Tensor | None``: its answer to a plain call of one query
+    (:func:`step_leader`), or None to let the call take the whole way, asked only while it leads."""
 
     name: str
 
@@ -73,10 +75,29 @@ def register(backend: Backend, *, auto_rank: int | None = None) -> Backend:
             raise ValueError(f"auto_rank {auto_rank} is taken by {holder!r}: give {backend.name!r} a rank between "
                              f"those of the backends it should come between, of {AUTO_RANKS}")
     _REGISTRY[backend.name] = backend
+    _PREFERRING.pop(backend.name, None)
+    if getattr(backend, "prefers", None) is not None:
+        _PREFERRING[backend.name] = backend
     if auto_rank is not None:
         AUTO_RANKS[backend.name] = auto_rank
         AUTO_ORDER[:] = sorted(AUTO_RANKS, key=AUTO_RANKS.__getitem__)  # in place: the list is importable
     return backend
+
+
+_PREFERRING: dict[str, Backend] = {}  # the registered backends with a ``prefers`` rule (kept by register)
+_BUILTIN: dict[str, Backend] = {}  # the built-in backends as _register_builtin registered them
+
+
+def step_leader() -> Backend | None:
+    """The backend ``"auto"`` picks first for a plain CPU call of one query (no mask, window, mods, bias, dropout
+    or weights), when the order alone decides it: the first of the CPU's order. None when a backend registered
+    since has a ``prefers`` rule, which might claim such a call: the built-ins' rules leave one query alone
+    (band's asks for more), so only one of one's own can. :func:`attnkit.attention` offers such a call to this
+    backend's ``step`` (the decode backend's lane, :meth:`attnkit.backends.decode.DecodeBackend.step`) before
+    :func:`select`, which would pick the same backend."""
+    if any(b is not _BUILTIN.get(n) for n, b in _PREFERRING.items()) or DEVICE_FIRST.get("cpu"):
+        return None
+    return _REGISTRY.get(AUTO_ORDER[0]) if AUTO_ORDER else None
 
 
 def auto_order(device) -> list[str]:
@@ -193,6 +214,7 @@ def _register_builtin() -> None:
     register(ReferenceBackend(), auto_rank=99)
     # after the reference: on the CPU only what nothing else serves
     register(FlexBackend(fallback=_next_in_order("flex")), auto_rank=100)
+    _BUILTIN.update(_REGISTRY)
 
 
 def _next_in_order(name: str):

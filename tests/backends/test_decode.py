@@ -200,6 +200,96 @@ def test_a_decode_step_through_attention_picks_it_and_keeps_the_nonfinite_rule()
     assert torch.equal(got[0], clean[0]) and torch.equal(got[1, 4:], clean[1, 4:])
 
 
+# The lane (DecodeBackend.step): a plain one-query call answered before validate_call and select; the two agree.
+
+
+def _lane_case(dtype, b, hkv, g, lk, e, ev, causal, scale, strided):
+    g_ = torch.Generator().manual_seed(lk + e)
+    if strided:  # a model's views: q out of a fused projection [B, 1, 3 H E] viewed as heads; k, v columns apart
+        q = torch.randn(b, 1, 3 * hkv * g * e, generator=g_).to(dtype)[..., : hkv * g * e]
+        q = q.view(b, 1, hkv * g, e).transpose(1, 2)
+        k = torch.randn(b, hkv, lk, 2 * e, generator=g_).to(dtype)[..., ::2]  # not unit stride: copied first
+        v = torch.randn(b, lk, hkv, ev, generator=g_).to(dtype).transpose(1, 2)
+    else:
+        q, k, v = _qkv(b, hkv * g, hkv, 1, lk, dtype, d=e, dv=ev, seed=lk)
+    return q, k, v, {"is_causal": causal, "scale": scale}
+
+
+@settings(deadline=None, derandomize=True, max_examples=40)
+@given(dtype=st.sampled_from(DTYPES), b=st.integers(1, 3), hkv=st.integers(1, 3), g=st.integers(1, 4),
+       lk=st.integers(1, 300), e=st.sampled_from([1, 8, 64, 80]), ev=st.sampled_from([8, 64]),
+       causal=st.booleans(), scale=st.sampled_from([None, 0.125, 1, 3.0]), strided=st.booleans())
+def test_the_lane_answers_what_the_whole_path_answers(dtype, b, hkv, g, lk, e, ev, causal, scale, strided):
+    q, k, v, kw = _lane_case(dtype, b, hkv, g, lk, e, ev, causal, scale, strided)
+    lane = BACKEND.step(q, k, v, causal, scale)
+    assert lane is not None  # the lane took it
+    whole = attnkit.attention(q, k, v, backend="decode", **kw)  # forced: validate_call, select, the NaN rule
+    assert torch.equal(lane, whole)
+    with attnkit.backends.served() as names:
+        got = attnkit.attention(q, k, v, **kw)
+    assert torch.equal(got, whole) and names == ["decode"] and attnkit.which_backend(q, k, v, **kw) == "decode"
+    assert got.shape == (b, hkv * g, 1, ev) and got.dtype == dtype
+
+
+def _poisoned(k):
+    """``k`` with a NaN in key 3 of key/value head 0 (query heads 0 and 1 see it), every batch element."""
+    k = k.clone()
+    k[:, 0, 3, 0] = NAN
+    return k
+
+
+def _float_param(x):
+    return torch.nn.Parameter(x, requires_grad=False)
+
+
+@pytest.mark.parametrize(("what", "change", "raises"), [
+    ("two queries", lambda q, k, v, kw: (torch.cat([q, q], 2), k, v, kw), None),
+    ("float64", lambda q, k, v, kw: (q.double(), k.double(), v.double(), kw), None),
+    ("a Parameter", lambda q, k, v, kw: (q, _float_param(k), v, kw), None),
+    ("3-D", lambda q, k, v, kw: (q[0], k[0], v[0], kw), None),
+    ("a NaN key", lambda q, k, v, kw: (q, _poisoned(k), v, kw), None),
+    ("a bool scale", lambda q, k, v, kw: (q, k, v, {**kw, "scale": True}), (ValueError, "scale must be a finite")),
+    ("a NaN scale", lambda q, k, v, kw: (q, k, v, {**kw, "scale": NAN}), (ValueError, "scale must be a finite")),
+    ("is_causal 1", lambda q, k, v, kw: (q, k, v, {**kw, "is_causal": 1}), (TypeError, "is_causal must be a bool")),
+    ("dropout False", lambda q, k, v, kw: (q, k, v, {**kw, "dropout_p": False}), (ValueError, "dropout_p must")),
+    ("backend None", lambda q, k, v, kw: (q, k, v, {**kw, "backend": None}), (TypeError, "backend must be a str")),
+    ("k in float16", lambda q, k, v, kw: (q, k.half(), v, kw), (TypeError, "key dtype torch.float16 does not")),
+    ("head sizes", lambda q, k, v, kw: (q, k[..., :4], v, kw), (ValueError, "key head size 4 must equal")),
+    ("3 heads over 2", lambda q, k, v, kw: (q[:, :3], k, v, kw), (ValueError, r"query heads \(3\) must be a multiple")),
+    ("batches", lambda q, k, v, kw: (q, k[:1], v[:1], kw), (ValueError, "key batch dims")),
+    ("value length", lambda q, k, v, kw: (q, k, v[:, :, :5], kw), (ValueError, "value must have the same heads")),
+    ("no keys", lambda q, k, v, kw: (q, k[:, :, :0], v[:, :, :0], kw), None),
+])
+def test_the_lane_hands_back_every_call_it_does_not_serve(what, change, raises):
+    """Each of these is either not a plain step or not valid: the lane answers None, and attention then does
+    what the whole path does (the answer of the backend it picks, or the error naming the argument)."""
+    q, k, v = _qkv(2, 4, 2, 1, 20, d=8)
+    q, k, v, kw = change(q, k, v, {"is_causal": True, "scale": None})
+    call = {n: kw[n] for n in ("is_causal", "scale")}
+    assert BACKEND.step(q, k, v, call["is_causal"], call["scale"]) is None or what in {
+        "dropout False", "backend None"}  # those two are attention's own arguments: the lane never sees them
+    if raises is not None:
+        with pytest.raises(raises[0], match=raises[1]):
+            attnkit.attention(q, k, v, **kw)
+        return
+    with attnkit.backends.served() as names:
+        got = attnkit.attention(q, k, v, **kw)
+    want = attnkit.attention(q, k, v, backend=names[0], **kw)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    if what == "a NaN key":
+        assert names == ["decode"] and got[:, :2].isnan().all() and not got[:, 2:].isnan().any()
+
+
+def test_the_lane_serves_no_gradient():
+    q, k, v = _qkv(1, 4, 2, 1, 20, d=8)
+    q.requires_grad_(True)
+    assert BACKEND.step(q, k, v, False, None) is None
+    attnkit.attention(q, k, v).sum().backward()  # the whole path: a backend with a gradient
+    assert q.grad is not None and q.grad.isfinite().all()
+    with torch.no_grad():
+        assert BACKEND.step(q, k, v, False, None) is not None
+
+
 @pytest.mark.parametrize(("what", "kw", "reason"), [
     ("grad", {}, "forward only"),
     ("9 queries", {}, "at most 8 queries"),

@@ -7,6 +7,8 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnkit
 from attnkit import backends, masks
@@ -300,9 +302,74 @@ def own_registry(monkeypatch):
     """The registry's tables as copies, so a test's registrations go when it ends."""
     from attnkit.backends import registry
 
-    for name in ("_REGISTRY", "AUTO_RANKS", "AUTO_ORDER"):
+    for name in ("_REGISTRY", "AUTO_RANKS", "AUTO_ORDER", "_PREFERRING", "DEVICE_FIRST"):
         monkeypatch.setattr(registry, name, type(getattr(registry, name))(getattr(registry, name)))
     return registry
+
+
+class _Serves(_Stub):
+    """A backend of one's own that serves every call with zeros (and, with ``prefers``, claims every call)."""
+
+    def __init__(self, name: str, prefers: bool = False):
+        super().__init__(name)
+        if prefers:
+            self.prefers = lambda req: True
+
+    def not_supported_reasons(self, req):
+        return []
+
+    def __call__(self, req):
+        return req.query.new_zeros(*req.query.shape[:-1], req.value.shape[-1]), None
+
+
+def _step():
+    return tuple(torch.randn(1, 4, n, 8, generator=torch.Generator().manual_seed(n)) for n in (1, 30, 30))
+
+
+@pytest.mark.parametrize("how", ["a lower rank", "a prefers rule", "the CPU's own first"])
+def test_the_decode_lane_steps_aside_for_whatever_auto_would_pick_first(own_registry, how):
+    q, k, v = _step()
+    assert own_registry.step_leader() is own_registry.get("decode")
+    if how == "a lower rank":
+        own_registry.register(_Serves("mine"), auto_rank=own_registry.AUTO_RANKS["decode"] - 1)
+    elif how == "a prefers rule":
+        own_registry.register(_Serves("mine", prefers=True), auto_rank=own_registry.AUTO_RANKS["flex"] + 1)
+    else:
+        own_registry.DEVICE_FIRST["cpu"] = ("mine",)
+        own_registry.register(_Serves("mine"))
+    leader = own_registry.step_leader()
+    assert leader is own_registry.get("mine") if how == "a lower rank" else leader is None  # None: no lane at all
+    with attnkit.backends.served() as names:
+        out = attnkit.attention(q, k, v)
+    assert names == ["mine"] and not out.any()
+
+
+def test_a_leader_with_a_step_of_its_own_answers_plain_steps_and_only_those(own_registry):
+    mine = _Serves("mine")
+    asked = []
+    mine.step = lambda q, k, v, is_causal, scale: asked.append((is_causal, scale)) or q.new_ones(q.shape)
+    own_registry.register(mine, auto_rank=own_registry.AUTO_RANKS["decode"] - 1)
+    q, k, v = _step()
+    with attnkit.backends.served() as names:
+        lane = attnkit.attention(q, k, v, is_causal=True, scale=0.5)
+        whole = attnkit.attention(q, k, v, window=(3, 0))  # not plain: select, then __call__
+    assert asked == [(True, 0.5)] and names == ["mine", "mine"]
+    assert bool((lane == 1).all()) and not whole.any()
+
+
+@settings(deadline=None, derandomize=True, max_examples=30)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), causal=st.booleans(),
+       lk=st.integers(1, 64), heads=st.sampled_from([(4, 4), (4, 1), (6, 2)]))
+def test_no_builtin_prefers_rule_claims_a_one_query_call(dtype, causal, lk, heads):
+    """What lets the decode lane run before select: of the built-ins, only band has a rule, and it asks for more
+    than one query (registry.step_leader)."""
+    from attnkit.backends import registry
+
+    q = torch.randn(1, heads[0], 1, 8).to(dtype)
+    k, v = (torch.randn(1, heads[1], lk, 8).to(dtype) for _ in range(2))
+    req = validate_call(q, k, v, is_causal=causal)
+    assert set(registry._PREFERRING) == {"band"}
+    assert not any(b.prefers(req) for b in registry._PREFERRING.values())
 
 
 def test_an_auto_rank_places_a_backend_between_the_ranks_around_it_whatever_the_order_of_registration(own_registry):
