@@ -86,6 +86,18 @@ def test_real_head_sizes_over_a_long_cache(dtype, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("g", [2, 3, 4, 5, 7, 9])
+@pytest.mark.parametrize("d", [64, 80, 128])
+def test_grouped_rows_read_together_give_each_rows_answer(dtype, g, d):
+    """Rows that share keys are scored four or two at a time over whole blocks (dots4x4, dots2x8) and take the
+    values two at a time (add_values2), the rest one by one: every split of G rows into those, over several whole
+    blocks and a partial one, against the oracle; a window and a padding mask keep per-row masking in the mix."""
+    q, k, v = _qkv(2, 2 * g, 2, 1, 100, dtype, d=d, dv=d, seed=g + d)
+    _check(q, k, v, dtype)
+    _check(q, k, v, dtype, window=(70, 0), mask=_padding(2, 100))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", [(8, 4), (4, 4)], ids=["GQA", "MHA"])
 @pytest.mark.parametrize("cap", [50.0, 0.5])
 def test_soft_capped_scores_are_served_as_gemma_2_caps_them(dtype, heads, cap):
@@ -119,11 +131,11 @@ def test_a_zero_query_or_a_zero_weight_hides_no_non_finite_key_or_value(dtype, w
     assert BACKEND.if_finite(validate_call(q, k, v, mask=mask)) is None
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_call_that_reads_past_the_last_level_cache_gives_the_same_answer(dtype):
-    """Over 32 MiB of half-type keys and values read (6,001 keys of 16 heads): the kernel asks for its blocks ahead
-    (prefetch_pays), which must change no number. Against SDPA on the same inputs widened to float32, with the key
-    range cut by a window."""
+    """Over 32 MiB of keys and values read (6,001 keys of 16 heads): the kernel asks for a half type's blocks ahead
+    (prefetch_pays) and reads float keys a row at a time (Shape.grouped), which must change no number. Against
+    SDPA on the same inputs widened to float32, with the key range cut by a window."""
     q, k, v = _qkv(1, 32, 16, 1, 8192, dtype, d=128)
     req = validate_call(q, k, v, window=(6000, 0))
     out, _ = BACKEND(req)

@@ -3,8 +3,10 @@
 // For each batch element b and key/value head c, the G = H / Hkv query heads that share it and their Lq <= 8
 // queries are R = G * Lq rows of one pass: the keys are streamed once, in blocks of BLOCK, scored against every
 // row 16 keys at a time (16 accumulators summed across their lanes together, where AVX-512 is there), and folded
-// into each row's running maximum, sum and accumulator (online softmax, float32). bfloat16 keys are scored as
-// stored where the CPU multiplies bfloat16 pairs (AVX512-BF16), float16 ones widened to float32 in a small buffer.
+// into each row's running maximum, sum and accumulator (online softmax, float32). Float keys and values are read
+// for four or two rows at a time where heads are grouped (dots4x4, dots2x8, add_values2), each vector loaded once
+// for all of them. bfloat16 keys are scored as stored where the CPU multiplies bfloat16 pairs (AVX512-BF16),
+// float16 ones widened to float32 in a small buffer.
 // Each key and value is read from memory once for all the rows that share it, where PyTorch's CPU kernel (and the
 // band kernel's tiles) are built for many queries and pay per-call packing and product set-ups that a single
 // query cannot amortise. With a soft cap, each score (after the scale) becomes cap * tanh(score / cap).
@@ -103,6 +105,9 @@ struct Shape {
   float scale, cap;  // cap > 0: scores capped to cap * tanh(score / cap)
   bool pairs;        // bfloat16 keys scored in place, two products per lane (dots16_pairs); q kept unscaled
   bool k_widened, v_widened;  // keys, values widened to float32 a block at a time (kbuf, vbuf), not read in place
+  // grouped rows' float keys and values read for several rows at once (dots4x4, dots2x8, add_values2): where they
+  // fit the last-level cache; from memory, a row at a time keeps more lines in flight (measured: bench/decode_ab.py)
+  bool grouped;
 };
 
 // The length of a pair of value rows interleaved (pair_values): 2 Dvp, rounded up to whole vectors of 32.
@@ -197,6 +202,44 @@ inline void dots16(const float* q, const float* k, Index ks, Index Dp, float* s)
     for (int t = 0; t < 16; ++t) a[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + KEY_OF[t] * ks + d), a[t]);
   }
   _mm512_storeu_ps(s, lane_sums(a));
+}
+
+// Grouped heads: several rows against the same keys, each key vector loaded once for all of them (dots16 loads it
+// once a row). The 16 accumulators are (row, key) pairs, summed across their lanes together as in dots16, row r's
+// key t landing in lane r * keys + t.
+
+// s[r * ss + t] = q_r . k_t for 4 rows (qs apart) and 4 keys (ks apart).
+inline void dots4x4(const float* q, Index qs, const float* k, Index ks, Index Dp, float* s, Index ss) {
+  __m512 a[16];
+  for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+  for (Index d = 0; d < Dp; d += 16) {
+    __m512 x[4];
+    for (int r = 0; r < 4; ++r) x[r] = _mm512_loadu_ps(q + r * qs + d);
+    for (int t = 0; t < 4; ++t) {
+      const __m512 kv = _mm512_loadu_ps(k + t * ks + d);
+      for (int r = 0; r < 4; ++r) a[KEY_OF[r * 4 + t]] = _mm512_fmadd_ps(x[r], kv, a[KEY_OF[r * 4 + t]]);
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, lane_sums(a));
+  for (int r = 0; r < 4; ++r) _mm_storeu_ps(s + r * ss, _mm_load_ps(sums + 4 * r));
+}
+
+// s[r * ss + t] = q_r . k_t for 2 rows (qs apart) and 8 keys (ks apart).
+inline void dots2x8(const float* q, Index qs, const float* k, Index ks, Index Dp, float* s, Index ss) {
+  __m512 a[16];
+  for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+  for (Index d = 0; d < Dp; d += 16) {
+    const __m512 x0 = _mm512_loadu_ps(q + d), x1 = _mm512_loadu_ps(q + qs + d);
+    for (int t = 0; t < 8; ++t) {
+      const __m512 kv = _mm512_loadu_ps(k + t * ks + d);
+      a[KEY_OF[t]] = _mm512_fmadd_ps(x0, kv, a[KEY_OF[t]]);
+      a[KEY_OF[8 + t]] = _mm512_fmadd_ps(x1, kv, a[KEY_OF[8 + t]]);
+    }
+  }
+  const __m512 sums = lane_sums(a);
+  _mm256_storeu_ps(s, _mm512_castps512_ps256(sums));
+  _mm256_storeu_ps(s + ss, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)));
 }
 #endif
 
@@ -308,6 +351,17 @@ inline void raw_scores(const Shape& z, const Rows& w, Index r, const T* kblock, 
   dots_one_by_one(q, kf + jj * fs, fs, z.Dp, n - jj, s + jj);
 }
 
+// Whether T's keys and values are only ever read in pairs (bfloat16 where the CPU multiplies pairs): then run_chunk's
+// float32 paths are left out of its code for T, not just skipped (compiled in, they cost the bfloat16 loops
+// registers and placement).
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+template <typename T>
+constexpr bool pairs_only = std::is_same_v<T, c10::BFloat16>;
+#else
+template <typename T>
+constexpr bool pairs_only = false;
+#endif
+
 // The most accumulator vectors a row keeps in registers while a block of values is added in.
 constexpr Index ACC_VECS = 8;
 
@@ -338,6 +392,26 @@ ALWAYS_INLINE void add_values(float* acc, const float* p, const float* const* vr
     for (int u = 0; u < NV; ++u) a[u] = at::vec::fmadd(pv, Vec::loadu(vr + u * Vec::size()), a[u]);
   }
   for (int u = 0; u < NV; ++u) (a[u] + b[u]).store(acc + u * Vec::size());
+}
+
+// add_values for two rows (grouped heads): each value vector is loaded once for both rows' accumulators, two
+// independent chains that hide the multiply-add's latency as add_values' second set does. AVX-512 only: the 2 NV
+// accumulators need its 32 registers.
+template <int NV>
+ALWAYS_INLINE void add_values2(float* acc0, float* acc1, const float* p0, const float* p1, const float* const* vrows,
+                               Index n, Index d) {
+  Vec a[NV], b[NV];
+  for (int u = 0; u < NV; ++u) a[u] = Vec::loadu(acc0 + u * Vec::size()), b[u] = Vec::loadu(acc1 + u * Vec::size());
+  for (Index jj = 0; jj < n; ++jj) {
+    const Vec w0(p0[jj]), w1(p1[jj]);
+    const float* vr = vrows[jj] + d;
+    for (int u = 0; u < NV; ++u) {
+      const Vec x = Vec::loadu(vr + u * Vec::size());
+      a[u] = at::vec::fmadd(w0, x, a[u]);
+      b[u] = at::vec::fmadd(w1, x, b[u]);
+    }
+  }
+  for (int u = 0; u < NV; ++u) a[u].store(acc0 + u * Vec::size()), b[u].store(acc1 + u * Vec::size());
 }
 
 // Row r's scores s[0:BLOCK) (-inf past the block's n keys and where the row does not see a key) folded into its
@@ -380,13 +454,15 @@ inline void prefetch_rows(const T* base, Index stride, Index j, Index n, Index l
   }
 }
 
-// Whether a call reads so much that its keys and values come from memory, not the last-level cache: then each
-// block asks for its values, and the next block's keys, as it starts. Measured (bench/decode_ab.py) to help half
-// types reading more than a server core's share of L3 (a fixed 32 MiB: sysconf's L3 size is the whole socket's on
-// some CPUs), and to cost float32, and calls that fit, more than it saved.
+// Whether a call reads so much that its keys and values come from memory, not the last-level cache: more than a
+// server core's share of L3 (a fixed 32 MiB: sysconf's L3 size is the whole socket's on some CPUs).
+constexpr bool from_memory(Index bytes) { return bytes >= (Index(32) << 20); }
+
+// Whether each block asks for its values, and the next block's keys, as it starts: measured (bench/decode_ab.py)
+// to help half types reading from memory, and to cost float32, and calls that fit, more than it saved.
 template <typename T>
 constexpr bool prefetch_pays(Index bytes) {
-  return !std::is_same_v<T, float> && bytes >= (Index(32) << 20);
+  return !std::is_same_v<T, float> && from_memory(bytes);
 }
 
 // Keys [from, to) of (b, c) folded into `w` (whose q rows are loaded); returns a sum that is finite when every key
@@ -415,9 +491,27 @@ float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Ind
       kf = kp + j0 * ks;
     }
     const bool every_key = mrow == nullptr && j0 >= all_lo && j0 + n <= all_hi;
+    Index grouped = 0;  // rows [0, grouped) scored together, four or two at a time, over a whole block of float keys
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (!pairs_only<T>) {
+      if (n == BLOCK && z.grouped) {
+        const Index fs = z.k_widened ? z.Dp : ks;
+        for (; grouped + 4 <= R; grouped += 4) {
+          const float* q0 = w.q.data() + grouped * z.Dp;
+          float* s0 = w.s.data() + grouped * BLOCK;
+          for (Index jj = 0; jj < BLOCK; jj += 4) dots4x4(q0, z.Dp, kf + jj * fs, fs, z.Dp, s0 + jj, BLOCK);
+        }
+        for (; grouped + 2 <= R; grouped += 2) {
+          const float* q0 = w.q.data() + grouped * z.Dp;
+          float* s0 = w.s.data() + grouped * BLOCK;
+          for (Index jj = 0; jj < BLOCK; jj += 8) dots2x8(q0, z.Dp, kf + jj * fs, fs, z.Dp, s0 + jj, BLOCK);
+        }
+      }
+    }
+#endif
     for (Index r = 0; r < R; ++r) {
       float* sr = w.s.data() + r * BLOCK;
-      raw_scores<T>(z, w, r, kp + j0 * ks, ks, kf, n, sr);
+      if (r >= grouped) raw_scores<T>(z, w, r, kp + j0 * ks, ks, kf, n, sr);
       if (r == 0) {
         Index jj = 0;
         for (; jj + Vec::size() <= n; jj += Vec::size()) seen = at::vec::fmadd(Vec::loadu(sr + jj), zero, seen);
@@ -438,47 +532,57 @@ float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Ind
     }
     for (Index r = 0; r < R; ++r) online_softmax(z, w, r);
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (z.pairs) {  // the values two keys to a lane, each pair of rows read once for every row of weights
-        const Index len = pair_row(z), pairs = (n + 1) / 2;
-        for (Index t = 0; t < pairs; ++t) {
-          const T* v0 = vp + (j0 + 2 * t) * vs;
-          pair_values(v0, 2 * t + 1 < n ? v0 + vs : nullptr, z.Dv, len, w.vpairs.data() + t * len);
+    if constexpr (pairs_only<T>) {  // the values two keys to a lane, each pair read once for every row's weights
+      const Index len = pair_row(z), pairs = (n + 1) / 2;
+      for (Index t = 0; t < pairs; ++t) {
+        const T* v0 = vp + (j0 + 2 * t) * vs;
+        pair_values(v0, 2 * t + 1 < n ? v0 + vs : nullptr, z.Dv, len, w.vpairs.data() + t * len);
+      }
+      for (Index r = 0; r < R; ++r) {
+        const float* pr = w.s.data() + r * BLOCK;
+        alignas(64) uint32_t w2[BLOCK / 2];
+        for (Index jj = 0; jj < BLOCK; jj += 32) {
+          _mm512_store_si512(w2 + jj / 2,
+                             (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + jj + 16), _mm512_loadu_ps(pr + jj)));
         }
-        for (Index r = 0; r < R; ++r) {
-          const float* pr = w.s.data() + r * BLOCK;
-          alignas(64) uint32_t w2[BLOCK / 2];
-          for (Index jj = 0; jj < BLOCK; jj += 32) {
-            _mm512_store_si512(w2 + jj / 2,
-                               (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + jj + 16), _mm512_loadu_ps(pr + jj)));
-          }
-          float* ar = w.acc.data() + r * Dvp;
-          for (Index d = 0; d < Dvp; d += ACC_VECS * 16) {
-            const Index nv = std::min<Index>(ACC_VECS, (Dvp - d) / 16);
-            with_vecs(nv, [&](auto NV) { add_value_pairs<NV.value>(ar + d, w2, w.vpairs.data(), len, pairs, d); });
-          }
+        float* ar = w.acc.data() + r * Dvp;
+        for (Index d = 0; d < Dvp; d += ACC_VECS * 16) {
+          const Index nv = std::min<Index>(ACC_VECS, (Dvp - d) / 16);
+          with_vecs(nv, [&](auto NV) { add_value_pairs<NV.value>(ar + d, w2, w.vpairs.data(), len, pairs, d); });
         }
-        continue;
       }
     }
 #endif
-    // the values, each read once (from memory) for every row; then each row's accumulator, held in registers
-    // NV vectors at a time, takes the block's values from the cache
-    const float* vrows[BLOCK];
-    for (Index jj = 0; jj < n; ++jj) {
-      if (z.v_widened) {
-        widen(vp + (j0 + jj) * vs, w.vbuf.data() + jj * Dvp, z.Dv);
-        vrows[jj] = w.vbuf.data() + jj * Dvp;
-      } else {
-        vrows[jj] = reinterpret_cast<const float*>(vp + (j0 + jj) * vs);
+    if constexpr (!pairs_only<T>) {  // float32 values, or half ones widened
+      // the values, each read once (from memory) for every row; then each row's accumulator, held in registers
+      // NV vectors at a time, takes the block's values from the cache
+      const float* vrows[BLOCK];
+      for (Index jj = 0; jj < n; ++jj) {
+        if (z.v_widened) {
+          widen(vp + (j0 + jj) * vs, w.vbuf.data() + jj * Dvp, z.Dv);
+          vrows[jj] = w.vbuf.data() + jj * Dvp;
+        } else {
+          vrows[jj] = reinterpret_cast<const float*>(vp + (j0 + jj) * vs);
+        }
       }
-    }
-    for (Index r = 0; r < R; ++r) {
-      const float* pr = w.s.data() + r * BLOCK;
-      float* ar = w.acc.data() + r * Dvp;
-      for (Index d = 0; d < Dvp; d += ACC_VECS * Vec::size()) {
-        const Index nv = std::min<Index>(ACC_VECS, (Dvp - d) / Vec::size());
-        with_vecs(nv, [&](auto NV) { add_values<NV.value>(ar + d, pr, vrows, n, d); });
+      Index r = 0;
+      if constexpr (Vec::size() == 16) {
+        for (; z.grouped && r + 2 <= R; r += 2) {
+          const float* pr = w.s.data() + r * BLOCK;
+          float* ar = w.acc.data() + r * Dvp;
+          for (Index d = 0; d < Dvp; d += ACC_VECS * Vec::size()) {
+            const Index nv = std::min<Index>(ACC_VECS, (Dvp - d) / Vec::size());
+            with_vecs(nv, [&](auto NV) { add_values2<NV.value>(ar + d, ar + Dvp + d, pr, pr + BLOCK, vrows, n, d); });
+          }
+        }
+      }
+      for (; r < R; ++r) {
+        const float* pr = w.s.data() + r * BLOCK;
+        float* ar = w.acc.data() + r * Dvp;
+        for (Index d = 0; d < Dvp; d += ACC_VECS * Vec::size()) {
+          const Index nv = std::min<Index>(ACC_VECS, (Dvp - d) / Vec::size());
+          with_vecs(nv, [&](auto NV) { add_values<NV.value>(ar + d, pr, vrows, n, d); });
+        }
       }
     }
   }
@@ -491,11 +595,7 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
                  const Tensor& hi, double scale, double cap, Tensor& out, Tensor& finite) {
   Shape z;
   z.scale = static_cast<float>(scale), z.cap = static_cast<float>(cap);
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-  z.pairs = std::is_same_v<T, c10::BFloat16>;
-#else
-  z.pairs = false;
-#endif
+  z.pairs = pairs_only<T>;
   z.B = q.size(0), z.H = q.size(1), z.Lq = q.size(2), z.D = q.size(3), z.Hkv = k.size(1), z.Lk = k.size(2);
   z.Dv = v.size(3), z.G = z.H / z.Hkv, z.R = z.G * z.Lq;
   const auto up = [](Index x) { return (x + Vec::size() - 1) / Vec::size() * Vec::size(); };
@@ -528,6 +628,7 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   Index read = 0;  // bytes of keys and values the call reads
   for (Index x = 0; x < items; ++x) read += (last[x] - first[x]) * (z.D + z.Dv) * Index(sizeof(T));
   const bool prefetch = prefetch_pays<T>(read);
+  z.grouped = !from_memory(read);
   const Index threads = at::get_num_threads();
   const Index splits = items >= threads ? 1
                                         : std::max<Index>(1, std::min((threads + items - 1) / items,
