@@ -4,9 +4,9 @@
 // queries are R = G * Lq rows of one pass: the keys are streamed once, in blocks of BLOCK, scored against every
 // row 16 keys at a time (16 accumulators summed across their lanes together, where AVX-512 is there), and folded
 // into each row's running maximum, sum and accumulator (online softmax, float32). Float keys and values are read
-// for four or two rows at a time where heads are grouped (dots4x4, dots2x8, add_values2), each vector loaded once
-// for all of them. bfloat16 keys are scored as stored where the CPU multiplies bfloat16 pairs (AVX512-BF16),
-// float16 ones widened to float32 in a small buffer.
+// for four or two rows at a time where heads are grouped (dots4x4, dots2x8, add_values2; bfloat16 pairs likewise:
+// dots4x4_pairs, add_value_pairs2), each vector loaded once for all of them. bfloat16 keys are scored as stored
+// where the CPU multiplies bfloat16 pairs (AVX512-BF16), float16 ones widened to float32 in a small buffer.
 // Each key and value is read from memory once for all the rows that share it, where PyTorch's CPU kernel (and the
 // band kernel's tiles) are built for many queries and pay per-call packing and product set-ups that a single
 // query cannot amortise. With a soft cap, each score (after the scale) becomes cap * tanh(score / cap).
@@ -105,7 +105,7 @@ struct Shape {
   float scale, cap;  // cap > 0: scores capped to cap * tanh(score / cap)
   bool pairs;        // bfloat16 keys scored in place, two products per lane (dots16_pairs); q kept unscaled
   bool k_widened, v_widened;  // keys, values widened to float32 a block at a time (kbuf, vbuf), not read in place
-  // grouped rows' float keys and values read for several rows at once (dots4x4, dots2x8, add_values2): where they
+  // grouped rows' keys and values read for several rows at once (dots4x4, add_values2 and the like): where they
   // fit the last-level cache; from memory, a row at a time keeps more lines in flight (measured: bench/decode_ab.py)
   bool grouped;
 };
@@ -279,6 +279,26 @@ inline void dots_pairs_one_by_one(const c10::BFloat16* q, const c10::BFloat16* k
   }
 }
 
+// dots4x4 in the same arithmetic: s[r * ss + t] = q_r . k_t for 4 rows (qs apart) and 4 bfloat16 keys (ks apart),
+// read as stored.
+inline void dots4x4_pairs(const c10::BFloat16* q, Index qs, const c10::BFloat16* k, Index ks, Index D, float* s,
+                          Index ss) {
+  __m512 a[16];
+  for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+  for (Index d = 0; d < D; d += 32) {
+    const __mmask32 m = first_lanes(D - d);
+    __m512bh x[4];
+    for (int r = 0; r < 4; ++r) x[r] = (__m512bh)_mm512_loadu_si512(q + r * qs + d);
+    for (int t = 0; t < 4; ++t) {
+      const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(m, k + t * ks + d);
+      for (int r = 0; r < 4; ++r) a[KEY_OF[r * 4 + t]] = _mm512_dpbf16_ps(a[KEY_OF[r * 4 + t]], x[r], kv);
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, lane_sums(a));
+  for (int r = 0; r < 4; ++r) _mm_storeu_ps(s + r * ss, _mm_load_ps(sums + 4 * r));
+}
+
 // Value rows jj and jj + 1 of a block (Dv values each) interleaved into `to` (pair_row values): element 2i from
 // row jj and 2i + 1 from row jj + 1, zero past Dv, so that one pair product adds both keys' values into lane i.
 // An odd last row is paired with zeros.
@@ -323,6 +343,33 @@ inline void add_value_pairs(float* acc, const uint32_t* w2, const c10::BFloat16*
     for (int u = 0; u < NV; ++u) a[u] = _mm512_dpbf16_ps(a[u], p0, (__m512bh)_mm512_loadu_si512(r0 + 32 * u));
   }
   for (int u = 0; u < NV; ++u) _mm512_storeu_ps(acc + u * 16, _mm512_add_ps(a[u], b[u]));
+}
+
+// add_value_pairs for two rows (grouped heads), weights w0 and w1: each pair vector loaded once for both rows.
+template <int NV>
+inline void add_value_pairs2(float* acc0, float* acc1, const uint32_t* w0, const uint32_t* w1,
+                             const c10::BFloat16* vpairs, Index len, Index pairs, Index d) {
+  __m512 a[NV], b[NV];
+  for (int u = 0; u < NV; ++u) a[u] = _mm512_loadu_ps(acc0 + u * 16), b[u] = _mm512_loadu_ps(acc1 + u * 16);
+  for (Index t = 0; t < pairs; ++t) {
+    const __m512bh p0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w0[t]));
+    const __m512bh p1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w1[t]));
+    const c10::BFloat16* r0 = vpairs + t * len + 2 * d;
+    for (int u = 0; u < NV; ++u) {
+      const __m512bh x = (__m512bh)_mm512_loadu_si512(r0 + 32 * u);
+      a[u] = _mm512_dpbf16_ps(a[u], p0, x);
+      b[u] = _mm512_dpbf16_ps(b[u], p1, x);
+    }
+  }
+  for (int u = 0; u < NV; ++u) _mm512_storeu_ps(acc0 + u * 16, a[u]), _mm512_storeu_ps(acc1 + u * 16, b[u]);
+}
+
+// A row's block of weights s[0:BLOCK) as bfloat16 pairs w2[BLOCK / 2] (keys 2t and 2t + 1 in w2[t]).
+inline void weight_pairs(const float* s, uint32_t* w2) {
+  for (Index jj = 0; jj < BLOCK; jj += 32) {
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + jj + 16), _mm512_loadu_ps(s + jj));
+    _mm512_storeu_si512(w2 + jj / 2, (__m512i)pairs);
+  }
 }
 #endif
 
@@ -492,6 +539,19 @@ float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Ind
     }
     const bool every_key = mrow == nullptr && j0 >= all_lo && j0 + n <= all_hi;
     Index grouped = 0;  // rows [0, grouped) scored together, four or two at a time, over a whole block of float keys
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    if constexpr (pairs_only<T>) {
+      if (n == BLOCK && z.grouped) {
+        for (; grouped + 4 <= R; grouped += 4) {
+          const c10::BFloat16* q0 = w.qh.data() + grouped * z.Dp * 2;
+          float* s0 = w.s.data() + grouped * BLOCK;
+          for (Index jj = 0; jj < BLOCK; jj += 4) {
+            dots4x4_pairs(q0, z.Dp * 2, kp + (j0 + jj) * ks, ks, z.D, s0 + jj, BLOCK);
+          }
+        }
+      }
+    }
+#endif
 #if defined(CPU_CAPABILITY_AVX512)
     if constexpr (!pairs_only<T>) {
       if (n == BLOCK && z.grouped) {
@@ -538,13 +598,22 @@ float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Ind
         const T* v0 = vp + (j0 + 2 * t) * vs;
         pair_values(v0, 2 * t + 1 < n ? v0 + vs : nullptr, z.Dv, len, w.vpairs.data() + t * len);
       }
-      for (Index r = 0; r < R; ++r) {
-        const float* pr = w.s.data() + r * BLOCK;
-        alignas(64) uint32_t w2[BLOCK / 2];
-        for (Index jj = 0; jj < BLOCK; jj += 32) {
-          _mm512_store_si512(w2 + jj / 2,
-                             (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + jj + 16), _mm512_loadu_ps(pr + jj)));
+      Index r = 0;
+      for (; z.grouped && r + 2 <= R; r += 2) {
+        uint32_t w2a[BLOCK / 2], w2b[BLOCK / 2];
+        weight_pairs(w.s.data() + r * BLOCK, w2a);
+        weight_pairs(w.s.data() + (r + 1) * BLOCK, w2b);
+        float* ar = w.acc.data() + r * Dvp;
+        for (Index d = 0; d < Dvp; d += ACC_VECS * 16) {
+          const Index nv = std::min<Index>(ACC_VECS, (Dvp - d) / 16);
+          with_vecs(nv, [&](auto NV) {
+            add_value_pairs2<NV.value>(ar + d, ar + Dvp + d, w2a, w2b, w.vpairs.data(), len, pairs, d);
+          });
         }
+      }
+      for (; r < R; ++r) {
+        uint32_t w2[BLOCK / 2];
+        weight_pairs(w.s.data() + r * BLOCK, w2);
         float* ar = w.acc.data() + r * Dvp;
         for (Index d = 0; d < Dvp; d += ACC_VECS * 16) {
           const Index nv = std::min<Index>(ACC_VECS, (Dvp - d) / 16);
