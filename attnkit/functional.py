@@ -70,8 +70,8 @@ def attention(
         out = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
     """
     if (mask is None and bias is None and window is None and mask_mod is None and score_mod is None
-            and return_weights is False and backend == "auto" and (dropout_p.__class__ is float or
-                                                                   dropout_p.__class__ is int) and dropout_p == 0):
+            and return_weights is False and type(backend) is str and backend == "auto"
+            and (type(dropout_p) is float or type(dropout_p) is int) and dropout_p == 0):
         leader = backends.registry.step_leader()  # a plain step's lane: the decode backend's, where it leads
         lane = getattr(leader, "step", None)
         out = None if lane is None else lane(query, key, value, is_causal, scale)

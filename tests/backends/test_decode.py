@@ -265,6 +265,10 @@ def _float_param(x):
     ("is_causal 1", lambda q, k, v, kw: (q, k, v, {**kw, "is_causal": 1}), (TypeError, "is_causal must be a bool")),
     ("dropout False", lambda q, k, v, kw: (q, k, v, {**kw, "dropout_p": False}), (ValueError, "dropout_p must")),
     ("backend None", lambda q, k, v, kw: (q, k, v, {**kw, "backend": None}), (TypeError, "backend must be a str")),
+    ("backend an array", lambda q, k, v, kw: (q, k, v, {**kw, "backend": torch.tensor([1])}),
+     (TypeError, "backend must be a str, got Tensor")),
+    ("dropout a tensor", lambda q, k, v, kw: (q, k, v, {**kw, "dropout_p": torch.tensor(0.0)}),
+     (ValueError, "dropout_p must be a number")),
     ("k in float16", lambda q, k, v, kw: (q, k.half(), v, kw), (TypeError, "key dtype torch.float16 does not")),
     ("head sizes", lambda q, k, v, kw: (q, k[..., :4], v, kw), (ValueError, "key head size 4 must equal")),
     ("3 heads over 2", lambda q, k, v, kw: (q[:, :3], k, v, kw), (ValueError, r"query heads \(3\) must be a multiple")),
@@ -279,7 +283,7 @@ def test_the_lane_hands_back_every_call_it_does_not_serve(what, change, raises):
     q, k, v, kw = change(q, k, v, {"is_causal": True, "scale": None})
     call = {n: kw[n] for n in ("is_causal", "scale")}
     assert BACKEND.step(q, k, v, call["is_causal"], call["scale"]) is None or what in {
-        "dropout False", "backend None"}  # those two are attention's own arguments: the lane never sees them
+        "dropout False", "backend None", "backend an array", "dropout a tensor"}  # attention's own: not the lane's
     if raises is not None:
         with pytest.raises(raises[0], match=raises[1]):
             attnkit.attention(q, k, v, **kw)
