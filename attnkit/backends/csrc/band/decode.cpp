@@ -538,7 +538,7 @@ float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Ind
       kf = kp + j0 * ks;
     }
     const bool every_key = mrow == nullptr && j0 >= all_lo && j0 + n <= all_hi;
-    Index grouped = 0;  // rows [0, grouped) scored together, four or two at a time, over a whole block of float keys
+    Index grouped = 0;  // rows [0, grouped) scored together, four or two at a time, over a whole block of keys
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
     if constexpr (pairs_only<T>) {
       if (n == BLOCK && z.grouped) {
