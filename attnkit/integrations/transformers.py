@@ -95,10 +95,9 @@ def attnkit_attention_forward(
     for argument in ("s_aux", "sinks"):
         if kwargs.get(argument) is not None:
             _refuse(module, argument, type(kwargs[argument]).__name__)
-    cap = kwargs.get("softcap")
-    if cap is not None and kwargs.get("position_bias") is not None:  # no model has both, nor an eager order for them
+    cap, position_bias = kwargs.get("softcap"), kwargs.get("position_bias")
+    if cap is not None and position_bias is not None:  # no model has both, nor an eager order for them
         _refuse(module, "softcap", f"{cap!r} together with a position_bias")
-    position_bias = kwargs.get("position_bias")
     position_mod, dense_bias = (None, None) if position_bias is None else _position_bias_terms(
         position_bias, query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     if isinstance(attention_mask, MaskPlan):  # attnkit_mask's: the layer's whole mask, worked out once
