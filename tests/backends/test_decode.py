@@ -133,7 +133,7 @@ def test_a_zero_query_or_a_zero_weight_hides_no_non_finite_key_or_value(dtype, w
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_call_that_reads_past_the_last_level_cache_gives_the_same_answer(dtype):
-    """Over 32 MiB of keys and values read (6,001 keys of 16 heads): the kernel asks for a half type's blocks ahead
+    """Over 32 MiB of keys and values read (6,001 keys of 16 heads): the kernel asks for its blocks ahead
     (prefetch_pays) and reads float keys a row at a time (Shape.grouped), which must change no number. Against
     SDPA on the same inputs widened to float32, with the key range cut by a window."""
     q, k, v = _qkv(1, 32, 16, 1, 8192, dtype, d=128)

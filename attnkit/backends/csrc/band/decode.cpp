@@ -105,8 +105,10 @@ struct Shape {
   float scale, cap;  // cap > 0: scores capped to cap * tanh(score / cap)
   bool pairs;        // bfloat16 keys scored in place, two products per lane (dots16_pairs); q kept unscaled
   bool k_widened, v_widened;  // keys, values widened to float32 a block at a time (kbuf, vbuf), not read in place
-  // grouped rows' keys and values read for several rows at once (dots4x4, add_values2 and the like): where they
-  // fit the last-level cache; from memory, a row at a time keeps more lines in flight (measured: bench/decode_ab.py)
+  // grouped rows' keys and values read for several rows at once (dots4x4, add_values2 and the like): bfloat16 pairs
+  // always; float keys where they fit the last-level cache (from memory, a row at a time kept more lines in flight
+  // and was as fast or faster, prefetching or not; bfloat16 pairs, prefetched, came out ahead grouped; measured:
+  // bench/decode_ab.py)
   bool grouped;
 };
 
@@ -491,26 +493,31 @@ inline void online_softmax(const Shape& z, Rows& w, Index r) {
   w.l[r] += at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, sum);
 }
 
-// Rows [j, j + n) of a cache (rows `stride` elements apart, `len` elements each) asked for ahead of their use.
+// Rows [j, j + n) of a cache (rows `stride` elements apart, `len` elements each) asked for ahead of their use, into
+// the core's L2 (locality 2, T1): into L1 (locality 3) they crowded out the block being read, and a non-temporal
+// hint (0) fetched too little to help (measured: bench/decode_ab.py's cells from memory).
 template <typename T>
 inline void prefetch_rows(const T* base, Index stride, Index j, Index n, Index len) {
   constexpr Index LINE = 64;
   for (Index jj = j; jj < j + n; ++jj) {
     const char* row = reinterpret_cast<const char*>(base + jj * stride);
-    for (Index b = 0; b < len * Index(sizeof(T)); b += LINE) __builtin_prefetch(row + b, 0, 3);
+    for (Index b = 0; b < len * Index(sizeof(T)); b += LINE) __builtin_prefetch(row + b, 0, 2);
   }
 }
 
-// Whether a call reads so much that its keys and values come from memory, not the last-level cache: more than a
-// server core's share of L3 (a fixed 32 MiB: sysconf's L3 size is the whole socket's on some CPUs).
+// How many blocks ahead a prefetching call asks for its keys and values: 2 to 8 measured within a few percent of
+// each other; one block ahead, into L1, gained a third as much.
+constexpr Index PREFETCH_BLOCKS = 3;
+
+// Whether a call reads so much that its keys and values come from memory, not the last-level cache, even on a
+// server of its own: more than a CCD's L3 (a fixed 32 MiB: sysconf's L3 size is the whole socket's on some CPUs).
 constexpr bool from_memory(Index bytes) { return bytes >= (Index(32) << 20); }
 
-// Whether each block asks for its values, and the next block's keys, as it starts: measured (bench/decode_ab.py)
-// to help half types reading from memory, and to cost float32, and calls that fit, more than it saved.
-template <typename T>
-constexpr bool prefetch_pays(Index bytes) {
-  return !std::is_same_v<T, float> && from_memory(bytes);
-}
+// Whether each block asks for the keys and values PREFETCH_BLOCKS ahead as it starts: above 12 MiB read. A call
+// that fits a core's share of L3 loses 6-12% to the extra instructions; a larger one gains 25-35% (float32 and
+// bfloat16 alike) wherever its lines come from DRAM, and on a server shared with other tenants that starts well
+// below the L3's size: a core's share, not the whole L3, is what stays (measured: bench/decode_ab.py).
+constexpr bool prefetch_pays(Index bytes) { return bytes > (Index(12) << 20); }
 
 // Keys [from, to) of (b, c) folded into `w` (whose q rows are loaded); returns a sum that is finite when every key
 // and value read was (and no score overflowed: a false alarm, which costs the caller only its exact path). Row
@@ -527,9 +534,12 @@ float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Ind
   const Vec zero(0.f);
   for (Index j0 = from; j0 < to; j0 += BLOCK) {
     const Index n = std::min(BLOCK, to - j0);
-    if (prefetch) {
-      prefetch_rows(vp, vs, j0, n, z.Dv);
-      if (j0 + BLOCK < to) prefetch_rows(kp, ks, j0 + BLOCK, std::min(BLOCK, to - j0 - BLOCK), z.D);
+    if (prefetch) {  // the keys and values PREFETCH_BLOCKS blocks ahead
+      const Index ahead = j0 + PREFETCH_BLOCKS * BLOCK;
+      if (ahead < to) {
+        prefetch_rows(kp, ks, ahead, std::min(BLOCK, to - ahead), z.D);
+        prefetch_rows(vp, vs, ahead, std::min(BLOCK, to - ahead), z.Dv);
+      }
     }
     const float* kf = w.kbuf.data();
     if (z.k_widened) {
@@ -696,8 +706,8 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   for (Index x = 0; x < items; ++x) longest = std::max(longest, last[x] - first[x]);
   Index read = 0;  // bytes of keys and values the call reads
   for (Index x = 0; x < items; ++x) read += (last[x] - first[x]) * (z.D + z.Dv) * Index(sizeof(T));
-  const bool prefetch = prefetch_pays<T>(read);
-  z.grouped = !from_memory(read);
+  const bool prefetch = prefetch_pays(read);
+  z.grouped = pairs_only<T> || !from_memory(read);
   const Index threads = at::get_num_threads();
   const Index splits = items >= threads ? 1
                                         : std::max<Index>(1, std::min((threads + items - 1) / items,
