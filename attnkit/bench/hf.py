@@ -2,12 +2,13 @@
 "eager" in the same run, random weights from configs built in code (no download).
 
 Each family keeps its real attention shape (query and key/value heads, head size, window, soft-cap, local and
-global layers, context length) at a tiny width elsewhere (a small vocabulary and MLP, few layers), so the
-attention dominates what is timed. Cells: prefill (the whole prompt in one forward) and decode (one token per
-step through a ``DynamicCache`` already holding ``n`` tokens, with the 2-D attention mask and position ids
-``generate`` passes), batch 1 and a left-padded batch of 8, float32 and bfloat16. The question each cell
-answers: how much faster (above 1) or slower (below 1) a model runs with ``"attnkit"`` than with ``"sdpa"``
-(eager where transformers offers no SDPA path: Gemma 2), end to end.
+global layers, context length) at a tiny width elsewhere (a small vocabulary and MLP, few layers), so that
+attention is most of what is timed in most cells (the table's `attention share` says how much). Cells: prefill
+(the whole prompt in one forward) and decode (one token per step through a ``DynamicCache`` already holding ``n``
+tokens, with the 2-D attention mask and position ids ``generate`` passes), batch 1 and a left-padded batch of 8,
+float32 and bfloat16. The question each cell answers: how much faster (above 1) or slower (below 1) a model runs
+with ``"attnkit"`` than with ``"sdpa"`` (eager where transformers offers no SDPA path: Gemma 2), end to end, and
+its attention alone.
 
 Times are CPU time on one thread (``torch.set_num_threads(1)``, ``time.process_time``): a shared machine's
 other load then does not count against whichever implementation it meets. ``--quick`` runs a few tiny cells
@@ -185,26 +186,88 @@ def _set(model, impl):
         model.set_attn_implementation(impl)
 
 
-def _prefill_cell(model, impls, n, batch, family, repeat, warmup=1):
+class _AttentionClock:
+    """The CPU time a forward spends inside its attention functions: while installed (a ``with`` block), each of
+    transformers' registered attention functions and the given model modules' ``eager_attention_forward`` (which
+    their layers look up at every call) is wrapped to add its time to ``spent``. The model's time less this is what
+    attention cannot change (projections, MLP, masks, the cache), so a cell can show both the whole forward's
+    speed-up and the attention's own."""
+
+    def __init__(self, *models: str):
+        self.spent = 0.0
+        self._models = models  # the modules (``type(model).__module__``) whose eager function is wrapped
+        self._undo: list = []
+
+    def _wrap(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent += time.process_time() - t0
+        return timed
+
+    def __enter__(self):
+        import importlib
+
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        for name in list(ALL_ATTENTION_FUNCTIONS.keys()):
+            fn = ALL_ATTENTION_FUNCTIONS[name]
+            ALL_ATTENTION_FUNCTIONS[name] = self._wrap(fn)  # a local override of the global registration
+            self._undo.append(lambda name=name, fn=fn: _restore(ALL_ATTENTION_FUNCTIONS, name, fn))
+        for path in self._models:
+            module = importlib.import_module(path)
+            fn = getattr(module, "eager_attention_forward", None)
+            if fn is not None:
+                module.eager_attention_forward = self._wrap(fn)
+                self._undo.append(lambda module=module, fn=fn: setattr(module, "eager_attention_forward", fn))
+        return self
+
+    def __exit__(self, *exc):
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def _restore(interface, name: str, fn) -> None:
+    """``interface[name]`` back to ``fn``: the wrapper's local override dropped, and ``fn`` set again only if it
+    was itself a local override (so a later global registration is not shadowed)."""
+    del interface[name]
+    if interface.get(name) is not fn:
+        interface[name] = fn
+
+
+def _timed(clock: _AttentionClock, run):
+    """``run()``'s output, its CPU time and the part of it spent in attention functions."""
+    clock.spent = 0.0
+    t0 = time.process_time()
+    out = run()
+    return out, time.process_time() - t0, clock.spent
+
+
+def _prefill_cell(model, impls, n, batch, family, repeat, clock, warmup=1):
     ids, mask = _batch(n, batch, seed=n + batch)
     times = {impl: [] for impl in impls}
+    attention = {impl: [] for impl in impls}
     outs = {}
     with torch.no_grad():
         for r in range(repeat + warmup):  # the first rounds warm up
             for impl in (impls if r % 2 else impls[::-1]):
                 _set(model, impl)
-                t0 = time.process_time()
-                out = _prefill(model, ids, mask, family.decoder)
+                out, t, a = _timed(clock, lambda: _prefill(model, ids, mask, family.decoder))
                 if r >= warmup:
-                    times[impl].append(time.process_time() - t0)
+                    times[impl].append(t)
+                    attention[impl].append(a)
                 outs[impl] = out
-    return {impl: statistics.median(t) for impl, t in times.items()}, outs, mask
+    return _medians(times), _medians(attention), outs, mask
 
 
-def _decode_cell(model, impls, n, batch, dtype, steps):
+def _decode_cell(model, impls, n, batch, dtype, steps, clock):
     ids, mask = _batch(n + 1, batch, seed=n + batch + 1)
     token = ids[:, -1:]
     times = {impl: [] for impl in impls}
+    attention = {impl: [] for impl in impls}
     outs = {}
     contents = _cache_contents(model, batch, n, dtype, seed=n)
     with torch.no_grad():
@@ -212,12 +275,16 @@ def _decode_cell(model, impls, n, batch, dtype, steps):
             for impl in (impls if r % 2 else impls[::-1]):
                 _set(model, impl)
                 cache = _filled_cache(model, contents)  # built apart: not timed
-                t0 = time.process_time()
-                out = _step(model, cache, token, mask)
+                out, t, a = _timed(clock, lambda cache=cache: _step(model, cache, token, mask))
                 if r:
-                    times[impl].append(time.process_time() - t0)
+                    times[impl].append(t)
+                    attention[impl].append(a)
                 outs[impl] = out
-    return {impl: statistics.median(t) for impl, t in times.items()}, outs, mask[:, -1:]
+    return _medians(times), _medians(attention), outs, mask[:, -1:]
+
+
+def _medians(times: dict[str, list[float]]) -> dict[str, float]:
+    return {impl: statistics.median(t) for impl, t in times.items()}
 
 
 def _cells(quick: bool):
@@ -259,7 +326,8 @@ def _impls(family: Family, phase: str, n: int, batch: int, quick: bool = False) 
 
 
 HEADER = ["model", "attention", "dtype", "batch", "phase", "n", "attnkit ms", "anchor", "anchor ms",
-          "attnkit speed-up", "eager speed-up", "attnkit tokens/s", "anchor tokens/s", "note"]
+          "attnkit speed-up", "attention speed-up", "attention share", "eager speed-up", "attnkit tokens/s",
+          "anchor tokens/s", "note"]
 
 
 def measure(quick: bool, say=print) -> tuple[list[list], list[tuple]]:
@@ -277,30 +345,39 @@ def measure(quick: bool, say=print) -> tuple[list[list], list[tuple]]:
     rows, checks = [], []
     models: dict = {}
     try:
-        for family, phase, n, batch, dtype, _ in _cells(quick):
-            key = (family.name, dtype)
-            if key not in models:
-                models.clear()
-                torch.manual_seed(0)
-                models[key] = family.build(dtype).eval()
-            model = models[key]
-            impls, note = _impls(family, phase, n, batch, quick)
-            if phase == "prefill":
-                repeat = 1 if quick else 5 if n < 2048 else 2 if n < 8192 else 1
-                t, outs, mask = _prefill_cell(model, impls, n, batch, family, repeat, warmup=int(n < 8192))
-            else:
-                t, outs, mask = _decode_cell(model, impls, n, batch, dtype, steps=1 if quick else DECODE_STEPS)
-            checks.append((family.name, phase, outs["attnkit"], outs[family.anchor], mask, dtype))
-            tokens = batch * (1 if phase == "decode" else n)
-            eager = f"{t['eager'] / t['attnkit']:.2f}" if "eager" in t and family.anchor != "eager" else "-"
-            rows.append([family.name, family.shape, str(dtype).removeprefix("torch."), batch, phase, n,
-                         round(t["attnkit"] * 1e3, 2), family.anchor, round(t[family.anchor] * 1e3, 2),
-                         round(t[family.anchor] / t["attnkit"], 2), eager,
-                         *(round(tokens / t[impl]) for impl in ("attnkit", family.anchor)), note])
-            say(" | ".join(str(c) for c in rows[-1][:11]))
+        for cell in _cells(quick):
+            rows.append(_cell(cell, models, quick, checks))
+            say(" | ".join(str(c) for c in rows[-1][:13]))
     finally:
         torch.set_num_threads(threads)
     return rows, checks
+
+
+def _cell(cell, models: dict, quick: bool, checks: list) -> list:
+    """The matrix's row for ``cell`` (:func:`_cells`); its outputs are appended to ``checks``."""
+    family, phase, n, batch, dtype, _ = cell
+    key = (family.name, dtype)
+    if key not in models:
+        models.clear()
+        torch.manual_seed(0)
+        models[key] = family.build(dtype).eval()
+    model = models[key]
+    impls, note = _impls(family, phase, n, batch, quick)
+    with _AttentionClock(type(model).__module__) as clock:
+        if phase == "prefill":
+            repeat = 1 if quick else 5 if n < 2048 else 2 if n < 8192 else 1
+            t, a, outs, mask = _prefill_cell(model, impls, n, batch, family, repeat, clock, warmup=int(n < 8192))
+        else:
+            t, a, outs, mask = _decode_cell(model, impls, n, batch, dtype, 1 if quick else DECODE_STEPS, clock)
+    checks.append((family.name, phase, outs["attnkit"], outs[family.anchor], mask, dtype))
+    tokens = batch * (1 if phase == "decode" else n)
+    anchor = family.anchor
+    eager = f"{t['eager'] / t['attnkit']:.2f}" if "eager" in t and anchor != "eager" else "-"
+    attention = round(a[anchor] / a["attnkit"], 2) if a["attnkit"] > 0 else "-"
+    return [family.name, family.shape, str(dtype).removeprefix("torch."), batch, phase, n,
+            round(t["attnkit"] * 1e3, 2), anchor, round(t[anchor] * 1e3, 2), round(t[anchor] / t["attnkit"], 2),
+            attention, f"{a[anchor] / t[anchor]:.0%}", eager,
+            *(round(tokens / t[impl]) for impl in ("attnkit", anchor)), note]
 
 
 DECODE_HEADER = ["dtype", "n", "heads", "D", "read K and V ms", "attnkit ms", "SDPA enable_gqa ms",
@@ -361,7 +438,11 @@ def run(quick: bool, out_dir: Path) -> str:
             "at n = 8192: the family's shorter cells have run the same code), the implementations interleaved "
             "(the order reversed every other round). "
             "`attnkit speed-up` is the anchor's time over attnkit's (above 1: attnkit is faster); the anchor is "
-            "`\"sdpa\"`, or `\"eager\"` where transformers has no SDPA path (Gemma 2). Decode: one token per "
+            "`\"sdpa\"`, or `\"eager\"` where transformers has no SDPA path (Gemma 2). `attention speed-up` is the "
+            "same ratio for the CPU time spent inside the attention functions alone (each registered attention "
+            "function and the model's eager one timed as it is called), and `attention share` that time's share "
+            "of the anchor's whole forward: the rest (projections, MLP, masks, the cache) is the same under "
+            "every name, so no attention can make the model faster than 1 / (1 - share). Decode: one token per "
             "step through a `DynamicCache` holding `n` tokens, with the mask and position ids `generate` passes "
             "(tokens/s: the batch's new tokens per second; for a prefill, its prompt tokens). "
             "The batch of 8 is left-padded, row i by i/32 of the prompt. "

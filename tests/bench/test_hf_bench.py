@@ -27,5 +27,11 @@ def test_the_quick_matrix_gives_the_anchors_outputs_for_every_family_and_phase()
         except AssertionError as error:
             raise AssertionError(f"{name}, {phase}: {error}") from None
     assert all(row[hf.HEADER.index("attnkit speed-up")] > 0 for row in rows)
+    # every cell's attention functions were timed (the clock saw both names' calls), and put back afterwards
+    assert all(row[hf.HEADER.index("attention speed-up")] > 0 for row in rows)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from attnkit.integrations.transformers import attnkit_attention_forward
+    assert ALL_ATTENTION_FUNCTIONS["attnkit"] is attnkit_attention_forward
     step = hf.decode_step(quick=True, say=said.append)  # the decode step alone, against one read of the cache
     assert [row[0] for row in step] == ["float32", "bfloat16"] and all(row[5] > 0 for row in step)
