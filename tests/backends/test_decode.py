@@ -156,13 +156,16 @@ def test_a_long_range_split_over_threads_merges_to_the_same_answer(dtype):
     close(split, one, dtype)
 
 
-def test_a_strided_cache_view_is_read_in_place():
-    """A KV cache's written part is a view with a row stride of the whole buffer: no copy needed."""
-    q, k, v = _qkv(2, 4, 2, 1, 300, d=16)
-    kb, vb = torch.zeros(2, 2, 512, 16), torch.zeros(2, 2, 512, 16)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_strided_cache_view_is_read_in_place(dtype):
+    """A KV cache's written part is a view with a row stride of the whole buffer: no copy needed. Such a cache
+    (written in place, cold) is read with its blocks, and each next (b, c)'s first blocks, asked for ahead
+    (written_in_place, prefetch_pays): the same bits as the fresh tensors, which are not."""
+    q, k, v = _qkv(2, 4, 2, 1, 300, dtype, d=16)
+    kb, vb = torch.zeros(2, 2, 512, 16, dtype=dtype), torch.zeros(2, 2, 512, 16, dtype=dtype)
     kb[:, :, :300], vb[:, :, :300] = k, v
-    out = _check(q, kb[:, :, :300], vb[:, :, :300], torch.float32)
-    close(out, _check(q, k, v, torch.float32), torch.float32, atol=0, rtol=0)
+    out = _check(q, kb[:, :, :300], vb[:, :, :300], dtype)
+    close(out, _check(q, k, v, dtype), dtype, atol=0, rtol=0)
 
 
 @settings(deadline=None, derandomize=True, max_examples=25)

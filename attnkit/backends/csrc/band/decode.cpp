@@ -513,11 +513,20 @@ constexpr Index PREFETCH_BLOCKS = 3;
 // server of its own: more than a CCD's L3 (a fixed 32 MiB: sysconf's L3 size is the whole socket's on some CPUs).
 constexpr bool from_memory(Index bytes) { return bytes >= (Index(32) << 20); }
 
-// Whether each block asks for the keys and values PREFETCH_BLOCKS ahead as it starts: above 12 MiB read. A call
-// that fits a core's share of L3 loses 6-12% to the extra instructions; a larger one gains 25-35% (float32 and
-// bfloat16 alike) wherever its lines come from DRAM, and on a server shared with other tenants that starts well
-// below the L3's size: a core's share, not the whole L3, is what stays (measured: bench/decode_ab.py).
-constexpr bool prefetch_pays(Index bytes) { return bytes > (Index(12) << 20); }
+// Whether a cache tensor is a view into a larger buffer: a cache preallocated and written in place (attnkit's
+// KVCache, transformers' StaticCache), whose rows were written steps ago and have left the caches since (a step
+// runs the whole model between two calls of one layer). A cache grown by concatenation (transformers'
+// DynamicCache) is a new tensor each step, just written, and warm when it fits.
+inline bool written_in_place(const Tensor& t) {
+  return t.storage().nbytes() > static_cast<size_t>(t.numel() * t.element_size());
+}
+
+// Whether each block asks for the keys and values PREFETCH_BLOCKS ahead as it starts (and each (b, c) for the
+// next one's first blocks): where the lines come from DRAM, it gains 25-35% (float32 and bfloat16 alike); where
+// they are in L2 or L3 the hardware's own prefetch keeps up and the extra instructions cost 10-25%. From DRAM:
+// a cache written in place (cold whatever its size), or one that reads over 12 MiB (on a server shared with other
+// tenants, a core keeps its share of L3, well below its size). Measured: bench/decode_ab.py, warm and cold.
+inline bool prefetch_pays(Index bytes, bool cold) { return cold || bytes > (Index(12) << 20); }
 
 // Keys [from, to) of (b, c) folded into `w` (whose q rows are loaded); returns a sum that is finite when every key
 // and value read was (and no score overflowed: a false alarm, which costs the caller only its exact path). Row
@@ -706,7 +715,7 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   for (Index x = 0; x < items; ++x) longest = std::max(longest, last[x] - first[x]);
   Index read = 0;  // bytes of keys and values the call reads
   for (Index x = 0; x < items; ++x) read += (last[x] - first[x]) * (z.D + z.Dv) * Index(sizeof(T));
-  const bool prefetch = prefetch_pays(read);
+  const bool prefetch = prefetch_pays(read, written_in_place(k) || written_in_place(v));
   z.grouped = pairs_only<T> || !from_memory(read);
   const Index threads = at::get_num_threads();
   const Index splits = items >= threads ? 1
@@ -729,7 +738,7 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
     w.allocate(z);
     std::vector<const bool*> mrows(has_mask ? z.R : 0);
     for (Index it = begin; it < end; ++it) {
-      const Index x = it / splits, part = it % splits, b = x / z.Hkv, c = x % z.Hkv;
+      const Index x = it / splits, b = x / z.Hkv, c = x % z.Hkv;
       w.reset();
       Vec q_seen(0.f);
       for (Index r = 0; r < z.R; ++r) {
@@ -746,8 +755,19 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
         if (has_mask) mrows[r] = md + (mask.size(0) == 1 ? 0 : b * mb) + (mask.size(1) == 1 ? 0 : h * mh) +
                                  (mask.size(2) == 1 ? 0 : i * mq);
       }
-      const Index span = last[x] - first[x], per = (span + splits - 1) / splits;
-      const Index from = std::min(last[x], first[x] + part * per), to = std::min(last[x], from + per);
+      const auto range = [&](Index i) {  // item i's keys [from, to): its (b, c)'s range, or its chunk of it
+        const Index y = i / splits, per = (last[y] - first[y] + splits - 1) / splits;
+        const Index f = std::min(last[y], first[y] + (i % splits) * per);
+        return std::pair<Index, Index>{f, std::min(last[y], f + per)};
+      };
+      const auto [from, to] = range(it);
+      if (prefetch && it + 1 < end) {  // the next item's first blocks, which its own pass starts without
+        const Index y = (it + 1) / splits, b1 = y / z.Hkv, c1 = y % z.Hkv;
+        const auto [f1, t1] = range(it + 1);
+        const Index n1 = std::min(PREFETCH_BLOCKS * BLOCK, t1 - f1);
+        prefetch_rows(kd + b1 * k.stride(0) + c1 * k.stride(1), k.stride(2), f1, n1, z.D);
+        prefetch_rows(vd + b1 * v.stride(0) + c1 * v.stride(1), v.stride(2), f1, n1, z.Dv);
+      }
       pseen[it] = run_chunk<T>(z, w, kd + b * k.stride(0) + c * k.stride(1), vd + b * v.stride(0) + c * v.stride(1),
                                k.stride(2), v.stride(2), lod + b * lo_step, hid + b * lo_step,
                                has_mask ? mrows.data() : nullptr, from, to, prefetch) +
