@@ -30,9 +30,10 @@ set, is what a model asks for once per layer and token, and for it the checks of
 more than the kernel does over a short cache (the more so inside a model, whose weights have pushed that Python
 out of the CPU's caches by the time it runs). So when the decode backend is what ``"auto"`` would pick for such a
 call (:func:`attnkit.backends.registry.step_leader`), :func:`attnkit.attention` first offers it to
-:meth:`DecodeBackend.step`, which checks what it needs of the tensors in a few reads, runs the kernel, and answers
-when every input read was finite; anything else it hands back (None), and the call takes the whole path, which
-checks it, refuses it or applies the NaN rule.
+:meth:`DecodeBackend.step`, which checks the tensors' Python types and the scale, and hands the rest to one native
+call (``decode_step``: dtype, device, shapes and gradients checked in C++, the kernel, its finiteness flag read),
+answering when every input read was finite; anything else it hands back (None), and the call takes the whole path,
+which checks it, refuses it or applies the NaN rule.
 """
 
 from __future__ import annotations
@@ -105,33 +106,19 @@ class DecodeBackend:
         (which :func:`attnkit.attention` then takes the whole way). What it accepts is what
         :func:`attnkit.call.validate_call` accepts and this backend serves (``tests/backends/test_decode.py``
         checks the two agree)."""
-        if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+        if (type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor
+                or (is_causal is not False and is_causal is not True)):
             return None  # subclasses (and anything else) take the whole path
-        dtype = query.dtype
-        if (dtype not in DTYPES or key.dtype is not dtype or value.dtype is not dtype or not query.is_cpu
-                or not key.is_cpu or not value.is_cpu or (is_causal is not False and is_causal is not True)):
-            return None
-        qs, ks, vs = query.shape, key.shape, value.shape
-        if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or qs[2] != 1:
-            return None
-        b, h, _, e = qs
-        hkv, lk = ks[1], ks[2]
-        if (ks[0] != b or vs[0] != b or ks[3] != e or vs[1] != hkv or vs[2] != lk or not lk or not hkv or h % hkv
-                or torch.compiler.is_compiling()):
-            return None
-        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-            return None
         if scale is None:
-            scale = 1.0 / math.sqrt(e) if e else 1.0
-        elif (type(scale) is not float and type(scale) is not int) or not math.isfinite(scale):
-            return None
+            scale = math.nan  # the kernel's 1 / sqrt(E)
+        elif not ((type(scale) is float and math.isfinite(scale)) or (type(scale) is int and -1e38 < scale < 1e38)):
+            return None  # (an int too large for a float, too: the whole path says what it makes of it)
         mod = _band._checked()
-        if mod is None:
+        if mod is None or torch.compiler.is_compiling():
             return None
-        lo, hi = _key_ranges(1, lk, False, None)  # one query sees every key, causal or not
-        out, finite = mod.decode(_unit_last(query), _unit_last(key), _unit_last(value), _NO_MASK, lo, hi,
-                                 float(scale), 0.0)
-        return out if finite.all() else None  # not finite: the whole path applies the NaN rule
+        # the rest (dtype, device, shapes, gradients, finiteness) in one native call: cold, between two layers of
+        # a model, each Python check and tensor op here cost microseconds (bench/decode_ab.py's cold table)
+        return mod.decode_step(query, key, value, float(scale))
 
 
 def _run(req: Call) -> tuple[Tensor, Tensor]:

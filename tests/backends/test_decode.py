@@ -299,6 +299,45 @@ def test_the_lane_hands_back_every_call_it_does_not_serve(what, change, raises):
         assert names == ["decode"] and got[:, :2].isnan().all() and not got[:, 2:].isnan().any()
 
 
+@pytest.mark.parametrize(("what", "change"), [
+    ("int64", lambda q, k, v: (q.long(), k.long(), v.long())),
+    ("float64", lambda q, k, v: (q.double(), k.double(), v.double())),
+    ("mixed dtypes", lambda q, k, v: (q, k.bfloat16(), v)),
+    ("3-D", lambda q, k, v: (q[0], k[0], v[0])),
+    ("5-D", lambda q, k, v: (q[None], k[None], v[None])),
+    ("two queries", lambda q, k, v: (torch.cat([q, q], 2), k, v)),
+    ("3 heads over 2", lambda q, k, v: (q[:, :3], k, v)),
+    ("batches", lambda q, k, v: (q, k[:1], v[:1])),
+    ("head sizes", lambda q, k, v: (q, k[..., :4], v)),
+    ("value length", lambda q, k, v: (q, k, v[:, :, :5])),
+    ("no keys", lambda q, k, v: (q, k[:, :, :0], v[:, :, :0])),
+    ("no key heads", lambda q, k, v: (q[:, :0], k[:, :0], v[:, :0])),
+    ("sparse", lambda q, k, v: (q, k.to_sparse(), v)),
+    ("a NaN value", lambda q, k, v: (q, k, _poisoned(v))),
+])
+def test_the_native_step_answers_none_for_what_it_does_not_take(what, change):
+    """decode_step is the lane's native half and a public boundary: whatever it is given, it answers the step or
+    None (the whole path then checks and says why), and reads no memory it was not given."""
+    q, k, v = _qkv(2, 4, 2, 1, 20, d=8)
+    assert torch.equal(_band._checked().decode_step(q, k, v, float("nan")), BACKEND.step(q, k, v, False, None))
+    assert _band._checked().decode_step(*change(q, k, v), float("nan")) is None
+
+
+@pytest.mark.parametrize("scale", [float("inf"), -float("inf"), 1e39, -1e39])
+def test_the_native_step_answers_none_for_a_scale_past_float32(scale):
+    q, k, v = _qkv(1, 2, 1, 1, 5, d=8)
+    assert _band._checked().decode_step(q, k, v, scale) is None
+    assert _band._checked().decode_step(q, k, v, 1e30) is not None  # (3e38 would overflow a score: None too)
+
+
+def test_the_native_step_asks_for_no_gradient():
+    q, k, v = _qkv(1, 2, 1, 1, 5, d=8)
+    v.requires_grad_(True)
+    assert _band._checked().decode_step(q, k, v, 0.5) is None
+    with torch.no_grad():
+        assert _band._checked().decode_step(q, k, v, 0.5) is not None
+
+
 def test_the_lane_serves_no_gradient():
     q, k, v = _qkv(1, 4, 2, 1, 20, d=8)
     q.requires_grad_(True)

@@ -36,6 +36,10 @@ PYBIND11_MODULE(ATTNKIT_BAND_MODULE, m) {
         "decode(q, k, v, mask, lo, hi, scale, softcap) -> [out, finite]: attention of a few queries (Lq <= 8) over a cache, "
         "each key and value read once for every query head that shares it; finite [B, Hkv] says whether every key "
         "and value read was finite (decode.h says what each argument must be; checked first)");
+  m.def("decode_step", &band_decode_step,
+        "decode_step(q, k, v, scale) -> out or None: the decode lane's plain step (one query, every key seen), "
+        "checked in the call; None for any call it does not take or where something read was not finite (scale "
+        "NaN for 1 / sqrt(E); decode.h says what it takes)");
   m.def("has_blas", &has_blas, "whether torch exposes the BLAS this module calls");
   m.def("has_bf16_gemm", &has_bf16_gemm,
         "whether the kernel has a bfloat16 product here: oneDNN's brgemm (at::native::cpublas::brgemm, where it "

@@ -26,6 +26,8 @@
 // and the chunks merged per row afterwards (the split softmax of FlashDecoding).
 #include "decode.h"
 
+#include <c10/core/GradMode.h>
+
 #include "checks.h"
 #include "vec_math.h"
 
@@ -678,9 +680,10 @@ float run_chunk(const Shape& z, Rows& w, const T* kp, const T* vp, Index ks, Ind
   return at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, seen);
 }
 
+// lod, hid: the key ranges, lo_rows rows of Lq (1: shared by the batch, else B); fd: B * Hkv finiteness flags.
 template <typename T>
-void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, const Tensor& lo,
-                 const Tensor& hi, double scale, double cap, Tensor& out, Tensor& finite) {
+void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, const int64_t* lod,
+                 const int64_t* hid, Index lo_rows, double scale, double cap, Tensor& out, bool* fd) {
   Shape z;
   z.scale = static_cast<float>(scale), z.cap = static_cast<float>(cap);
   z.pairs = pairs_only<T>;
@@ -695,12 +698,9 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   const T* kd = k.const_data_ptr<T>();
   const T* vd = v.const_data_ptr<T>();
   T* od = out.data_ptr<T>();
-  bool* fd = finite.data_ptr<bool>();
-  const int64_t* lod = lo.const_data_ptr<int64_t>();
-  const int64_t* hid = hi.const_data_ptr<int64_t>();
   const bool has_mask = mask.numel() > 0;
   const bool* md = has_mask ? mask.const_data_ptr<bool>() : nullptr;
-  const Index lo_step = lo.size(0) == 1 ? 0 : z.Lq;
+  const Index lo_step = lo_rows == 1 ? 0 : z.Lq;
   // each (b, c)'s key range: the union of its rows' ranges
   std::vector<Index> first(items), last(items);
   for (Index b = 0; b < z.B; ++b) {
@@ -831,6 +831,16 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   }
 }
 
+
+void dispatch(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, const int64_t* lod,
+              const int64_t* hid, Index lo_rows, double scale, double cap, Tensor& out, bool* fd) {
+  switch (q.scalar_type()) {
+    case at::kFloat: decode_impl<float>(q, k, v, mask, lod, hid, lo_rows, scale, cap, out, fd); break;
+    case at::kBFloat16: decode_impl<c10::BFloat16>(q, k, v, mask, lod, hid, lo_rows, scale, cap, out, fd); break;
+    default: decode_impl<c10::Half>(q, k, v, mask, lod, hid, lo_rows, scale, cap, out, fd); break;
+  }
+}
+
 }  // namespace
 
 std::vector<Tensor> band_decode(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
@@ -845,12 +855,41 @@ std::vector<Tensor> band_decode(const Tensor& q, const Tensor& k, const Tensor& 
     finite.fill_(true);
     return {out, finite};
   }
-  switch (q.scalar_type()) {
-    case at::kFloat: decode_impl<float>(q, k, v, mask, lo, hi, scale, softcap, out, finite); break;
-    case at::kBFloat16: decode_impl<c10::BFloat16>(q, k, v, mask, lo, hi, scale, softcap, out, finite); break;
-    default: decode_impl<c10::Half>(q, k, v, mask, lo, hi, scale, softcap, out, finite); break;
-  }
+  dispatch(q, k, v, mask, lo.const_data_ptr<int64_t>(), hi.const_data_ptr<int64_t>(), lo.size(0), scale, softcap, out,
+           finite.data_ptr<bool>());
   return {out, finite};
+}
+
+Tensor band_decode_step(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
+  const Tensor none;
+  if (!q.defined() || !k.defined() || !v.defined()) return none;
+  const auto dtype = q.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) return none;
+  for (const Tensor* t : {&q, &k, &v}) {
+    if (t->layout() != at::kStrided || !t->device().is_cpu() || t->scalar_type() != dtype || t->dim() != 4) {
+      return none;
+    }
+  }
+  const Index B = q.size(0), H = q.size(1), E = q.size(3), Hkv = k.size(1), Lk = k.size(2);
+  if (q.size(2) != 1 || k.size(0) != B || v.size(0) != B || k.size(3) != E || v.size(1) != Hkv || v.size(2) != Lk ||
+      Hkv == 0 || Lk == 0 || H % Hkv != 0 || Lk > MAX_INT || E > MAX_INT || v.size(3) > MAX_INT) {
+    return none;
+  }
+  if (c10::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) return none;
+  if (std::isnan(scale)) scale = E > 0 ? 1.0 / std::sqrt(static_cast<double>(E)) : 1.0;
+  if (!std::isfinite(scale) || std::abs(scale) > std::numeric_limits<float>::max()) return none;
+  const auto unit_last = [](const Tensor& t) { return t.stride(3) == 1 || t.size(3) <= 1 ? t : t.contiguous(); };
+  const Tensor qc = unit_last(q), kc = unit_last(k), vc = unit_last(v);
+  static const Tensor no_mask = at::empty({0, 0, 0, 0}, at::TensorOptions().dtype(at::kBool));
+  const int64_t lo = 0, hi = Lk;  // one query sees every key, causal or not
+  Tensor out = at::empty({B, H, 1, v.size(3)}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out.zero_();
+  std::vector<char> finite(B * Hkv);
+  dispatch(qc, kc, vc, no_mask, &lo, &hi, 1, scale, 0.0, out, reinterpret_cast<bool*>(finite.data()));
+  for (const char f : finite) {
+    if (!f) return none;
+  }
+  return out;
 }
 
 }  // namespace attnkit::band

@@ -21,4 +21,12 @@ void check_decode(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
 std::vector<Tensor> band_decode(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                                 const Tensor& lo, const Tensor& hi, double scale, double softcap);
 
+// The decode lane's call (attnkit.attention's plain step: one query, no mask, every key seen, no soft cap):
+// q [B, H, 1, E], k [B, Hkv, Lk, E], v [B, Hkv, Lk, Ev] dense CPU float32/bfloat16/float16 tensors of one dtype
+// (H a multiple of Hkv, Lk and Hkv >= 1), no gradient asked for; scale NaN for 1 / sqrt(E), else finite in float32.
+// -> out [B, H, 1, Ev] where every query, key and value read was finite; an undefined tensor (None in Python) for
+// any other call or input, whose caller then takes the whole path. Never raises for what it is given: what it
+// does not take it leaves to the path that checks and says why.
+Tensor band_decode_step(const Tensor& q, const Tensor& k, const Tensor& v, double scale);
+
 }  // namespace attnkit::band
