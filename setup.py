@@ -80,7 +80,8 @@ def _kernel() -> dict:
     extension = cpp_extension.CppExtension(
         f"attnkit.backends.{sources.MODULE}", [str(p.relative_to(ROOT)) for p in sources.sources()],
         extra_compile_args=[*cflags, "-g0", f"-DATTNKIT_BAND_MODULE={sources.module_name(key)}"],
-        extra_link_args=sources.LDFLAGS)
+        extra_link_args=sources.LDFLAGS,
+        optional=True)  # so that an editable install copies the module beside the sources only if it was built
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildKernel}}
 
 
