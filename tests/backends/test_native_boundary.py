@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SEED, CASES = 29, 300
 TIMEOUT_S = 240  # the fuzz takes seconds; a call that hangs is a failure too
 #: What the fuzz calls; a new export or operator must be added to it (the test checks these lists).
-EXPORTS = ("backward", "bf16_gemm", "bf16_products", "decode", "f16_products", "f32_brgemm", "f32_product_times",
+EXPORTS = ("backward", "bf16_gemm", "bf16_products", "decode", "decode_step", "f16_products", "f32_brgemm",
+           "f32_product_times",
            "forward", "half_product", "has_bf16_gemm", "has_blas", "has_f16_gemm", "has_f32_brgemm",
            "set_bf16_products", "set_f16_products", "set_f32_brgemm")
 OPERATORS = ("attnkit::band_backward", "attnkit::band_forward")
@@ -344,6 +345,26 @@ def _decode_cases(mod) -> list[tuple[str, object, str]]:
     ]
 
 
+def _decode_step_cases(rng: random.Random, cases: int):
+    """``(label, q, k, v, scale, legal)``: the decode lane's native call on shapes drawn one dimension at a time,
+    each of q's, k's and v's sizes sometimes off by one from the others' (batch, heads, length, head size, a
+    second query), and a scale sometimes past float32. Legal ones must answer the formula; the rest None (never
+    an error, never a read past what was given)."""
+    for n in range(cases):
+        b, hkv, g, lk, e, ev = (rng.randint(1, 3), rng.randint(1, 3), rng.randint(1, 3), rng.randint(1, 40),
+                                rng.choice([1, 8, 16, 24]), rng.choice([1, 8, 16]))
+        off = lambda x: x + rng.choice([-1, 1]) if rng.random() < 0.12 else x  # noqa: E731
+        q = torch.randn(off(b), off(hkv * g), 1 if rng.random() < 0.9 else 2, off(e))
+        k = torch.randn(off(b), off(hkv), off(lk), off(e))
+        v = torch.randn(off(b), off(hkv), off(lk), ev)
+        scale = rng.choice([float("nan"), 0.5, 2.0, float("inf"), 1e39])
+        B, H, Lq, E = q.shape
+        legal = (Lq == 1 and k.shape[0] == B == v.shape[0] and k.shape[3] == E and v.shape[1] == k.shape[1] > 0
+                 and v.shape[2] == k.shape[2] > 0 and H % k.shape[1] == 0 and (math.isnan(scale) or abs(scale) < 1e38))
+        yield (f"decode_step case {n}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, scale {scale}",
+               q, k, v, scale, legal)
+
+
 def _child(seed: int, cases: int, log: str) -> None:
     """Runs the issue's cases and the fuzz, writing each call to ``log`` before it is made; the last
     line is a JSON report: the exports and operators found, and every outcome not the expected one."""
@@ -423,6 +444,24 @@ def _child(seed: int, cases: int, log: str) -> None:
         _, error = attempt(label, thunk)
         if error is None or not error.startswith("RuntimeError: band kernel: ") or message not in error:
             report["issue"].append(f"{label}: expected a RuntimeError with {message!r}, got {error}")
+    _, error = attempt("decode_step()", mod.decode_step)
+    if error is None or "incompatible function arguments" not in error:
+        report["issue"].append(f"decode_step(): expected pybind's TypeError, got {error}")
+    for label, q, k, v, scale, legal in _decode_step_cases(rng, cases):
+        got, error = attempt(label, lambda q=q, k=k, v=v, scale=scale: mod.decode_step(q, k, v, scale))
+        if error is not None or (got is None) == legal:
+            report["wrong"].append(f"{label}: expected {'a result' if legal else 'None'}, got {error or got}")
+            continue
+        if legal:
+            report["computed"] += 1
+            g = q.shape[1] // k.shape[1]
+            s = (q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)) * (
+                (q.shape[3] ** -0.5 if q.shape[3] else 1.0) if math.isnan(scale) else scale)
+            want = torch.softmax(s, -1) @ v.double().repeat_interleave(g, 1)
+            if got.shape != want.shape or not torch.allclose(got.double(), want, atol=2e-5, rtol=1e-5):
+                report["wrong"].append(f"{label}: differs from the formula")
+        else:
+            report["refused"] += 1
     calls = _calls(mod)
     forward = calls["torch.ops.attnkit.band_forward"]
     for n in range(cases):
