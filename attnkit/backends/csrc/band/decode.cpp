@@ -518,7 +518,8 @@ constexpr bool from_memory(Index bytes) { return bytes >= (Index(32) << 20); }
 // Whether a cache tensor is a view into a larger buffer: a cache preallocated and written in place (attnkit's
 // KVCache, transformers' StaticCache), whose rows were written steps ago and have left the caches since (a step
 // runs the whole model between two calls of one layer). A cache grown by concatenation (transformers'
-// DynamicCache) is a new tensor each step, just written, and warm when it fits.
+// DynamicCache) is a new tensor each step, just written, and warm when it fits. (Any other view of a larger tensor,
+// one part of a fused projection say, is taken for such a cache too: prefetched, at the cost measured warm.)
 inline bool written_in_place(const Tensor& t) {
   return t.storage().nbytes() > static_cast<size_t>(t.numel() * t.element_size());
 }
@@ -830,7 +831,6 @@ void decode_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
     fd[x] = std::isfinite(s);
   }
 }
-
 
 void dispatch(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, const int64_t* lod,
               const int64_t* hid, Index lo_rows, double scale, double cap, Tensor& out, bool* fd) {
