@@ -197,14 +197,18 @@ class _AttentionClock:
         self.spent = 0.0
         self._models = models  # the modules (``type(model).__module__``) whose eager function is wrapped
         self._undo: list = []
+        self._depth = 0  # an attention function that calls another is timed once
 
     def _wrap(self, fn):
         def timed(*args, **kwargs):
-            t0 = time.process_time()
+            self._depth += 1
+            t0 = time.process_time() if self._depth == 1 else 0.0
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.spent += time.process_time() - t0
+                self._depth -= 1
+                if not self._depth:
+                    self.spent += time.process_time() - t0
         return timed
 
     def __enter__(self):
@@ -212,16 +216,20 @@ class _AttentionClock:
 
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        for name in list(ALL_ATTENTION_FUNCTIONS.keys()):
-            fn = ALL_ATTENTION_FUNCTIONS[name]
-            ALL_ATTENTION_FUNCTIONS[name] = self._wrap(fn)  # a local override of the global registration
-            self._undo.append(lambda name=name, fn=fn: _restore(ALL_ATTENTION_FUNCTIONS, name, fn))
-        for path in self._models:
-            module = importlib.import_module(path)
-            fn = getattr(module, "eager_attention_forward", None)
-            if fn is not None:
-                module.eager_attention_forward = self._wrap(fn)
-                self._undo.append(lambda module=module, fn=fn: setattr(module, "eager_attention_forward", fn))
+        try:
+            for name in list(ALL_ATTENTION_FUNCTIONS.keys()):
+                fn = ALL_ATTENTION_FUNCTIONS[name]
+                ALL_ATTENTION_FUNCTIONS[name] = self._wrap(fn)  # a local override of the global registration
+                self._undo.append(lambda name=name, fn=fn: _restore(ALL_ATTENTION_FUNCTIONS, name, fn))
+            for path in self._models:
+                module = importlib.import_module(path)
+                fn = getattr(module, "eager_attention_forward", None)
+                if fn is not None:
+                    module.eager_attention_forward = self._wrap(fn)
+                    self._undo.append(lambda module=module, fn=fn: setattr(module, "eager_attention_forward", fn))
+        except BaseException:
+            self.__exit__()  # what was wrapped is put back
+            raise
         return self
 
     def __exit__(self, *exc):
